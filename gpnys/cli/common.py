@@ -1,0 +1,34 @@
+"""Flags and output helpers shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from gpnys.kernels import KERNEL_NAMES
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def add_data_args(p: argparse.ArgumentParser, default_n: int | None = None) -> None:
+    p.add_argument("--data", default="elevators", help="bundled name, synthetic3d, or a .csv/.csv.gz path")
+    p.add_argument("--split", type=int, default=0, help="train/test split 0-9 (default 0)")
+    p.add_argument("--n", type=int, default=default_n, help="seeded subsample of n training rows")
+    p.add_argument("--no-standardize", action="store_true", help="keep raw inputs and targets")
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernel", choices=sorted(KERNEL_NAMES), default="matern32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
+    p.add_argument("--device", default=None, help="torch device (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+
+
+def emit_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")

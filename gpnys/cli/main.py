@@ -1,0 +1,36 @@
+"""Entry point of the ``gpnys`` console script. Subcommands register themselves from :data:`SUBCOMMANDS`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from gpnys.cli import fit
+
+#: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
+SUBCOMMANDS = [fit]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpnys", description="Fast and correct GP hyperparameter optimisation.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for mod in SUBCOMMANDS:
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        mod.add_parser(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except ValueError as exc:
+        parser.exit(2, f"gpnys {args.command}: error: {exc}\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Landmark selection for every Nyström-type method: farthest point sampling, uniform, k-means.
+
+* :func:`fps` — farthest point sampling (AFN paper Algorithm 6, Gonzalez 1985), O(d k n) time with the
+  running min-distance vector, O(n) extra memory; returns the selection order and fill distances.
+* :func:`uniform` — k distinct indices uniformly at random.
+* :func:`kmeans` — k-means++ seeded Lloyd iterations (clustered Nyström; Zhang & Kwok 2008), centres
+  are not data points.
+
+All functions are seeded, device-agnostic and work in float32 and float64. Distances are computed in
+row blocks so that temporary memory stays O(block * d) on top of the O(n) running vectors.
+
+FPS and Lloyd's assignment step are written here because no maintained torch library offers a seeded,
+blocked, device-agnostic version that also returns the fill distances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FPSResult", "KMeansResult", "fps", "uniform", "kmeans", "fill_distance", "select", "METHODS"]
+
+METHODS = ("fps", "uniform", "kmeans")
+_BLOCK_ELEMS = 1 << 22  # elements of a temporary distance block (32 MiB in float64)
+
+
+def _validate(X: torch.Tensor, k: int) -> None:
+    if not isinstance(X, torch.Tensor) or X.dim() != 2:
+        raise ValueError(f"X must be a 2-D tensor (n, d), got {getattr(X, 'shape', type(X))}")
+    if X.shape[0] == 0 or X.shape[1] == 0:
+        raise ValueError(f"X is empty: shape {tuple(X.shape)}")
+    if not torch.isfinite(X).all():
+        raise ValueError("X contains NaN or inf")
+    if isinstance(k, bool) or int(k) != k or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    if k > X.shape[0]:
+        raise ValueError(f"k={k} landmarks requested but X has only n={X.shape[0]} points")
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def _sqdist_to_point(X: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
+    """||X_j - x||^2 for every row j, computed by differences (no cancellation), in row blocks. (n,)"""
+    n = X.shape[0]
+    if n <= block:
+        return (X - x).square().sum(dim=1)
+    return torch.cat([(X[i : i + block] - x).square().sum(dim=1) for i in range(0, n, block)])
+
+
+def _row_block(n: int, m: int) -> int:
+    return max(1, min(n, _BLOCK_ELEMS // max(1, m)))
+
+
+@dataclass
+class FPSResult:
+    """Farthest point sampling output.
+
+    Attributes:
+        indices: ``(k,)`` long, the selected rows of X in selection order (the first r form the FPS set of size r).
+        fill_distances: ``(k,)``, ``fill_distances[i]`` = max over all points of the distance to the first
+            ``i + 1`` landmarks (eq. 16 of the AFN paper, with Omega = X). Non-increasing.
+    """
+
+    indices: torch.Tensor
+    fill_distances: torch.Tensor
+
+
+def fps(X: torch.Tensor, k: int, start: int | None = None) -> FPSResult:
+    """Farthest point sampling, AFN paper Algorithm 6, in O(d k n) time.
+
+    Starts at the point nearest the centroid (``start`` overrides it), then repeatedly picks the point
+    farthest from the selected set, keeping the running minimum distance of every point to that set.
+    Ties are broken by the lowest index. Selected points are never re-picked, so duplicated points are
+    selected (with distance 0) only once the distinct points are exhausted.
+
+    Args:
+        X: ``(n, d)`` points.
+        k: number of landmarks, ``1 <= k <= n``.
+        start: optional index of the first landmark.
+
+    Returns:
+        :class:`FPSResult` with ``indices (k,)`` and ``fill_distances (k,)``, the latter in X's dtype.
+    """
+    _validate(X, k)
+    n = X.shape[0]
+    block = _row_block(n, X.shape[1])
+    if start is None:
+        start = int(torch.argmin(_sqdist_to_point(X, X.mean(dim=0), block)))
+    elif not 0 <= start < n:
+        raise ValueError(f"start must be in [0, {n}), got {start}")
+    indices = torch.empty(k, dtype=torch.long, device=X.device)
+    fill = torch.empty(k, dtype=X.dtype, device=X.device)
+    mind = torch.full((n,), float("inf"), dtype=X.dtype, device=X.device)
+    selected = torch.zeros(n, dtype=torch.bool, device=X.device)
+    last = start
+    for i in range(k):
+        indices[i] = last
+        selected[last] = True
+        mind = torch.minimum(mind, _sqdist_to_point(X, X[last], block))
+        # Exclude chosen points so that duplicates (distance 0) never make us re-pick one.
+        cand = mind.masked_fill(selected, -1.0)
+        nxt = torch.argmax(cand)
+        fill[i] = cand[nxt]  # = max(mind): chosen points have mind = 0 <= any candidate's
+        last = int(nxt)
+    return FPSResult(indices=indices, fill_distances=fill.clamp_min(0).sqrt())
+
+
+def uniform(n: int, k: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+    """``k`` distinct indices drawn uniformly from ``range(n)`` with a seeded generator. Returns ``(k,)`` long."""
+    if isinstance(n, bool) or int(n) != n or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if isinstance(k, bool) or int(k) != k or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    if k > n:
+        raise ValueError(f"k={k} landmarks requested but there are only n={n} points")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return torch.randperm(n, generator=_generator(seed, device), device=device)[:k]
+
+
+def _nearest(X: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index of and squared distance to the nearest row of C for every row of X, in row blocks. ((n,), (n,))"""
+    block = _row_block(X.shape[0], C.shape[0])
+    labels, dists = [], []
+    for i in range(0, X.shape[0], block):
+        d2 = torch.cdist(X[i : i + block], C).square()
+        dmin, arg = d2.min(dim=1)
+        labels.append(arg)
+        dists.append(dmin)
+    return torch.cat(labels), torch.cat(dists)
+
+
+def fill_distance(X: torch.Tensor, landmarks: torch.Tensor) -> torch.Tensor:
+    """``max_j min_i ||X_j - landmarks_i||`` (AFN paper eq. 16 with Omega = X). Returns a 0-dim tensor."""
+    _, d2 = _nearest(X, landmarks)
+    return d2.max().clamp_min(0).sqrt()
+
+
+@dataclass
+class KMeansResult:
+    """k-means output. ``centers: (k, d)``, ``labels: (n,)`` long, ``inertia``: sum of squared distances."""
+
+    centers: torch.Tensor
+    labels: torch.Tensor
+    inertia: float
+    n_iter: int
+
+
+def kmeans(X: torch.Tensor, k: int, iters: int = 20, seed: int = 0, tol: float = 1e-6) -> KMeansResult:
+    """k-means++ seeding (Arthur & Vassilvitskii 2007) followed by Lloyd iterations.
+
+    Used for clustered Nyström landmarks (Zhang & Kwok 2008). An empty cluster is re-seeded at the point
+    farthest from its centre. Stops when the relative decrease of the inertia falls below ``tol``.
+
+    Args:
+        X: ``(n, d)`` points; k: number of centres (``1 <= k <= n``); iters: max Lloyd iterations.
+
+    Returns:
+        :class:`KMeansResult` with ``centers (k, d)`` in X's dtype.
+    """
+    _validate(X, k)
+    if isinstance(iters, bool) or int(iters) != iters or iters < 0:
+        raise ValueError(f"iters must be a non-negative integer, got {iters!r}")
+    n = X.shape[0]
+    gen = _generator(seed, X.device)
+    block = _row_block(n, X.shape[1])
+    first = int(torch.randint(n, (1,), generator=gen, device=X.device))
+    centers = [X[first]]
+    mind = _sqdist_to_point(X, X[first], block)
+    for _ in range(1, k):
+        total = mind.sum()
+        if total <= 0:  # all remaining points coincide with centres: take any not-yet-used point
+            probs = torch.ones_like(mind)
+        else:
+            probs = mind / total
+        idx = int(torch.multinomial(probs, 1, generator=gen))
+        centers.append(X[idx])
+        mind = torch.minimum(mind, _sqdist_to_point(X, X[idx], block))
+    C = torch.stack(centers)
+    labels, d2 = _nearest(X, C)
+    inertia = float(d2.sum())
+    it = 0
+    for it in range(1, iters + 1):
+        sums = torch.zeros_like(C).index_add_(0, labels, X)
+        counts = torch.bincount(labels, minlength=k).to(X.dtype)
+        empty = counts == 0
+        C = torch.where(empty[:, None], C, sums / counts.clamp_min(1)[:, None])
+        if empty.any():
+            far = torch.argsort(d2, descending=True)[: int(empty.sum())]
+            C[empty] = X[far]
+        labels, d2 = _nearest(X, C)
+        new = float(d2.sum())
+        done = inertia - new <= tol * max(inertia, 1e-300)
+        inertia = new
+        if done:
+            break
+    return KMeansResult(centers=C, labels=labels, inertia=inertia, n_iter=it)
+
+
+def select(X: torch.Tensor, k: int, method: str = "fps", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Choose ``k`` landmarks by ``method`` in ``{"fps", "uniform", "kmeans"}``.
+
+    Returns ``(points (k, d), indices (k,) or None)``; k-means centres are not rows of X, so their
+    indices are ``None``.
+    """
+    if method == "fps":
+        idx = fps(X, k).indices
+    elif method == "uniform":
+        _validate(X, k)
+        idx = uniform(X.shape[0], k, seed=seed, device=X.device)
+    elif method == "kmeans":
+        return kmeans(X, k, seed=seed).centers, None
+    else:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return X[idx], idx
