@@ -1,0 +1,61 @@
+"""Kernel entries on index sets and blocked products, from a GPyTorch stationary kernel.
+
+Preconditioners need ``K(X[I], X[J])`` for small index sets (FSAI patterns, landmark blocks) and never
+the whole ``n x n`` matrix. :class:`KernelEntries` evaluates a *unit-variance* kernel (a ``ScaleKernel``'s
+outputscale is stripped off and reported) without autograd, in the dtype and device of ``X``.
+"""
+
+from __future__ import annotations
+
+import gpytorch
+import torch
+
+__all__ = ["KernelEntries", "split_outputscale"]
+
+_BLOCK_ELEMS = 1 << 23  # entries of a temporary kernel block (64 MiB in float64)
+
+
+def split_outputscale(kernel: gpytorch.kernels.Kernel) -> tuple[gpytorch.kernels.Kernel, float]:
+    """Return ``(base_kernel, outputscale)``: ``(kernel, 1.0)`` when ``kernel`` is not a ``ScaleKernel``."""
+    if isinstance(kernel, gpytorch.kernels.ScaleKernel):
+        return kernel.base_kernel, float(kernel.outputscale.detach().reshape(-1)[0])
+    return kernel, 1.0
+
+
+class KernelEntries:
+    """Entries of the unit-variance kernel matrix ``K = k(X, X)`` on demand.
+
+    Args:
+        X: ``(n, d)`` points.
+        kernel: a GPyTorch kernel; a ``ScaleKernel`` is unwrapped (see :func:`split_outputscale`).
+    """
+
+    def __init__(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel) -> None:
+        self.X = X
+        self.kernel, self.outputscale = split_outputscale(kernel)
+
+    @property
+    def n(self) -> int:
+        return self.X.shape[0]
+
+    def points(self, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        """``k(A, B)`` for point sets ``A: (..., p, d)``, ``B: (..., q, d)`` (batch dims broadcast). ``(..., p, q)``"""
+        with torch.no_grad():
+            return self.kernel.forward(A, B).to(self.X.dtype)
+
+    def __call__(self, I: torch.Tensor | slice, J: torch.Tensor | slice) -> torch.Tensor:
+        """``K[I][:, J]`` for index tensors or slices. ``(|I|, |J|)``"""
+        return self.points(self.X[I], self.X[J])
+
+    def batched(self, idx: torch.Tensor) -> torch.Tensor:
+        """Local blocks ``K[s_b, s_b]`` for a batch of index sets ``idx: (b, w)``. Returns ``(b, w, w)``."""
+        P = self.X[idx]
+        return self.points(P, P)
+
+    def matmul(self, V: torch.Tensor, block: int | None = None) -> torch.Tensor:
+        """``K @ V`` for ``V: (n, t)``, computed in row blocks so memory is ``O(block * n)``. ``(n, t)``"""
+        n = self.n
+        block = block or max(1, min(n, _BLOCK_ELEMS // max(n, 1)))
+        if block >= n:
+            return self(slice(None), slice(None)) @ V
+        return torch.cat([self(slice(i, i + block), slice(None)) @ V for i in range(0, n, block)])

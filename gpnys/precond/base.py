@@ -1,0 +1,160 @@
+"""The preconditioner interface shared by every gpnys preconditioner, plus input checks and safe Cholesky.
+
+Every preconditioner approximates ``A = K + mu I`` with ``K`` a unit-variance kernel matrix on points
+``X (n, d)`` and ``mu > 0`` (in a GP, ``mu = noise / outputscale``), and exposes:
+
+* ``solve(R)`` = ``P^{-1} R`` and ``matmul(R)`` = ``P R`` for ``R: (n,)`` or ``(n, t)``;
+* ``logdet()`` = ``log det P`` exactly;
+* ``sample(num)`` = ``num`` draws from ``N(0, P)``, shape ``(n, num)``;
+* ``rank`` and ``summary()`` (kind, rank, landmarks rule, nnz, shifts added, setup seconds).
+
+No preconditioner forms an ``n x n`` dense matrix.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["Preconditioner", "NumericalWarning", "validate_points", "validate_mu", "safe_cholesky"]
+
+
+class NumericalWarning(RuntimeWarning):
+    """Numerical trouble that gpnys recovered from (a diagonal shift, a fallback); see ``summary()``."""
+
+
+def validate_points(X: torch.Tensor, name: str = "X") -> None:
+    """Raise ``ValueError`` unless ``X`` is a finite, non-empty ``(n, d)`` floating tensor."""
+    if not isinstance(X, torch.Tensor) or X.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor (n, d), got {getattr(X, 'shape', type(X))}")
+    if X.shape[0] == 0 or X.shape[1] == 0:
+        raise ValueError(f"{name} is empty: shape {tuple(X.shape)}")
+    if not X.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor, got {X.dtype}")
+    if not torch.isfinite(X).all():
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def validate_mu(mu: float) -> float:
+    """Return ``mu`` as a float; raise ``ValueError`` unless it is positive and finite."""
+    try:
+        val = float(mu)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"mu must be a positive number, got {mu!r}") from exc
+    if not (val > 0 and math.isfinite(val)):
+        raise ValueError(f"mu must be positive and finite, got {mu!r}")
+    return val
+
+
+def validate_count(value: int, name: str, low: int = 1, high: int | None = None, high_name: str = "n") -> int:
+    """Return ``value`` as an int in ``[low, high]``; raise ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int,)) and not (
+        isinstance(value, float) and value.is_integer()
+    ):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}={value} exceeds {high_name}={high}")
+    return value
+
+
+def safe_cholesky(
+    A: torch.Tensor, what: str, shifts: list[float] | None = None, max_tries: int = 10
+) -> torch.Tensor:
+    """Lower Cholesky factor of SPD ``A`` (``(..., m, m)``), escalating a diagonal shift on failure.
+
+    On failure the shift of each failed block starts at ``10 eps(dtype) * mean|diag A|`` and grows 10x per
+    try; blocks that factor are left unshifted. Each shift used is appended to ``shifts`` and reported by a
+    :class:`NumericalWarning`. Raises ``RuntimeError`` (never returns NaNs) if ``max_tries`` do not help.
+    """
+    L, info = torch.linalg.cholesky_ex(A)
+    if not bool((info > 0).any()):
+        return L
+    eps = torch.finfo(A.dtype).eps
+    scale = A.diagonal(dim1=-2, dim2=-1).abs().mean(-1).clamp_min(torch.finfo(A.dtype).tiny)
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    shift = torch.zeros_like(scale)
+    factor = 10.0 * eps
+    for _ in range(max_tries):
+        failed = info > 0
+        shift = torch.where(failed, factor * scale, shift)
+        L, info = torch.linalg.cholesky_ex(A + shift[..., None, None] * eye)
+        used = float(shift.max())
+        if shifts is not None:
+            shifts.append(used)
+        warnings.warn(
+            f"{what}: Cholesky failed (not numerically SPD); added a diagonal shift up to {used:.3g} "
+            f"to {int(failed.sum())} block(s)",
+            NumericalWarning,
+            stacklevel=3,
+        )
+        if not bool((info > 0).any()):
+            return L
+        factor *= 10.0
+    raise RuntimeError(f"{what}: Cholesky failed even after {max_tries} diagonal shifts")
+
+
+class Preconditioner(abc.ABC):
+    """Abstract preconditioner ``P ~ K + mu I``. Subclasses set ``n``, ``rank``, ``dtype``, ``device``."""
+
+    kind: str = "base"
+    n: int
+    rank: int
+    mu: float
+    setup_s: float = 0.0
+
+    def __init__(self) -> None:
+        self.shifts: list[float] = []
+
+    @abc.abstractmethod
+    def _solve(self, R: torch.Tensor) -> torch.Tensor:
+        """``P^{-1} R`` for ``R: (n, t)``."""
+
+    @abc.abstractmethod
+    def _matmul(self, R: torch.Tensor) -> torch.Tensor:
+        """``P R`` for ``R: (n, t)``."""
+
+    @abc.abstractmethod
+    def _sample(self, Z: torch.Tensor) -> torch.Tensor:
+        """``F Z`` for a factor ``F F^T = P`` and standard normal ``Z: (n, num)``."""
+
+    @abc.abstractmethod
+    def logdet(self) -> torch.Tensor:
+        """``log det P`` (0-dim tensor)."""
+
+    def _apply(self, fn: Any, R: torch.Tensor) -> torch.Tensor:
+        if R.shape[0] != self.n:
+            raise ValueError(f"R must have {self.n} rows, got shape {tuple(R.shape)}")
+        vec = R.dim() == 1
+        out = fn(R[:, None] if vec else R)
+        return out[:, 0] if vec else out
+
+    def solve(self, R: torch.Tensor) -> torch.Tensor:
+        """``P^{-1} R`` for ``R: (n,)`` or ``(n, t)``."""
+        return self._apply(self._solve, R)
+
+    def matmul(self, R: torch.Tensor) -> torch.Tensor:
+        """``P R`` for ``R: (n,)`` or ``(n, t)``."""
+        return self._apply(self._matmul, R)
+
+    def sample(self, num: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``num`` independent draws from ``N(0, P)``: shape ``(n, num)``."""
+        Z = torch.randn(self.n, int(num), dtype=self.dtype, device=self.device, generator=generator)
+        return self._sample(Z)
+
+    def summary(self) -> dict[str, Any]:
+        """Facts for reports: kind, n, rank, mu, diagonal shifts added, setup seconds (+ subclass extras)."""
+        return {
+            "kind": self.kind,
+            "n": self.n,
+            "rank": self.rank,
+            "mu": self.mu,
+            "shifts": list(self.shifts),
+            "setup_s": self.setup_s,
+        }
