@@ -1,0 +1,94 @@
+import json
+import math
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys import datasets
+from gpnys.cli.main import main
+from gpnys.gp.exact import ExactGPModel, fit, gaussian_nll, hyperparameters, predict
+
+
+def dense_neg_mll(x, y, lengthscale, outputscale, noise, mean, nu=1.5):
+    """-log N(y | mean, s^2 K + sigma^2 I) / n with the Matérn-3/2 kernel written out."""
+    r = torch.cdist(x, x) / lengthscale
+    K = outputscale * (1 + math.sqrt(3) * r) * torch.exp(-math.sqrt(3) * r)
+    A = K + noise * torch.eye(len(y), dtype=x.dtype)
+    L = torch.linalg.cholesky(A)
+    a = torch.cholesky_solve((y - mean)[:, None], L)[:, 0]
+    n = len(y)
+    return float(0.5 * (y - mean) @ a + torch.log(torch.diagonal(L)).sum() + 0.5 * n * math.log(2 * math.pi)) / n
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "lbfgs"])
+def test_fit_loss_matches_dense_reference(optimizer):
+    ds = datasets.load("energy", n=120, seed=0)
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    model = ExactGPModel(ds.train_x, ds.train_y, lik, kernel="matern32").double()
+    h0 = hyperparameters(model)
+    ref0 = dense_neg_mll(ds.train_x, ds.train_y, h0["lengthscale"], h0["outputscale"], h0["noise"], h0["mean"])
+    res = fit(model, iters=15, lr=0.1, optimizer=optimizer, progress=False)
+    assert res.loss_trace[0] == pytest.approx(ref0, rel=1e-10)
+    h = hyperparameters(model)
+    ref = dense_neg_mll(ds.train_x, ds.train_y, h["lengthscale"], h["outputscale"], h["noise"], h["mean"])
+    assert ref < ref0  # training decreased the exact loss
+    mean, var = predict(model, ds.test_x)
+    assert mean.shape == var.shape == ds.test_y.shape and bool((var > 0).all())
+
+
+def test_fit_is_reproducible_and_float32(dtype):
+    ds = datasets.load("concrete", n=80, seed=1, dtype=dtype)
+
+    def run():
+        lik = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
+        m = ExactGPModel(ds.train_x, ds.train_y, lik, kernel="rbf", ard=True).to(dtype)
+        return fit(m, iters=5, progress=False).loss_trace, m
+
+    a, m = run()
+    b, _ = run()
+    assert a == b
+    assert len(hyperparameters(m)["lengthscale"]) == ds.d
+
+
+def test_fit_bad_arguments():
+    ds = datasets.load("energy", n=30)
+    m = ExactGPModel(ds.train_x, ds.train_y, gpytorch.likelihoods.GaussianLikelihood())
+    with pytest.raises(ValueError, match="optimizer"):
+        fit(m, optimizer="sgd")
+    with pytest.raises(ValueError, match="lr"):
+        fit(m, lr=0.0)
+    with pytest.raises(ValueError, match="iters"):
+        fit(m, iters=-1)
+    with pytest.raises(ValueError, match="mean"):
+        ExactGPModel(ds.train_x, ds.train_y, gpytorch.likelihoods.GaussianLikelihood(), mean="linear")
+    with pytest.raises(ValueError, match="kernel"):
+        ExactGPModel(ds.train_x, ds.train_y, gpytorch.likelihoods.GaussianLikelihood(), kernel="cosine")
+
+
+def test_gaussian_nll_reference():
+    y, m, v = torch.tensor([1.0, 2.0]), torch.tensor([0.0, 2.0]), torch.tensor([1.0, 4.0])
+    ref = 0.5 * (math.log(2 * math.pi) + 1.0) / 2 + 0.5 * math.log(2 * math.pi * 4.0) / 2
+    assert gaussian_nll(y, m, v) == pytest.approx(ref)
+
+
+def test_cli_fit_json(capsys):
+    assert main(["fit", "--data", "energy", "--n", "100", "--iters", "4", "--kernel", "matern52", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("hyperparameters", "test_rmse", "test_nll", "train_time_s", "loss_trace"):
+        assert key in out
+    assert len(out["loss_trace"]) == 4 and out["subsampled"] and out["n_train"] == 100
+    assert out["test_rmse"] > 0 and math.isfinite(out["test_nll"])
+
+
+def test_cli_fit_text(capsys):
+    assert main(["fit", "--data", "airfoil", "--n", "60", "--iters", "2", "--ard", "--optimizer", "lbfgs"]) == 0
+    text = capsys.readouterr().out
+    assert "seeded subsample" in text and "test RMSE" in text and "test NLL" in text
+
+
+def test_cli_bad_input_is_a_clean_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--data", "energy", "--split", "12"])
+    assert exc.value.code == 2
+    assert "split" in capsys.readouterr().err
