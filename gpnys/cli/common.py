@@ -29,6 +29,14 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 
 
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
 def emit_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2)
+    json.dump(obj, sys.stdout, indent=2, default=_plain)
     sys.stdout.write("\n")

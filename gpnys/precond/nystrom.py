@@ -1,0 +1,260 @@
+"""Nyström preconditioners for ``K + mu I`` in the numerically stable eigen-form (AFN paper eqs. 7-8).
+
+A rank-``k`` Nyström approximation is built directly as ``K_nys = U diag(lam) U^T`` (AFN paper eq. 7) with
+``U (n, k)`` orthonormal, following the stable construction of Frangella, Tropp & Udell (2023, "Randomized
+Nyström preconditioning", SIMAX); see the digest §2.1. Two test matrices ``Omega (n, k)`` are offered:
+
+* ``sampling="column"``: ``Omega`` selects ``k`` landmark columns (FPS, uniform, or caller-given indices),
+  so ``Y = K Omega = K(X, X_k)`` is just ``k`` kernel columns (sampling-based Nyström, eq. 4/6).
+* ``sampling="sketch"``: ``Omega`` is an orthonormalised Gaussian matrix and ``Y = K Omega`` is a blocked
+  kernel product (projection-based / randomized Nyström, eq. 3).
+
+Both use the same steps, with a tiny shift ``nu`` that makes the core Cholesky well defined::
+
+    nu    = sqrt(n) * eps(dtype) * ||Y||_F
+    Y_nu  = Y + nu * Omega
+    C     = chol(Omega^T Y_nu)                (k x k, lower)
+    B     = Y_nu C^{-T}                       (n x k, triangular solve)
+    B     = U diag(sigma) V^T                 (thin SVD)
+    lam   = max(sigma^2 - nu, 0)
+
+Choices made against the authors' C code (``Nys_precond_build_``, digest §2.1), following Frangella et al.:
+
+* ``nu`` uses ``finfo(dtype).eps * ||Y||_F``, the dtype's unit roundoff scaled by the norm. This bounds the float
+  spacing ``eps(||Y||_F)`` of Frangella et al. from above within a factor 2, and is available for any dtype and
+  device. The C code takes the spacing of the *squared* norm ``||K1||_F^2`` (its variable ``K1_fnorm`` is
+  squared), a quirk that makes ``nu`` scale with ``||K1||_F^2``, far larger for big ``n k``; not copied.
+* ``Y_nu = Y + nu Omega`` is used in ``B`` (the C code uses the unshifted ``K1``). With the shift,
+  ``B B^T = Y_nu (Omega^T Y_nu)^{-1} Y_nu^T`` is the exact Nyström approximation of ``K + nu I``, so
+  ``sigma^2 - nu`` undoes the shift; with ``k = n`` this reproduces ``K`` to rounding error.
+* ``B`` is factored by a thin SVD (the C code uses ``eig(B^T B)``, which squares the condition number).
+* For the sketch, ``Omega`` is always orthonormalised (QR), as in Frangella et al.
+
+The preconditioner is ``P = U diag(d) U^T + c (I - U U^T)`` with
+
+* ``scaling="stable"`` (eq. 8): ``d = lam + mu``, ``c = mu``, i.e. ``P = K_nys + mu I`` and
+  ``P^{-1} = U (Lam + mu I)^{-1} U^T + (1/mu)(I - U U^T)``;
+* ``scaling="ran"`` (the RAN baseline of Sec. 5): ``d = (lam + mu)/(lam_k + mu)``,
+  ``c = 1``, i.e. ``P^{-1} = (lam_k + mu) U (Lam + mu I)^{-1} U^T + (I - U U^T)`` with ``lam_k = min(lam)``.
+
+The naive Sherman-Morrison-Woodbury inverse of eq. (4) is deliberately not offered (the paper calls it
+unstable; digest pitfall P5). Nothing of size ``n x n`` is ever formed: memory is ``O(n k)``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import gpytorch
+import torch
+
+from gpnys import landmarks as _landmarks
+from gpnys.kernels.entries import KernelEntries
+from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count, validate_mu, validate_points
+
+__all__ = ["NystromPreconditioner", "SAMPLINGS", "SCALINGS", "LANDMARKS"]
+
+SAMPLINGS = ("column", "sketch")
+SCALINGS = ("stable", "ran")
+LANDMARKS = ("fps", "uniform")
+
+
+def _check_option(value: Any, name: str, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class NystromPreconditioner(Preconditioner):
+    """Rank-``k`` Nyström preconditioner ``P ~ K + mu I`` in eigen-form (AFN paper eqs. 7, 8; RAN of Sec. 5).
+
+    Args:
+        X: ``(n, d)`` points (their dtype and device are used throughout).
+        kernel: a GPyTorch stationary kernel; a ``ScaleKernel``'s outputscale is stripped (unit-variance
+            ``K``; pass ``mu = noise / outputscale``).
+        mu: regularisation ``mu > 0``.
+        k: rank, ``1 <= k <= n``.
+        landmarks: ``"fps"`` or ``"uniform"``; landmark rule for ``sampling="column"`` (ignored for
+            ``"sketch"`` and when ``landmark_indices`` is given).
+        sampling: ``"column"`` (sampled kernel columns) or ``"sketch"`` (Gaussian test matrix).
+        scaling: ``"stable"`` (eq. 8, ``P = K_nys + mu I``) or ``"ran"`` (RAN scaling of Sec. 5).
+        seed: seed for uniform landmarks and for the Gaussian sketch (a ``torch.Generator`` on X's device).
+        landmark_indices: optional ``(m,)`` integer tensor, ``m >= k``, of distinct row indices of ``X``
+            (e.g. a cached FPS order); the first ``k`` are used. Only with ``sampling="column"``.
+
+    Attributes:
+        U: ``(n, k)`` orthonormal basis of the Nyström range.
+        lam: ``(k,)`` Nyström eigenvalues ``Lambda_hat``, non-increasing and ``>= 0``.
+        range_eigs: ``(k,)`` eigenvalues ``d`` of ``P`` on ``range(U)``.
+        complement_eig: eigenvalue ``c`` of ``P`` on the orthogonal complement of ``range(U)``.
+        nu: the stabilising shift used in the construction.
+        landmark_indices: ``(k,)`` long tensor of the landmarks (``None`` for ``sampling="sketch"``).
+    """
+
+    kind = "nystrom"
+
+    def __init__(
+        self,
+        X: torch.Tensor,
+        kernel: gpytorch.kernels.Kernel,
+        mu: float,
+        k: int,
+        landmarks: str = "fps",
+        sampling: str = "column",
+        scaling: str = "stable",
+        seed: int = 0,
+        landmark_indices: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        validate_points(X, "X")
+        self.mu = validate_mu(mu)
+        n = X.shape[0]
+        self.k = validate_count(k, "k", low=1, high=n, high_name="n")
+        self.sampling = _check_option(sampling, "sampling", SAMPLINGS)
+        self.scaling = _check_option(scaling, "scaling", SCALINGS)
+        _check_option(landmarks, "landmarks", LANDMARKS)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if landmark_indices is not None and self.sampling != "column":
+            raise ValueError("landmark_indices can only be given with sampling='column'")
+        self.seed = seed
+        self.n = n
+        self.rank = self.k
+        self.dtype = X.dtype
+        self.device = X.device
+
+        _sync(self.device)
+        t0 = time.perf_counter()
+        entries = KernelEntries(X, kernel)
+        if self.sampling == "column":
+            if landmark_indices is not None:
+                idx = self._check_indices(landmark_indices, n, self.k, X.device)
+                self.landmarks = "given"
+            else:
+                self.landmarks = landmarks
+                if landmarks == "fps":
+                    idx = _landmarks.fps(X, self.k).indices
+                else:
+                    idx = _landmarks.uniform(n, self.k, seed=seed, device=X.device)
+            self.landmark_indices: torch.Tensor | None = idx
+            U, lam, nu = self._build_column(entries, idx)
+        else:
+            self.landmarks = None
+            self.landmark_indices = None
+            U, lam, nu = self._build_sketch(entries, seed)
+        self.U = U
+        self.lam = lam
+        self.nu = nu
+        self.lam_min = float(lam[-1])
+        self.lam_max = float(lam[0])
+        if self.scaling == "stable":  # eq. (8): P = U (Lam + mu) U^T + mu (I - U U^T)
+            self.range_eigs = lam + self.mu
+            self.complement_eig = self.mu
+        else:  # RAN: P = U (Lam + mu)/(lam_k + mu) U^T + (I - U U^T)
+            self.range_eigs = (lam + self.mu) / (self.lam_min + self.mu)
+            self.complement_eig = 1.0
+        _sync(self.device)
+        self.setup_s = time.perf_counter() - t0
+
+    # ----------------------------------------------------------------------------------------- building
+    @staticmethod
+    def _check_indices(idx: torch.Tensor, n: int, k: int, device: torch.device) -> torch.Tensor:
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 1:
+            raise ValueError(f"landmark_indices must be a 1-D integer tensor, got {getattr(idx, 'shape', type(idx))}")
+        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise ValueError(f"landmark_indices must be an integer tensor, got {idx.dtype}")
+        if idx.numel() < k:
+            raise ValueError(f"landmark_indices has {idx.numel()} entries, fewer than k={k}")
+        idx = idx[:k].to(device=device, dtype=torch.long)
+        if bool((idx < 0).any()) or bool((idx >= n).any()):
+            raise ValueError(f"landmark_indices must lie in [0, {n})")
+        if torch.unique(idx).numel() != k:
+            raise ValueError("landmark_indices must be distinct (the first k entries)")
+        return idx
+
+    def _factor(self, Y_nu: torch.Tensor, core: torch.Tensor, nu: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shared tail of the stable construction: ``C = chol(core)``, ``B = Y_nu C^{-T}``, SVD, shift back.
+
+        ``Y_nu: (n, k)``, ``core = Omega^T Y_nu: (k, k)``. Returns ``U (n, k)``, ``lam (k,)``.
+        """
+        core = 0.5 * (core + core.mT)
+        C = safe_cholesky(core, "Nystrom core chol(Omega^T Y_nu)", self.shifts)
+        B = torch.linalg.solve_triangular(C.mT, Y_nu, upper=True, left=False)  # B C^T = Y_nu
+        # Thin SVD of B (more accurate than the eig(B^T B) shortcut of the authors' code, digest §2.1 step 5).
+        U, sigma, _ = torch.linalg.svd(B, full_matrices=False)
+        lam = (sigma.square() - nu).clamp_min(0)
+        return U, lam
+
+    def _nu(self, Y: torch.Tensor) -> float:
+        """``nu = sqrt(n) * eps(dtype) * ||Y||_F`` (Frangella et al. use ``eps(||Y||_F)``; see module notes)."""
+        norm = float(torch.linalg.matrix_norm(Y))
+        nu = math.sqrt(self.n) * torch.finfo(self.dtype).eps * norm
+        return nu if nu > 0 else torch.finfo(self.dtype).tiny
+
+    def _build_column(self, entries: KernelEntries, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Column Nyström: ``Omega = I[:, idx]``, ``Y = K(X, X_k)``. Returns ``U (n, k)``, ``lam (k,)``, ``nu``."""
+        Y = entries(slice(None), idx)  # (n, k) = K1
+        nu = self._nu(Y)
+        ar = torch.arange(self.k, device=Y.device)
+        if Y._is_view():  # never write into a kernel's cached storage
+            Y = Y.clone()
+        Y[idx, ar] += nu  # Y_nu = Y + nu * Omega: shift the landmark rows only (K1 is a fresh tensor)
+        core = Y[idx]  # Omega^T Y_nu = K11 + nu I
+        U, lam = self._factor(Y, core, nu)
+        return U, lam, nu
+
+    def _build_sketch(self, entries: KernelEntries, seed: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Randomized Nyström: orthonormalised Gaussian ``Omega (n, k)``, ``Y = K Omega`` (blocked)."""
+        gen = torch.Generator(device=self.device).manual_seed(int(seed))
+        Omega = torch.randn(self.n, self.k, dtype=self.dtype, device=self.device, generator=gen)
+        Omega, _ = torch.linalg.qr(Omega)
+        Y = entries.matmul(Omega)
+        nu = self._nu(Y)
+        Y = Y + nu * Omega
+        core = Omega.mT @ Y
+        U, lam = self._factor(Y, core, nu)
+        return U, lam, nu
+
+    # ----------------------------------------------------------------------------------------- applying
+    def _eigen_apply(self, R: torch.Tensor, range_vals: torch.Tensor, comp_val: float) -> torch.Tensor:
+        """``(U diag(r) U^T + c (I - U U^T)) R`` computed as ``U ((r - c) * (U^T R)) + c R``. ``(n, t)``"""
+        UtR = self.U.mT @ R
+        return self.U @ ((range_vals - comp_val)[:, None] * UtR) + comp_val * R
+
+    def _solve(self, R: torch.Tensor) -> torch.Tensor:
+        """``P^{-1} R``: stable ``U (Lam+mu)^{-1} U^T R + (1/mu)(I - U U^T) R`` (eq. 8) or the RAN form. ``(n, t)``"""
+        return self._eigen_apply(R, 1.0 / self.range_eigs, 1.0 / self.complement_eig)
+
+    def _matmul(self, R: torch.Tensor) -> torch.Tensor:
+        """``P R`` (stable: ``U Lam U^T R + mu R``). ``(n, t)``"""
+        return self._eigen_apply(R, self.range_eigs, self.complement_eig)
+
+    def _sample(self, Z: torch.Tensor) -> torch.Tensor:
+        """``P^{1/2} Z = U (sqrt(d) - sqrt(c)) U^T Z + sqrt(c) Z`` (symmetric square root). ``(n, num)``"""
+        return self._eigen_apply(Z, self.range_eigs.sqrt(), math.sqrt(self.complement_eig))
+
+    def logdet(self) -> torch.Tensor:
+        """``log det P = sum_i log d_i + (n - k) log c`` exactly (0-dim tensor)."""
+        comp = torch.tensor(self.complement_eig, dtype=self.dtype, device=self.device)
+        return self.range_eigs.log().sum() + (self.n - self.k) * comp.log()
+
+    def summary(self) -> dict[str, Any]:
+        """Base facts plus ``sampling``, ``landmarks``, ``scaling``, ``lam_max``, ``lam_min``, ``nu``, ``seed``."""
+        out = super().summary()
+        out.update(
+            sampling=self.sampling,
+            landmarks=self.landmarks,
+            scaling=self.scaling,
+            lam_max=self.lam_max,
+            lam_min=self.lam_min,
+            nu=self.nu,
+            seed=self.seed,
+        )
+        return out

@@ -1,0 +1,154 @@
+"""The AFN paper's overall strategy (Algorithm 5) and a by-name factory for every preconditioner.
+
+Algorithm 5: estimate the numerical rank k of K for the current kernel parameters (Algorithm 4,
+:func:`gpnys.precond.rank.estimate_rank`); if ``k < max_k`` use the column Nyström preconditioner of rank k
+with FPS landmarks, applied in the stable form of eq. (8); otherwise AFN with ``max_k`` landmarks
+(switching rule of the authors' code: ``k < max_k`` -> Nyström, digest pitfall P3).
+
+Re-run at every hyperparameter step: construct a new :class:`AutoPreconditioner` per step and pass the same
+:class:`~gpnys.precond.cache.PointCache` so the FPS order and kNN patterns (which depend only on X) are reused.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import gpytorch
+import torch
+
+from gpnys.precond.afn import AFNPreconditioner
+from gpnys.precond.base import Preconditioner, validate_count, validate_mu, validate_points
+from gpnys.precond.cache import PointCache
+from gpnys.precond.fsai import FSAIPreconditioner
+from gpnys.precond.nystrom import NystromPreconditioner
+from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
+from gpnys.precond.rank import RankEstimate, estimate_rank
+
+__all__ = ["AutoPreconditioner", "make_preconditioner", "PRECONDITIONERS"]
+
+#: names accepted by :func:`make_preconditioner` (``"none"`` gives ``None``: plain CG)
+PRECONDITIONERS = ("none", "pivchol", "nystrom", "ran", "sketch", "fsai", "afn", "auto")
+
+
+class AutoPreconditioner(Preconditioner):
+    """Algorithm 5: Nyström (FPS, rank k) if the estimated rank ``k < max_k``, else AFN (``max_k`` landmarks).
+
+    Args:
+        X: ``(n, d)`` points; kernel: GPyTorch kernel (a ``ScaleKernel`` is unwrapped); mu: shift ``> 0``.
+        max_k: the switch threshold and AFN landmark cap (paper: 2000).
+        w: FSAI nonzeros per row inside AFN (paper: 100).
+        m, reps: rank-estimation subsample size and repetitions (Algorithm 4; code default 3 repetitions).
+        seed: seeds the rank-estimation subsamples and uniform landmarks.
+        cache: reuse FPS order / kNN patterns across hyperparameter steps on the same X.
+
+    Attributes:
+        estimate: the :class:`RankEstimate`; inner: the chosen preconditioner; choice: ``"nystrom"``/``"afn"``.
+    """
+
+    kind = "auto"
+
+    def __init__(
+        self,
+        X: torch.Tensor,
+        kernel: gpytorch.kernels.Kernel,
+        mu: float,
+        max_k: int = 2000,
+        w: int = 100,
+        m: int = 500,
+        reps: int = 3,
+        seed: int = 0,
+        cache: PointCache | None = None,
+    ) -> None:
+        super().__init__()
+        t0 = time.perf_counter()
+        validate_points(X)
+        self.mu = validate_mu(mu)
+        self.n, self.dtype, self.device = X.shape[0], X.dtype, X.device
+        max_k = validate_count(max_k, "max_k", 1)
+        cache = cache if cache is not None else PointCache(X)
+        t_rank = time.perf_counter()
+        self.estimate: RankEstimate = estimate_rank(X, kernel, self.mu, m=m, reps=reps, max_k=max_k, seed=seed)
+        self.rank_s = time.perf_counter() - t_rank
+        k = int(self.estimate.k)
+        if k < max_k:
+            k = max(1, min(k, self.n))
+            self.choice = "nystrom"
+            self.inner: Preconditioner = NystromPreconditioner(
+                X, kernel, self.mu, k, landmarks="fps", landmark_indices=cache.fps(k)
+            )
+        else:
+            self.choice = "afn"
+            self.inner = AFNPreconditioner(X, kernel, self.mu, k=min(max_k, self.n), w=w, seed=seed, cache=cache)
+        self.rank = self.inner.rank
+        self.shifts = self.inner.shifts
+        self.setup_s = time.perf_counter() - t0
+
+    def _solve(self, R: torch.Tensor) -> torch.Tensor:
+        return self.inner._solve(R)
+
+    def _matmul(self, R: torch.Tensor) -> torch.Tensor:
+        return self.inner._matmul(R)
+
+    def _sample(self, Z: torch.Tensor) -> torch.Tensor:
+        return self.inner._sample(Z)
+
+    def logdet(self) -> torch.Tensor:
+        return self.inner.logdet()
+
+    def summary(self) -> dict[str, Any]:
+        out = self.inner.summary()
+        out.update(
+            kind="auto",
+            choice=self.choice,
+            estimated_rank=int(self.estimate.k),
+            rank_branch=self.estimate.branch,
+            rank_s=self.rank_s,
+            setup_s=self.setup_s,
+        )
+        return out
+
+
+def make_preconditioner(
+    name: str,
+    X: torch.Tensor,
+    kernel: gpytorch.kernels.Kernel,
+    mu: float,
+    cache: PointCache | None = None,
+    seed: int = 0,
+    rank: int | None = None,
+    k: int = 2000,
+    w: int | None = None,
+) -> Preconditioner | None:
+    """Build a preconditioner of ``K + mu I`` by name.
+
+    ``none`` -> ``None`` (plain CG); ``pivchol`` -> GPyTorch's pivoted Cholesky (``rank``, default 15);
+    ``nystrom`` -> column Nyström, FPS landmarks, eq. (8), rank = ``rank`` or the Algorithm 4 estimate;
+    ``ran`` -> the paper's RAN baseline (uniform landmarks, RAN scaling, ``rank`` default 3000, capped at n);
+    ``sketch`` -> Gaussian-sketch randomized Nyström (Frangella-Tropp-Udell), RAN scaling, same rank rule;
+    ``fsai`` -> FSAI of K + mu I (``w`` default 400); ``afn`` -> AFN (``k`` landmarks, ``w`` default 100);
+    ``auto`` -> :class:`AutoPreconditioner` (switch threshold ``k``, ``w`` default 100).
+    """
+    if name not in PRECONDITIONERS:
+        raise ValueError(f"preconditioner must be one of {PRECONDITIONERS}, got {name!r}")
+    n = X.shape[0]
+    if name == "none":
+        return None
+    if name == "pivchol":
+        return PivotedCholeskyPreconditioner(X, kernel, mu, rank=min(rank or 15, n))
+    if name == "nystrom":
+        if rank is None:
+            rank = estimate_rank(X, kernel, mu, max_k=k, seed=seed).k
+        r = max(1, min(int(rank), n))
+        lm = cache.fps(r) if cache is not None else None
+        return NystromPreconditioner(X, kernel, mu, r, landmarks="fps", landmark_indices=lm)
+    if name in ("ran", "sketch"):
+        r = min(rank or 3000, n)
+        if name == "ran":
+            return NystromPreconditioner(X, kernel, mu, r, landmarks="uniform", scaling="ran", seed=seed)
+        return NystromPreconditioner(X, kernel, mu, r, sampling="sketch", scaling="ran", seed=seed)
+    if name == "fsai":
+        return FSAIPreconditioner(X, kernel, mu, w=min(w or 400, n), cache=cache)
+    if name == "afn":
+        return AFNPreconditioner(X, kernel, mu, k=min(k, n), w=w or 100, seed=seed, cache=cache)
+    return AutoPreconditioner(X, kernel, mu, max_k=k, w=w or 100, seed=seed, cache=cache)

@@ -1,0 +1,27 @@
+"""Every benchmark's --quick mode runs, so benchmarks cannot rot."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pcg_tables_quick(tmp_path):
+    out = tmp_path / "pcg.json"
+    res = load("pcg_tables").main(["--quick", "--out", str(out)])
+    assert out.exists() and out.with_suffix(".png").exists()
+    data = json.loads(out.read_text())
+    assert set(data["tables"]) == {"1a", "1b", "2", "3b"}
+    for table in res["tables"].values():
+        for row in table["rows"]:
+            assert set(row["results"]) >= {"none", "afn", "auto", "pivchol15", "ran", "sketch", "fsai"}
+            for r in row["results"].values():
+                assert r["iterations"] >= 0 and r["setup_s"] >= 0

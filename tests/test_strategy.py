@@ -1,0 +1,119 @@
+import json
+import warnings
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys.cli.main import main
+from gpnys.precond.base import NumericalWarning
+from gpnys.precond.cache import PointCache
+from gpnys.precond.strategy import PRECONDITIONERS, AutoPreconditioner, make_preconditioner
+from gpnys.solvers.pcg import kernel_system, pcg
+
+
+def cube(n, d=3, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, d, generator=g, dtype=dtype) * n ** (1.0 / d)
+
+
+def matern(ls, dtype=torch.float64):
+    k = gpytorch.kernels.MaternKernel(nu=1.5).to(dtype)
+    k.lengthscale = ls
+    return k
+
+
+def dense_A(X, kernel, mu):
+    with torch.no_grad():
+        return kernel(X).to_dense() + mu * torch.eye(X.shape[0], dtype=X.dtype)
+
+
+@pytest.mark.parametrize("ls, expected", [(50.0, "nystrom"), (0.7, "afn")])
+def test_auto_switches_on_estimated_rank(ls, expected):
+    X = cube(400)
+    P = AutoPreconditioner(X, matern(ls), 1e-3, max_k=60, w=20, m=100)
+    assert P.choice == expected
+    s = P.summary()
+    assert s["choice"] == expected and s["estimated_rank"] == P.estimate.k
+    A = dense_A(X, matern(ls), 1e-3)
+    Pd = P.matmul(torch.eye(400, dtype=X.dtype))
+    torch.testing.assert_close(P.solve(Pd), torch.eye(400, dtype=X.dtype), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(P.logdet(), torch.logdet(Pd), rtol=1e-8, atol=1e-6)
+    # the preconditioner approximates A: the preconditioned spectrum is much tighter than A's
+    ev = torch.linalg.eigvals(torch.linalg.solve(Pd, A)).real
+    assert float(ev.max() / ev.min()) < float(torch.linalg.cond(A)) / 10
+
+
+def test_afn_beats_plain_cg_mid_lengthscale(dtype):
+    X = cube(600, dtype=dtype)
+    kern = matern(3.0, dtype)
+    mu = 1e-4
+    b = torch.rand(600, generator=torch.Generator().manual_seed(1), dtype=dtype) - 0.5
+    A = kernel_system(X, kern, mu)
+    tol = 1e-4 if dtype == torch.float64 else 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalWarning)
+        plain = pcg(A, b, tol=tol, maxiter=600)
+        P = make_preconditioner("afn", X, kern, mu, k=100, w=30)
+        pre = pcg(A, b, precond=P, tol=tol, maxiter=600)
+    assert bool(pre.converged.all())
+    assert pre.iterations * 3 <= plain.iterations
+
+
+@pytest.mark.parametrize("name", PRECONDITIONERS)
+def test_every_named_preconditioner_solves(name):
+    X = cube(300)
+    kern = matern(2.0)
+    P = make_preconditioner(name, X, kern, 1e-2, cache=PointCache(X), rank=40, k=50, w=20)
+    b = torch.rand(300, generator=torch.Generator().manual_seed(2), dtype=X.dtype)
+    res = pcg(kernel_system(X, kern, 1e-2), b, precond=P, tol=1e-8, maxiter=1000)
+    x = torch.linalg.solve(dense_A(X, kern, 1e-2), b)
+    torch.testing.assert_close(res.x, x, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_is_reproducible_and_reuses_cache():
+    X = cube(300)
+    cache = PointCache(X)
+    a = AutoPreconditioner(X, matern(1.0), 1e-3, max_k=40, w=10, m=80, seed=3, cache=cache)
+    misses = cache.misses
+    b = AutoPreconditioner(X, matern(1.0), 1e-3, max_k=40, w=10, m=80, seed=3, cache=cache)
+    assert cache.misses == misses  # FPS order and kNN pattern came from the cache
+    v = torch.randn(300, 2, dtype=X.dtype, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.solve(v), b.solve(v))
+    assert a.estimate.k == b.estimate.k
+
+
+def test_bad_input():
+    X = cube(50)
+    with pytest.raises(ValueError, match="preconditioner"):
+        make_preconditioner("ilu", X, matern(1.0), 1e-2)
+    with pytest.raises(ValueError, match="mu"):
+        AutoPreconditioner(X, matern(1.0), 0.0)
+    with pytest.raises(ValueError, match="max_k"):
+        AutoPreconditioner(X, matern(1.0), 1e-2, max_k=0)
+    bad = X.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        AutoPreconditioner(bad, matern(1.0), 1e-2)
+
+
+def test_cli_pcg_json(capsys):
+    code = main(["pcg", "--data", "synthetic3d", "--n", "300", "--lengthscale", "1,5", "--noise", "1e-3",
+                 "--precond", "none,afn,auto,nystrom", "--k", "50", "--w", "20", "--json"])
+    assert code == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert len(recs) == 8
+    for r in recs:
+        for key in ("precond", "lengthscale", "rank", "iterations", "converged", "setup_s", "solve_s", "rel_residual"):
+            assert key in r
+        if r["converged"]:
+            assert r["rel_residual"] <= 1e-4 * 10
+    none = {r["lengthscale"]: r["iterations"] for r in recs if r["precond"] == "none"}
+    afn = {r["lengthscale"]: r["iterations"] for r in recs if r["precond"] == "afn"}
+    assert afn[5.0] < none[5.0]
+
+
+def test_cli_pcg_bad_precond(capsys):
+    with pytest.raises(SystemExit):
+        main(["pcg", "--precond", "ilu"])
+    assert "unknown preconditioner" in capsys.readouterr().err
