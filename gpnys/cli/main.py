@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gpnys.cli import fit
+from gpnys.cli import fit, pcg
 
 #: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
-SUBCOMMANDS = [fit]
+SUBCOMMANDS = [fit, pcg]
 
 
 def build_parser() -> argparse.ArgumentParser:
