@@ -1,5 +1,29 @@
-"""Preconditioners for ``K + mu I``: Nyström, FSAI, AFN, pivoted Cholesky, rank estimation and the switch."""
+"""Preconditioners for ``K + mu I``: Nyström, FSAI, AFN, pivoted Cholesky, rank estimation and the switch.
 
+Every class implements :class:`~gpnys.precond.base.Preconditioner` (``solve``, ``matmul``, ``logdet``,
+``sample``, ``rank``, ``summary``).
+"""
+
+from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import NumericalWarning, Preconditioner
+from gpnys.precond.cache import PointCache
+from gpnys.precond.fsai import FSAIPreconditioner
+from gpnys.precond.nystrom import NystromPreconditioner
+from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
+from gpnys.precond.rank import RankEstimate, estimate_rank
+from gpnys.precond.strategy import PRECONDITIONERS, AutoPreconditioner, make_preconditioner
 
-__all__ = ["Preconditioner", "NumericalWarning"]
+__all__ = [
+    "Preconditioner",
+    "NumericalWarning",
+    "PointCache",
+    "NystromPreconditioner",
+    "FSAIPreconditioner",
+    "AFNPreconditioner",
+    "PivotedCholeskyPreconditioner",
+    "AutoPreconditioner",
+    "RankEstimate",
+    "estimate_rank",
+    "make_preconditioner",
+    "PRECONDITIONERS",
+]

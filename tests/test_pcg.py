@@ -1,0 +1,169 @@
+"""Tests of gpnys.solvers.pcg: PCG with per-column counts/flags, and the kernel-system product."""
+
+from __future__ import annotations
+
+import warnings
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys.precond.base import NumericalWarning
+from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
+from gpnys.solvers import ConvergenceWarning, PCGResult, kernel_system, pcg
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small dense problems: one BLAS thread avoids OpenMP oversubscription on shared 2-core runners."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def spd(n: int, cond: float = 100.0, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    ev = torch.logspace(0, torch.log10(torch.tensor(cond)).item(), n, dtype=torch.float64)
+    return ((Q * ev) @ Q.T).to(dtype)
+
+
+def test_matches_dense_solve_and_iteration_bound():
+    n = 60
+    A = spd(n, cond=10.0)
+    b = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    res = pcg(lambda v: A @ v, b, tol=1e-10, maxiter=10 * n)
+    assert isinstance(res, PCGResult)
+    assert res.x.shape == (n,)
+    torch.testing.assert_close(res.x, torch.linalg.solve(A, b), rtol=1e-8, atol=1e-8)
+    assert res.converged.all() and res.rel_residual.shape == (1,)
+    assert float(res.rel_residual[0]) < 1e-9
+    # CG terminates in <= n steps in exact arithmetic (well-conditioned, so no loss of orthogonality).
+    assert 1 <= res.iterations <= n
+
+
+def test_iterations_bounded_by_distinct_eigenvalues():
+    """In exact arithmetic CG needs at most (#distinct eigenvalues) steps; 8 here, allow +2 for rounding."""
+    n = 200
+    g = torch.Generator().manual_seed(7)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    ev = torch.tensor([1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 1000.0], dtype=torch.float64).repeat_interleave(25)
+    A = (Q * ev) @ Q.T
+    b = torch.randn(n, dtype=torch.float64, generator=g)
+    res = pcg(lambda v: A @ v, b, tol=1e-10)
+    assert res.converged.all() and res.iterations <= 10
+
+
+def test_block_rhs_per_column_flags_and_counts():
+    n = 80
+    A = spd(n, cond=1e3)
+    evals, evecs = torch.linalg.eigh(A)
+    g = torch.Generator().manual_seed(2)
+    B = torch.stack(
+        [
+            torch.randn(n, dtype=torch.float64, generator=g),
+            evecs[:, 5],  # an eigenvector: one iteration
+            torch.zeros(n, dtype=torch.float64),  # zero rhs: zero iterations
+            torch.randn(n, dtype=torch.float64, generator=g),
+        ],
+        dim=1,
+    )
+    res = pcg(lambda V: A @ V, B, tol=1e-8, maxiter=1000, record_history=True)
+    assert res.x.shape == B.shape
+    assert res.converged.tolist() == [True, True, True, True]
+    assert res.iterations_per_column[1] == 1
+    assert res.iterations_per_column[2] == 0
+    assert res.iterations_per_column[0] > 5 and res.iterations == int(res.iterations_per_column.max())
+    torch.testing.assert_close(res.x, torch.linalg.solve(A, B), rtol=1e-6, atol=1e-7)
+    assert (res.rel_residual < 1e-7).all()
+    assert res.residual_history.shape == (res.iterations + 1, 4)
+    # Each column equals a solo solve (columns are independent).
+    solo = pcg(lambda V: A @ V, B[:, 3], tol=1e-8, maxiter=1000)
+    assert abs(solo.iterations - int(res.iterations_per_column[3])) <= 2  # rounding of blocked BLAS
+    torch.testing.assert_close(solo.x, res.x[:, 3], rtol=1e-6, atol=1e-7)
+
+
+def test_maxiter_too_small_warns_and_flags():
+    n = 100
+    A = spd(n, cond=1e4)
+    B = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with pytest.warns(ConvergenceWarning, match="did not reach"):
+        res = pcg(lambda V: A @ V, B, tol=1e-10, maxiter=5)
+    assert not res.converged.any()
+    assert res.iterations == 5 and (res.iterations_per_column == 5).all()
+    assert (res.rel_residual > 1e-10).all()
+    # the warning is a NumericalWarning and can be filtered or turned into an error
+    assert issubclass(ConvergenceWarning, NumericalWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)
+        with pytest.raises(ConvergenceWarning):
+            pcg(lambda V: A @ V, B, tol=1e-10, maxiter=5)
+
+
+def test_perfect_preconditioner_one_or_two_iterations():
+    n = 70
+    A = spd(n, cond=1e6)
+    B = torch.randn(n, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    res = pcg(lambda V: A @ V, B, precond=lambda R: torch.linalg.solve(A, R), tol=1e-8)
+    assert res.converged.all()
+    assert 1 <= res.iterations <= 2
+    torch.testing.assert_close(res.x, torch.linalg.solve(A, B), rtol=1e-7, atol=1e-9)
+
+
+def test_initial_guess_and_bad_input():
+    n = 30
+    A = spd(n)
+    b = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x = torch.linalg.solve(A, b)
+    res = pcg(lambda v: A @ v, b, x0=x, tol=1e-6)
+    assert res.iterations == 0 and res.converged.all()
+    with pytest.raises(ValueError):
+        pcg(lambda v: A @ v, b, tol=0.0)
+    with pytest.raises(ValueError):
+        pcg(lambda v: A @ v, b, maxiter=-1)
+    with pytest.raises(ValueError):
+        pcg(lambda v: A @ v, torch.full((n,), float("nan"), dtype=torch.float64))
+    with pytest.raises(ValueError):
+        pcg(lambda v: A @ v, b, x0=torch.zeros(n + 1, dtype=torch.float64))
+    with pytest.raises(TypeError):
+        pcg(lambda v: A @ v, b, precond=3)
+
+
+def _cube(n: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
+    return torch.rand(n, 3, dtype=dtype, generator=torch.Generator().manual_seed(seed)) * 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_system_dense_and_blocked(dtype):
+    X = _cube(300, dtype)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).to(dtype)
+    kernel.outputscale = 4.0  # stripped: K has unit variance
+    dense = kernel_system(X, kernel, 0.1)
+    blocked = kernel_system(X, kernel, 0.1, dense_limit_bytes=0)
+    assert dense.dense and not blocked.dense
+    with torch.no_grad():
+        K = kernel.base_kernel(X).to_dense()
+    V = torch.randn(300, 2, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    ref = K @ V + 0.1 * V
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(dense(V), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(blocked(V), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(blocked(V[:, 0]), ref[:, 0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pcg_kernel_system_with_preconditioner(dtype):
+    X = _cube(400, dtype, seed=1)
+    kernel = gpytorch.kernels.RBFKernel().to(dtype)
+    kernel.lengthscale = 1.0
+    mu = 1e-2
+    A = kernel_system(X, kernel, mu)
+    b = torch.rand(400, dtype=dtype, generator=torch.Generator().manual_seed(2)) - 0.5
+    plain = pcg(A, b, tol=1e-4)
+    P = PivotedCholeskyPreconditioner(X, kernel, mu, rank=100)
+    pre = pcg(A, b, precond=P, tol=1e-4)
+    assert plain.converged.all() and pre.converged.all()
+    assert pre.iterations < plain.iterations
+    assert pre.x.dtype == dtype
+    assert float(pre.rel_residual[0]) < 2e-4
