@@ -21,7 +21,9 @@ import argparse
 import json
 import math
 import platform
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +33,7 @@ from gpnys import datasets
 from gpnys.kernels import base_kernel
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import make_preconditioner
-from gpnys.solvers.pcg import kernel_system, pcg
+from gpnys.solvers.pcg import ConvergenceWarning, kernel_system, pcg
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NA = None  # "not converged within 500" in the paper
@@ -94,14 +96,18 @@ def table_settings(table: str, n3d: int) -> tuple[torch.Tensor, str, list[tuple[
     return X, "matern32", [(c, 20.0, c) for c in cols]
 
 
-def run_column(X, kname, ls, mu, methods, cache, tol, maxiter, seed, ran_rank):
+BASELINES = ("none", "pivchol15", "pivchol_matched", "ran", "sketch", "fsai")
+
+
+def run_column(X, kname, ls, mu, methods, cache, tol, maxiter, seed, ran_rank, baseline_maxiter=None):
     kernel = base_kernel(kname).to(X)
     kernel.lengthscale = ls
-    matmul = kernel_system(X, kernel, mu)
+    matmul = kernel_system(X, kernel, mu, dense_limit_bytes=8 << 30)  # cache K (3.2 GB at n = 20000)
     b = torch.rand(X.shape[0], generator=torch.Generator().manual_seed(seed), dtype=X.dtype) - 0.5
     out = {}
     auto_rank = None
-    for m in methods:
+    # auto runs first so that the rank-matched pivoted Cholesky can use its rank
+    for m in sorted(methods, key=lambda name: name != "auto"):
         opts: dict = {"cache": cache, "seed": seed}
         name = m
         if m == "pivchol15":
@@ -114,8 +120,12 @@ def run_column(X, kname, ls, mu, methods, cache, tol, maxiter, seed, ran_rank):
         P = make_preconditioner(name, X, kernel, mu, **opts)
         setup = time.perf_counter() - t0
         t0 = time.perf_counter()
-        res = pcg(matmul, b, precond=P, tol=tol, maxiter=maxiter, warn=False)
+        cap = baseline_maxiter if (baseline_maxiter and m in BASELINES) else maxiter
+        with warnings.catch_warnings():  # non-convergence is a result here, recorded in the table
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            res = pcg(matmul, b, precond=P, tol=tol, maxiter=cap)
         solve = time.perf_counter() - t0
+        print(f"    [{m}: {int(res.iterations)} it, setup {setup:.1f}s, solve {solve:.1f}s]", file=sys.stderr, flush=True)
         rank = 0 if P is None else int(P.rank)
         if m == "auto":
             auto_rank = min(rank, X.shape[0] // 2) if rank else None
@@ -123,12 +133,13 @@ def run_column(X, kname, ls, mu, methods, cache, tol, maxiter, seed, ran_rank):
             "iterations": int(res.iterations),
             "converged": bool(res.converged.all()),
             "rel_residual": float(res.rel_residual.max()),
+            "maxiter": cap,
             "setup_s": setup,
             "solve_s": solve,
             "rank": rank,
             "summary": {} if P is None else {k: v for k, v in P.summary().items() if isinstance(v, (int, float, str, bool))},
         }
-    return out
+    return {m: out[m] for m in methods}
 
 
 def fmt_iter(v):
@@ -147,12 +158,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--maxiter", type=int, default=500)
     ap.add_argument("--ran-rank", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--columns", default=None,
+                    help="comma-separated column positions to run per table (default: all listed in PAPER)")
+    ap.add_argument("--baseline-maxiter", type=int, default=None,
+                    help="iteration cap for the baselines (none/pivchol/ran/sketch/fsai); default --maxiter")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/pcg_tables[_quick].json)")
     args = ap.parse_args(argv)
-    torch.set_default_dtype(torch.float64)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tables = [t for t in args.tables.split(",") if t]
     methods = [m for m in args.methods.split(",") if m]
     results: dict = {"meta": {"quick": args.quick, "n3d": args.n, "tol": args.tol, "maxiter": args.maxiter,
+                              "baseline_maxiter": args.baseline_maxiter, "argv": sys.argv[1:] if argv is None else argv,
                               "machine": platform.platform(), "threads": torch.get_num_threads()}, "tables": {}}
     for table in tables:
         X, kname, cols = table_settings(table, 600 if args.quick else args.n)
@@ -160,13 +178,16 @@ def main(argv=None) -> dict:
             if table == "3b":
                 X = X[:600]
             cols = cols[:2]
+        elif args.columns:
+            cols = [cols[int(i)] for i in args.columns.split(",")]
         ran_rank = min(args.ran_rank, X.shape[0] // 4)
         cache = PointCache(X)
         rows = []
         print(f"\n{TITLES[table]}  (n = {X.shape[0]}, d = {X.shape[1]})")
         print(f"{'column':>8} {'ell':>8} {'mu':>8} " + " ".join(f"{m:>15}" for m in methods) + "   paper: none/afn/ran/fsai")
         for label, ls, mu in cols:
-            out = run_column(X, kname, ls, mu, methods, cache, args.tol, args.maxiter, args.seed, ran_rank)
+            out = run_column(X, kname, ls, mu, methods, cache, args.tol, args.maxiter, args.seed, ran_rank,
+                             args.baseline_maxiter)
             paper = PAPER[table][label]
             rows.append({"column": label, "lengthscale": ls, "mu": mu, "results": out, "paper": paper})
             cells = []

@@ -11,31 +11,11 @@ from gpnys.precond.base import NumericalWarning
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner, SparseTriangular, fsai_factor
 from gpnys.precond.knn import causal_knn
+from helpers import dense_A, dense_P, make_kernel, points
 
 F64 = torch.float64
 # Length-scales small / mid / large relative to the spread of uniform points in [0, 1]^d.
 LENGTHSCALES = {3: (0.05, 0.3, 3.0), 18: (0.3, 1.5, 10.0)}
-KERNELS = {"rbf": gpytorch.kernels.RBFKernel, "matern32": lambda: gpytorch.kernels.MaternKernel(nu=1.5)}
-
-
-def make_kernel(name, ls):
-    kern = KERNELS[name]()
-    kern.lengthscale = ls
-    return kern
-
-
-def points(n, d, dtype=F64, seed=0):
-    return torch.rand(n, d, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def dense_A(X, kern, mu):
-    with torch.no_grad():
-        K = kern(X).to_dense().to(X.dtype)
-    return K + mu * torch.eye(X.shape[0], dtype=X.dtype)
-
-
-def dense_P(P):
-    return P.matmul(torch.eye(P.n, dtype=P.dtype))
 
 
 def brute_force_causal_knn(X, w):

@@ -10,6 +10,7 @@ import torch
 from gpnys import landmarks
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.nystrom import NystromPreconditioner
+from helpers import dense_P, make_kernel, points
 
 MU = 0.05
 N = 240
@@ -17,35 +18,15 @@ K_RANK = 60
 LS_FACTORS = (0.2, 1.0, 5.0)  # length-scale = factor * sqrt(d): near-diagonal K, middle, near-low-rank K
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The matrices here are tiny (n <= 300): intra-op threads only add OpenMP spin-wait overhead, which on a
-    shared 2-core machine made this module ~10x slower. Restores the previous setting afterwards."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def points(n, d, seed=0, dtype=torch.float64):
+def normal_points(n, d, seed=0, dtype=torch.float64):
     """Standard normal points; typical pairwise distance ~ sqrt(2 d)."""
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
-
-
-def make_kernel(name, lengthscale):
-    kern = gpytorch.kernels.RBFKernel() if name == "rbf" else gpytorch.kernels.MaternKernel(nu=1.5)
-    kern.lengthscale = lengthscale
-    return kern
 
 
 def dense_K(X, kern):
     """Reference dense unit-variance K in float64."""
     with torch.no_grad():
         return kern.forward(X.double(), X.double()).double()
-
-
-def dense_P(P):
-    return P.matmul(torch.eye(P.n, dtype=P.dtype, device=P.device))
 
 
 GRID = list(
@@ -61,7 +42,7 @@ def grid_id(case):
 @pytest.mark.parametrize("case", GRID, ids=[grid_id(c) for c in GRID])
 def test_solve_matmul_logdet_factor(case, dtype):
     d, kname, factor, sampling, scaling = case
-    X = points(N, d, seed=d, dtype=dtype)
+    X = normal_points(N, d, seed=d, dtype=dtype)
     kern = make_kernel(kname, factor * math.sqrt(d))
     P = NystromPreconditioner(X, kern, MU, K_RANK, sampling=sampling, scaling=scaling)
     assert isinstance(P, Preconditioner) and P.rank == K_RANK and P.n == N
@@ -109,7 +90,7 @@ def test_solve_matmul_logdet_factor(case, dtype):
 @pytest.mark.parametrize("sampling,scaling", list(itertools.product(("column", "sketch"), ("stable", "ran"))))
 def test_empirical_covariance_of_samples(sampling, scaling):
     n = 64
-    X = points(n, 3, seed=5)
+    X = normal_points(n, 3, seed=5)
     P = NystromPreconditioner(X, make_kernel("matern", 1.5), MU, 16, sampling=sampling, scaling=scaling)
     S = P.sample(20000, generator=torch.Generator().manual_seed(3))
     assert S.shape == (n, 20000) and S.dtype == torch.float64
@@ -122,7 +103,7 @@ def test_empirical_covariance_of_samples(sampling, scaling):
 @pytest.mark.parametrize("sampling", ["column", "sketch"])
 def test_full_rank_equals_K_plus_mu(kname, factor, sampling):
     n, d = 150, 3
-    X = points(n, d, seed=2)
+    X = normal_points(n, d, seed=2)
     kern = make_kernel(kname, factor * math.sqrt(d))
     P = NystromPreconditioner(X, kern, MU, n, sampling=sampling, scaling="stable")
     A = dense_K(X, kern) + MU * torch.eye(n, dtype=torch.float64)
@@ -135,7 +116,7 @@ def test_full_rank_equals_K_plus_mu(kname, factor, sampling):
 @pytest.mark.parametrize("landmarks_rule", ["fps", "uniform"])
 def test_matches_textbook_nystrom_when_well_conditioned(landmarks_rule):
     n, d, k = 300, 3, 40
-    X = points(n, d, seed=4)
+    X = normal_points(n, d, seed=4)
     kern = make_kernel("matern", 0.5)  # short length-scale: K11 well conditioned
     P = NystromPreconditioner(X, kern, MU, k, landmarks=landmarks_rule)
     K = dense_K(X, kern)
@@ -158,7 +139,7 @@ def nystrom_error(P, K):
 def test_fps_beats_uniform_on_average():
     # Fixed data and seeds: deterministic. FPS vs the mean over 5 uniform draws, in several settings.
     n, d = 300, 3
-    X = torch.rand(n, d, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 10.0
+    X = points(n, d, seed=7, scale=10.0)
     wins, total = 0, 0
     for kname, ls, k in [("rbf", 2.0, 30), ("rbf", 3.0, 20), ("matern", 3.0, 40), ("matern", 5.0, 25)]:
         kern = make_kernel(kname, ls)
@@ -173,7 +154,7 @@ def test_fps_beats_uniform_on_average():
 
 
 def test_given_landmark_indices_match_fps_and_use_prefix():
-    X = points(200, 3, seed=8)
+    X = normal_points(200, 3, seed=8)
     kern = make_kernel("rbf", 1.0)
     order = landmarks.fps(X, 50).indices
     P1 = NystromPreconditioner(X, kern, MU, 30, landmarks="fps")
@@ -184,7 +165,7 @@ def test_given_landmark_indices_match_fps_and_use_prefix():
 
 
 def test_scale_kernel_outputscale_is_stripped():
-    X = points(120, 3, seed=9)
+    X = normal_points(120, 3, seed=9)
     base = make_kernel("matern", 1.0)
     scaled = gpytorch.kernels.ScaleKernel(make_kernel("matern", 1.0))
     scaled.outputscale = 3.0
@@ -194,7 +175,7 @@ def test_scale_kernel_outputscale_is_stripped():
 
 
 def test_summary_fields():
-    X = points(100, 3, seed=10)
+    X = normal_points(100, 3, seed=10)
     P = NystromPreconditioner(X, make_kernel("rbf", 1.0), MU, 10, landmarks="uniform", scaling="ran", seed=3)
     s = P.summary()
     keys = ("kind", "n", "rank", "mu", "shifts", "setup_s", "sampling", "landmarks", "scaling", "lam_max", "lam_min", "nu")
@@ -208,7 +189,7 @@ def test_summary_fields():
 
 
 def test_seeded_reproducibility():
-    X = points(150, 18, seed=11)
+    X = normal_points(150, 18, seed=11)
     kern = make_kernel("matern", 4.0)
     for kw in ({"landmarks": "uniform"}, {"sampling": "sketch"}, {"landmarks": "fps"}):
         a = NystromPreconditioner(X, kern, MU, 20, seed=5, **kw)
@@ -225,7 +206,7 @@ def test_seeded_reproducibility():
 
 
 def test_float32_runs_in_float32():
-    X = points(100, 3, seed=12, dtype=torch.float32)
+    X = normal_points(100, 3, seed=12, dtype=torch.float32)
     for sampling in ("column", "sketch"):
         P = NystromPreconditioner(X, make_kernel("rbf", 1.0), MU, 20, sampling=sampling)
         outs = (P.U, P.lam, P.range_eigs, P.solve(torch.ones(100)), P.matmul(torch.ones(100, 2)), P.logdet(), P.sample(3))
@@ -258,7 +239,7 @@ def test_float32_runs_in_float32():
     ],
 )
 def test_bad_arguments(kwargs, match):
-    X = points(50, 3, seed=13)
+    X = normal_points(50, 3, seed=13)
     args = {"mu": MU, "k": 5}
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
@@ -281,7 +262,7 @@ def test_bad_points(X):
 
 
 def test_wrong_rhs_rows():
-    X = points(40, 3, seed=14)
+    X = normal_points(40, 3, seed=14)
     P = NystromPreconditioner(X, make_kernel("rbf", 1.0), MU, 5)
     with pytest.raises(ValueError):
         P.solve(torch.ones(39, dtype=torch.float64))

@@ -11,15 +11,7 @@ import torch
 from gpnys.precond.base import NumericalWarning
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.solvers import ConvergenceWarning, PCGResult, kernel_system, pcg
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small dense problems: one BLAS thread avoids OpenMP oversubscription on shared 2-core runners."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from helpers import make_kernel, points
 
 
 def spd(n: int, cond: float = 100.0, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -130,13 +122,9 @@ def test_initial_guess_and_bad_input():
         pcg(lambda v: A @ v, b, precond=3)
 
 
-def _cube(n: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
-    return torch.rand(n, 3, dtype=dtype, generator=torch.Generator().manual_seed(seed)) * 5
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kernel_system_dense_and_blocked(dtype):
-    X = _cube(300, dtype)
+    X = points(300, dtype=dtype, scale=5.0)
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).to(dtype)
     kernel.outputscale = 4.0  # stripped: K has unit variance
     dense = kernel_system(X, kernel, 0.1)
@@ -154,9 +142,8 @@ def test_kernel_system_dense_and_blocked(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_pcg_kernel_system_with_preconditioner(dtype):
-    X = _cube(400, dtype, seed=1)
-    kernel = gpytorch.kernels.RBFKernel().to(dtype)
-    kernel.lengthscale = 1.0
+    X = points(400, dtype=dtype, seed=1, scale=5.0)
+    kernel = make_kernel("rbf", 1.0, dtype)
     mu = 1e-2
     A = kernel_system(X, kernel, mu)
     b = torch.rand(400, dtype=dtype, generator=torch.Generator().manual_seed(2)) - 0.5

@@ -10,28 +10,17 @@ import torch
 
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.pivchol import KernelRowsOperator, PivotedCholeskyPreconditioner
+from helpers import points
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small dense problems: one BLAS thread avoids OpenMP oversubscription on shared 2-core runners."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def points(n: int, d: int = 3, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
-    return torch.rand(n, d, dtype=dtype, generator=torch.Generator().manual_seed(seed)) * 4
-
-
-def dense_P(P: PivotedCholeskyPreconditioner) -> torch.Tensor:
+def explicit_P(P: PivotedCholeskyPreconditioner) -> torch.Tensor:
+    """Reference P = L L^T + mu I formed from the factor (independent of P.matmul)."""
     return P.L @ P.L.mT + P.mu * torch.eye(P.n, dtype=P.L.dtype)
 
 
 @pytest.mark.parametrize("kernel_cls", [gpytorch.kernels.RBFKernel, lambda: gpytorch.kernels.MaternKernel(nu=1.5)])
 def test_factor_matches_gpytorch(kernel_cls):
-    X = points(300)
+    X = points(300, scale=4.0)
     kernel = kernel_cls().double()
     kernel.lengthscale = 1.3
     P = PivotedCholeskyPreconditioner(X, kernel, 1e-2, rank=25)
@@ -46,7 +35,7 @@ def test_factor_matches_gpytorch(kernel_cls):
 
 def test_lazy_path_never_forms_n_by_n():
     n = 400
-    X = points(n)
+    X = points(n, scale=4.0)
     kernel = gpytorch.kernels.RBFKernel().double()
     calls: list[tuple[int, ...]] = []
     orig = kernel.forward
@@ -66,7 +55,7 @@ def test_lazy_path_never_forms_n_by_n():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_solve_matmul_logdet(dtype):
-    X = points(250, dtype=dtype)
+    X = points(250, dtype=dtype, scale=4.0)
     kernel = gpytorch.kernels.MaternKernel(nu=1.5).to(dtype)
     mu = 1e-2
     P = PivotedCholeskyPreconditioner(X, kernel, mu, rank=40)
@@ -74,7 +63,7 @@ def test_solve_matmul_logdet(dtype):
     tol = 1e-3 if dtype == torch.float32 else 1e-9
     torch.testing.assert_close(P.solve(P.matmul(V)), V, rtol=tol, atol=tol)
     torch.testing.assert_close(P.matmul(P.solve(V[:, 0])), V[:, 0], rtol=tol, atol=tol)
-    M = dense_P(P).double()
+    M = explicit_P(P).double()
     ref = torch.linalg.solve(M, V.double())
     assert float(torch.linalg.matrix_norm(P.solve(V).double() - ref) / torch.linalg.matrix_norm(ref)) < tol
     assert P.logdet().dtype == dtype
@@ -83,10 +72,10 @@ def test_solve_matmul_logdet(dtype):
 
 def test_sample_covariance():
     n = 20
-    X = points(n, seed=3)
+    X = points(n, seed=3, scale=4.0)
     kernel = gpytorch.kernels.RBFKernel().double()
     P = PivotedCholeskyPreconditioner(X, kernel, 0.05, rank=5)
-    M = dense_P(P)
+    M = explicit_P(P)
     S = P.sample(40000, generator=torch.Generator().manual_seed(0))
     assert S.shape == (n, 40000)
     emp = S @ S.mT / S.shape[1]
@@ -97,7 +86,7 @@ def test_sample_covariance():
 
 
 def test_scale_kernel_stripped_and_early_stop():
-    X = points(200)
+    X = points(200, scale=4.0)
     base = gpytorch.kernels.RBFKernel().double()
     base.lengthscale = 1.0
     scaled = gpytorch.kernels.ScaleKernel(base).double()
@@ -116,7 +105,7 @@ def test_scale_kernel_stripped_and_early_stop():
 
 
 def test_bad_input():
-    X = points(50)
+    X = points(50, scale=4.0)
     kernel = gpytorch.kernels.RBFKernel().double()
     with pytest.raises(ValueError):
         PivotedCholeskyPreconditioner(X, kernel, 0.0)
@@ -134,7 +123,7 @@ def test_bad_input():
 
 
 def test_rows_operator_entries():
-    X = points(60)
+    X = points(60, scale=4.0)
     kernel = gpytorch.kernels.MaternKernel(nu=2.5).double()
     op = KernelRowsOperator(X, kernel)
     with torch.no_grad():

@@ -9,25 +9,14 @@ import pytest
 import torch
 
 from gpnys.precond.rank import RankEstimate, estimate_rank, nystrom_rel_error, numerical_rank
+from helpers import make_kernel, points
+
+F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small dense problems: one BLAS thread avoids OpenMP oversubscription on shared 2-core runners."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def cube(n: int, edge: float = 10.0, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
-    return torch.rand(n, 3, dtype=dtype, generator=torch.Generator().manual_seed(seed)) * edge
-
-
-def rbf(lengthscale: float, dtype: torch.dtype = torch.float64) -> gpytorch.kernels.RBFKernel:
-    k = gpytorch.kernels.RBFKernel().to(dtype)
-    k.lengthscale = lengthscale
-    return k
+def cube(n: int, edge: float = 10.0, seed: int = 0) -> torch.Tensor:
+    """Uniform float64 points in a cube of the given edge (paper Fig. 5 uses edge 10)."""
+    return points(n, seed=seed, scale=edge)
 
 
 def true_rank(X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float) -> int:
@@ -40,7 +29,7 @@ def true_rank(X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float) -> in
 def fig5():
     """Paper Fig. 5: 1000 uniform points in a cube of edge 10, Gaussian l = 5 (GPyTorch 5/sqrt 2), mu = 1e-4."""
     X = cube(1000, seed=1)
-    kernel = rbf(5 / math.sqrt(2))
+    kernel = make_kernel("rbf", 5 / math.sqrt(2), F64)
     return X, kernel, 1e-4, true_rank(X, kernel, 1e-4)
 
 
@@ -59,32 +48,34 @@ def test_fig5_window(fig5):
 def test_fig5_float32_matches_float64(fig5):
     X, kernel, mu, truth = fig5
     e64 = estimate_rank(X, kernel, mu, m=300, reps=2)
-    e32 = estimate_rank(X.float(), rbf(5 / math.sqrt(2), torch.float32), mu, m=300, reps=2)
+    e32 = estimate_rank(X.float(), make_kernel("rbf", 5 / math.sqrt(2), torch.float32), mu, m=300, reps=2)
     assert abs(e32.k - e64.k) <= 0.1 * e64.k
     assert 0.5 * truth <= e32.k <= 2 * truth
     # staying in float32 for the m x m work still runs (less accurate counts for small mu)
-    e32w = estimate_rank(X.float(), rbf(5 / math.sqrt(2), torch.float32), 1e-2, m=200, reps=1, work_dtype=torch.float32)
+    k32 = make_kernel("rbf", 5 / math.sqrt(2), torch.float32)
+    e32w = estimate_rank(X.float(), k32, 1e-2, m=200, reps=1, work_dtype=torch.float32)
     assert 1 <= e32w.k <= 1000
 
 
 def test_extreme_lengthscales():
     X = cube(1000)
-    big = estimate_rank(X, rbf(1000.0), 1e-4, m=200)
+    big = estimate_rank(X, make_kernel("rbf", 1000.0, F64), 1e-4, m=200)
     assert big.k <= 30  # truth is 4
-    tiny = estimate_rank(X, rbf(0.1), 1e-4, m=200)
+    tiny = estimate_rank(X, make_kernel("rbf", 0.1, F64), 1e-4, m=200)
     assert tiny.k == 1000  # K ~ I: every eigenvalue exceeds 0.1 mu
 
 
 def test_monotone_in_lengthscale():
     X = cube(1000, seed=2)
-    ks = [estimate_rank(X, rbf(ls), 1e-4, m=200, reps=2).k for ls in (0.5, 2.0, 4.0, 8.0, 30.0, 200.0)]
+    lengthscales = (0.5, 2.0, 4.0, 8.0, 30.0, 200.0)
+    ks = [estimate_rank(X, make_kernel("rbf", ls, F64), 1e-4, m=200, reps=2).k for ls in lengthscales]
     assert all(a >= b for a, b in zip(ks, ks[1:])), ks
     assert ks[0] > 5 * ks[-1]
 
 
 def test_scaled_nystrom_branch():
     X = cube(1000)
-    est = estimate_rank(X, rbf(0.3), 1e-4, m=200, max_k=100)
+    est = estimate_rank(X, make_kernel("rbf", 0.3, F64), 1e-4, m=200, max_k=100)
     assert est.branch == "scaled-nystrom"
     assert est.k == min(math.ceil(max(est.r_per_rep) * 1000 / 200), 1000) >= 100
     assert "counts" not in est.details
@@ -92,8 +83,7 @@ def test_scaled_nystrom_branch():
 
 def test_whole_set_is_exact_when_n_le_m():
     X = cube(150, edge=5.0)
-    kernel = gpytorch.kernels.MaternKernel(nu=1.5).double()
-    kernel.lengthscale = 2.0
+    kernel = make_kernel("matern32", 2.0, F64)
     est = estimate_rank(X, kernel, 1e-3, m=500)
     assert est.m == 150 and est.details["whole_set"] and len(est.r_per_rep) == 1
     assert est.k == true_rank(X, kernel, 1e-3)
@@ -101,35 +91,36 @@ def test_whole_set_is_exact_when_n_le_m():
 
 def test_ard_scale_and_matern():
     X = cube(600)
-    iso = estimate_rank(X, rbf(3.0), 1e-3, m=200, reps=2)
+    iso = estimate_rank(X, make_kernel("rbf", 3.0, F64), 1e-3, m=200, reps=2)
     ard = gpytorch.kernels.RBFKernel(ard_num_dims=3).double()
     ard.lengthscale = torch.tensor([[3.0, 3.0, 3.0]])
     assert estimate_rank(X, ard, 1e-3, m=200, reps=2).k == iso.k
-    scaled = gpytorch.kernels.ScaleKernel(rbf(3.0)).double()
+    scaled = gpytorch.kernels.ScaleKernel(make_kernel("rbf", 3.0, F64)).double()
     scaled.outputscale = 5.0  # stripped: mu is relative to the unit-variance kernel
     assert estimate_rank(X, scaled, 1e-3, m=200, reps=2).k == iso.k
     # anisotropic: stretching one axis (longer lengthscale) lowers the rank
     ard.lengthscale = torch.tensor([[3.0, 3.0, 30.0]])
     assert estimate_rank(X, ard, 1e-3, m=200, reps=2).k < iso.k
-    mat = gpytorch.kernels.MaternKernel(nu=1.5).double()
-    mat.lengthscale = 3.0
+    mat = make_kernel("matern32", 3.0, F64)
     em = estimate_rank(X, mat, 1e-3, m=200, reps=2)
     assert iso.k < em.k <= 600  # Matern-3/2 decays slower than the Gaussian
 
 
 def test_reproducible_and_seeded():
     X = cube(800)
-    a = estimate_rank(X, rbf(2.0), 1e-4, m=150, seed=3)
-    b = estimate_rank(X, rbf(2.0), 1e-4, m=150, seed=3)
+    a = estimate_rank(X, make_kernel("rbf", 2.0, F64), 1e-4, m=150, seed=3)
+    b = estimate_rank(X, make_kernel("rbf", 2.0, F64), 1e-4, m=150, seed=3)
     assert a.k == b.k and a.r_per_rep == b.r_per_rep and a.details["counts"] == b.details["counts"]
-    others = {tuple(estimate_rank(X, rbf(2.0), 1e-4, m=150, seed=s).details["counts"]) for s in range(4)}
+    others = {
+        tuple(estimate_rank(X, make_kernel("rbf", 2.0, F64), 1e-4, m=150, seed=s).details["counts"]) for s in range(4)
+    }
     assert len(others) > 1  # the seed does change the subsamples
 
 
 def test_nystrom_rel_error_matches_definition():
     X = cube(120, edge=6.0)
     with torch.no_grad():
-        K = rbf(1.0)(X).to_dense()
+        K = make_kernel("rbf", 1.0, F64)(X).to_dense()
     for r in (1, 10, 60, 120):
         C = K[:, :r]
         ref = torch.linalg.matrix_norm(K - C @ torch.linalg.solve(C[:r], C.mT)) / torch.linalg.matrix_norm(K)
@@ -138,7 +129,7 @@ def test_nystrom_rel_error_matches_definition():
 
 def test_bad_input():
     X = cube(100)
-    k = rbf(1.0)
+    k = make_kernel("rbf", 1.0, F64)
     for kwargs in ({"mu": 0.0}, {"mu": -1.0}, {"mu": float("nan")}, {"m": 1}, {"reps": 0}, {"tol": 0.0}, {"tol": 1.5}):
         args = {"mu": 1e-3, **kwargs}
         with pytest.raises(ValueError):
@@ -153,7 +144,7 @@ def test_bad_input():
 
 def test_refine_n_emulates_a_larger_set():
     X = cube(1000)
-    k = rbf(4.0)
+    k = make_kernel("rbf", 4.0, F64)
     a = estimate_rank(X, k, 1e-4, m=200, max_k=400)
     b = estimate_rank(X, k, 1e-4, m=200, max_k=400, refine_n=1000)
     assert a.details["emulated_n"] == 400 and b.details["emulated_n"] == 1000

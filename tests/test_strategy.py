@@ -1,7 +1,6 @@
 import json
 import warnings
 
-import gpytorch
 import pytest
 import torch
 
@@ -10,33 +9,25 @@ from gpnys.precond.base import NumericalWarning
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import PRECONDITIONERS, AutoPreconditioner, make_preconditioner
 from gpnys.solvers.pcg import kernel_system, pcg
+from helpers import dense_A, dense_P, make_kernel, points
+
+F64 = torch.float64
 
 
-def cube(n, d=3, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(n, d, generator=g, dtype=dtype) * n ** (1.0 / d)
-
-
-def matern(ls, dtype=torch.float64):
-    k = gpytorch.kernels.MaternKernel(nu=1.5).to(dtype)
-    k.lengthscale = ls
-    return k
-
-
-def dense_A(X, kernel, mu):
-    with torch.no_grad():
-        return kernel(X).to_dense() + mu * torch.eye(X.shape[0], dtype=X.dtype)
+def cube(n, dtype=torch.float64):
+    """n uniform points at unit density: a 3-d cube of edge n^(1/3)."""
+    return points(n, 3, dtype=dtype, scale=n ** (1.0 / 3))
 
 
 @pytest.mark.parametrize("ls, expected", [(50.0, "nystrom"), (0.7, "afn")])
 def test_auto_switches_on_estimated_rank(ls, expected):
     X = cube(400)
-    P = AutoPreconditioner(X, matern(ls), 1e-3, max_k=60, w=20, m=100)
+    P = AutoPreconditioner(X, make_kernel("matern32", ls, F64), 1e-3, max_k=60, w=20, m=100)
     assert P.choice == expected
     s = P.summary()
     assert s["choice"] == expected and s["estimated_rank"] == P.estimate.k
-    A = dense_A(X, matern(ls), 1e-3)
-    Pd = P.matmul(torch.eye(400, dtype=X.dtype))
+    A = dense_A(X, make_kernel("matern32", ls, F64), 1e-3)
+    Pd = dense_P(P)
     torch.testing.assert_close(P.solve(Pd), torch.eye(400, dtype=X.dtype), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(P.logdet(), torch.logdet(Pd), rtol=1e-8, atol=1e-6)
     # the preconditioner approximates A: the preconditioned spectrum is much tighter than A's
@@ -46,7 +37,7 @@ def test_auto_switches_on_estimated_rank(ls, expected):
 
 def test_afn_beats_plain_cg_mid_lengthscale(dtype):
     X = cube(600, dtype=dtype)
-    kern = matern(3.0, dtype)
+    kern = make_kernel("matern32", 3.0, dtype)
     mu = 1e-4
     b = torch.rand(600, generator=torch.Generator().manual_seed(1), dtype=dtype) - 0.5
     A = kernel_system(X, kern, mu)
@@ -63,7 +54,7 @@ def test_afn_beats_plain_cg_mid_lengthscale(dtype):
 @pytest.mark.parametrize("name", PRECONDITIONERS)
 def test_every_named_preconditioner_solves(name):
     X = cube(300)
-    kern = matern(2.0)
+    kern = make_kernel("matern32", 2.0, F64)
     P = make_preconditioner(name, X, kern, 1e-2, cache=PointCache(X), rank=40, k=50, w=20)
     b = torch.rand(300, generator=torch.Generator().manual_seed(2), dtype=X.dtype)
     res = pcg(kernel_system(X, kern, 1e-2), b, precond=P, tol=1e-8, maxiter=1000)
@@ -74,9 +65,10 @@ def test_every_named_preconditioner_solves(name):
 def test_auto_is_reproducible_and_reuses_cache():
     X = cube(300)
     cache = PointCache(X)
-    a = AutoPreconditioner(X, matern(1.0), 1e-3, max_k=40, w=10, m=80, seed=3, cache=cache)
+    kw = dict(max_k=40, w=10, m=80, seed=3, cache=cache)
+    a = AutoPreconditioner(X, make_kernel("matern32", 1.0, F64), 1e-3, **kw)
     misses = cache.misses
-    b = AutoPreconditioner(X, matern(1.0), 1e-3, max_k=40, w=10, m=80, seed=3, cache=cache)
+    b = AutoPreconditioner(X, make_kernel("matern32", 1.0, F64), 1e-3, **kw)
     assert cache.misses == misses  # FPS order and kNN pattern came from the cache
     v = torch.randn(300, 2, dtype=X.dtype, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a.solve(v), b.solve(v))
@@ -86,15 +78,15 @@ def test_auto_is_reproducible_and_reuses_cache():
 def test_bad_input():
     X = cube(50)
     with pytest.raises(ValueError, match="preconditioner"):
-        make_preconditioner("ilu", X, matern(1.0), 1e-2)
+        make_preconditioner("ilu", X, make_kernel("matern32", 1.0, F64), 1e-2)
     with pytest.raises(ValueError, match="mu"):
-        AutoPreconditioner(X, matern(1.0), 0.0)
+        AutoPreconditioner(X, make_kernel("matern32", 1.0, F64), 0.0)
     with pytest.raises(ValueError, match="max_k"):
-        AutoPreconditioner(X, matern(1.0), 1e-2, max_k=0)
+        AutoPreconditioner(X, make_kernel("matern32", 1.0, F64), 1e-2, max_k=0)
     bad = X.clone()
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        AutoPreconditioner(bad, matern(1.0), 1e-2)
+        AutoPreconditioner(bad, make_kernel("matern32", 1.0, F64), 1e-2)
 
 
 def test_cli_pcg_json(capsys):

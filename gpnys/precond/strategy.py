@@ -35,10 +35,13 @@ class AutoPreconditioner(Preconditioner):
     """Algorithm 5: Nyström (FPS, rank k) if the estimated rank ``k < max_k``, else AFN (``max_k`` landmarks).
 
     Args:
-        X: ``(n, d)`` points; kernel: GPyTorch kernel (a ``ScaleKernel`` is unwrapped); mu: shift ``> 0``.
+        X: ``(n, d)`` points.
+        kernel: GPyTorch kernel (a ``ScaleKernel`` is unwrapped).
+        mu: shift ``> 0``.
         max_k: the switch threshold and AFN landmark cap (paper: 2000).
         w: FSAI nonzeros per row inside AFN (paper: 100).
-        m, reps: rank-estimation subsample size and repetitions (Algorithm 4; code default 3 repetitions).
+        m: rank-estimation subsample size (Algorithm 4).
+        reps: rank-estimation repetitions (the authors' code uses 3).
         seed: seeds the rank-estimation subsamples and uniform landmarks.
         cache: reuse FPS order / kNN patterns across hyperparameter steps on the same X.
 

@@ -1,0 +1,44 @@
+"""Shared test helpers: seeded point sets, kernels and dense reference matrices.
+
+Imported as ``from helpers import ...``: ``tests/`` has no ``__init__.py``, so pytest's default (prepend) import
+mode puts this directory on ``sys.path`` when it collects the test modules.
+"""
+
+import gpytorch
+import torch
+
+KERNELS = {
+    "rbf": gpytorch.kernels.RBFKernel,
+    "matern32": lambda: gpytorch.kernels.MaternKernel(nu=1.5),
+    "matern": lambda: gpytorch.kernels.MaternKernel(nu=1.5),  # alias of "matern32" (test ids in test_nystrom)
+}
+
+
+def points(n, d=3, dtype=torch.float64, seed=0, scale=1.0):
+    """n uniform points in [0, scale]^d drawn from a CPU generator seeded with ``seed``."""
+    return torch.rand(n, d, generator=torch.Generator().manual_seed(seed), dtype=dtype) * scale
+
+
+def make_kernel(name, lengthscale, dtype=None):
+    """A unit-variance "rbf" or "matern32" (Matern nu = 1.5) kernel with the given length-scale.
+
+    With ``dtype`` the kernel is converted first, so the length-scale is set in that precision; without it the
+    parameters keep GPyTorch's default dtype.
+    """
+    kern = KERNELS[name]()
+    if dtype is not None:
+        kern = kern.to(dtype)
+    kern.lengthscale = lengthscale
+    return kern
+
+
+def dense_A(X, kern, mu):
+    """Dense K(X, X) + mu I in the dtype of X."""
+    with torch.no_grad():
+        K = kern(X).to_dense().to(X.dtype)
+    return K + mu * torch.eye(X.shape[0], dtype=X.dtype)
+
+
+def dense_P(P):
+    """The preconditioner as a dense matrix: P applied to the identity."""
+    return P.matmul(torch.eye(P.n, dtype=P.dtype, device=P.device))
