@@ -1,0 +1,339 @@
+"""Drop-in gpnys preconditioners for GPyTorch's marginal-likelihood training (CG + stochastic Lanczos quadrature).
+
+One line around an existing training loop::
+
+    with gpnys.use_preconditioner(model, "auto"):      # or gpnys.AFNPreconditioner, "afn", "nystrom", ...
+        loss = -mll(model(x), y); loss.backward()
+
+How it hooks in. GPyTorch's ``GaussianLikelihood.marginal`` returns ``K̂ = s² K + σ² I`` as an
+``AddedDiagLinearOperator``, whose ``_preconditioner()`` honours a ``preconditioner_override``. But
+``MultivariateNormal.log_prob`` first calls ``covar.evaluate_kernel()``, and
+``AddedDiagLinearOperator.evaluate_kernel`` rebuilds the sum *without* the override (gpytorch 1.15.2 /
+linear_operator 0.6.1), so an override set naively is silently dropped and GPyTorch's rank-15 pivoted
+Cholesky runs instead. Here the likelihood's ``marginal`` is wrapped (for this model's likelihood only, and
+only inside the context) to return a :class:`PreconditionedAddedDiag`, whose ``evaluate_kernel`` keeps the
+override. The override captures the model's training inputs and kernel, and builds the gpnys preconditioner
+``P`` of ``K + μI`` with ``μ = σ²/s²`` for the *current* hyperparameters (rebuilt whenever they change,
+re-estimating the rank; FPS order and kNN patterns are reused through one
+:class:`~gpnys.precond.cache.PointCache`). GPyTorch then gets
+
+* ``P̂⁻¹ r = P⁻¹ r / s²`` for preconditioned CG,
+* ``log det P̂ = n log s² + log det P`` exactly, so ``log det K̂ = log det P̂ + SLQ(P̂^{-1/2} K̂ P̂^{-1/2})``,
+* probes ``z ~ N(0, P̂)`` drawn through the preconditioner's factor (:class:`PreconditionerOperator`).
+
+Estimator settings (CG tolerance, probe count, Lanczos steps) are applied through ``gpytorch.settings``
+inside the context; see :class:`EstimatorSettings`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import gpytorch
+import torch
+from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
+
+from gpnys.kernels.entries import split_outputscale
+from gpnys.precond.base import NumericalWarning, Preconditioner
+from gpnys.precond.cache import PointCache
+from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
+from gpnys.precond.strategy import PRECONDITIONERS, make_preconditioner
+
+__all__ = ["use_preconditioner", "PreconditionerHook", "EstimatorSettings", "PreconditionerOperator",
+           "PreconditionedAddedDiag"]
+
+
+@dataclass
+class EstimatorSettings:
+    """Accuracy knobs of GPyTorch's CG + SLQ estimator, applied inside :func:`use_preconditioner`.
+
+    Attributes:
+        cg_tolerance: relative residual at which CG stops (GPyTorch's training default is 1.0, a large part
+            of its error; with a good preconditioner a tight tolerance costs few iterations).
+        max_cg_iterations: CG iteration cap.
+        num_probes: Hutchinson / SLQ probe vectors (``num_trace_samples``).
+        lanczos_steps: maximum Lanczos steps kept for the quadrature (``max_lanczos_quadrature_iterations``).
+        variance_reduction: add the preconditioner control variate to the log-det gradient
+            (:meth:`PreconditionerHook.control_variate`) when the preconditioner supports it.
+    """
+
+    cg_tolerance: float = 1e-4
+    max_cg_iterations: int = 1000
+    num_probes: int = 16
+    lanczos_steps: int = 30
+    variance_reduction: bool = True
+
+    def context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(gpytorch.settings.max_cholesky_size(0))
+        stack.enter_context(gpytorch.settings.cg_tolerance(self.cg_tolerance))
+        stack.enter_context(gpytorch.settings.eval_cg_tolerance(min(self.cg_tolerance, 1e-2)))
+        stack.enter_context(gpytorch.settings.max_cg_iterations(self.max_cg_iterations))
+        stack.enter_context(gpytorch.settings.num_trace_samples(self.num_probes))
+        stack.enter_context(gpytorch.settings.max_lanczos_quadrature_iterations(self.lanczos_steps))
+        return stack
+
+
+class PreconditionerOperator(LinearOperator):
+    """``scale * P`` as a symmetric ``LinearOperator`` (``(n, n)``), for GPyTorch's probe sampling.
+
+    ``zero_mean_mvn_samples(num)`` draws from ``N(0, scale P)`` through the preconditioner's factor.
+    """
+
+    def __init__(self, scale: torch.Tensor, precond: Preconditioner) -> None:
+        super().__init__(scale, precond=precond)
+        self.scale = scale
+        self.precond = precond
+
+    def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.precond.matmul(rhs)
+
+    def _size(self) -> torch.Size:
+        return torch.Size([self.precond.n, self.precond.n])
+
+    def _transpose_nonbatch(self) -> "PreconditionerOperator":
+        return self
+
+    def zero_mean_mvn_samples(self, num_samples: int) -> torch.Tensor:
+        return (self.scale.sqrt() * self.precond.sample(num_samples)).mT  # (num_samples, n)
+
+
+class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
+    """The marginal ``N(m, K̂)`` whose ``log_prob`` adds the preconditioner control variate to the gradient.
+
+    ``log_prob = GPyTorch's log_prob − ½ (C − stop_grad(C))``: the value is unchanged, the gradient of the
+    log-determinant term becomes the variance-reduced estimator (see :meth:`PreconditionerHook.control_variate`).
+    """
+
+    _gpnys_hook: "PreconditionerHook | None" = None
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        hook = self._gpnys_hook
+        if hook is not None:
+            hook.last_probes = None
+        res = super().log_prob(value)
+        if hook is not None and hook.variance_reduction and torch.is_grad_enabled():
+            C = hook.control_variate()
+            if C is not None:
+                res = res - 0.5 * (C - C.detach())
+        return res
+
+
+class PreconditionedAddedDiag(AddedDiagLinearOperator):
+    """An ``AddedDiagLinearOperator`` whose ``preconditioner_override`` survives ``evaluate_kernel()``."""
+
+    def evaluate_kernel(self) -> "PreconditionedAddedDiag":
+        evaluated = super().evaluate_kernel()
+        return PreconditionedAddedDiag(
+            evaluated._linear_op, evaluated._diag_tensor, preconditioner_override=self.preconditioner_override
+        )
+
+
+@dataclass
+class StepRecord:
+    """One preconditioner build: hyperparameters it was built for and what was chosen."""
+
+    mu: float
+    outputscale: float
+    rank: int
+    kind: str
+    setup_s: float
+    fallback: bool = False
+
+
+class PreconditionerHook:
+    """Builds and serves gpnys preconditioners for one ``ExactGP`` (see :func:`use_preconditioner`).
+
+    Attributes:
+        builds: number of preconditioner builds; applications: number of ``P̂⁻¹`` applications by CG;
+        samples: probe draws through the factor; history: one :class:`StepRecord` per build.
+    """
+
+    def __init__(
+        self,
+        model: gpytorch.models.ExactGP,
+        method: str | type[Preconditioner] = "auto",
+        settings: EstimatorSettings | None = None,
+        seed: int = 0,
+        **options: Any,
+    ) -> None:
+        if not isinstance(model, gpytorch.models.ExactGP):
+            raise ValueError(f"model must be a gpytorch.models.ExactGP, got {type(model).__name__}")
+        if not isinstance(model.likelihood, gpytorch.likelihoods.GaussianLikelihood):
+            raise ValueError("model.likelihood must be a GaussianLikelihood (homoskedastic noise)")
+        if isinstance(method, str) and method not in PRECONDITIONERS:
+            raise ValueError(f"method must be one of {PRECONDITIONERS} or a Preconditioner class, got {method!r}")
+        if isinstance(method, str) and method == "none":
+            raise ValueError("method 'none' would disable preconditioning; use GPyTorch without the hook instead")
+        if not isinstance(method, str) and not (isinstance(method, type) and issubclass(method, Preconditioner)):
+            raise ValueError(f"method must be a name or a Preconditioner subclass, got {method!r}")
+        self.model = model
+        self.method = method
+        self.settings = settings or EstimatorSettings()
+        self.seed = seed
+        self.options = options
+        X = model.train_inputs[0]
+        if X.dim() != 2:
+            raise ValueError(f"train inputs must be (n, d) (batched models are not supported), got {tuple(X.shape)}")
+        self.cache = PointCache(X)
+        self.builds = 0
+        self.applications = 0
+        self.samples = 0
+        self.history: list[StepRecord] = []
+        self._key: tuple | None = None
+        self._current: tuple[Preconditioner, torch.Tensor] | None = None
+        self.last_probes: torch.Tensor | None = None
+        self.variance_reduction = bool(self.settings.variance_reduction)
+        self.control_variates = 0
+
+    def control_variate(self) -> torch.Tensor | None:
+        """``C(θ) = log det P̂(θ) + (1/t) Σ_j z_jᵀ P̂(θ)⁻¹ z_j`` on the probes of the last SLQ call.
+
+        Its gradient, ``∂ log det P̂ − (1/t) Σ_j b_jᵀ ∂P̂ b_j`` with ``b_j = P̂⁻¹ z_j``, added to GPyTorch's
+        estimate ``(1/t) Σ_j (K̂⁻¹ z_j)ᵀ ∂K̂ b_j`` gives the estimator of Wenger et al. (2022):
+        ``tr(K̂⁻¹∂K̂) = tr(P̂⁻¹∂P̂) + tr(K̂⁻¹∂K̂ − P̂⁻¹∂P̂)``, exact in its first term, so its variance vanishes as
+        ``P̂ → K̂``. ``None`` when the preconditioner cannot be differentiated (then GPyTorch's plain estimate is used).
+        """
+        if self._current is None or self.last_probes is None:
+            return None
+        P, _ = self._current
+        if not hasattr(P, "differentiable_terms"):
+            return None
+        kernel = self.model.covar_module
+        base, _ = split_outputscale(kernel)
+        s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
+        noise = self.model.likelihood.noise.reshape(-1)[0]
+        Z = self.last_probes
+        self.last_probes = None
+        mu = noise / s2 if s2 is not None else noise
+        logdet, quad = P.differentiable_terms(base, mu, Z)
+        n, t = Z.shape
+        if s2 is not None:
+            logdet = logdet + n * torch.log(s2)
+            quad = quad / s2
+        self.control_variates += 1
+        return logdet + quad / t
+
+    # -- building -------------------------------------------------------------------------------------
+    def _hyper_key(self, kernel: gpytorch.kernels.Kernel, mu: float, s2: float) -> tuple:
+        base, _ = split_outputscale(kernel)
+        ls = getattr(base, "lengthscale", None)
+        ls_key = tuple(ls.detach().reshape(-1).tolist()) if ls is not None else ()
+        return (ls_key, mu, s2)
+
+    def _build(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float) -> tuple[Preconditioner, bool]:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("default", NumericalWarning)
+                if isinstance(self.method, str):
+                    P = make_preconditioner(self.method, X, kernel, mu, cache=self.cache, seed=self.seed,
+                                            **self.options)
+                else:
+                    P = self.method(X, kernel, mu, **self.options)
+            if not torch.isfinite(P.logdet()):
+                raise RuntimeError("non-finite log det")
+            return P, False
+        except (RuntimeError, torch.linalg.LinAlgError) as exc:
+            warnings.warn(
+                f"gpnys: building the {self.method!r} preconditioner failed ({exc}); falling back to GPyTorch's "
+                "pivoted Cholesky (rank 100)",
+                NumericalWarning,
+                stacklevel=3,
+            )
+            return PivotedCholeskyPreconditioner(X, kernel, mu, rank=min(100, X.shape[0])), True
+
+    def preconditioner(self) -> tuple[Preconditioner, torch.Tensor]:
+        """The preconditioner ``P`` of ``K + μI`` for the current hyperparameters, and ``s²`` (0-dim)."""
+        model = self.model
+        X = model.train_inputs[0]
+        kernel = model.covar_module
+        with torch.no_grad():
+            _, s2f = split_outputscale(kernel)
+            noise = float(model.likelihood.noise.detach().reshape(-1)[0])
+            mu = noise / s2f
+            key = self._hyper_key(kernel, mu, s2f)
+            if key != self._key or self._current is None:
+                t0 = time.perf_counter()
+                P, fallback = self._build(X.detach(), kernel, mu)
+                self.builds += 1
+                s2 = torch.as_tensor(s2f, dtype=X.dtype, device=X.device)
+                self._current, self._key = (P, s2), key
+                self.history.append(StepRecord(mu, s2f, int(P.rank), P.summary().get("choice", P.kind),
+                                               time.perf_counter() - t0, fallback))
+        return self._current
+
+    # -- the GPyTorch override ------------------------------------------------------------------------
+    def override(self, op: AddedDiagLinearOperator) -> tuple[Callable, LinearOperator, torch.Tensor]:
+        """``preconditioner_override`` for the training covariance: ``(closure, P̂ operator, log det P̂)``."""
+        P, s2 = self.preconditioner()
+        if op.shape[-1] != P.n or op.dim() != 2:
+            raise ValueError(f"gpnys preconditioner built for n={P.n} but CG got an operator of shape {tuple(op.shape)}")
+
+        def closure(rhs: torch.Tensor) -> torch.Tensor:
+            self.applications += 1
+            return P.solve(rhs) / s2
+
+        hook = self
+
+        class _Counted(PreconditionerOperator):
+            def zero_mean_mvn_samples(self, num_samples: int) -> torch.Tensor:
+                hook.samples += num_samples
+                out = super().zero_mean_mvn_samples(num_samples)
+                hook.last_probes = out.mT  # (n, t): the z_j ~ N(0, P̂) GPyTorch's SLQ and trace estimator use
+                return out
+
+        logdet = P.logdet() + P.n * torch.log(s2)
+        return closure, _Counted(s2, precond=P), logdet
+
+    # -- context ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def activate(self):
+        likelihood = self.model.likelihood
+        original = likelihood.marginal
+        hook = self
+
+        def marginal(function_dist, *args, **kwargs):
+            out = original(function_dist, *args, **kwargs)
+            cov = out.lazy_covariance_matrix
+            n = hook.model.train_inputs[0].shape[-2]
+            if isinstance(cov, AddedDiagLinearOperator) and cov.dim() == 2 and cov.shape[-1] == n:
+                cov = PreconditionedAddedDiag(cov._linear_op, cov._diag_tensor, preconditioner_override=hook.override)
+                out = PreconditionedMVN(out.mean, cov)
+                out._gpnys_hook = hook
+            return out
+
+        likelihood.marginal = marginal
+        try:
+            with self.settings.context():
+                yield self
+        finally:
+            del likelihood.marginal  # restore the class method
+
+
+def use_preconditioner(
+    model: gpytorch.models.ExactGP,
+    method: str | type[Preconditioner] = "auto",
+    settings: EstimatorSettings | None = None,
+    seed: int = 0,
+    **options: Any,
+):
+    """Context manager: train / predict ``model`` with a gpnys preconditioner for GPyTorch's CG + SLQ.
+
+    Args:
+        model: an ``ExactGP`` with a ``GaussianLikelihood``; inputs ``(n, d)``.
+        method: ``"auto"`` (AFN paper Algorithm 5), ``"afn"``, ``"nystrom"``, ``"fsai"``, ``"pivchol"``,
+            ``"ran"``, ``"sketch"``, or a :class:`~gpnys.precond.base.Preconditioner` subclass called as
+            ``cls(X, kernel, mu, **options)``.
+        settings: estimator accuracy knobs (:class:`EstimatorSettings`).
+        seed: seed of the preconditioner's randomness (rank-estimation subsamples, uniform landmarks).
+        **options: passed to the preconditioner (e.g. ``k=2000``, ``w=100``, ``rank=...``).
+
+    Yields:
+        the :class:`PreconditionerHook` (``builds``, ``applications``, ``samples``, ``history``).
+    """
+    return PreconditionerHook(model, method, settings, seed, **options).activate()
