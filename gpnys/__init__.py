@@ -1,11 +1,35 @@
 """gpnys: fast and correct Gaussian-process hyperparameter optimisation on large data.
 
-Preconditioners (AFN, Nyström, FSAI) for GPyTorch's CG + stochastic Lanczos quadrature, kernel
-operators that never store n x n, Nyström-reduced posteriors, a BoTorch model and a CLI.
+Preconditioners (AFN, Nyström, FSAI) for GPyTorch's CG + stochastic Lanczos quadrature, with a one-line
+switch for existing ``ExactGP`` models::
+
+    with gpnys.use_preconditioner(model, gpnys.AFNPreconditioner):
+        ...  # the usual GPyTorch training loop
 """
 
 from gpnys import datasets, landmarks
+from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.precond import (
+    AFNPreconditioner,
+    AutoPreconditioner,
+    FSAIPreconditioner,
+    NystromPreconditioner,
+    PivotedCholeskyPreconditioner,
+)
+from gpnys.solvers import pcg
 
 __version__ = "0.1.0"
 
-__all__ = ["datasets", "landmarks", "__version__"]
+__all__ = [
+    "datasets",
+    "landmarks",
+    "use_preconditioner",
+    "EstimatorSettings",
+    "AFNPreconditioner",
+    "AutoPreconditioner",
+    "FSAIPreconditioner",
+    "NystromPreconditioner",
+    "PivotedCholeskyPreconditioner",
+    "pcg",
+    "__version__",
+]

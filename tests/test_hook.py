@@ -1,0 +1,158 @@
+"""The one-line GPyTorch switch: the gpnys preconditioner is really used, and loss/gradients match Cholesky."""
+
+import warnings
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys import datasets
+from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
+from gpnys.gp.hook import EstimatorSettings, PreconditionerHook, use_preconditioner
+from gpnys.precond.afn import AFNPreconditioner
+from gpnys.precond.base import NumericalWarning
+
+
+def model_at(ds, ls=1.0, noise=0.1, kernel="matern32", ard=False, dtype=torch.float64):
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
+    m = ExactGPModel(ds.train_x.to(dtype), ds.train_y.to(dtype), lik, kernel=kernel, ard=ard).to(dtype)
+    m.covar_module.base_kernel.lengthscale = ls
+    lik.noise = noise
+    return m
+
+
+def loss_and_grads(m, ctx):
+    m.train()
+    m.zero_grad()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(m.likelihood, m)
+    with ctx:
+        loss = -mll(m(*m.train_inputs), m.train_targets)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+
+def rel_errors(g, g_ref):
+    ref = torch.cat([v.reshape(-1) for v in g_ref.values()])
+    scale = 0.1 * ref.norm()
+    return {k: float(((g[k] - g_ref[k]).abs() / torch.maximum(g_ref[k].abs(), scale)).max()) for k in g_ref}
+
+
+@pytest.fixture(scope="module")
+def concrete():
+    return datasets.load("concrete", split=0)  # n = 927 real data points, d = 8
+
+
+@pytest.mark.parametrize("ls", [0.5, 2.0])
+def test_loss_and_gradient_match_cholesky_where_gpytorch_default_does_not(concrete, ls):
+    exact = loss_and_grads(model_at(concrete, ls), gpytorch.settings.max_cholesky_size(10**6))
+    default = loss_and_grads(model_at(concrete, ls), gpytorch.settings.max_cholesky_size(0))
+    torch.manual_seed(0)
+    m = model_at(concrete, ls)
+    with use_preconditioner(m, "afn", k=300, w=30) as hook:
+        ours = loss_and_grads(m, torch.enable_grad())
+    assert hook.builds == 1 and hook.applications > 0 and hook.samples > 0 and hook.control_variates == 1
+    # the issue's accuracy targets: loss within 1e-3 relative, every gradient component within 2 %
+    assert abs(ours[0] - exact[0]) / abs(exact[0]) < 1e-3
+    err = rel_errors(ours[1], exact[1])
+    assert max(err.values()) < 0.02, err
+    # GPyTorch's defaults (CG tol 1, rank-15 pivoted Cholesky, 10 probes) miss both (measured: loss 6e-3 and
+    # 1.4e-2, worst gradient component 14 % and 56 %)
+    err_default = rel_errors(default[1], exact[1])
+    assert max(err_default.values()) > 0.02 and abs(default[0] - exact[0]) / abs(exact[0]) > 1e-3
+
+
+def test_override_survives_evaluate_kernel_and_counts(concrete):
+    m = model_at(concrete)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(m.likelihood, m)
+    m.train()
+    with use_preconditioner(m, "afn", k=100, w=20) as hook:
+        out = m.likelihood(m(*m.train_inputs))
+        cov = out.lazy_covariance_matrix.evaluate_kernel()
+        assert cov.preconditioner_override is not None  # GPyTorch alone drops it here
+        for _ in range(2):  # same hyperparameters: built once, applied at every CG step
+            (-mll(m(*m.train_inputs), m.train_targets)).backward()
+        assert hook.builds == 1
+        apps = hook.applications
+        m.covar_module.base_kernel.lengthscale = 1.7  # a hyperparameter step: rebuilt
+        (-mll(m(*m.train_inputs), m.train_targets)).backward()
+        assert hook.builds == 2 and hook.applications > apps
+        assert hook.history[-1].kind == "afn" and hook.history[-1].rank == 100
+    # outside the context GPyTorch is untouched
+    assert "marginal" not in vars(m.likelihood)
+
+
+def test_training_with_one_line_switch_reaches_cholesky_hyperparameters(concrete):
+    ref = model_at(concrete, ls=1.0)
+    fit(ref, iters=40, lr=0.1, progress=False)
+    torch.manual_seed(0)
+    m = model_at(concrete, ls=1.0)
+    with use_preconditioner(m, "afn", k=300, w=30) as hook:
+        fit(m, iters=40, lr=0.1, progress=False, settings=lambda n: torch.enable_grad())
+    assert hook.builds == 40  # rebuilt at every optimiser step
+    assert hook.control_variates == 40
+    h_ref, h = hyperparameters(ref), hyperparameters(m)
+    for key in ("lengthscale", "outputscale", "noise"):
+        assert h[key] == pytest.approx(h_ref[key], rel=0.02), key
+    # the constant mean is weakly identified (its gradient is ~0 near the optimum and Adam's normalised steps
+    # amplify any noise there): judged on the scale of the standardised targets instead
+    assert h["mean"] == pytest.approx(h_ref["mean"], abs=0.02)
+
+
+def test_ard_loss_and_gradients(concrete):
+    ls = torch.linspace(0.5, 3.0, concrete.d, dtype=torch.float64)
+    exact = loss_and_grads(model_at(concrete, ls, ard=True), gpytorch.settings.max_cholesky_size(10**6))
+    torch.manual_seed(1)
+    m = model_at(concrete, ls, ard=True)
+    with use_preconditioner(m, "afn", k=300, w=30) as hook:
+        ours = loss_and_grads(m, torch.enable_grad())
+    assert hook.control_variates == 1
+    assert abs(ours[0] - exact[0]) / abs(exact[0]) < 1e-3
+    assert max(rel_errors(ours[1], exact[1]).values()) < 0.02
+
+
+def test_float32_and_custom_class(concrete):
+    torch.manual_seed(0)
+    m = model_at(concrete, dtype=torch.float32)
+    with use_preconditioner(m, AFNPreconditioner, k=100, w=20) as hook:
+        loss, grads = loss_and_grads(m, torch.enable_grad())
+    exact = loss_and_grads(model_at(concrete), gpytorch.settings.max_cholesky_size(10**6))
+    assert hook.builds == 1 and abs(loss - exact[0]) / abs(exact[0]) < 1e-3
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_failed_build_falls_back_to_pivoted_cholesky(concrete):
+    class Broken(AFNPreconditioner):
+        def __init__(self, *a, **k):
+            raise RuntimeError("boom")
+
+    m = model_at(concrete)
+    with pytest.warns(NumericalWarning, match="falling back"):
+        with use_preconditioner(m, Broken) as hook:
+            loss, _ = loss_and_grads(m, torch.enable_grad())
+    assert hook.history[-1].fallback and hook.history[-1].kind == "pivchol"
+    exact = loss_and_grads(model_at(concrete), gpytorch.settings.max_cholesky_size(10**6))
+    # a recovery, not the accurate path: rank-100 pivoted Cholesky has no control variate (measured 6.5e-3)
+    assert abs(loss - exact[0]) / abs(exact[0]) < 2e-2
+
+
+def test_bad_input(concrete):
+    m = model_at(concrete)
+    with pytest.raises(ValueError, match="method"):
+        PreconditionerHook(m, "ilu")
+    with pytest.raises(ValueError, match="method"):
+        PreconditionerHook(m, int)
+    with pytest.raises(ValueError, match="ExactGP"):
+        PreconditionerHook(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="none"):
+        PreconditionerHook(m, "none")
+
+
+def test_seeded_reproducibility(concrete):
+    def run():
+        torch.manual_seed(3)
+        m = model_at(concrete, ls=0.7)
+        with use_preconditioner(m, "afn", k=100, w=20, settings=None):
+            return loss_and_grads(m, torch.enable_grad())
+
+    a, b = run(), run()
+    assert a[0] == b[0] and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
