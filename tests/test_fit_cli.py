@@ -92,3 +92,18 @@ def test_cli_bad_input_is_a_clean_error(capsys):
         main(["fit", "--data", "energy", "--split", "12"])
     assert exc.value.code == 2
     assert "split" in capsys.readouterr().err
+
+
+def test_cli_fit_with_preconditioner_reports_steps(capsys):
+    args = ["fit", "--data", "concrete", "--n", "400", "--iters", "3", "--precond", "afn", "--k", "100", "--w", "20",
+            "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["precond"] == "afn" and out["method"] == "cg+slq/afn" and len(out["steps"]) == 3
+    for step in out["steps"]:
+        assert step["precond"] == "afn" and step["rank"] == 100 and step["cg_iters"] > 0
+    # same data and steps with exact Cholesky: the preconditioned run lands on the same loss trace
+    assert main(args[:7] + ["--json"]) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert out["loss_trace"] == pytest.approx(exact["loss_trace"], rel=1e-3)
+    assert out["test_rmse"] == pytest.approx(exact["test_rmse"], rel=1e-3)

@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import gpytorch
 import torch
@@ -78,6 +79,7 @@ class FitResult:
     """What a training run produced: ``loss_trace[t]`` = negative MLL per point at iteration t."""
 
     loss_trace: list[float] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
     train_time_s: float = 0.0
     iterations: int = 0
 
@@ -96,6 +98,7 @@ def fit(
     progress: bool = True,
     seed: int = 0,
     settings: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    on_step: Callable[[int, float], dict[str, Any] | None] | None = None,
 ) -> FitResult:
     """Maximise the exact marginal likelihood of ``model`` (its likelihood attached) by Adam or L-BFGS.
 
@@ -108,6 +111,8 @@ def fit(
         seed: seeds torch's global generator so stochastic estimators are reproducible.
         settings: context-manager factory ``settings(n)`` wrapping every loss evaluation; default is the
             exact (Cholesky) path.
+        on_step: called as ``on_step(t, loss)`` after every step; a returned dict is shown in the progress bar
+            and appended to ``FitResult.steps``.
 
     Returns:
         :class:`FitResult`.
@@ -144,7 +149,10 @@ def fit(
     for _ in bar:
         loss = float(opt.step(closure).detach())
         result.loss_trace.append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}")
+        extra = on_step(len(result.loss_trace) - 1, loss) if on_step is not None else None
+        if extra:
+            result.steps.append(extra)
+        bar.set_postfix(loss=f"{loss:.4f}", **(extra or {}))
     result.train_time_s = time.perf_counter() - start
     result.iterations = iters
     return result
