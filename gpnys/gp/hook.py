@@ -333,7 +333,8 @@ def use_preconditioner(
         seed: seed of the preconditioner's randomness (rank-estimation subsamples, uniform landmarks).
         **options: passed to the preconditioner (e.g. ``k=2000``, ``w=100``, ``rank=...``).
 
-    Yields:
-        the :class:`PreconditionerHook` (``builds``, ``applications``, ``samples``, ``history``).
+    Returns:
+        A context manager yielding the :class:`PreconditionerHook` (``builds``, ``applications``, ``samples``,
+        ``history``).
     """
     return PreconditionerHook(model, method, settings, seed, **options).activate()
