@@ -334,7 +334,7 @@ def use_preconditioner(
         **options: passed to the preconditioner (e.g. ``k=2000``, ``w=100``, ``rank=...``).
 
     Returns:
-        A context manager yielding the :class:`PreconditionerHook` (``builds``, ``applications``, ``samples``,
-        ``history``).
+        contextlib.AbstractContextManager: yields the :class:`PreconditionerHook` (``builds``,
+        ``applications``, ``samples``, ``history``).
     """
     return PreconditionerHook(model, method, settings, seed, **options).activate()
