@@ -321,7 +321,7 @@ def use_preconditioner(
     settings: EstimatorSettings | None = None,
     seed: int = 0,
     **options: Any,
-):
+) -> contextlib.AbstractContextManager[PreconditionerHook]:
     """Context manager: train / predict ``model`` with a gpnys preconditioner for GPyTorch's CG + SLQ.
 
     Args:
@@ -334,7 +334,6 @@ def use_preconditioner(
         **options: passed to the preconditioner (e.g. ``k=2000``, ``w=100``, ``rank=...``).
 
     Returns:
-        contextlib.AbstractContextManager: yields the :class:`PreconditionerHook` (``builds``,
-        ``applications``, ``samples``, ``history``).
+        The context manager; entering it gives the :class:`PreconditionerHook` with its counters.
     """
     return PreconditionerHook(model, method, settings, seed, **options).activate()
