@@ -188,7 +188,7 @@ def main(argv=None) -> dict:
         cache = PointCache(X)
         rows = []
         print(f"\n{TITLES[table]}  (n = {X.shape[0]}, d = {X.shape[1]})")
-        print(f"{'column':>8} {'ell':>8} {'mu':>8} " + " ".join(f"{m:>15}" for m in methods) + "   paper: none/afn/ran/fsai")
+        print(f"{'column':>8} {'ell':>8} {'mu':>8} " + " ".join(f"{m:>17}" for m in methods) + "   paper: none/afn/ran/fsai")
         for label, ls, mu in cols:
             out = run_column(X, kname, ls, mu, methods, cache, args.tol, args.maxiter, args.seed, ran_rank,
                              args.baseline_maxiter, args.matched_cap)
@@ -198,7 +198,7 @@ def main(argv=None) -> dict:
             for m in methods:
                 r = out[m]
                 it = f"{r['iterations']}" if r["converged"] else "-"
-                cells.append(f"{it:>4}/{r['setup_s']:5.1f}s/{r['rank']:<5d}"[:15].rjust(15))
+                cells.append(f"{it:>4}/{r['setup_s']:5.1f}s/{r['rank']:<5d}".rjust(17))
             ptxt = "/".join(fmt_iter(paper.get(k)) for k in ("none", "afn", "ran", "fsai"))
             print(f"{label:>8g} {ls:>8.3g} {mu:>8.2g} " + " ".join(cells) + f"   {ptxt}  k_paper={paper.get('k', '')}")
         results["tables"][table] = {"title": TITLES[table], "n": X.shape[0], "d": X.shape[1], "kernel": kname,
