@@ -224,12 +224,16 @@ def plot(results: dict, methods: list[str], path: Path) -> None:
     for ax, (table, t) in zip(axes[0], tables.items()):
         xs = [r["mu"] if table == "2" else r["lengthscale"] for r in t["rows"]]
         for m in methods:
-            ys = [r["results"][m]["iterations"] if r["results"][m]["converged"] else np.nan for r in t["rows"]]
-            ax.plot(xs, ys, marker="o", label=m)
+            res = [r["results"][m] for r in t["rows"]]
+            ys = [r["iterations"] for r in res]
+            (line,) = ax.plot(xs, ys, marker="o", label=m)
+            # not converged: drawn at the iteration cap with an x
+            xf = [x for x, r in zip(xs, res) if not r["converged"]]
+            ax.plot(xf, [r["iterations"] for r in res if not r["converged"]], "x", color=line.get_color(), ms=9)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("mu" if table == "2" else "length-scale (GPyTorch convention)")
-        ax.set_ylabel("PCG iterations (tol 1e-4)")
+        ax.set_ylabel("PCG iterations (tol 1e-4; x = cap, not converged)")
         ax.set_title(t["title"], fontsize=9)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
