@@ -26,7 +26,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from gpnys import datasets

@@ -42,3 +42,15 @@ def dense_A(X, kern, mu):
 def dense_P(P):
     """The preconditioner as a dense matrix: P applied to the identity."""
     return P.matmul(torch.eye(P.n, dtype=P.dtype, device=P.device))
+
+
+def load_script(folder: str, name: str):
+    """Import ``<repo>/<folder>/<name>.py`` (benchmarks and examples are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

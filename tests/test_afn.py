@@ -5,12 +5,12 @@ import warnings
 import gpytorch
 import pytest
 import torch
+from helpers import dense_A, dense_P, make_kernel, points
 
 from gpnys.landmarks import fps
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import NumericalWarning
 from gpnys.precond.cache import PointCache
-from helpers import dense_A, dense_P, make_kernel, points
 
 F64 = torch.float64
 LENGTHSCALES = {3: (0.05, 0.3, 3.0), 18: (0.3, 1.5, 10.0)}  # small / mid / large vs the spread of [0, 1]^d

@@ -1,17 +1,12 @@
 """Every benchmark's --quick mode runs, so benchmarks cannot rot."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks", name)
 
 
 def test_pcg_tables_quick(tmp_path):

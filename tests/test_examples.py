@@ -1,17 +1,12 @@
 """The runnable examples run (at small sizes) and report sensible numbers."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples", name)
 
 
 def test_quickstart_runs(monkeypatch, capsys):

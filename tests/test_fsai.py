@@ -5,13 +5,13 @@ import warnings
 import gpytorch
 import pytest
 import torch
+from helpers import dense_A, dense_P, make_kernel, points
 
 from gpnys.landmarks import fps
 from gpnys.precond.base import NumericalWarning
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner, SparseTriangular, fsai_factor
 from gpnys.precond.knn import causal_knn
-from helpers import dense_A, dense_P, make_kernel, points
 
 F64 = torch.float64
 # Length-scales small / mid / large relative to the spread of uniform points in [0, 1]^d.

@@ -1,6 +1,5 @@
 """The one-line GPyTorch switch: the gpnys preconditioner is really used, and loss/gradients match Cholesky."""
 
-import warnings
 
 import gpytorch
 import pytest
@@ -8,7 +7,7 @@ import torch
 
 from gpnys import datasets
 from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
-from gpnys.gp.hook import EstimatorSettings, PreconditionerHook, use_preconditioner
+from gpnys.gp.hook import PreconditionerHook, use_preconditioner
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import NumericalWarning
 

@@ -6,11 +6,11 @@ import math
 import gpytorch
 import pytest
 import torch
+from helpers import dense_P, make_kernel, points
 
 from gpnys import landmarks
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.nystrom import NystromPreconditioner
-from helpers import dense_P, make_kernel, points
 
 MU = 0.05
 N = 240

@@ -7,11 +7,11 @@ import warnings
 import gpytorch
 import pytest
 import torch
+from helpers import make_kernel, points
 
 from gpnys.precond.base import NumericalWarning
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.solvers import ConvergenceWarning, PCGResult, kernel_system, pcg
-from helpers import make_kernel, points
 
 
 def spd(n: int, cond: float = 100.0, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -7,10 +7,10 @@ import math
 import gpytorch
 import pytest
 import torch
+from helpers import points
 
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.pivchol import KernelRowsOperator, PivotedCholeskyPreconditioner
-from helpers import points
 
 
 def explicit_P(P: PivotedCholeskyPreconditioner) -> torch.Tensor:

@@ -7,9 +7,14 @@ import math
 import gpytorch
 import pytest
 import torch
-
-from gpnys.precond.rank import RankEstimate, estimate_rank, nystrom_rel_error, numerical_rank
 from helpers import make_kernel, points
+
+from gpnys.precond.rank import (
+    RankEstimate,
+    estimate_rank,
+    numerical_rank,
+    nystrom_rel_error,
+)
 
 F64 = torch.float64
 

@@ -3,13 +3,17 @@ import warnings
 
 import pytest
 import torch
+from helpers import dense_A, dense_P, make_kernel, points
 
 from gpnys.cli.main import main
 from gpnys.precond.base import NumericalWarning
 from gpnys.precond.cache import PointCache
-from gpnys.precond.strategy import PRECONDITIONERS, AutoPreconditioner, make_preconditioner
+from gpnys.precond.strategy import (
+    PRECONDITIONERS,
+    AutoPreconditioner,
+    make_preconditioner,
+)
 from gpnys.solvers.pcg import kernel_system, pcg
-from helpers import dense_A, dense_P, make_kernel, points
 
 F64 = torch.float64
 

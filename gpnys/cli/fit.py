@@ -10,7 +10,14 @@ import torch
 
 from gpnys import datasets
 from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
-from gpnys.gp.exact import OPTIMIZERS, ExactGPModel, fit, gaussian_nll, hyperparameters, predict
+from gpnys.gp.exact import (
+    OPTIMIZERS,
+    ExactGPModel,
+    fit,
+    gaussian_nll,
+    hyperparameters,
+    predict,
+)
 from gpnys.gp.hook import EstimatorSettings, use_preconditioner
 from gpnys.precond.strategy import PRECONDITIONERS
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 from gpnys import datasets
 from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
 from gpnys.kernels import base_kernel

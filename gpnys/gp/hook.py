@@ -28,10 +28,9 @@ inside the context; see :class:`EstimatorSettings`.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import gpytorch

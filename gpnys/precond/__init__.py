@@ -11,7 +11,11 @@ from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.nystrom import NystromPreconditioner
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.precond.rank import RankEstimate, estimate_rank
-from gpnys.precond.strategy import PRECONDITIONERS, AutoPreconditioner, make_preconditioner
+from gpnys.precond.strategy import (
+    PRECONDITIONERS,
+    AutoPreconditioner,
+    make_preconditioner,
+)
 
 __all__ = [
     "Preconditioner",

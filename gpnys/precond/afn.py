@@ -24,7 +24,7 @@ from typing import Any
 import gpytorch
 import torch
 
-from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count, validate_mu, validate_points
+from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_inputs
 
@@ -74,9 +74,7 @@ class AFNPreconditioner(Preconditioner):
         cache: PointCache | None = None,
     ) -> None:
         super().__init__()
-        t0 = time.perf_counter()
-        validate_points(X)
-        self.mu = validate_mu(mu)
+        t0 = self._start(X, mu)
         n, d = X.shape
         if n < 2:
             raise ValueError(f"X must have at least 2 points for AFN, got n={n}")
@@ -84,7 +82,6 @@ class AFNPreconditioner(Preconditioner):
         w = validate_count(w, "w", 1, n)
         if landmarks not in LANDMARK_RULES:
             raise ValueError(f"landmarks must be one of {LANDMARK_RULES}, got {landmarks!r}")
-        self.n, self.dtype, self.device = n, X.dtype, X.device
         self.k = min(k, n - 1)
         self.w = min(w, n - self.k)
         self.rank = self.k

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import math
+import time
 import warnings
 from typing import Any
 
@@ -111,6 +112,14 @@ class Preconditioner(abc.ABC):
 
     def __init__(self) -> None:
         self.shifts: list[float] = []
+
+    def _start(self, X: torch.Tensor, mu: float) -> float:
+        """Validate ``X (n, d)`` and ``mu``; record ``n``, ``dtype``, ``device``, ``mu``; return the setup start time."""
+        t0 = time.perf_counter()
+        validate_points(X)
+        self.mu = validate_mu(mu)
+        self.n, self.dtype, self.device = X.shape[0], X.dtype, X.device
+        return t0
 
     @abc.abstractmethod
     def _solve(self, R: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,6 @@ from gpnys.precond.base import (
     Preconditioner,
     safe_cholesky,
     validate_count,
-    validate_mu,
-    validate_points,
 )
 from gpnys.precond.cache import PointCache, metric_scale
 
@@ -220,13 +218,9 @@ class FSAIPreconditioner(Preconditioner):
         cache: PointCache | None = None,
     ) -> None:
         super().__init__()
-        t0 = time.perf_counter()
-        validate_points(X)
-        self.mu = validate_mu(mu)
-        self.n = X.shape[0]
+        t0 = self._start(X, mu)
         self.w = validate_count(w, "w", 1, self.n)
         self.rank = 0
-        self.dtype, self.device = X.dtype, X.device
         ke, cache, scale = resolve_pattern_inputs(X, kernel, cache)
         hits0 = cache.hits
         idx, valid = cache.knn("data", None, self.w, scale)

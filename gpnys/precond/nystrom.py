@@ -52,7 +52,7 @@ import torch
 
 from gpnys import landmarks as _landmarks
 from gpnys.kernels.entries import KernelEntries
-from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count, validate_mu, validate_points
+from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
 
 __all__ = ["NystromPreconditioner", "SAMPLINGS", "SCALINGS", "LANDMARKS"]
 
@@ -113,9 +113,8 @@ class NystromPreconditioner(Preconditioner):
         landmark_indices: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        validate_points(X, "X")
-        self.mu = validate_mu(mu)
-        n = X.shape[0]
+        self._start(X, mu)
+        n = self.n
         self.k = validate_count(k, "k", low=1, high=n, high_name="n")
         self.sampling = _check_option(sampling, "sampling", SAMPLINGS)
         self.scaling = _check_option(scaling, "scaling", SCALINGS)
@@ -125,10 +124,7 @@ class NystromPreconditioner(Preconditioner):
         if landmark_indices is not None and self.sampling != "column":
             raise ValueError("landmark_indices can only be given with sampling='column'")
         self.seed = seed
-        self.n = n
         self.rank = self.k
-        self.dtype = X.dtype
-        self.device = X.device
 
         _sync(self.device)
         t0 = time.perf_counter()

@@ -43,7 +43,7 @@ from linear_operator.functions import pivoted_cholesky
 from linear_operator.operators import LinearOperator
 
 from gpnys.kernels.entries import KernelEntries
-from gpnys.precond.base import NumericalWarning, Preconditioner, validate_count, validate_mu, validate_points
+from gpnys.precond.base import NumericalWarning, Preconditioner, validate_count
 
 __all__ = ["PivotedCholeskyPreconditioner", "KernelRowsOperator"]
 
@@ -123,12 +123,9 @@ class PivotedCholeskyPreconditioner(Preconditioner):
         lazy: bool = True,
     ) -> None:
         super().__init__()
-        t0 = time.perf_counter()
-        validate_points(X)
-        self.mu = validate_mu(mu)
+        t0 = self._start(X, mu)
         n = X.shape[0]
         self.requested_rank = validate_count(rank, "rank", 1, n)
-        self.n, self.dtype, self.device = n, X.dtype, X.device
         unit = KernelEntries(X, kernel).kernel
         op = KernelRowsOperator(X, unit) if lazy else unit(X)
         with torch.no_grad():

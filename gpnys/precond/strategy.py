@@ -18,7 +18,7 @@ import gpytorch
 import torch
 
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import Preconditioner, validate_count, validate_mu, validate_points
+from gpnys.precond.base import Preconditioner, validate_count
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.nystrom import NystromPreconditioner
@@ -64,10 +64,7 @@ class AutoPreconditioner(Preconditioner):
         cache: PointCache | None = None,
     ) -> None:
         super().__init__()
-        t0 = time.perf_counter()
-        validate_points(X)
-        self.mu = validate_mu(mu)
-        self.n, self.dtype, self.device = X.shape[0], X.dtype, X.device
+        t0 = self._start(X, mu)
         max_k = validate_count(max_k, "max_k", 1)
         cache = cache if cache is not None else PointCache(X)
         t_rank = time.perf_counter()

@@ -1,5 +1,11 @@
 """Iterative solvers: preconditioned CG with per-column iteration counts, and the kernel system product."""
 
-from gpnys.solvers.pcg import ConvergenceWarning, KernelSystem, PCGResult, kernel_system, pcg
+from gpnys.solvers.pcg import (
+    ConvergenceWarning,
+    KernelSystem,
+    PCGResult,
+    kernel_system,
+    pcg,
+)
 
 __all__ = ["pcg", "PCGResult", "ConvergenceWarning", "KernelSystem", "kernel_system"]

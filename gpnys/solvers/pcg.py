@@ -33,7 +33,12 @@ import gpytorch
 import torch
 
 from gpnys.kernels.entries import KernelEntries
-from gpnys.precond.base import NumericalWarning, Preconditioner, validate_mu, validate_points
+from gpnys.precond.base import (
+    NumericalWarning,
+    Preconditioner,
+    validate_mu,
+    validate_points,
+)
 
 __all__ = ["PCGResult", "ConvergenceWarning", "pcg", "KernelSystem", "kernel_system"]
 
