@@ -155,3 +155,49 @@ def test_seeded_reproducibility(concrete):
 
     a, b = run(), run()
     assert a[0] == b[0] and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+@pytest.mark.parametrize("name", ["afn", "nystrom"])
+def test_differentiable_terms_match_the_built_preconditioner(name):
+    from helpers import make_kernel, points
+
+    from gpnys.precond.strategy import make_preconditioner
+
+    X = points(300, 3, scale=6.0)
+    kern = make_kernel("matern32", 1.5, torch.float64)
+    P = make_preconditioner(name, X, kern, 1e-2, rank=80, k=60, w=15)
+    Z = torch.randn(300, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    mu = torch.tensor(1e-2, dtype=torch.float64, requires_grad=True)
+    logdet, quad = P.differentiable_terms(kern, mu, Z)
+    torch.testing.assert_close(logdet, P.logdet(), rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(quad, (Z * P.solve(Z)).sum(), rtol=1e-7, atol=1e-8)
+    (logdet + quad).backward()
+
+    def value(m):  # central finite difference through a fresh build at mu +- h
+        Q = make_preconditioner(name, X, kern, m, rank=80, k=60, w=15)
+        return float(Q.logdet() + (Z * Q.solve(Z)).sum())
+
+    h = 1e-7
+    fd = (value(1e-2 + h) - value(1e-2 - h)) / (2 * h)
+    assert float(mu.grad) == pytest.approx(fd, rel=1e-4)
+
+
+def test_cli_mll_json_reports_errors_against_cholesky(capsys):
+    import json
+
+    from gpnys.cli.main import main
+
+    args = ["mll", "--data", "concrete", "--n", "400", "--kernel", "matern32", "--lengthscale", "1.0",
+            "--noise", "0.1", "--method", "exact,gpytorch,afn,auto,higp", "--k", "150", "--w", "20",
+            "--repeats", "2", "--json"]
+    assert main(args) == 0
+    recs = json.loads(capsys.readouterr().out)
+    by = {}
+    for r in recs:
+        by.setdefault(r["method"], []).append(r)
+    assert len(by["exact"]) == 1 and len(by["afn"]) == 2 and "skipped" in by["higp"][0]
+    assert set(by["exact"][0]["grad"]) == {"raw_lengthscale", "raw_outputscale", "raw_noise"}
+    for r in by["afn"] + by["auto"]:
+        assert r["loss_rel_error"] < 1e-3 and max(r["grad_rel_error"].values()) < 0.02
+    with pytest.raises(SystemExit):
+        main(["mll", "--data", "concrete", "--noise", "-1", "--method", "exact"])

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gpnys.cli import fit, pcg
+from gpnys.cli import fit, mll, pcg
 
 #: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
-SUBCOMMANDS = [fit, pcg]
+SUBCOMMANDS = [fit, pcg, mll]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -201,6 +201,7 @@ class PreconditionerHook:
         if self._current is None or self.last_probes is None:
             return None
         P, _ = self._current
+        P = getattr(P, "inner", P)  # AutoPreconditioner: the Nyström or AFN it chose
         if not hasattr(P, "differentiable_terms"):
             return None
         kernel = self.model.covar_module
@@ -210,7 +211,10 @@ class PreconditionerHook:
         Z = self.last_probes
         self.last_probes = None
         mu = noise / s2 if s2 is not None else noise
-        logdet, quad = P.differentiable_terms(base, mu, Z)
+        try:
+            logdet, quad = P.differentiable_terms(base, mu, Z)
+        except (NotImplementedError, torch.linalg.LinAlgError):  # e.g. RAN scaling, or K11 too ill-conditioned
+            return None
         n, t = Z.shape
         if s2 is not None:
             logdet = logdet + n * torch.log(s2)

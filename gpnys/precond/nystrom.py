@@ -128,6 +128,7 @@ class NystromPreconditioner(Preconditioner):
 
         _sync(self.device)
         t0 = time.perf_counter()
+        self.X = X
         entries = KernelEntries(X, kernel)
         if self.sampling == "column":
             if landmark_indices is not None:
@@ -158,6 +159,35 @@ class NystromPreconditioner(Preconditioner):
             self.complement_eig = 1.0
         _sync(self.device)
         self.setup_s = time.perf_counter() - t0
+
+    def differentiable_terms(
+        self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor, Z: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log det P(theta)`` and ``sum_j z_j^T P(theta)^{-1} z_j`` with autograd (column sampling, stable scaling).
+
+        Same landmarks and shift ``nu`` as this preconditioner, rebuilt from the differentiable ``kernel`` and
+        ``mu``: ``B = Y_nu C^{-T}`` with ``C = chol(K11 + nu I)``, ``P = B B^T + mu I`` (equal to the eq. (8)
+        preconditioner up to the ``nu``-level eigenvalue shift), so with ``M = mu I + B^T B``:
+        ``log det P = (n - k) log mu + log det M`` and ``z^T P^{-1} z = (|z|^2 - |chol(M)^{-1} B^T z|^2) / mu``.
+        Used for the log-det gradient control variate (see :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms`).
+
+        Raises:
+            NotImplementedError: for the sketch sampling or the RAN scaling.
+        """
+        if self.sampling != "column" or self.scaling != "stable":
+            raise NotImplementedError("differentiable terms exist for column sampling with the stable scaling only")
+        X, idx = self.X, self.landmark_indices
+        ar = torch.arange(self.k, device=X.device)
+        Y = kernel.forward(X, X[idx])
+        Y = Y.index_put((idx, ar), Y[idx, ar] + self.nu)
+        C = torch.linalg.cholesky(0.5 * (Y[idx] + Y[idx].mT))
+        B = torch.linalg.solve_triangular(C.mT, Y, upper=True, left=False)
+        eye = torch.eye(self.k, dtype=X.dtype, device=X.device)
+        Lm = torch.linalg.cholesky(mu * eye + B.mT @ B)
+        logdet = (self.n - self.k) * torch.log(mu) + 2.0 * Lm.diagonal().log().sum()
+        proj = torch.linalg.solve_triangular(Lm, B.mT @ Z, upper=False)
+        quad = (Z.square().sum() - proj.square().sum()) / mu
+        return logdet, quad
 
     # ----------------------------------------------------------------------------------------- building
     @staticmethod

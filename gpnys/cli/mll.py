@@ -1,0 +1,82 @@
+"""``gpnys mll``: one value + gradient of -MLL/n by several estimators, with errors against Cholesky."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from gpnys import datasets
+from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
+from gpnys.gp.hook import EstimatorSettings
+from gpnys.gp.mll import METHODS, evaluate, grad_errors
+
+NAME = "mll"
+HELP = "negative MLL per point and its raw-parameter gradient: exact Cholesky vs GPyTorch default vs gpnys"
+
+
+def _methods(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in METHODS + ("higp",)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; choose from {list(METHODS) + ['higp']}")
+    return names
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    add_data_args(p, default_n=2000)
+    add_common_args(p)
+    p.add_argument("--lengthscale", type=float, default=1.0)
+    p.add_argument("--outputscale", type=float, default=1.0)
+    p.add_argument("--noise", type=float, default=0.1)
+    p.add_argument("--method", type=_methods, default=["exact", "gpytorch", "auto"])
+    p.add_argument("--repeats", type=int, default=1, help="repeats of the stochastic methods (seeds S, S+1, ...)")
+    p.add_argument("--k", type=int, default=2000, help="AFN landmarks / Nyström-AFN switch")
+    p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row")
+    p.add_argument("--cg-tol", type=float, default=EstimatorSettings.cg_tolerance)
+    p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {args.repeats}")
+    ds = datasets.load(args.data, split=args.split, n=args.n, seed=args.seed,
+                       standardize=not args.no_standardize, dtype=DTYPES[args.dtype], device=args.device)
+    settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes)
+    opts = {"k": args.k} if args.w is None else {"k": args.k, "w": args.w}
+    common = dict(kernel=args.kernel, lengthscale=args.lengthscale, outputscale=args.outputscale, noise=args.noise)
+    records, ref = [], None
+    for method in args.method:
+        if method == "higp":
+            if importlib.util.find_spec("higp") is None:
+                records.append({"method": "higp", "skipped": "higp is not installed (pip install higp)"})
+                continue
+            raise ValueError("higp support is not implemented yet (issue 4)")
+        reps = 1 if method == "exact" else args.repeats
+        for r in range(reps):
+            kw = {} if method in ("exact", "gpytorch") else {"settings": settings, **opts}
+            rec = evaluate(ds.train_x, ds.train_y, method, seed=args.seed + r, **common, **kw)
+            rec["seed"] = args.seed + r
+            if method == "exact":
+                ref = rec
+            records.append(rec)
+    if ref is not None:
+        for rec in records:
+            if "loss" in rec and rec is not ref:
+                rec["loss_rel_error"] = abs(rec["loss"] - ref["loss"]) / abs(ref["loss"])
+                rec["grad_rel_error"] = grad_errors(rec["grad"], ref["grad"])
+    if args.json:
+        emit_json(records)
+        return 0
+    print(f"data: {ds.describe()}; kernel {args.kernel}, lengthscale {args.lengthscale}, "
+          f"outputscale {args.outputscale}, noise {args.noise}")
+    for rec in records:
+        if "skipped" in rec:
+            print(f"{rec['method']:9s} skipped: {rec['skipped']}")
+            continue
+        errs = ""
+        if "grad_rel_error" in rec:
+            e = rec["grad_rel_error"]
+            errs = (f"  loss err {rec['loss_rel_error']:.1e}  grad err ls {e['raw_lengthscale']:.1%} "
+                    f"os {e['raw_outputscale']:.1%} noise {e['raw_noise']:.1%}")
+        print(f"{rec['method']:9s} seed {rec['seed']}: loss {rec['loss']:.6f}  time {rec['time_s']:.2f}s{errs}")
+    return 0

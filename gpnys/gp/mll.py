@@ -1,0 +1,115 @@
+"""One value + gradient of the negative marginal log-likelihood by several estimators, for comparisons.
+
+``evaluate(...)`` builds an ``ExactGP`` (zero mean, ``ScaleKernel`` over an isotropic or ARD kernel) at given
+hyperparameters and returns the loss ``-MLL / n`` (as GPyTorch's ``-ExactMarginalLogLikelihood``) and its
+gradient with respect to the raw (softplus) parameters ``raw_lengthscale``, ``raw_outputscale``, ``raw_noise``.
+
+Methods: ``exact`` (Cholesky), ``gpytorch`` (GPyTorch's defaults: CG + SLQ with its rank-15 pivoted Cholesky,
+CG tolerance 1, 10 probes), and every gpnys preconditioner name through :func:`gpnys.gp.hook.use_preconditioner`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import gpytorch
+import torch
+
+from gpnys.gp.exact import ExactGPModel
+from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.precond.strategy import PRECONDITIONERS
+
+__all__ = ["evaluate", "grad_errors", "METHODS"]
+
+METHODS = ("exact", "gpytorch") + tuple(n for n in PRECONDITIONERS if n != "none")
+
+
+def _model(X, y, kernel, lengthscale, outputscale, noise, ard):
+    lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-6))
+    model = ExactGPModel(X, y, lik, kernel=kernel, ard=ard, mean="zero").to(X)
+    model.covar_module.base_kernel.lengthscale = lengthscale
+    model.covar_module.outputscale = outputscale
+    lik.noise = noise
+    return model
+
+
+def evaluate(
+    X: torch.Tensor,
+    y: torch.Tensor,
+    method: str,
+    kernel: str = "rbf",
+    lengthscale: float | torch.Tensor = 1.0,
+    outputscale: float = 1.0,
+    noise: float = 0.1,
+    ard: bool = False,
+    seed: int = 0,
+    settings: EstimatorSettings | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Loss and raw-parameter gradient of ``-MLL / n`` by ``method``.
+
+    Args:
+        X: ``(n, d)`` inputs; y: ``(n,)`` targets.
+        method: one of :data:`METHODS`.
+        kernel: kernel name; lengthscale: scalar or ``(d,)`` with ``ard=True``; outputscale, noise: positive.
+        seed: seeds torch (probes) and the preconditioner.
+        settings, options: passed to :func:`use_preconditioner` for gpnys methods.
+
+    Returns:
+        ``{"method", "loss", "grad": {"raw_lengthscale": float | list, "raw_outputscale", "raw_noise"},
+        "time_s", "extra"}``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if X.dim() != 2 or y.dim() != 1 or X.shape[0] != y.shape[0]:
+        raise ValueError(f"X must be (n, d) and y (n,) with the same n, got {tuple(X.shape)} and {tuple(y.shape)}")
+    if not (torch.isfinite(X).all() and torch.isfinite(y).all()):
+        raise ValueError("X or y contains NaN or inf")
+    for name, val in (("outputscale", outputscale), ("noise", noise)):
+        if not float(val) > 0:
+            raise ValueError(f"{name} must be positive, got {val}")
+    if not bool((torch.as_tensor(lengthscale) > 0).all()):
+        raise ValueError(f"lengthscale must be positive, got {lengthscale}")
+    torch.manual_seed(seed)
+    model = _model(X, y, kernel, lengthscale, outputscale, noise, ard)
+    model.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    extra: dict[str, Any] = {}
+    if method == "exact":
+        ctx: Any = gpytorch.settings.max_cholesky_size(X.shape[0] + 1)
+    elif method == "gpytorch":
+        ctx = gpytorch.settings.max_cholesky_size(0)
+    else:
+        ctx = use_preconditioner(model, method, settings=settings, seed=seed, **options)
+    t0 = time.perf_counter()
+    with ctx as hook:
+        loss = -mll(model(X), y)
+        loss.backward()
+    elapsed = time.perf_counter() - t0
+    if method not in ("exact", "gpytorch"):
+        rec = hook.history[-1]
+        extra = {"precond": rec.kind, "rank": rec.rank, "setup_s": rec.setup_s, "cg_iterations": hook.applications}
+
+    def g(p: torch.Tensor) -> float | list[float]:
+        v = p.grad.detach().reshape(-1)
+        return v.tolist() if v.numel() > 1 else float(v)
+
+    grad = {
+        "raw_lengthscale": g(model.covar_module.base_kernel.raw_lengthscale),
+        "raw_outputscale": g(model.covar_module.raw_outputscale),
+        "raw_noise": g(model.likelihood.noise_covar.raw_noise),
+    }
+    return {"method": method, "loss": float(loss.detach()), "grad": grad, "time_s": elapsed, "extra": extra}
+
+
+def grad_errors(grad: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    """Per-component error ``|g - g*| / max(|g*|, 0.1 ||g*||_2)`` (max over ARD entries), as in issue 4."""
+    flat = {k: torch.as_tensor(v, dtype=torch.float64).reshape(-1) for k, v in ref.items()}
+    norm = torch.cat(list(flat.values())).norm()
+    out = {}
+    for k, r in flat.items():
+        v = torch.as_tensor(grad[k], dtype=torch.float64).reshape(-1)
+        out[k] = float(((v - r).abs() / torch.clamp(r.abs(), min=0.1 * float(norm))).max())
+    return out
+
