@@ -20,3 +20,9 @@ def test_pcg_tables_quick(tmp_path):
             assert set(row["results"]) >= {"none", "afn", "auto", "pivchol15", "ran", "sketch", "fsai"}
             for r in row["results"].values():
                 assert r["iterations"] >= 0 and r["setup_s"] >= 0
+
+
+def test_afn_setup_quick(tmp_path):
+    rows = load("afn_setup").main(["--quick", "--out", str(tmp_path / "afn.json")])
+    assert len(rows) == 2 and all(r["setup_s"] > 0 and r["k"] == 100 for r in rows)
+    assert rows[1]["cache_hits"] > 0  # the second length-scale reuses landmarks and the kNN pattern
