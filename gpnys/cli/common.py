@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +13,19 @@ import torch
 from gpnys.kernels import KERNEL_NAMES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def comma_choices(allowed: tuple[str, ...] | list[str], what: str) -> Callable[[str], list[str]]:
+    """argparse type: a comma-separated list whose items must be in ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        names = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in names if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {bad}; choose from {sorted(allowed)}")
+        return names
+
+    return parse
 
 
 def add_data_args(p: argparse.ArgumentParser, default_n: int | None = None) -> None:

@@ -6,20 +6,18 @@ import argparse
 import importlib.util
 
 from gpnys import datasets
-from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
+from gpnys.cli.common import (
+    DTYPES,
+    add_common_args,
+    add_data_args,
+    comma_choices,
+    emit_json,
+)
 from gpnys.gp.hook import EstimatorSettings
 from gpnys.gp.mll import METHODS, evaluate, grad_errors
 
 NAME = "mll"
 HELP = "negative MLL per point and its raw-parameter gradient: exact Cholesky vs GPyTorch default vs gpnys"
-
-
-def _methods(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in METHODS + ("higp",)]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; choose from {list(METHODS) + ['higp']}")
-    return names
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -28,7 +26,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengthscale", type=float, default=1.0)
     p.add_argument("--outputscale", type=float, default=1.0)
     p.add_argument("--noise", type=float, default=0.1)
-    p.add_argument("--method", type=_methods, default=["exact", "gpytorch", "auto"])
+    p.add_argument("--method", type=comma_choices(METHODS + ("higp",), "method"), default=["exact", "gpytorch", "auto"])
     p.add_argument("--repeats", type=int, default=1, help="repeats of the stochastic methods (seeds S, S+1, ...)")
     p.add_argument("--k", type=int, default=2000, help="AFN landmarks / Nyström-AFN switch")
     p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row")

@@ -6,7 +6,13 @@ import argparse
 import time
 
 from gpnys import datasets
-from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
+from gpnys.cli.common import (
+    DTYPES,
+    add_common_args,
+    add_data_args,
+    comma_choices,
+    emit_json,
+)
 from gpnys.kernels import base_kernel
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import PRECONDITIONERS, make_preconditioner
@@ -23,20 +29,12 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
 
 
-def _names(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in PRECONDITIONERS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown preconditioner(s) {bad}; choose from {sorted(PRECONDITIONERS)}")
-    return names
-
-
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_data_args(p, default_n=2000)
     add_common_args(p)
     p.add_argument("--lengthscale", type=_floats, default=[1.0], help="comma-separated (GPyTorch convention)")
     p.add_argument("--noise", type=float, default=1e-2, help="mu, the shift of the unit-variance kernel matrix")
-    p.add_argument("--precond", type=_names, default=["none", "afn", "auto"], help=f"comma-separated: {sorted(PRECONDITIONERS)}")
+    p.add_argument("--precond", type=comma_choices(PRECONDITIONERS, "preconditioner"), default=["none", "afn", "auto"], help=f"comma-separated: {sorted(PRECONDITIONERS)}")
     p.add_argument("--tol", type=float, default=1e-4, help="relative residual tolerance")
     p.add_argument("--maxiter", type=int, default=500)
     p.add_argument("--rank", type=int, default=None, help="rank of nystrom/pivchol (default: estimated / 15)")
