@@ -36,7 +36,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precond", choices=("none",) + tuple(n for n in PRECONDITIONERS if n != "none"),
                    default="none",
                    help="none = exact Cholesky; otherwise GPyTorch CG + SLQ with this gpnys preconditioner")
-    p.add_argument("--k", type=int, default=2000, help="AFN landmarks / Nyström-AFN switch (with --precond)")
+    p.add_argument("--k", type=int, default=None, help="AFN landmarks / Nyström-AFN switch (with --precond; default 500 for afn/auto, see gpnys.gp.hook.GP_DEFAULTS)")
     p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row (with --precond)")
     p.add_argument("--cg-tol", type=float, default=EstimatorSettings.cg_tolerance, help="CG tolerance (with --precond)")
     p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes, help="SLQ probes (with --precond)")
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         mean, var = predict(model, ds.test_x)
     else:
         settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes)
-        opts = {"k": args.k} if args.w is None else {"k": args.k, "w": args.w}
+        opts = {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
         with use_preconditioner(model, args.precond, settings=settings, seed=args.seed, **opts) as hook:
             last = {"apps": 0}
 

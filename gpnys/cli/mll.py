@@ -28,7 +28,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--method", type=comma_choices(METHODS + ("higp",), "method"), default=["exact", "gpytorch", "auto"])
     p.add_argument("--repeats", type=int, default=1, help="repeats of the stochastic methods (seeds S, S+1, ...)")
-    p.add_argument("--k", type=int, default=2000, help="AFN landmarks / Nyström-AFN switch")
+    p.add_argument("--k", type=int, default=None, help="AFN landmarks / Nyström-AFN switch (default 500 for afn/auto, see gpnys.gp.hook.GP_DEFAULTS)")
     p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row")
     p.add_argument("--cg-tol", type=float, default=EstimatorSettings.cg_tolerance)
     p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes)
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     ds = datasets.load(args.data, split=args.split, n=args.n, seed=args.seed,
                        standardize=not args.no_standardize, dtype=DTYPES[args.dtype], device=args.device)
     settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes)
-    opts = {"k": args.k} if args.w is None else {"k": args.k, "w": args.w}
+    opts = {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
     common = dict(kernel=args.kernel, lengthscale=args.lengthscale, outputscale=args.outputscale, noise=args.noise)
     records, ref = [], None
     for method in args.method:
