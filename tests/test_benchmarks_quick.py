@@ -26,3 +26,10 @@ def test_afn_setup_quick(tmp_path):
     rows = load("afn_setup").main(["--quick", "--out", str(tmp_path / "afn.json")])
     assert len(rows) == 2 and all(r["setup_s"] > 0 and r["k"] == 100 for r in rows)
     assert rows[1]["cache_hits"] > 0  # the second length-scale reuses landmarks and the kNN pattern
+
+
+def test_mll_accuracy_quick(tmp_path):
+    out = load("mll_accuracy").main(["--quick", "--lengthscale", "1", "--out", str(tmp_path / "mll.json")])
+    rows = {r["method"]: r for r in out["rows"]}
+    assert set(rows) == {"exact", "gpytorch", "auto"}
+    assert rows["auto"]["loss_rel_error"] < 1e-3 and max(rows["auto"]["grad_rel_error"].values()) < 0.02

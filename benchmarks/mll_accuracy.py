@@ -1,0 +1,66 @@
+"""Issue 4 target 1-2: one -MLL/n value + gradient on elevators, exact Cholesky vs GPyTorch default vs gpnys.
+
+For each length-scale, Cholesky (float64) once, then GPyTorch's default CG + SLQ and gpnys (``auto`` by default)
+over several seeds; reports the median loss relative error, the median error of each gradient component
+(|g - g*| / max(|g*|, 0.1 ||g*||_2)) and the median time. Prints a table and writes JSON.
+
+Run:  python benchmarks/mll_accuracy.py                   (n = 10000, lengthscales 0.3,1,3, 5 seeds)
+      python benchmarks/mll_accuracy.py --quick           (n = 500, 2 seeds; run by the test suite)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from gpnys import datasets
+from gpnys.gp.mll import evaluate, grad_errors
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--n", type=int, default=10000)
+    ap.add_argument("--lengthscale", default="0.3,1,3")
+    ap.add_argument("--noise", type=float, default=0.1)
+    ap.add_argument("--kernel", default="rbf")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--methods", default="gpytorch,auto")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    n, seeds = (500, 2) if args.quick else (args.n, args.seeds)
+    ds = datasets.load("elevators", n=n, seed=0)
+    out: dict = {"n": n, "kernel": args.kernel, "noise": args.noise, "rows": []}
+    print(f"elevators n = {n}, {args.kernel}, noise {args.noise}, outputscale 1, {seeds} seeds (medians)")
+    print(f"{'ls':>5} {'method':>9} {'time s':>8} {'loss err':>9} {'ls err':>8} {'os err':>8} {'noise err':>9}")
+    for ls in (float(v) for v in args.lengthscale.split(",")):
+        common = dict(kernel=args.kernel, lengthscale=ls, noise=args.noise)
+        ref = evaluate(ds.train_x, ds.train_y, "exact", **common)
+        print(f"{ls:>5g} {'exact':>9} {ref['time_s']:8.2f}")
+        out["rows"].append({"lengthscale": ls, "method": "exact", "time_s": ref["time_s"], "loss": ref["loss"],
+                            "grad": ref["grad"]})
+        for method in args.methods.split(","):
+            recs = [evaluate(ds.train_x, ds.train_y, method, seed=s, **common) for s in range(seeds)]
+            lerr = [abs(r["loss"] - ref["loss"]) / abs(ref["loss"]) for r in recs]
+            gerr = [grad_errors(r["grad"], ref["grad"]) for r in recs]
+            med = {k: statistics.median(g[k] for g in gerr) for k in gerr[0]}
+            row = {"lengthscale": ls, "method": method, "time_s": statistics.median(r["time_s"] for r in recs),
+                   "loss_rel_error": statistics.median(lerr), "grad_rel_error": med, "seeds": seeds,
+                   "per_seed": [{"loss_rel_error": le, "grad_rel_error": ge, "time_s": r["time_s"],
+                                 "extra": r["extra"]} for le, ge, r in zip(lerr, gerr, recs)]}
+            out["rows"].append(row)
+            print(f"{ls:>5g} {method:>9} {row['time_s']:8.2f} {row['loss_rel_error']:9.1e} "
+                  f"{med['raw_lengthscale']:8.2%} {med['raw_outputscale']:8.2%} {med['raw_noise']:9.2%}")
+    RESULTS.mkdir(exist_ok=True)
+    path = Path(args.out) if args.out else RESULTS / ("mll_accuracy_quick.json" if args.quick else "mll_accuracy.json")
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
