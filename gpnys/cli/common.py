@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from gpnys.gp.hook import EstimatorSettings
 from gpnys.kernels import KERNEL_NAMES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -49,6 +50,21 @@ def _plain(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
+
+
+def add_estimator_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the gpnys MLL estimator (preconditioner size, CG tolerance, probes)."""
+    p.add_argument("--k", type=int, default=None,
+                   help="AFN landmarks / Nyström-AFN switch (default 500 for afn/auto, see gpnys.gp.hook.GP_DEFAULTS)")
+    p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row")
+    p.add_argument("--cg-tol", type=float, default=EstimatorSettings.cg_tolerance, help="CG tolerance")
+    p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes, help="SLQ probe vectors")
+
+
+def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, dict[str, int]]:
+    """``(settings, preconditioner options)`` from the flags of :func:`add_estimator_args`."""
+    settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes)
+    return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
 
 
 def emit_json(obj: Any) -> None:

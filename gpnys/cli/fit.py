@@ -9,7 +9,14 @@ import gpytorch
 import torch
 
 from gpnys import datasets
-from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
+from gpnys.cli.common import (
+    DTYPES,
+    add_common_args,
+    add_data_args,
+    add_estimator_args,
+    emit_json,
+    estimator_from_args,
+)
 from gpnys.gp.exact import (
     OPTIMIZERS,
     ExactGPModel,
@@ -18,7 +25,7 @@ from gpnys.gp.exact import (
     hyperparameters,
     predict,
 )
-from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.gp.hook import use_preconditioner
 from gpnys.precond.strategy import PRECONDITIONERS
 
 NAME = "fit"
@@ -36,10 +43,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precond", choices=("none",) + tuple(n for n in PRECONDITIONERS if n != "none"),
                    default="none",
                    help="none = exact Cholesky; otherwise GPyTorch CG + SLQ with this gpnys preconditioner")
-    p.add_argument("--k", type=int, default=None, help="AFN landmarks / Nyström-AFN switch (with --precond; default 500 for afn/auto, see gpnys.gp.hook.GP_DEFAULTS)")
-    p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row (with --precond)")
-    p.add_argument("--cg-tol", type=float, default=EstimatorSettings.cg_tolerance, help="CG tolerance (with --precond)")
-    p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes, help="SLQ probes (with --precond)")
+    add_estimator_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
                   seed=args.seed)
         mean, var = predict(model, ds.test_x)
     else:
-        settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes)
-        opts = {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
+        settings, opts = estimator_from_args(args)
         with use_preconditioner(model, args.precond, settings=settings, seed=args.seed, **opts) as hook:
             last = {"apps": 0}
 

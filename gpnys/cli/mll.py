@@ -10,10 +10,11 @@ from gpnys.cli.common import (
     DTYPES,
     add_common_args,
     add_data_args,
+    add_estimator_args,
     comma_choices,
     emit_json,
+    estimator_from_args,
 )
-from gpnys.gp.hook import EstimatorSettings
 from gpnys.gp.mll import METHODS, evaluate, grad_errors
 
 NAME = "mll"
@@ -28,10 +29,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--method", type=comma_choices(METHODS + ("higp",), "method"), default=["exact", "gpytorch", "auto"])
     p.add_argument("--repeats", type=int, default=1, help="repeats of the stochastic methods (seeds S, S+1, ...)")
-    p.add_argument("--k", type=int, default=None, help="AFN landmarks / Nyström-AFN switch (default 500 for afn/auto, see gpnys.gp.hook.GP_DEFAULTS)")
-    p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row")
-    p.add_argument("--cg-tol", type=float, default=EstimatorSettings.cg_tolerance)
-    p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes)
+    add_estimator_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,8 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"repeats must be >= 1, got {args.repeats}")
     ds = datasets.load(args.data, split=args.split, n=args.n, seed=args.seed,
                        standardize=not args.no_standardize, dtype=DTYPES[args.dtype], device=args.device)
-    settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes)
-    opts = {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
+    settings, opts = estimator_from_args(args)
     common = dict(kernel=args.kernel, lengthscale=args.lengthscale, outputscale=args.outputscale, noise=args.noise)
     records, ref = [], None
     for method in args.method:

@@ -81,13 +81,20 @@ class EstimatorSettings:
 class PreconditionerOperator(LinearOperator):
     """``scale * P`` as a symmetric ``LinearOperator`` (``(n, n)``), for GPyTorch's probe sampling.
 
-    ``zero_mean_mvn_samples(num)`` draws from ``N(0, scale P)`` through the preconditioner's factor.
+    ``zero_mean_mvn_samples(num)`` draws from ``N(0, scale P)`` through the preconditioner's factor and passes
+    the draws ``(n, num)`` to ``on_sample`` when given.
     """
 
-    def __init__(self, scale: torch.Tensor, precond: Preconditioner) -> None:
-        super().__init__(scale, precond=precond)
+    def __init__(
+        self,
+        scale: torch.Tensor,
+        precond: Preconditioner,
+        on_sample: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        super().__init__(scale, precond=precond, on_sample=on_sample)
         self.scale = scale
         self.precond = precond
+        self.on_sample = on_sample
 
     def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
         return self.scale * self.precond.matmul(rhs)
@@ -99,7 +106,10 @@ class PreconditionerOperator(LinearOperator):
         return self
 
     def zero_mean_mvn_samples(self, num_samples: int) -> torch.Tensor:
-        return (self.scale.sqrt() * self.precond.sample(num_samples)).mT  # (num_samples, n)
+        Z = self.scale.sqrt() * self.precond.sample(num_samples)  # (n, num_samples)
+        if self.on_sample is not None:
+            self.on_sample(Z)
+        return Z.mT
 
 
 class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
@@ -289,17 +299,13 @@ class PreconditionerHook:
             self.applications += 1
             return P.solve(rhs) / s2
 
-        hook = self
-
-        class _Counted(PreconditionerOperator):
-            def zero_mean_mvn_samples(self, num_samples: int) -> torch.Tensor:
-                hook.samples += num_samples
-                out = super().zero_mean_mvn_samples(num_samples)
-                hook.last_probes = out.mT  # (n, t): the z_j ~ N(0, P̂) GPyTorch's SLQ and trace estimator use
-                return out
-
         logdet = P.logdet() + P.n * torch.log(s2)
-        return closure, _Counted(s2, precond=P), logdet
+        return closure, PreconditionerOperator(s2, precond=P, on_sample=self._record_probes), logdet
+
+    def _record_probes(self, Z: torch.Tensor) -> None:
+        """Keep the probes ``z_j ~ N(0, P̂)`` (``(n, t)``) GPyTorch's SLQ and trace estimator use this call."""
+        self.samples += Z.shape[1]
+        self.last_probes = Z
 
     # -- context ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
