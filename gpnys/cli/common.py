@@ -59,11 +59,23 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row")
     p.add_argument("--cg-tol", type=float, default=EstimatorSettings.cg_tolerance, help="CG tolerance")
     p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes, help="SLQ probe vectors")
+    p.add_argument("--lanczos-steps", type=int, default=EstimatorSettings.lanczos_steps,
+                   help="Lanczos quadrature steps (also GPyTorch's minimum CG iterations)")
+    p.add_argument("--probe-dist", choices=("rademacher", "gaussian"), default=EstimatorSettings.probes,
+                   help="probe distribution (covariance P either way)")
+    p.add_argument("--control-variate", choices=("auto", "diag", "full", "none"), default=EstimatorSettings.control_variate,
+                   help="log-det gradient control variate for AFN ('none' also disables it for Nyström)")
 
 
 def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, dict[str, int]]:
     """``(settings, preconditioner options)`` from the flags of :func:`add_estimator_args`."""
-    settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes)
+    for name in ("cg_tol", "probes", "lanczos_steps"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    cv = args.control_variate
+    settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes, lanczos_steps=args.lanczos_steps,
+                                 probes=args.probe_dist, variance_reduction=cv != "none",
+                                 control_variate="auto" if cv == "none" else cv)
     return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
 
 

@@ -101,6 +101,21 @@ def safe_cholesky(
     raise RuntimeError(f"{what}: Cholesky failed even after {max_tries} diagonal shifts")
 
 
+def draw(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    generator: torch.Generator | None = None,
+    distribution: str = "gaussian",
+) -> torch.Tensor:
+    """i.i.d. standard Gaussian (``"gaussian"``) or random-sign (``"rademacher"``) entries of ``shape``."""
+    if distribution == "gaussian":
+        return torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    if distribution == "rademacher":
+        return torch.randint(0, 2, shape, device=device, generator=generator).to(dtype).mul_(2).sub_(1)
+    raise ValueError(f"distribution must be 'gaussian' or 'rademacher', got {distribution!r}")
+
+
 class Preconditioner(abc.ABC):
     """Abstract preconditioner ``P ~ K + mu I``. Subclasses set ``n``, ``rank``, ``dtype``, ``device``."""
 
@@ -152,10 +167,16 @@ class Preconditioner(abc.ABC):
         """``P R`` for ``R: (n,)`` or ``(n, t)``."""
         return self._apply(self._matmul, R)
 
-    def sample(self, num: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``num`` independent draws from ``N(0, P)``: shape ``(n, num)``."""
-        Z = torch.randn(self.n, int(num), dtype=self.dtype, device=self.device, generator=generator)
-        return self._sample(Z)
+    def sample(
+        self, num: int = 1, generator: torch.Generator | None = None, distribution: str = "gaussian"
+    ) -> torch.Tensor:
+        """``num`` independent draws ``R z`` with ``P = R R^T``: shape ``(n, num)``.
+
+        ``distribution="gaussian"`` (``z ~ N(0, I)``, so draws from ``N(0, P)``) or ``"rademacher"`` (``z`` of
+        random signs: covariance ``P`` too, and in the whitened space the Hutchinson trace estimator loses the
+        diagonal's share of its variance, ``2 sum_{i != j} A_ij^2`` instead of ``2 ||A||_F^2``).
+        """
+        return self._sample(draw((self.n, int(num)), self.dtype, self.device, generator, distribution))
 
     def summary(self) -> dict[str, Any]:
         """Facts for reports: kind, n, rank, mu, diagonal shifts added, setup seconds (+ subclass extras)."""

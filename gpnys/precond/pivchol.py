@@ -43,7 +43,7 @@ from linear_operator.functions import pivoted_cholesky
 from linear_operator.operators import LinearOperator
 
 from gpnys.kernels.entries import KernelEntries
-from gpnys.precond.base import NumericalWarning, Preconditioner, validate_count
+from gpnys.precond.base import NumericalWarning, Preconditioner, draw, validate_count
 
 __all__ = ["PivotedCholeskyPreconditioner", "KernelRowsOperator"]
 
@@ -168,11 +168,13 @@ class PivotedCholeskyPreconditioner(Preconditioner):
         QtZ = self._Qc.mT @ Z
         return self._Qc @ (self._C @ QtZ) + self.mu**0.5 * (Z - self._Qc @ QtZ)
 
-    def sample(self, num: int = 1, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``num`` draws from ``N(0, P)`` as ``L z1 + sqrt(mu) z2`` (``z1: (rank, num)``, ``z2: (n, num)``)."""
+    def sample(
+        self, num: int = 1, generator: torch.Generator | None = None, distribution: str = "gaussian"
+    ) -> torch.Tensor:
+        """``num`` draws ``L z1 + sqrt(mu) z2`` (``z1: (rank, num)``, ``z2: (n, num)``, covariance ``P``)."""
         num = int(num)
-        Z1 = torch.randn(self.rank, num, dtype=self.dtype, device=self.device, generator=generator)
-        Z2 = torch.randn(self.n, num, dtype=self.dtype, device=self.device, generator=generator)
+        Z1 = draw((self.rank, num), self.dtype, self.device, generator, distribution)
+        Z2 = draw((self.n, num), self.dtype, self.device, generator, distribution)
         return self.L @ Z1 + self.mu**0.5 * Z2
 
     def logdet(self) -> torch.Tensor:
