@@ -90,7 +90,7 @@ class EstimatorSettings:
     control_variate: str = "auto"
     kernel_operator: bool = True
     dense_limit_bytes: int = DEFAULT_DENSE_LIMIT_BYTES
-    variance_tolerance: float = 3e-3
+    variance_tolerance: float = 1e-3
     variance_block: int = 1024
 
     def context(self) -> contextlib.ExitStack:
