@@ -1,6 +1,7 @@
-"""Issue 4 target 1-2: one -MLL/n value + gradient on elevators, exact Cholesky vs GPyTorch default vs gpnys.
+"""Issue 4 target 1-2: one -MLL/n value + gradient on elevators, exact Cholesky vs GPyTorch default vs HiGP vs gpnys.
 
-For each length-scale, Cholesky (float64) once, then GPyTorch's default CG + SLQ and gpnys (``auto`` by default)
+For each length-scale, Cholesky (float64) once, then GPyTorch's default CG + SLQ, HiGP's defaults (when installed)
+and gpnys (``auto`` by default)
 over several seeds; reports the median loss relative error, the median error of each gradient component
 (|g - g*| / max(|g*|, 0.1 ||g*||_2)) and the median time. Prints a table and writes JSON.
 
@@ -11,11 +12,16 @@ Run:  python benchmarks/mll_accuracy.py                   (n = 10000, lengthscal
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
+from functools import partial
 from pathlib import Path
 
+import torch
+
 from gpnys import datasets
+from gpnys.gp.higp_adapter import evaluate_higp
 from gpnys.gp.mll import evaluate, grad_errors
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -29,22 +35,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--noise", type=float, default=0.1)
     ap.add_argument("--kernel", default="rbf")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--methods", default="gpytorch,auto")
+    ap.add_argument("--methods", default="gpytorch,higp,auto",
+                    help="gpytorch (its defaults), higp (AFN authors' package, defaults), any gpnys method")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     n, seeds = (500, 2) if args.quick else (args.n, args.seeds)
     ds = datasets.load("elevators", n=n, seed=0)
     out: dict = {"n": n, "kernel": args.kernel, "noise": args.noise, "rows": []}
     print(f"elevators n = {n}, {args.kernel}, noise {args.noise}, outputscale 1, {seeds} seeds (medians)")
     print(f"{'ls':>5} {'method':>9} {'time s':>8} {'loss err':>9} {'ls err':>8} {'os err':>8} {'noise err':>9}")
     for ls in (float(v) for v in args.lengthscale.split(",")):
-        common = dict(kernel=args.kernel, lengthscale=ls, noise=args.noise)
+        common = {"kernel": args.kernel, "lengthscale": ls, "noise": args.noise}
         ref = evaluate(ds.train_x, ds.train_y, "exact", **common)
         print(f"{ls:>5g} {'exact':>9} {ref['time_s']:8.2f}")
         out["rows"].append({"lengthscale": ls, "method": "exact", "time_s": ref["time_s"], "loss": ref["loss"],
                             "grad": ref["grad"]})
         for method in args.methods.split(","):
-            recs = [evaluate(ds.train_x, ds.train_y, method, seed=s, **common) for s in range(seeds)]
+            if method == "higp" and importlib.util.find_spec("higp") is None:
+                print(f"{ls:>5g} {'higp':>9} skipped (pip install higp)")
+                continue
+            run = evaluate_higp if method == "higp" else partial(evaluate, method=method)
+            recs = [run(ds.train_x, ds.train_y, seed=s, **common) for s in range(seeds)]
             lerr = [abs(r["loss"] - ref["loss"]) / abs(ref["loss"]) for r in recs]
             gerr = [grad_errors(r["grad"], ref["grad"]) for r in recs]
             med = {k: statistics.median(g[k] for g in gerr) for k in gerr[0]}

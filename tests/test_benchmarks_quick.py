@@ -1,6 +1,7 @@
 """Every benchmark's --quick mode runs, so benchmarks cannot rot."""
 
 import json
+import math
 
 from helpers import load_script
 
@@ -33,3 +34,28 @@ def test_mll_accuracy_quick(tmp_path):
     rows = {r["method"]: r for r in out["rows"]}
     assert set(rows) == {"exact", "gpytorch", "auto"}
     assert rows["auto"]["loss_rel_error"] < 1e-3 and max(rows["auto"]["grad_rel_error"].values()) < 0.02
+
+
+def test_fit_compare_quick(tmp_path):
+    out = tmp_path / "fit.json"
+    load("fit_compare").main(["--quick", "--threads", "1", "--out", str(out)])
+    assert out.exists() and out.with_suffix(".png").exists()
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"exact", "gpytorch", "higp", "auto"}
+
+    def numbers(v):
+        if isinstance(v, dict):
+            return [x for w in v.values() for x in numbers(w)]
+        if isinstance(v, list):
+            return [x for w in v for x in numbers(w)]
+        return [v] if isinstance(v, (int, float)) and not isinstance(v, bool) else []
+
+    for name, rec in results.items():
+        if "skipped" in rec:  # HiGP is optional
+            assert name == "higp"
+            continue
+        for key in ("test_rmse", "test_nll", "train_time_s", "predict_time_s", "rmse_rel_diff", "nll_rel_diff",
+                    "time_ratio"):
+            assert key in rec, (name, key)
+        assert len(rec["loss_trace"]) == len(rec["time_trace"]) == 3 and rec["checkpoints"][-1]["step"] == 3
+        assert all(math.isfinite(x) for x in numbers(rec)), name

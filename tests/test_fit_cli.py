@@ -107,3 +107,33 @@ def test_cli_fit_with_preconditioner_reports_steps(capsys):
     exact = json.loads(capsys.readouterr().out)
     assert out["loss_trace"] == pytest.approx(exact["loss_trace"], rel=1e-3)
     assert out["test_rmse"] == pytest.approx(exact["test_rmse"], rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "argv,name",
+    [
+        (["mll", "--noise", "-1"], "noise"),
+        (["mll", "--noise", "nan"], "noise"),
+        (["mll", "--lengthscale", "0"], "lengthscale"),
+        (["mll", "--outputscale", "-2"], "outputscale"),
+        (["mll", "--method", "exact,bogus"], "method"),
+        (["mll", "--repeats", "0"], "repeats"),
+        (["mll", "--probes", "0", "--method", "afn"], "probes"),
+        (["mll", "--cg-tol", "-1", "--method", "afn"], "cg-tol"),
+        (["mll", "--n", "0"], "n"),
+        (["mll", "--k", "5000", "--method", "afn"], "k"),
+        (["fit", "--precond", "bogus"], "precond"),
+        (["fit", "--precond", "afn", "--w", "0"], "w"),
+        (["fit", "--precond", "auto", "--lanczos-steps", "0"], "lanczos-steps"),
+        (["fit", "--lr", "-1"], "lr"),
+        (["fit", "--data", "/nonexistent/file.csv"], "file"),
+    ],
+)
+def test_cli_mll_and_fit_bad_input_name_the_argument(argv, name, capsys):
+    """Bad input to `gpnys mll` / `gpnys fit` exits with status 2 and a message naming the argument."""
+    data = [] if "--data" in argv else ["--data", "concrete"]
+    cmd = argv[:1] + data + ["--n", "200"] + (["--iters", "1"] if argv[0] == "fit" else []) + argv[1:]
+    with pytest.raises(SystemExit) as exc:
+        main(cmd)
+    assert exc.value.code == 2
+    assert name in capsys.readouterr().err

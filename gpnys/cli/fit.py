@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         "test_nll_standardized": gaussian_nll(ds.test_y, mean, var),
         "train_time_s": res.train_time_s,
         "predict_time_s": predict_s,
+        "variance_method": "cholesky" if args.precond == "none" else hook.variance_method_used,
         "loss_trace": res.loss_trace,
         "steps": res.steps,
     }
@@ -123,5 +124,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"test RMSE: {out['test_rmse']:.5g} (standardised {out['test_rmse_standardized']:.4f})")
     print(f"test NLL:  {out['test_nll']:.4f} (standardised {out['test_nll_standardized']:.4f})")
     print(f"train time: {res.train_time_s:.1f} s for {args.iters} {args.optimizer} iterations; "
-          f"prediction (mean and variance at {out['n_test']} points): {predict_s:.1f} s")
+          f"prediction (mean and variance at {out['n_test']} points, variances by {out['variance_method']}): "
+          f"{predict_s:.1f} s")
     return 0

@@ -41,7 +41,7 @@ from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 from gpnys.kernels.entries import split_outputscale
 from gpnys.kernels.operator import DEFAULT_DENSE_LIMIT_BYTES, StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import NumericalWarning, Preconditioner
+from gpnys.precond.base import NumericalWarning, Preconditioner, safe_cholesky
 from gpnys.precond.cache import PointCache
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.precond.strategy import PRECONDITIONERS, make_preconditioner
@@ -73,8 +73,8 @@ class EstimatorSettings:
             :class:`~gpnys.kernels.operator.StationaryKernelOperator` (RBF/Matérn under a ``ScaleKernel``): same
             values, closed-form derivative, no ``n x n`` autograd temporaries.
         dense_limit_bytes: that operator caches the dense kernel up to this size, else recomputes row blocks.
-        variance_tolerance, variance_block: PCG tolerance and test-point block size of the predictive variances
-            (:meth:`PreconditionerHook.predict`).
+        variance_method: ``"auto"``, ``"pcg"`` or ``"cholesky"`` for the predictive variances; variance_tolerance,
+            variance_block: their PCG tolerance and test-point block size (:meth:`PreconditionerHook.predict`).
         control_variate: for AFN, ``"diag"`` (cheap, ``O(nk(k + t))``), ``"full"`` (rebuild the FSAI rows with
             autograd, ``O(n w^2 k)``: removes more variance — on concrete, n = 927, l = 2, the worst gradient
             component fell from 5.6 % to 0.3 % — but took 7 s at n = 10000, twice the CG solve) or ``"auto"``
@@ -90,6 +90,7 @@ class EstimatorSettings:
     control_variate: str = "auto"
     kernel_operator: bool = True
     dense_limit_bytes: int = DEFAULT_DENSE_LIMIT_BYTES
+    variance_method: str = "auto"
     variance_tolerance: float = 1e-3
     variance_block: int = 1024
 
@@ -226,6 +227,9 @@ class PreconditionerHook:
         X = model.train_inputs[0]
         if X.dim() != 2:
             raise ValueError(f"train inputs must be (n, d) (batched models are not supported), got {tuple(X.shape)}")
+        for key in ("k", "w", "rank"):
+            if key in options and options[key] is not None and not 1 <= int(options[key]) <= X.shape[0]:
+                raise ValueError(f"{key} must be between 1 and n = {X.shape[0]}, got {options[key]}")
         self.cache = PointCache(X)
         self.builds = 0
         self.applications = 0
@@ -240,6 +244,7 @@ class PreconditionerHook:
         self._kernel_cache: dict[str, Any] = {}
         self._kernel_x: torch.Tensor | None = None
         self.variance_iterations = 0
+        self.variance_method_used: str | None = None
 
     def control_variate(self) -> torch.Tensor | None:
         """``C(θ) = log det P̂(θ) + (1/t) Σ_j z_jᵀ P̂(θ)⁻¹ z_j`` on the probes of the last SLQ call.
@@ -369,13 +374,20 @@ class PreconditionerHook:
         """Predictive mean and variance of ``y`` (noise included) at ``test_x (m, d)``: ``((m,), (m,))``.
 
         The mean is GPyTorch's (its CG with the gpnys preconditioner, ``eval_cg_tolerance``). The variance
-        ``k(x, x) - k_x^T K̂^{-1} k_x + noise`` is exact up to the PCG tolerance
-        ``settings.variance_tolerance``: the ``m`` systems ``K̂ B = K(X, test_x)`` are solved by
-        :func:`gpnys.solvers.pcg.pcg` with this preconditioner, column blocks of ``settings.variance_block``,
-        products with the cached dense kernel when it fits. The quadratic form ``k_x^T B_k`` of CG's iterate
-        underestimates ``k_x^T K̂^{-1} k_x`` by ``||e_k||^2_K̂ <= ||r_k||^2 / noise``, second order in the
-        residual, so a loose tolerance gives accurate variances. (GPyTorch's own exact path solves all ``m``
-        columns with its CG at the mean's tolerance; LOVE, its fast path, was 10 % off in NLL on elevators.)
+        ``k(x, x) - k_x^T K̂^{-1} k_x + noise`` is exact up to a tolerance, by the cheaper of two exact methods
+        (``settings.variance_method = "auto"``; the choice is kept in ``variance_method_used``):
+
+        * ``"pcg"``: the ``m`` systems ``K̂ B = K(X, test_x)`` by :func:`gpnys.solvers.pcg.pcg` with this
+          preconditioner (warm start ``P̂^{-1} k_x``, tolerance ``settings.variance_tolerance``, column blocks of
+          ``settings.variance_block``). The variational form ``2 b^T x - x^T K̂ x = b^T K̂^{-1} b - ||e||^2_K̂`` is
+          second order in the error. Cost ``~ 2 n^2 m`` per iteration.
+        * ``"cholesky"``: one Cholesky of ``K̂``, ``n^3/3 + n^2 m`` flops — cheaper than PCG as soon as
+          ``m > n / (3 (2 iters - 1))`` (m > ~130 at n = 15 000 and 20 iterations), and only offered when the
+          dense kernel is already cached (it needs one more ``n x n`` buffer). Training never uses it.
+
+        A model whose ``forward`` transforms x gets GPyTorch's own predictive variances (the fast paths evaluate
+        ``kernel(X, test_x)`` on the raw inputs). GPyTorch's LOVE was 10 % off in NLL on elevators, so it is
+        not used.
         """
         model, lik = self.model, self.model.likelihood
         model.eval()
@@ -385,31 +397,58 @@ class PreconditionerHook:
                 mean = lik(model(test_x)).mean
             if not variance:
                 return mean, None
-            P, s2 = self.preconditioner()
             X = model.train_inputs[0]
-            kernel = model.covar_module
-            noise = lik.noise.reshape(-1)[0]
-            # the fast path needs the kernel to see the raw training inputs (it evaluates kernel(X, test_x));
-            # a model whose forward transforms x gets GPyTorch's own predictive variances
             kx = self._kernel_x
             if kx is None or not (kx is X or (kx.shape == X.shape and torch.equal(kx, X))):
+                self.variance_method_used = "gpytorch"
                 pred = lik(model(test_x))
                 return pred.mean, pred.variance
+            kernel = model.covar_module
+            noise = lik.noise.reshape(-1)[0]
             op = self.stationary_operator(X)
-            kmm = op._matmul if op is not None else (lambda V: kernel(X) @ V)
+            n, m = X.shape[0], test_x.shape[0]
+            iters = max(10.0, self.applications / max(1, self.builds))  # CG iterations per training solve
+            method = self.settings.variance_method
+            if method == "auto":
+                cheap = n / 3 + m < 2 * iters * m
+                method = "cholesky" if cheap and op is not None and op._dense() is not None else "pcg"
+            self.variance_method_used = method
+            solve = self._cholesky_quad(op, noise) if method == "cholesky" else self._pcg_quad(op, X, noise)
             out = []
-            for a in range(0, test_x.shape[0], self.settings.variance_block):
+            for a in range(0, m, self.settings.variance_block):
                 T = test_x[a : a + self.settings.variance_block]
                 Kxt = kernel(X, T).to_dense()  # (n, b)
-                A = lambda V: kmm(V) + noise * V  # noqa: E731
-                x0 = P.solve(Kxt) / s2
-                res = pcg(A, Kxt, precond=lambda R: P.solve(R) / s2, x0=x0,
-                          tol=self.settings.variance_tolerance, maxiter=self.settings.max_cg_iterations)
-                self.variance_iterations = res.iterations
-                q = (Kxt * res.x).sum(0) + (res.x * (Kxt - A(res.x))).sum(0)  # 2 b'x - x'Ax = b'K̂^-1 b - |e|_K̂^2
-                prior = kernel(T, diag=True)
-                out.append((prior - q).clamp_min(0.0))
+                out.append((kernel(T, diag=True) - solve(Kxt)).clamp_min(0.0))
         return mean, torch.cat(out) + noise
+
+    def _pcg_quad(self, op: StationaryKernelOperator | None, X: torch.Tensor, noise: torch.Tensor) -> Callable:
+        """``B -> diag(B^T K̂^{-1} B)`` by PCG (see :meth:`predict`)."""
+        P, s2 = self.preconditioner()
+        kernel = self.model.covar_module
+        kmm = op._matmul if op is not None else (lambda V: kernel(X) @ V)
+
+        def A(V: torch.Tensor) -> torch.Tensor:
+            return kmm(V) + noise * V
+
+        def quad(B: torch.Tensor) -> torch.Tensor:
+            res = pcg(A, B, precond=lambda R: P.solve(R) / s2, x0=P.solve(B) / s2,
+                      tol=self.settings.variance_tolerance, maxiter=self.settings.max_cg_iterations)
+            self.variance_iterations = res.iterations
+            return (B * res.x).sum(0) + (res.x * (B - A(res.x))).sum(0)  # 2 b'x - x'Ax
+
+        return quad
+
+    def _cholesky_quad(self, op: StationaryKernelOperator, noise: torch.Tensor) -> Callable:
+        """``B -> diag(B^T K̂^{-1} B)`` through one Cholesky of the cached dense ``K̂`` (see :meth:`predict`)."""
+        K = op._dense()[0] * op.outputscale.detach()
+        K.diagonal().add_(noise)
+        L = safe_cholesky(K, "predictive covariance K + noise I")
+        del K
+
+        def quad(B: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.solve_triangular(L, B, upper=False).square().sum(0)
+
+        return quad
 
     # -- context ---------------------------------------------------------------------------------------
     @contextlib.contextmanager

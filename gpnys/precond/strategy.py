@@ -109,6 +109,11 @@ class AutoPreconditioner(Preconditioner):
         return out
 
 
+def _default(value: int | None, default: int) -> int:
+    """``value`` unless it is None (``0`` stays 0, so that validation rejects it instead of a silent default)."""
+    return default if value is None else value
+
+
 def make_preconditioner(
     name: str,
     X: torch.Tensor,
@@ -135,7 +140,7 @@ def make_preconditioner(
     if name == "none":
         return None
     if name == "pivchol":
-        return PivotedCholeskyPreconditioner(X, kernel, mu, rank=min(rank or 15, n))
+        return PivotedCholeskyPreconditioner(X, kernel, mu, rank=min(_default(rank, 15), n))
     if name == "nystrom":
         if rank is None:
             rank = estimate_rank(X, kernel, mu, max_k=k, seed=seed).k
@@ -143,12 +148,12 @@ def make_preconditioner(
         lm = cache.fps(r) if cache is not None else None
         return NystromPreconditioner(X, kernel, mu, r, landmarks="fps", landmark_indices=lm)
     if name in ("ran", "sketch"):
-        r = min(rank or 3000, n)
+        r = min(_default(rank, 3000), n)
         if name == "ran":
             return NystromPreconditioner(X, kernel, mu, r, landmarks="uniform", scaling="ran", seed=seed)
         return NystromPreconditioner(X, kernel, mu, r, sampling="sketch", scaling="ran", seed=seed)
     if name == "fsai":
-        return FSAIPreconditioner(X, kernel, mu, w=min(w or 400, n), cache=cache)
+        return FSAIPreconditioner(X, kernel, mu, w=min(_default(w, 400), n), cache=cache)
     if name == "afn":
-        return AFNPreconditioner(X, kernel, mu, k=min(k, n), w=w or 100, seed=seed, cache=cache)
-    return AutoPreconditioner(X, kernel, mu, max_k=k, w=w or 100, seed=seed, cache=cache)
+        return AFNPreconditioner(X, kernel, mu, k=min(k, n), w=_default(w, 100), seed=seed, cache=cache)
+    return AutoPreconditioner(X, kernel, mu, max_k=k, w=_default(w, 100), seed=seed, cache=cache)
