@@ -25,7 +25,7 @@ install-docs: venv
 	$(PIP) install -q -e ".[docs]"
 
 demo: install
-	$(VENV)/bin/gpnys fit --data elevators --split 0 --n 2000 --kernel matern32 --iters 100 --lr 0.1 --seed 0
+	$(VENV)/bin/gpnys fit --data elevators --split 0 --kernel matern32 --ard --iters 40 --lr 0.1 --seed 0
 
 test: install-test
 	$(PY) -m pytest -q
