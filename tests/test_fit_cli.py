@@ -137,3 +137,15 @@ def test_cli_mll_and_fit_bad_input_name_the_argument(argv, name, capsys):
         main(cmd)
     assert exc.value.code == 2
     assert name in capsys.readouterr().err
+
+
+def test_cli_fit_lbfgs_with_preconditioner_tracks_cholesky(capsys):
+    """L-BFGS (strong Wolfe line search) through the gpnys estimator ends near the Cholesky L-BFGS fit."""
+    common = ["fit", "--data", "concrete", "--n", "300", "--iters", "4", "--optimizer", "lbfgs", "--json"]
+    main(common + ["--precond", "none"])
+    exact = json.loads(capsys.readouterr().out)
+    main(common + ["--precond", "afn", "--k", "100", "--w", "20"])
+    ours = json.loads(capsys.readouterr().out)
+    assert ours["loss_trace"][-1] < ours["loss_trace"][0]
+    assert abs(ours["loss_trace"][-1] - exact["loss_trace"][-1]) < 0.02 * abs(exact["loss_trace"][-1])
+    assert abs(ours["test_rmse"] - exact["test_rmse"]) < 0.02 * exact["test_rmse"]
