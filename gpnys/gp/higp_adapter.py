@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from gpnys.gp.mll import validate_inputs
+
 __all__ = ["HIGP_KERNELS", "evaluate_higp"]
 
 #: gpnys kernel name -> HiGP kernel constant name (``higp.GaussianKernel`` = 1, ...)
@@ -155,14 +157,8 @@ def evaluate_higp(
     ls = torch.as_tensor(lengthscale, dtype=torch.float64).reshape(-1)
     if ard or ls.numel() != 1:
         raise ValueError("HiGP supports only an isotropic lengthscale (no ARD)")
-    if X.dim() != 2 or y.dim() != 1 or X.shape[0] != y.shape[0]:
-        raise ValueError(f"X must be (n, d) and y (n,) with the same n, got {tuple(X.shape)} and {tuple(y.shape)}")
-    if not (torch.isfinite(X).all() and torch.isfinite(y).all()):
-        raise ValueError("X or y contains NaN or inf")
+    validate_inputs(X, y, ls, outputscale, noise)
     ls_val, os_val, noise_val = float(ls[0]), float(outputscale), float(noise)
-    for name, val in (("lengthscale", ls_val), ("outputscale", os_val)):
-        if not val > 0:
-            raise ValueError(f"{name} must be positive, got {val}")
     if not noise_val > NOISE_LOWER_BOUND:
         raise ValueError(f"noise must be > {NOISE_LOWER_BOUND}, got {noise_val}")
     for name, val in (("rank", rank), ("lanczos_steps", lanczos_steps), ("probes", probes)):

@@ -41,7 +41,7 @@ from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 from gpnys.kernels.entries import split_outputscale
 from gpnys.kernels.operator import DEFAULT_DENSE_LIMIT_BYTES, StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import NumericalWarning, Preconditioner, safe_cholesky
+from gpnys.precond.base import NumericalWarning, Preconditioner, safe_cholesky, validate_count
 from gpnys.precond.cache import PointCache
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.precond.strategy import PRECONDITIONERS, make_preconditioner
@@ -227,9 +227,9 @@ class PreconditionerHook:
         X = model.train_inputs[0]
         if X.dim() != 2:
             raise ValueError(f"train inputs must be (n, d) (batched models are not supported), got {tuple(X.shape)}")
-        for key in ("k", "w", "rank"):
-            if key in options and options[key] is not None and not 1 <= int(options[key]) <= X.shape[0]:
-                raise ValueError(f"{key} must be between 1 and n = {X.shape[0]}, got {options[key]}")
+        for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
+            if options.get(key) is not None:
+                validate_count(options[key], key, 1, X.shape[0])
         self.cache = PointCache(X)
         self.builds = 0
         self.applications = 0
@@ -240,7 +240,6 @@ class PreconditionerHook:
         self.last_probes: torch.Tensor | None = None
         self.variance_reduction = bool(self.settings.variance_reduction)
         self.control_variates = 0
-        self.kernel_op = bool(self.settings.kernel_operator)
         self._kernel_cache: dict[str, Any] = {}
         self._kernel_x: torch.Tensor | None = None
         self.variance_iterations = 0
@@ -352,7 +351,7 @@ class PreconditionerHook:
         closed-form blocked derivative) for a ``ScaleKernel`` over RBF/Matérn when ``settings.kernel_operator``;
         else ``None``."""
         kernel = self.model.covar_module
-        if not (self.kernel_op and isinstance(kernel, gpytorch.kernels.ScaleKernel)
+        if not (self.settings.kernel_operator and isinstance(kernel, gpytorch.kernels.ScaleKernel)
                 and supported(kernel.base_kernel) and len(kernel.batch_shape) == 0):
             return None
         return StationaryKernelOperator(X, kernel.outputscale, kernel.base_kernel.lengthscale, base=kernel.base_kernel,

@@ -20,7 +20,7 @@ from gpnys.gp.exact import ExactGPModel
 from gpnys.gp.hook import EstimatorSettings, use_preconditioner
 from gpnys.precond.strategy import PRECONDITIONERS
 
-__all__ = ["evaluate", "grad_errors", "METHODS"]
+__all__ = ["evaluate", "grad_errors", "validate_inputs", "METHODS"]
 
 METHODS = ("exact", "gpytorch") + tuple(n for n in PRECONDITIONERS if n != "none")
 
@@ -32,6 +32,21 @@ def _model(X, y, kernel, lengthscale, outputscale, noise, ard):
     model.covar_module.outputscale = outputscale
     lik.noise = noise
     return model
+
+
+def validate_inputs(
+    X: torch.Tensor, y: torch.Tensor, lengthscale: float | torch.Tensor, outputscale: float, noise: float
+) -> None:
+    """``ValueError`` naming the argument for mismatched shapes, NaN/inf, or non-positive hyperparameters."""
+    if X.dim() != 2 or y.dim() != 1 or X.shape[0] != y.shape[0]:
+        raise ValueError(f"X must be (n, d) and y (n,) with the same n, got {tuple(X.shape)} and {tuple(y.shape)}")
+    if not (torch.isfinite(X).all() and torch.isfinite(y).all()):
+        raise ValueError("X or y contains NaN or inf")
+    for name, val in (("outputscale", outputscale), ("noise", noise)):
+        if not float(val) > 0:
+            raise ValueError(f"{name} must be positive, got {val}")
+    if not bool((torch.as_tensor(lengthscale) > 0).all()):
+        raise ValueError(f"lengthscale must be positive, got {lengthscale}")
 
 
 def evaluate(
@@ -62,15 +77,7 @@ def evaluate(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if X.dim() != 2 or y.dim() != 1 or X.shape[0] != y.shape[0]:
-        raise ValueError(f"X must be (n, d) and y (n,) with the same n, got {tuple(X.shape)} and {tuple(y.shape)}")
-    if not (torch.isfinite(X).all() and torch.isfinite(y).all()):
-        raise ValueError("X or y contains NaN or inf")
-    for name, val in (("outputscale", outputscale), ("noise", noise)):
-        if not float(val) > 0:
-            raise ValueError(f"{name} must be positive, got {val}")
-    if not bool((torch.as_tensor(lengthscale) > 0).all()):
-        raise ValueError(f"lengthscale must be positive, got {lengthscale}")
+    validate_inputs(X, y, lengthscale, outputscale, noise)
     torch.manual_seed(seed)
     model = _model(X, y, kernel, lengthscale, outputscale, noise, ard)
     model.train()
