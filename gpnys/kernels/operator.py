@@ -5,8 +5,9 @@ kernel (distances, exponentials, polynomial factors, ...) keeps an ``n x n`` tem
 about 16 GB at n = 15 000 for a Matérn-3/2 ARD kernel, and the backward through them was half of a training step
 (measured 10.5 of 21 s at elevators n = 14 940). :class:`StationaryKernelOperator` instead
 
-* keeps the ``n x n`` unit-variance kernel ``K`` and ``H = k'(R)/R`` (below) without autograd, computed in one pass
-  (or, above ``dense_limit_bytes`` for the two, recomputes row blocks on the fly: memory ``O(b n)``);
+* keeps the ``n x n`` unit-variance kernel ``K`` and ``H = k'(R)/R`` (below; RBF's ``H = -K`` is not stored)
+  without autograd, computed in one pass (or, above ``dense_limit_bytes``, recomputes row blocks on the fly:
+  memory ``O(b n)``);
 * answers ``_bilinear_derivative(U, V)`` — the only derivative GPyTorch's ``inv_quad_logdet`` asks for,
   ``d/dtheta sum_t u_t^T K v_t`` — in closed form, one row block at a time.
 
@@ -26,7 +27,7 @@ neither GPyTorch nor linear_operator offers a kernel operator whose derivative a
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import gpytorch
 import torch
@@ -34,7 +35,8 @@ from linear_operator.operators import LinearOperator
 
 __all__ = ["StationaryKernelOperator", "supported", "DEFAULT_DENSE_LIMIT_BYTES"]
 
-#: cache the dense K and H below this size together (4 GiB: n ~ 16 000 in float64, ~ 23 000 in float32)
+#: cache the dense K and H below this size together (4 GiB: Matérn n ~ 16 000 in float64, ~ 23 000 in float32;
+#: RBF stores K only, n ~ 23 000 in float64)
 DEFAULT_DENSE_LIMIT_BYTES = 4 << 30
 _BLOCK_ELEMS = 1 << 22  # entries of one (b, n) row block in the on-the-fly paths (32 MiB in float64)
 
@@ -52,12 +54,12 @@ def supported(base: gpytorch.kernels.Kernel) -> bool:
     )
 
 
-def _k_and_h(r: torch.Tensor, nu: float | None, k: torch.Tensor, h: torch.Tensor) -> None:
+def _k_and_h(r: torch.Tensor, nu: float | None, k: torch.Tensor, h: torch.Tensor | None) -> None:
     """Write ``k(r)`` and ``k'(r) / r`` of the unit-variance kernel into ``k`` and ``h`` (``r`` is overwritten);
-    in place, because on CPU these elementwise passes over ``n x n`` are memory-bound."""
+    in place, because on CPU these elementwise passes over ``n x n`` are memory-bound. RBF has ``h = -k``, so
+    its ``h`` is neither computed nor stored (``None``)."""
     if nu is None:
         torch.exp(r.square_().mul_(-0.5), out=k)
-        torch.neg(k, out=h)
     elif nu == 0.5:
         torch.exp(r.neg(), out=k)
         torch.div(k, r.clamp_(min=torch.finfo(r.dtype).tiny), out=h).neg_()
@@ -113,22 +115,26 @@ class StationaryKernelOperator(LinearOperator):
         self._zmax = float(Z.abs().max()) if Z.numel() else 0.0
         return Z
 
-    def _rows(self, Z: torch.Tensor, a: int, b: int, out: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """``(k, h)`` on rows ``a:b``: two ``(b - a, n)`` blocks (written into ``out`` when given)."""
+    def _rows(self, Z: torch.Tensor, a: int, b: int, out: tuple[torch.Tensor, torch.Tensor | None] | None = None):
+        """``(k, h)`` on rows ``a:b``: two ``(b - a, n)`` blocks (written into ``out`` when given; ``h`` is
+        ``None`` for RBF, where it is ``-k``)."""
         with torch.no_grad():
             R = torch.cdist(Z[a:b], Z)
             R.diagonal(offset=a).zero_()  # the matmul form of cdist leaves ~sqrt(eps) |z| on the diagonal
             if self.nu == 0.5:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
                 R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * self._zmax, 0.0)
-            Kb, Hb = out if out is not None else (torch.empty_like(R), torch.empty_like(R))
+            if out is None:
+                out = (torch.empty_like(R), None if self.nu is None else torch.empty_like(R))
+            Kb, Hb = out
             _k_and_h(R, self.nu, Kb, Hb)
             return Kb, Hb
 
-    def _dense(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Cached dense ``(K, H)`` (unit kernel and ``k'/r``) for the current length-scale, or ``None`` if too big.
-        The two buffers are reused across length-scales (no fresh 2 n^2 allocation per training step)."""
+    def _dense(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Cached dense ``(K, H)`` (unit kernel and ``k'/r``; ``H`` is ``None`` for RBF) for the current
+        length-scale, or ``None`` if too big. The buffers are reused across length-scales (no fresh n^2
+        allocation per training step)."""
         n = self.X.shape[0]
-        if 2 * n * n * self.X.element_size() > self.dense_limit_bytes:
+        if (1 if self.nu is None else 2) * n * n * self.X.element_size() > self.dense_limit_bytes:
             return None
         X = self.X  # the inputs (by identity and version) are part of the key, not only the length-scale
         key = (X._version, tuple(self.lengthscale.detach().reshape(-1).tolist()))
@@ -136,21 +142,26 @@ class StationaryKernelOperator(LinearOperator):
             K, H = self.cache.get("K"), self.cache.get("H")
             if K is None or K.shape != (n, n) or K.dtype != self.X.dtype or K.device != self.X.device:
                 K = torch.empty(n, n, dtype=self.X.dtype, device=self.X.device)
+                H = None
+            if self.nu is None:
+                H = None
+            elif H is None:
                 H = torch.empty_like(K)
             Z, bs = self._scaled(), self._block_rows()
             for a in range(0, n, bs):
-                self._rows(Z, a, a + bs, out=(K[a : a + bs], H[a : a + bs]))
+                self._rows(Z, a, a + bs, out=(K[a : a + bs], None if H is None else H[a : a + bs]))
             self.cache.update(X=X, key=key, K=K, H=H)
         return self.cache["K"], self.cache["H"]
 
     def _blocks(self):
-        """Yield ``(a, K_rows, H_rows)`` over row blocks, from the cache or recomputed."""
+        """Yield ``(a, K_rows, H_rows)`` over row blocks, from the cache or recomputed (``H_rows`` is ``None``
+        for RBF)."""
         dense = self._dense()
         n, bs = self.X.shape[0], self._block_rows()
         Z = None if dense is not None else self._scaled()
         for a in range(0, n, bs):
             if dense is not None:
-                yield a, dense[0][a : a + bs], dense[1][a : a + bs]
+                yield a, dense[0][a : a + bs], None if dense[1] is None else dense[1][a : a + bs]
             else:
                 yield (a, *self._rows(Z, a, a + bs))
 
@@ -179,6 +190,12 @@ class StationaryKernelOperator(LinearOperator):
         U, V = left_vecs.detach(), right_vecs.detach()
         if U.dim() == 1:
             U, V = U[:, None], V[:, None]
+        return (None, *self.weighted_derivative(lambda a, b: U[a:b] @ V.mT))
+
+    def weighted_derivative(self, weight_rows: Callable[[int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``d/d(outputscale, lengthscale) sum_ij W_ij (s^2 K)_ij`` for a weight matrix ``W`` (``(n, n)``) given
+        by row blocks: ``weight_rows(a, b)`` returns rows ``a:b`` of ``W`` (``(b - a, n)``), which this method
+        overwrites. Returns tensors shaped like ``outputscale`` and ``lengthscale``."""
         s2 = self.outputscale.detach()
         ls = self.lengthscale.detach().reshape(-1)
         Z = self._scaled()
@@ -192,9 +209,14 @@ class StationaryKernelOperator(LinearOperator):
         diag_w = Za.new_zeros(n)  # (A 1)_i + (A^T 1)_i
         for a, Kb, Hb in self._blocks():
             b = Kb.shape[0]
-            W = U[a : a + b] @ V.mT  # (b, n)
-            d_s2 = d_s2 + (W * Kb).sum(dtype=acc)
-            A = W.mul_(Hb).to(acc)
+            W = weight_rows(a, a + b)  # (b, n)
+            if Hb is None:  # RBF: A = W o H = -(W o K)
+                WK = W.mul_(Kb)
+                d_s2 = d_s2 + WK.sum(dtype=acc)
+                A = WK.neg_().to(acc)
+            else:
+                d_s2 = d_s2 + (W * Kb).sum(dtype=acc)
+                A = W.mul_(Hb).to(acc)
             diag_w[a : a + b] += A.sum(1)
             diag_w += A.sum(0)
             cross += (Za[a : a + b] * (A @ Za)).sum(0)
@@ -203,4 +225,4 @@ class StationaryKernelOperator(LinearOperator):
         d_ls = (-s2 * per_dim.to(Z.dtype) / ls)
         if ls.numel() == 1:
             d_ls = d_ls.sum()
-        return None, d_s2.reshape(self.outputscale.shape), d_ls.reshape(self.lengthscale.shape)
+        return d_s2.reshape(self.outputscale.shape), d_ls.reshape(self.lengthscale.shape)
