@@ -2,7 +2,11 @@
 
 Matérn-3/2, the same Adam steps (``--lr``, ``--iters``) from GPyTorch's default initialisation (lengthscale =
 outputscale = softplus(0) = 0.693, noise 0.693 + 1e-4), standardised data. exact: ARD, constant mean, Cholesky
-(``gpnys.gp.exact``). gpytorch: the same model under ``max_cholesky_size(0)``, else GPyTorch's defaults (CG tolerance
+(``gpnys.gp.exact.cholesky_loss``: one Cholesky and ``cholesky_inverse`` per step with the gradient in closed form,
+the same loss and gradient as GPyTorch's Cholesky path to ~1e-14, 4-5x faster than it at n = 15k; predictions by
+GPyTorch's Cholesky path). GPyTorch's own Cholesky training (autograd through the factorisation) is also timed,
+on ``--gpytorch-cholesky-steps`` steps only (about 4 min and 18 GB per step at the full split), and its training
+time reported as the median step time x the step budget. gpytorch: the same model under ``max_cholesky_size(0)``, else GPyTorch's defaults (CG tolerance
 1, 10 probes, rank-15 pivoted Cholesky); prediction by its recommended large-n path, ``fast_pred_var()`` (LOVE) with
 ``max_cholesky_size(0)``. auto: the same model under ``gpnys.use_preconditioner(model, "auto")``, trained as
 ``gpnys fit`` does; ``hook.predict``. higp: ``higp.gprproblem.setup`` + ``higp.GPRModel`` + ``torch.optim.Adam``
@@ -14,7 +18,10 @@ of (lengthscale, sqrt(outputscale), noise); ``higp.gpr_prediction`` with ``higp.
 Loss = -MLL / n before each step (HiGP: total / n). Training time counts the steps only: test-RMSE checkpoints (steps
 1, iters/4, ..., iters = final prediction) are timed apart. RMSE / NLL in original units of y.
 
-Run:  python benchmarks/fit_compare.py             (elevators split 0, all ~15k training points, 50 steps)
+t/t_ex: training time over the exact (closed-form Cholesky) fit's; t/t_gch: over GPyTorch's Cholesky training
+(extrapolated as above).
+
+Run:  python benchmarks/fit_compare.py --iters 40  (elevators split 0, all ~15k training points; ~75 min)
       python benchmarks/fit_compare.py --quick     (n = 400, 3 steps; run by the test suite)
 """
 
@@ -35,7 +42,7 @@ import numpy as np
 import torch
 
 from gpnys import datasets
-from gpnys.gp.exact import ExactGPModel, fit, gaussian_nll, hyperparameters
+from gpnys.gp.exact import ExactGPModel, cholesky_loss, fit, gaussian_nll, hyperparameters
 from gpnys.gp.exact import predict as gp_predict
 from gpnys.gp.higp_adapter import _inv_softplus, _quiet_stdout, _softplus
 from gpnys.gp.hook import use_preconditioner
@@ -50,10 +57,11 @@ def _model(ds) -> ExactGPModel:
     return ExactGPModel(ds.train_x, ds.train_y, lik, kernel="matern32", ard=True, mean="constant").to(ds.train_x)
 
 
-def _gp_method(model, args, settings, predict_fn, info, step_info=None, pre_eval=None) -> SimpleNamespace:
-    """A GPyTorch-model method: ``gpnys.gp.exact.fit`` with ``settings``; ``predict_fn(x, variance)``."""
+def _gp_method(model, args, settings, predict_fn, info, step_info=None, pre_eval=None, loss=None) -> SimpleNamespace:
+    """A GPyTorch-model method: ``gpnys.gp.exact.fit`` with ``settings`` (and ``loss``); ``predict_fn(x, variance)``."""
     def train(on_step):
-        fit(model, iters=args.iters, lr=args.lr, progress=False, seed=args.seed, settings=settings, on_step=on_step)
+        fit(model, iters=args.iters, lr=args.lr, progress=False, seed=args.seed, settings=settings, on_step=on_step,
+            loss=loss)
 
     def predict(x, variance):
         with gpytorch.settings.skip_posterior_variances(not variance):
@@ -67,8 +75,21 @@ def _gp_method(model, args, settings, predict_fn, info, step_info=None, pre_eval
 
 @contextlib.contextmanager
 def exact_method(ds, args):
-    model = _model(ds)
-    yield _gp_method(model, args, None, lambda x, v: gp_predict(model, x), {"train": "Cholesky", "predict": "Cholesky"})
+    model, cache = _model(ds), {}
+    yield _gp_method(model, args, None, lambda x, v: gp_predict(model, x),
+                     {"train": "Cholesky, closed-form gradient (gpnys.gp.exact.cholesky_loss)",
+                      "predict": "GPyTorch Cholesky"}, loss=lambda m: cholesky_loss(m, cache))
+    cache.clear()
+
+
+def time_gpytorch_cholesky(ds, args) -> dict:
+    """GPyTorch's own Cholesky training (autograd), timed on ``args.gpytorch_cholesky_steps`` steps."""
+    model, stamps = _model(ds), [time.perf_counter()]
+    fit(model, iters=args.gpytorch_cholesky_steps, lr=args.lr, progress=False, seed=args.seed,
+        on_step=lambda t, loss: stamps.append(time.perf_counter()))
+    step_s = np.diff(stamps).tolist()
+    return {"steps_timed": len(step_s), "step_s": step_s, "median_step_s": float(np.median(step_s)),
+            "train_time_s_extrapolated": float(np.median(step_s)) * args.iters}
 
 
 @contextlib.contextmanager
@@ -186,6 +207,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--methods", default="exact,gpytorch,higp,auto")
     ap.add_argument("--threads", type=int, default=2, help="torch (and HiGP) threads")
     ap.add_argument("--eval-points", type=int, default=5, help="test-RMSE checkpoints, the final one included")
+    ap.add_argument("--gpytorch-cholesky-steps", type=int, default=2,
+                    help="steps of GPyTorch's own Cholesky training to time (0: skip)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/fit_compare[_quick].json)")
     args = ap.parse_args(argv)
     args.n, args.iters = (400 if args.quick and args.n is None else args.n), args.iters or (3 if args.quick else 50)
@@ -196,6 +219,10 @@ def main(argv=None) -> dict:
     ds = datasets.load("elevators", split=0, n=args.n, seed=args.seed)
     fit(_model(datasets.load("elevators", n=64)), iters=1, progress=False)  # untimed warm-up: torch's first call ~1 s
     print(f"{ds.describe()}; Matern-3/2, Adam lr {args.lr}, {args.iters} steps, {args.threads} threads")
+    gpy_chol = time_gpytorch_cholesky(ds, args) if args.gpytorch_cholesky_steps > 0 else None
+    if gpy_chol:
+        print(f"  GPyTorch Cholesky: {gpy_chol['median_step_s']:.2f} s/step over {gpy_chol['steps_timed']} steps, "
+              f"x {args.iters} = {gpy_chol['train_time_s_extrapolated']:.1f} s")
     for name in args.methods.split(","):
         results[name] = run_method(name, ds, args, checks)
         print(f"  {name}: " + (results[name].get("skipped") or f"trained in {results[name]['train_time_s']:.2f} s"))
@@ -205,18 +232,20 @@ def main(argv=None) -> dict:
         if "skipped" not in r and "skipped" not in ref:
             r.update({f"{k}_rel_diff": abs(r[f"test_{k}"] - ref[f"test_{k}"]) / abs(ref[f"test_{k}"])
                       for k in ("rmse", "nll", "nll_standardized")}, time_ratio=r["train_time_s"] / ref["train_time_s"])
+        if "skipped" not in r and gpy_chol:
+            r["time_ratio_gpytorch_cholesky"] = r["train_time_s"] / gpy_chol["train_time_s_extrapolated"]
     print(f"{'method':>9} {'ls min/med/max':>20} {'outsc':>7} {'noise':>8} {'RMSE':>8} {'NLL':>8} {'train s':>8} "
-          f"{'pred s':>7} {'dRMSE':>7} {'dNLL':>7} {'t/t_ex':>7}")
+          f"{'pred s':>7} {'dRMSE':>7} {'dNLL':>7} {'t/t_ex':>7} {'t/t_gch':>7}")
     for name, r in ((k, v) for k, v in results.items() if "skipped" not in v):
         h, ls = r["hyperparameters"], np.atleast_1d(r["hyperparameters"]["lengthscale"])
         rel = " ".join(f"{r[k]:7.2%}" if k in r else f"{'-':>7}" for k in ("rmse_rel_diff", "nll_rel_diff"))
-        rel += f" {r['time_ratio']:7.3f}" if "time_ratio" in r else f" {'-':>7}"
+        rel += "".join(f" {r[k]:7.3f}" if k in r else f" {'-':>7}" for k in ("time_ratio", "time_ratio_gpytorch_cholesky"))
         print(f"{name:>9} {min(ls):6.3g}/{np.median(ls):6.3g}/{max(ls):6.3g} {h['outputscale']:7.3g} "
               f"{h['noise']:8.3g} {r['test_rmse']:8.5f} {r['test_nll']:8.4f} {r['train_time_s']:8.2f} "
               f"{r['predict_time_s']:7.2f} {rel}")
     out = {"data": ds.name, "split": ds.split, "n_train": ds.n, "n_test": int(ds.test_x.shape[0]), "kernel": "matern32",
            **{k: getattr(args, k) for k in ("iters", "lr", "seed", "threads")}, "machine": platform.platform(),
-           "results": results}
+           "gpytorch_cholesky": gpy_chol, "results": results}
     path = Path(args.out) if args.out else RESULTS / ("fit_compare_quick.json" if args.quick else "fit_compare.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

@@ -1,0 +1,126 @@
+"""The exact GP posterior and the exact error of a reduced posterior against it ([SPA] §III, eq. (15), (19)).
+
+The full-GP predictor of the centred targets is ``f* = sum_i alpha*_i k(x_i, .)`` with
+``alpha* = (K + sigma^2 I)^{-1} (y - m)`` — a dense Cholesky solve for small n, AFN/Nyström-preconditioned CG
+(gpnys's ``auto`` preconditioner) above ``dense_max``. Distances in the RKHS ``H`` of ``k`` (outputscale
+included), from the closed forms of the SPA paper (digest §4.3-4.5):
+
+* LLA (= SPA), any ``alpha_hat`` with ``G alpha_hat = w_hat``:
+  ``|f_LLA - f*|^2 = |w_hat|^2 + alpha*^T K alpha* - 2 w_hat^T G alpha*``  ([SPA] eq. (15), ``O(ns)`` form);
+* GSA: ``|f_GSA - f*|^2 = (alpha* - alpha_hat)^T K (alpha* - alpha_hat)``  ([SPA] eq. (19));
+* a landmark expansion ``f = k(., C) beta`` (NCR, NYTRO, Nyström KRR):
+  ``|f - f*|^2 = beta^T K_mm beta - 2 beta^T K_mn alpha* + alpha*^T K alpha*``.
+
+``alpha*^T K alpha* = alpha*^T (y - m) - sigma^2 |alpha*|^2`` costs no extra product. Random Fourier features do
+not live in ``H`` (their kernel is not ``k``): for them no RKHS distance is defined.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gpytorch
+import torch
+
+from gpnys.kernels.entries import KernelEntries
+from gpnys.precond.base import safe_cholesky
+from gpnys.precond.strategy import AutoPreconditioner
+from gpnys.reduced.gsa import GSAPosterior
+from gpnys.reduced.lla import LLAPosterior, kernel_block, kernel_diag, validate_regression
+from gpnys.reduced.ncr import NCRPosterior
+from gpnys.solvers.pcg import pcg
+
+__all__ = ["ExactPosterior", "rkhs_error", "landmark_rkhs_error", "DENSE_MAX"]
+
+#: the exact posterior uses a dense Cholesky up to this n (K: 800 MB in float64), preconditioned CG above
+DENSE_MAX = 10_000
+
+
+class ExactPosterior:
+    """The full GP posterior of ``y = f(x) + eps`` at fixed hyperparameters.
+
+    Args:
+        kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2``.
+        prior_mean: constant prior mean.
+        method: ``"cholesky"``, ``"pcg"`` (gpnys ``auto`` preconditioner) or ``"auto"`` (Cholesky up to
+            :data:`DENSE_MAX`).
+        tol: PCG relative residual tolerance.
+
+    Attributes:
+        alpha: ``(n,)`` ``= (K + sigma^2 I)^{-1} (y - m)``; quad: ``alpha^T K alpha`` (``|f*|_H^2``);
+        iterations: PCG iterations (0 for Cholesky).
+    """
+
+    def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
+                 prior_mean: float = 0.0, method: str = "auto", tol: float = 1e-8, seed: int = 0) -> None:
+        validate_regression(X, y, noise)
+        if method not in ("auto", "cholesky", "pcg"):
+            raise ValueError(f"method must be 'auto', 'cholesky' or 'pcg', got {method!r}")
+        self.kernel, self.X, self.noise, self.prior_mean = kernel, X, float(noise), float(prior_mean)
+        self.method = ("cholesky" if X.shape[0] <= DENSE_MAX else "pcg") if method == "auto" else method
+        self.tol, self.iterations = tol, 0
+        r = y - self.prior_mean
+        self._entries = KernelEntries(X, kernel)  # unit-variance kernel and its outputscale
+        self.L = None
+        if self.method == "cholesky":
+            A = kernel_block(kernel, X, X)
+            A.diagonal().add_(self.noise)
+            self.L = safe_cholesky(A, "ExactPosterior: K + noise I")
+            self.alpha = torch.cholesky_solve(r[:, None], self.L)[:, 0]
+        else:
+            s2 = self._entries.outputscale
+            self._precond = AutoPreconditioner(X, kernel, self.noise / s2, seed=seed)
+            self.alpha = self.solve(r[:, None])[:, 0]
+        self.quad = float(self.alpha @ r - self.noise * self.alpha.square().sum())
+
+    def kernel_matmul(self, V: torch.Tensor) -> torch.Tensor:
+        """``K V`` (outputscale included) for ``V (n, t)``, in row blocks."""
+        return self._entries.outputscale * self._entries.matmul(V)
+
+    def solve(self, B: torch.Tensor) -> torch.Tensor:
+        """``(K + sigma^2 I)^{-1} B`` for ``B (n, t)``."""
+        if self.L is not None:
+            return torch.cholesky_solve(B, self.L)
+        s2 = self._entries.outputscale
+        res = pcg(lambda V: self._entries.matmul(V) + (self.noise / s2) * V, B / s2, self._precond, tol=self.tol,
+                  maxiter=2000)
+        self.iterations += int(res.iterations)
+        return res.x
+
+    def mean(self, Z: torch.Tensor) -> torch.Tensor:
+        """Posterior mean ``(nz,)``."""
+        return self.prior_mean + kernel_block(self.kernel, Z, self.X) @ self.alpha
+
+    def variance(self, Z: torch.Tensor, block: int = 512) -> torch.Tensor:
+        """Latent posterior variance ``k_zz - k_z^T (K + sigma^2 I)^{-1} k_z`` (``(nz,)``), test points in blocks."""
+        out = []
+        for i in range(0, Z.shape[0], block):
+            Kxz = kernel_block(self.kernel, self.X, Z[i : i + block])
+            if self.L is not None:
+                red = torch.linalg.solve_triangular(self.L, Kxz, upper=False).square().sum(0)
+            else:
+                red = (Kxz * self.solve(Kxz)).sum(0)
+            out.append(kernel_diag(self.kernel, Z[i : i + block]) - red)
+        return torch.cat(out).clamp_min(0.0)
+
+
+def landmark_rkhs_error(kernel: gpytorch.kernels.Kernel, landmarks: torch.Tensor, beta: torch.Tensor,
+                        exact: ExactPosterior) -> float:
+    """``|k(., C) beta - f*|_H`` for landmarks ``C (m, d)`` and coefficients ``beta (m,)``."""
+    Kmm = kernel_block(kernel, landmarks, landmarks)
+    Kmn_a = kernel_block(kernel, landmarks, exact.X) @ exact.alpha
+    sq = float(beta @ (Kmm @ beta)) - 2.0 * float(beta @ Kmn_a) + exact.quad
+    return math.sqrt(max(sq, 0.0))
+
+
+def rkhs_error(posterior: LLAPosterior, exact: ExactPosterior) -> float:
+    """``|f - f*|_H`` for an LLA, NCR or GSA posterior built on the same data (module docstring)."""
+    if isinstance(posterior, GSAPosterior):
+        d = exact.alpha - posterior.alpha
+        sq = float(d @ exact.kernel_matmul(d[:, None])[:, 0])
+    elif isinstance(posterior, NCRPosterior):
+        return landmark_rkhs_error(posterior.kernel, posterior.features.landmarks, posterior.beta, exact)
+    else:
+        w = posterior.w
+        sq = float(w @ w) + exact.quad - 2.0 * float(w @ (posterior.Phi.mT @ exact.alpha))
+    return math.sqrt(max(sq, 0.0))

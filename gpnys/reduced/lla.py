@@ -1,0 +1,157 @@
+"""LLA: the low-rank linearization approach (Lan et al. 2019; [SPA] §II-E eq. (4), (12); [NSL] Algorithm 2).
+
+Map every point to ``phi(z) = Sigma^{-1} V^T k(C, z)`` (``K_mm = V Sigma^2 V^T``, the compact eigendecomposition
+of the landmark kernel, [SPA] Algorithm 1 step 3: ``A = V Sigma^{-1}``, ``A^T K_mm A = I``) and run Bayesian
+linear regression on the features (:class:`~gpnys.reduced.features.FeatureGP`). For GP regression
+(``lambda_0 = sigma^2``, digest §3) the posterior mean ``phi_z^T w_hat`` is the subset-of-regressors / DTC /
+SGPR mean; the variance is DTC (``v_SoR + k_zz - |phi_z|^2``, default) or SoR.
+
+Rank-deficient ``K_mm`` (duplicated or near-duplicated landmarks, long length-scales) is the normal case
+(digest P1): eigenvalues at or below ``rtol * lambda_max`` are cut off with a :class:`NumericalWarning`, never
+replaced by a silent jitter (P2). ``rank`` keeps only the top eigenpairs (NSL truncation, digest §2.9).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import gpytorch
+import torch
+
+from gpnys.precond.base import NumericalWarning
+from gpnys.reduced.features import FeatureGP, Solver
+
+__all__ = ["NystromFeatureMap", "LLAPosterior", "kernel_block", "validate_regression"]
+
+_BLOCK_ELEMS = 1 << 23  # entries of one temporary kernel block (64 MiB in float64)
+VARIANCES = ("dtc", "sor")
+
+
+def kernel_block(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Dense ``k(A, B)`` (``(a, b)``) without autograd, evaluated in row blocks of ``A``."""
+    rows = max(1, _BLOCK_ELEMS // max(1, B.shape[0]))
+    with torch.no_grad():
+        return torch.cat([kernel(A[i : i + rows], B).to_dense() for i in range(0, A.shape[0], rows)])
+
+
+def kernel_diag(kernel: gpytorch.kernels.Kernel, Z: torch.Tensor) -> torch.Tensor:
+    """``k(z, z)`` for every row of ``Z`` (``(nz,)``)."""
+    with torch.no_grad():
+        return kernel(Z, Z, diag=True).to(Z.dtype)
+
+
+def _finite_2d(T: torch.Tensor, name: str) -> None:
+    if not isinstance(T, torch.Tensor) or T.dim() != 2 or T.shape[0] == 0 or T.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty 2-D tensor, got {getattr(T, 'shape', type(T))}")
+    if not bool(torch.isfinite(T).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def validate_regression(X: torch.Tensor, y: torch.Tensor, noise: float, landmarks: torch.Tensor | None = None) -> None:
+    """``ValueError`` naming the argument: X ``(n, d)``, y ``(n,)`` finite, noise > 0, landmarks ``(m, d)``,
+    ``1 <= m <= n``."""
+    _finite_2d(X, "X")
+    if not isinstance(y, torch.Tensor) or y.shape != (X.shape[0],):
+        raise ValueError(f"y must have shape ({X.shape[0]},) to match X, got {getattr(y, 'shape', type(y))}")
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("y contains NaN or inf")
+    if not (float(noise) > 0 and float(noise) < float("inf")):
+        raise ValueError(f"noise must be positive and finite, got {noise}")
+    if landmarks is not None:
+        _finite_2d(landmarks, "landmarks")
+        if landmarks.shape[1] != X.shape[1]:
+            raise ValueError(f"landmarks must have d={X.shape[1]} columns like X, got {landmarks.shape[1]}")
+        if landmarks.shape[0] > X.shape[0]:
+            raise ValueError(f"m={landmarks.shape[0]} landmarks exceed the n={X.shape[0]} training points")
+
+
+class NystromFeatureMap:
+    """``phi(z) = A^T k(C, z)`` with ``A = V_s Sigma_s^{-1}`` ([SPA] Alg. 1 step 3; [NSL] eq. (1), Alg. 1).
+
+    Args:
+        kernel: the GPyTorch kernel (outputscale included).
+        landmarks: ``(m, d)`` points C.
+        rank: keep the top ``rank`` eigenpairs only (NSL truncation); default all above the cut-off.
+        rtol: eigenvalue cut-off relative to the largest; default ``m * eps`` of the working precision
+            (``torch.linalg.pinv``'s rule). The eigendecomposition runs in at least float64.
+
+    Attributes:
+        A: ``(m, s)``; s: kept directions; dropped: directions cut off as numerically zero.
+    """
+
+    def __init__(self, kernel: gpytorch.kernels.Kernel, landmarks: torch.Tensor, rank: int | None = None,
+                 rtol: float | None = None) -> None:
+        self.kernel, self.landmarks = kernel, landmarks
+        m = landmarks.shape[0]
+        if rank is not None and (isinstance(rank, bool) or int(rank) != rank or not 1 <= rank <= m):
+            raise ValueError(f"rank must be an integer in [1, m={m}], got {rank!r}")
+        work = torch.promote_types(landmarks.dtype, torch.float64)
+        evals, V = torch.linalg.eigh(kernel_block(kernel, landmarks, landmarks).to(work))
+        evals, V = evals.flip(-1), V.flip(-1)  # descending
+        rtol = m * torch.finfo(work).eps if rtol is None else float(rtol)
+        keep = evals > rtol * evals[0].clamp_min(torch.finfo(work).tiny)
+        self.dropped = int(m - keep.sum())
+        if self.dropped:
+            warnings.warn(f"Nyström: K_mm is numerically rank-deficient: {self.dropped} of {m} eigen-directions "
+                          f"at or below {rtol:.2g} x lambda_max were cut off (pseudo-inverse, no jitter)",
+                          NumericalWarning, stacklevel=3)
+        s = int(keep.sum()) if rank is None else min(int(rank), int(keep.sum()))
+        self.s = s
+        self.A = (V[:, :s] / evals[:s].sqrt()).to(landmarks.dtype)
+
+    def cross(self, Z: torch.Tensor) -> torch.Tensor:
+        """``k(Z, C)``: ``(nz, m)``."""
+        return kernel_block(self.kernel, Z, self.landmarks)
+
+    def __call__(self, Z: torch.Tensor) -> torch.Tensor:
+        """Features ``(nz, s)`` of the rows of ``Z``."""
+        return self.cross(Z) @ self.A
+
+
+class LLAPosterior:
+    """LLA (= NCR = SPA, [SPA] Prop 2) GP posterior with landmarks C: SoR/DTC mean, DTC or SoR variance.
+
+    Args:
+        kernel: GPyTorch kernel (outputscale included) at the chosen hyperparameters.
+        X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2 > 0``; landmarks: ``(m, d)`` with ``1 <= m <= n``.
+        prior_mean: constant prior mean (subtracted from y, added to predictions).
+        variance: ``"dtc"`` (default) or ``"sor"``.
+        rank, rtol: see :class:`NystromFeatureMap`.
+        solver: optional ``solver(M, B)`` for the ``s x s`` system (default Cholesky).
+
+    Attributes:
+        features: the map; Phi: ``(n, s)`` training features (``G^T`` in the papers); gp: the
+        :class:`FeatureGP`; w: ``(s,)`` ridge solution ``w_hat = (G G^T + sigma^2 I)^{-1} G y`` ([SPA] eq. (12)).
+    """
+
+    method = "lla"
+
+    def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
+                 landmarks: torch.Tensor, prior_mean: float = 0.0, variance: str = "dtc", rank: int | None = None,
+                 rtol: float | None = None, solver: Solver | None = None) -> None:
+        validate_regression(X, y, noise, landmarks)
+        if variance not in VARIANCES:
+            raise ValueError(f"variance must be one of {VARIANCES}, got {variance!r}")
+        self.kernel, self.X, self.noise = kernel, X, float(noise)
+        self.prior_mean, self.variance_kind = float(prior_mean), variance
+        self.features = NystromFeatureMap(kernel, landmarks, rank=rank, rtol=rtol)
+        self.Phi = self.features(X)
+        self.residual = y - self.prior_mean
+        self.gp = FeatureGP(self.Phi, self.residual, self.noise, solver)
+        self.w = self.gp.w
+
+    @property
+    def m(self) -> int:
+        return self.features.landmarks.shape[0]
+
+    def mean(self, Z: torch.Tensor) -> torch.Tensor:
+        """Predictive mean ``(nz,)`` at ``Z (nz, d)``."""
+        return self.prior_mean + self.gp.mean(self.features(Z))
+
+    def variance(self, Z: torch.Tensor) -> torch.Tensor:
+        """Latent (noise-free) predictive variance ``(nz,)``: DTC ``v_SoR + k_zz - |phi_z|^2`` or SoR."""
+        Phi_z = self.features(Z)
+        v = self.gp.sor_variance(Phi_z)
+        if self.variance_kind == "dtc":  # + the projection residual, >= 0 up to rounding
+            v = v + (kernel_diag(self.kernel, Z) - Phi_z.square().sum(1)).clamp_min(0.0)
+        return v

@@ -1,0 +1,190 @@
+"""Model layer over the reduced posteriors: a functional constructor and a GPyTorch-compatible model.
+
+* :func:`reduced_posterior` — ``"lla" | "ncr" | "gsa" | "rff"`` posterior for given hyperparameters, with
+  landmark selection (``uniform``, ``fps``, ``kmeans``, ``leverage``) and ``m="auto"`` (the numerical-rank
+  estimate of the preconditioner layer for the current length-scale).
+* :class:`ReducedGP` — behaves like a GPyTorch ``ExactGP`` in eval mode (``model(x)`` is a
+  ``MultivariateNormal`` of the latent function, ``likelihood(model(x))`` adds the noise), with hyperparameters
+  copied from a trained exact model (:meth:`ReducedGP.from_exact`) or trained on the reduced model's own
+  objective (:meth:`ReducedGP.fit`: DTC evidence or Titsias' collapsed bound).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Union
+
+import gpytorch
+import torch
+from linear_operator.operators import DiagLinearOperator
+
+from gpnys.precond.base import safe_cholesky
+from gpnys.reduced.features import feature_nll
+from gpnys.reduced.gsa import GSAPosterior
+from gpnys.reduced.landmarks import choose_m, select_landmarks
+from gpnys.reduced.lla import LLAPosterior
+from gpnys.reduced.ncr import NCRPosterior
+from gpnys.reduced.rff import RFFPosterior
+
+__all__ = ["reduced_posterior", "ReducedGP", "METHODS", "OBJECTIVES"]
+
+METHODS = ("lla", "ncr", "gsa", "rff")
+OBJECTIVES = ("titsias", "dtc")
+Posterior = Union[LLAPosterior, RFFPosterior]
+
+
+def _count(m: int | str, X: torch.Tensor, kernel, noise: float, seed: int) -> int:
+    if m == "auto":
+        return choose_m(X, kernel, noise, seed=seed)
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= X.shape[0]:
+        raise ValueError(f"m must be 'auto' or an integer in [1, n={X.shape[0]}], got {m!r}")
+    return m
+
+
+def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
+                      m: int | str = 500, landmarks: str | torch.Tensor = "fps", seed: int = 0, prior_mean: float = 0.0,
+                      **options: Any) -> Posterior:
+    """A reduced GP posterior at fixed hyperparameters.
+
+    Args:
+        method: ``"lla"``, ``"ncr"``, ``"gsa"`` or ``"rff"``.
+        kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2``.
+        m: landmarks (RFF: frequencies, i.e. ``2m`` features), or ``"auto"``.
+        landmarks: a rule of :data:`gpnys.reduced.landmarks.RULES` or the points ``(m, d)`` themselves.
+        seed: seeds landmark selection and RFF frequencies.
+        prior_mean: constant prior mean.
+        options: passed to the posterior (``variance``, ``coef``, ``rank``, ``rtol``, ``solver``).
+
+    Returns:
+        an object with ``mean(Z)`` and ``variance(Z)`` (``(nz,)`` each, latent) and ``method``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(landmarks, torch.Tensor):
+        C = landmarks
+    else:
+        mm = _count(m, X, kernel, noise, seed)
+        if method == "rff":
+            return RFFPosterior(kernel, X, y, noise, mm, seed=seed, prior_mean=prior_mean, **options)
+        C, _ = select_landmarks(X, mm, landmarks, kernel=kernel, noise=noise, seed=seed)
+    cls = {"lla": LLAPosterior, "ncr": NCRPosterior, "gsa": GSAPosterior}[method]
+    return cls(kernel, X, y, noise, C, prior_mean=prior_mean, **options)
+
+
+class ReducedGP(gpytorch.models.GP):
+    """A Nyström-reduced (or RFF) GP regression model with GPyTorch's model interface.
+
+    Args:
+        train_x: ``(n, d)``; train_y: ``(n,)``.
+        likelihood: ``GaussianLikelihood``.
+        covar_module: ``ScaleKernel`` over RBF/Matérn (its hyperparameters are used, and trained by ``fit``).
+        mean_module: ``ConstantMean`` or ``ZeroMean`` (default ``ZeroMean``).
+        method, m, landmarks, seed, options: as :func:`reduced_posterior`. Landmarks are chosen when the
+            posterior is first needed (and again after hyperparameters change, for the kernel-dependent rules
+            ``leverage`` and ``m="auto"``).
+
+    Eval mode: ``model(x)`` returns ``MultivariateNormal(mean, diag(variance))`` of the latent function at
+    ``x (b, d)`` (independent marginals); ``likelihood(model(x))`` adds the noise.
+    """
+
+    def __init__(self, train_x: torch.Tensor, train_y: torch.Tensor, likelihood: gpytorch.likelihoods.GaussianLikelihood,
+                 covar_module: gpytorch.kernels.Kernel, mean_module: gpytorch.means.Mean | None = None,
+                 method: str = "lla", m: int | str = 500, landmarks: str | torch.Tensor = "fps", seed: int = 0,
+                 **options: Any) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.train_inputs, self.train_targets = (train_x,), train_y
+        self.likelihood, self.covar_module = likelihood, covar_module
+        self.mean_module = mean_module if mean_module is not None else gpytorch.means.ZeroMean()
+        self.method, self.m, self.landmarks, self.seed, self.options = method, m, landmarks, seed, options
+        self._posterior: Posterior | None = None
+        self._key: tuple | None = None
+
+    @classmethod
+    def from_exact(cls, model: gpytorch.models.ExactGP, **kwargs: Any) -> "ReducedGP":
+        """A reduced model with (copies of) the kernel, mean and likelihood of a trained ``ExactGP``."""
+        return cls(model.train_inputs[0], model.train_targets, copy.deepcopy(model.likelihood),
+                   copy.deepcopy(model.covar_module), copy.deepcopy(model.mean_module), **kwargs)
+
+    def _prior_mean(self) -> float:
+        c = getattr(self.mean_module, "constant", None)
+        return 0.0 if c is None else float(c.detach().reshape(-1)[0])
+
+    def _noise(self) -> float:
+        return float(self.likelihood.noise.detach().reshape(-1)[0])
+
+    def posterior(self) -> Posterior:
+        """The reduced posterior for the current hyperparameters (rebuilt when they change)."""
+        key = tuple(tuple(p.detach().reshape(-1).tolist()) for p in self.parameters())
+        if self._posterior is None or key != self._key:
+            X, y = self.train_inputs[0], self.train_targets
+            with torch.no_grad():
+                self._posterior = reduced_posterior(self.method, self.covar_module, X, y, self._noise(), m=self.m,
+                                                    landmarks=self.landmarks, seed=self.seed,
+                                                    prior_mean=self._prior_mean(), **self.options)
+            self._key = key
+        return self._posterior
+
+    def forward(self, x: torch.Tensor) -> gpytorch.distributions.MultivariateNormal:
+        if self.training:
+            raise RuntimeError("ReducedGP has no training-mode forward: train with ReducedGP.fit (or ReducedGP.loss), "
+                               "or copy hyperparameters with ReducedGP.from_exact; call model.eval() to predict")
+        post = self.posterior()
+        with torch.no_grad():
+            return gpytorch.distributions.MultivariateNormal(post.mean(x), DiagLinearOperator(post.variance(x)))
+
+    def __call__(self, x: torch.Tensor) -> gpytorch.distributions.MultivariateNormal:  # GP.__call__ is abstract
+        return self.forward(x)
+
+    # -- training on the reduced objective --------------------------------------------------------------
+    def loss(self, landmarks: torch.Tensor, objective: str = "titsias") -> torch.Tensor:
+        """Differentiable ``-objective / n`` with fixed landmark points ``(m, d)``.
+
+        ``"dtc"``: ``-log N(y | m, Q + sigma^2 I)`` with ``Q = K_nm K_mm^{-1} K_mn`` (the DTC/SoR evidence);
+        ``"titsias"``: plus ``tr(K - Q) / (2 sigma^2)`` (minus the collapsed variational bound, Titsias 2009).
+        ``Phi = K_nm L^{-T}`` with ``L`` the Cholesky factor of ``K_mm`` (shifted, with a warning, only if it
+        fails): the eigenvalue cut-off of the posterior has no stable gradient (``eigh``'s derivative divides by
+        eigenvalue gaps), so training uses the factor.
+        """
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        X, y = self.train_inputs[0], self.train_targets
+        kern = self.covar_module
+        L = safe_cholesky(kern(landmarks, landmarks).to_dense(), "ReducedGP.loss: K_mm")
+        Phi = torch.linalg.solve_triangular(L, kern(landmarks, X).to_dense(), upper=False).mT
+        noise = self.likelihood.noise.reshape(-1)[0]
+        gap = None
+        if objective == "titsias":
+            gap = kern(X, X, diag=True).sum() - Phi.square().sum()
+        return feature_nll(Phi, y - self.mean_module(X), noise, gap)
+
+    def fit(self, iters: int = 100, lr: float = 0.05, objective: str = "titsias") -> list[float]:
+        """Adam on :meth:`loss` with landmarks chosen once at the initial hyperparameters; returns the losses."""
+        if isinstance(iters, bool) or int(iters) != iters or iters < 0:
+            raise ValueError(f"iters must be a non-negative integer, got {iters!r}")
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"lr must be positive and finite, got {lr!r}")
+        if self.method == "rff":
+            raise ValueError("fit trains the Nyström objectives; RFF models take hyperparameters from_exact")
+        X = self.train_inputs[0]
+        if isinstance(self.landmarks, torch.Tensor):
+            C = self.landmarks
+        else:
+            with torch.no_grad():
+                mm = _count(self.m, X, self.covar_module, self._noise(), self.seed)
+                C, _ = select_landmarks(X, mm, self.landmarks, kernel=self.covar_module, noise=self._noise(),
+                                        seed=self.seed)
+        self.train()
+        opt = torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=lr)
+        trace = []
+        for _ in range(int(iters)):
+            opt.zero_grad()
+            value = self.loss(C, objective)
+            value.backward()
+            opt.step()
+            trace.append(float(value.detach()))
+        self.eval()
+        self._posterior = None
+        return trace

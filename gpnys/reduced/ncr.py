@@ -1,0 +1,48 @@
+"""NCR: Nyström computational regularization (Rudi et al. 2015; [SPA] §II-F eq. (11); [NSL] eq. (6), (21)).
+
+The hypothesis space is ``span{k(c_j, .)}``: ``f(z) = k(z, C) beta`` with
+
+    beta = (K_mn K_nm + sigma^2 K_mm)^+ K_mn (y - m)          ([SPA] eq. (11), lambda_0 = sigma^2)
+
+computed here in that landmark form (a thresholded Hermitian pseudo-inverse of the ``m x m`` matrix), not through
+the LLA features — so that [SPA] Prop 2 / Cor 1 (NCR = LLA when every landmark direction is kept) is a check
+between two independent computations. The predictive variance is LLA's (the same GP on ``span(C)``).
+"""
+
+from __future__ import annotations
+
+import gpytorch
+import torch
+
+from gpnys.reduced.features import Solver
+from gpnys.reduced.lla import LLAPosterior, kernel_block
+
+__all__ = ["NCRPosterior"]
+
+
+class NCRPosterior(LLAPosterior):
+    """NCR posterior: mean ``k(z, C) beta`` ([SPA] eq. (11)); variance as :class:`LLAPosterior` (all directions).
+
+    Args: as :class:`~gpnys.reduced.lla.LLAPosterior` without ``rank``.
+
+    Attributes:
+        beta: ``(m,)`` landmark coefficients.
+    """
+
+    method = "ncr"
+
+    def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
+                 landmarks: torch.Tensor, prior_mean: float = 0.0, variance: str = "dtc", rtol: float | None = None,
+                 solver: Solver | None = None) -> None:
+        super().__init__(kernel, X, y, noise, landmarks, prior_mean=prior_mean, variance=variance, rtol=rtol,
+                         solver=solver)
+        work = torch.promote_types(X.dtype, torch.float64)
+        Knm = self.features.cross(X).to(work)
+        Kmm = kernel_block(kernel, landmarks, landmarks).to(work)
+        B = Knm.mT @ Knm + self.noise * Kmm
+        m = B.shape[0]
+        pinv = torch.linalg.pinv(B, hermitian=True, rtol=m * torch.finfo(work).eps if rtol is None else rtol)
+        self.beta = (pinv @ (Knm.mT @ self.residual.to(work))).to(X.dtype)
+
+    def mean(self, Z: torch.Tensor) -> torch.Tensor:
+        return self.prior_mean + self.features.cross(Z) @ self.beta

@@ -1,0 +1,267 @@
+"""Reduced GP posteriors (LLA / NCR / GSA), their exact errors and the GPyTorch-compatible model, against dense
+references on small real data (concrete) and against GPyTorch's exact GP and SGPR."""
+
+import warnings
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys import datasets
+from gpnys.gp.exact import ExactGPModel
+from gpnys.gp.exact import predict as exact_predict
+from gpnys.kernels import make_kernel
+from gpnys.precond.base import NumericalWarning
+from gpnys.reduced import (ExactPosterior, GSAPosterior, LLAPosterior, NCRPosterior, ReducedGP, landmark_rkhs_error,
+                           reduced_posterior, rkhs_error)
+
+DS = datasets.load("concrete", n=300, seed=0)
+X, Y, Z = DS.train_x, DS.train_y, DS.test_x[:60]
+NOISE, MEAN = 0.05, 0.1
+
+
+def kernel(dtype=torch.float64, name="matern52", ard=True):
+    k = make_kernel(name, ard_num_dims=X.shape[1] if ard else None).to(dtype)
+    k.base_kernel.lengthscale = torch.linspace(0.8, 2.0, X.shape[1]) if ard else 1.5
+    k.outputscale = 1.2
+    return k
+
+
+def exact_model(k, dtype=torch.float64):
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
+    lik.noise = NOISE
+    model = ExactGPModel(X.to(dtype), Y.to(dtype), lik, kernel=k, mean="constant").to(dtype)
+    model.mean_module.constant.data.fill_(MEAN)
+    return model
+
+
+def dense(k, A, B):
+    with torch.no_grad():
+        return k(A, B).to_dense()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """GPyTorch's exact GP (Cholesky) predictive mean and latent variance at Z."""
+    k = kernel()
+    model = exact_model(k)
+    with gpytorch.settings.skip_posterior_variances(False):
+        mean, var = exact_predict(model, Z)
+    return k, mean, var - NOISE
+
+
+@pytest.mark.parametrize("cls", [LLAPosterior, NCRPosterior, GSAPosterior])
+def test_m_equals_n_is_the_exact_posterior(cls, ref):
+    k, mean, var = ref
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalWarning)  # concrete has duplicated rows: K_mm is singular
+        post = cls(k, X, Y, NOISE, X, prior_mean=MEAN)
+    assert float((post.mean(Z) - mean).abs().max() / mean.abs().max()) < 1e-6
+    assert float((post.variance(Z) - var).abs().max() / var.abs().max()) < 1e-6
+
+
+def test_exact_posterior_matches_gpytorch_and_pcg(ref):
+    k, mean, var = ref
+    chol = ExactPosterior(k, X, Y, NOISE, prior_mean=MEAN, method="cholesky")
+    assert float((chol.mean(Z) - mean).abs().max()) < 1e-8
+    assert float((chol.variance(Z) - var).abs().max()) < 1e-8
+    cg = ExactPosterior(k, X, Y, NOISE, prior_mean=MEAN, method="pcg", tol=1e-10)
+    assert cg.iterations > 0
+    assert float((cg.alpha - chol.alpha).norm() / chol.alpha.norm()) < 1e-6
+    assert float((cg.variance(Z) - var).abs().max()) < 1e-6
+
+
+def test_lla_equals_ncr_and_gpytorch_sgpr():
+    """NCR = LLA ([SPA] Prop 2) and both = GPyTorch's SGPR predictive mean (and DTC variance = SGPR's with
+    ``sgpr_diagonal_correction`` on; the mean does not depend on that setting here)."""
+    k, C = kernel(), X[::7][:40]
+    lla, ncr = LLAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN), NCRPosterior(k, X, Y, NOISE, C, prior_mean=MEAN)
+    assert float((lla.mean(Z) - ncr.mean(Z)).abs().max() / lla.mean(Z).abs().max()) < 1e-6
+
+    class SGPR(gpytorch.models.ExactGP):
+        def __init__(self, lik):
+            super().__init__(X, Y, lik)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = gpytorch.kernels.InducingPointKernel(k, inducing_points=C.clone(), likelihood=lik)
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    lik.noise = NOISE
+    sgpr = SGPR(lik).double()
+    sgpr.mean_module.constant.data.fill_(MEAN)
+    sgpr.eval()
+    for correction in (False, True):
+        with gpytorch.settings.sgpr_diagonal_correction(correction), torch.no_grad():
+            out = sgpr(Z)
+        assert float((lla.mean(Z) - out.mean).abs().max() / out.mean.abs().max()) < 1e-6
+    assert float((lla.variance(Z) - out.variance).abs().max()) < 1e-6  # correction on: DTC
+
+
+def test_sor_and_dtc_variances_match_dense_formulas():
+    k, C = kernel(), X[:50]
+    Q = lambda A, B: dense(k, A, C) @ torch.linalg.solve(dense(k, C, C), dense(k, C, B))
+    Qxx = Q(X, X) + NOISE * torch.eye(X.shape[0], dtype=X.dtype)
+    sor = Q(Z, Z).diagonal() - (Q(Z, X) * torch.linalg.solve(Qxx, Q(X, Z)).mT).sum(1)
+    dtc = sor + dense(k, Z, Z).diagonal() - Q(Z, Z).diagonal()
+    assert float((LLAPosterior(k, X, Y, NOISE, C, variance="sor").variance(Z) - sor).abs().max()) < 1e-8
+    assert float((LLAPosterior(k, X, Y, NOISE, C).variance(Z) - dtc).abs().max()) < 1e-8
+
+
+def test_gsa_coefficients_and_variance():
+    k, C = kernel(), X[:30]
+    wb = GSAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN)
+    mn = GSAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN, coef="min_norm")
+    Kt = dense(k, X, C) @ torch.linalg.pinv(dense(k, C, C), hermitian=True) @ dense(k, C, X)
+    A = Kt + NOISE * torch.eye(X.shape[0], dtype=X.dtype)
+    r = Y - MEAN
+    assert float((wb.mean(Z) - MEAN - dense(k, Z, X) @ torch.linalg.solve(A, r)).abs().max()) < 1e-6
+    G = wb.Phi.mT
+    assert float((G @ mn.alpha - wb.w).abs().max()) < 1e-8  # solves [SPA] (3) ...
+    assert float((mn.alpha - torch.linalg.pinv(G) @ wb.w).abs().max()) < 1e-6  # ... with the minimum norm
+    y_perp = r - torch.linalg.pinv(G) @ (G @ r)  # the two choices differ by y_perp / sigma^2 (digest P4)
+    diff = dense(k, Z, X) @ y_perp / NOISE
+    assert float((wb.mean(Z) - mn.mean(Z) - diff).abs().max()) < 1e-6 * float(diff.abs().max())
+    naive = dense(k, Z, Z).diagonal() - (dense(k, Z, X) * torch.linalg.solve(A, dense(k, X, Z)).mT).sum(1)
+    assert bool((naive < 0).any())  # the naive variance does go negative here ...
+    with pytest.warns(NumericalWarning, match="negative"):
+        v = wb.variance(Z)
+    assert float((v - naive.clamp_min(0)).abs().max()) < 1e-6 * float(naive.abs().max())  # ... and is clamped
+
+
+def test_rkhs_errors_against_dense_expansions():
+    """|f - f*|_H from [SPA] (15)/(19) vs the dense quadratic form of the joint expansion over [X; C]."""
+    k, C = kernel(), X[::5][:45]
+    ex = ExactPosterior(k, X, Y, NOISE, prior_mean=MEAN)
+    P = torch.cat([X, C])
+    Kp = dense(k, P, P)
+
+    def norm(c):
+        return float(c @ Kp @ c).__pow__(0.5)
+
+    zeros_c, zeros_x = torch.zeros(C.shape[0], dtype=X.dtype), torch.zeros(X.shape[0], dtype=X.dtype)
+    lla = LLAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN)
+    e_lla = norm(torch.cat([-ex.alpha, lla.features.A @ lla.w]))
+    assert rkhs_error(lla, ex) == pytest.approx(e_lla, rel=1e-6)
+    ncr = NCRPosterior(k, X, Y, NOISE, C, prior_mean=MEAN)
+    assert rkhs_error(ncr, ex) == pytest.approx(e_lla, rel=1e-6)
+    assert landmark_rkhs_error(k, C, ncr.beta, ex) == pytest.approx(norm(torch.cat([-ex.alpha, ncr.beta])), rel=1e-6)
+    for coef in ("woodbury", "min_norm"):
+        gsa = GSAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN, coef=coef)
+        assert rkhs_error(gsa, ex) == pytest.approx(norm(torch.cat([gsa.alpha - ex.alpha, zeros_c])), rel=1e-6)
+    assert norm(torch.cat([zeros_x, zeros_c])) == 0.0
+    assert rkhs_error(LLAPosterior(k, X, Y, NOISE, X, prior_mean=MEAN), ex) < 1e-3 * e_lla  # m = n: exact
+
+
+def test_duplicated_landmarks_warn_and_match_unique():
+    k, C = kernel(), X[:20]
+    unique = LLAPosterior(k, X, Y, NOISE, C)
+    with pytest.warns(NumericalWarning, match="rank-deficient"):
+        dup = LLAPosterior(k, X, Y, NOISE, torch.cat([C, C[:5]]))
+    assert dup.features.s == unique.features.s
+    assert float((dup.mean(Z) - unique.mean(Z)).abs().max()) < 1e-8
+    assert float((dup.variance(Z) - unique.variance(Z)).abs().max()) < 1e-8
+
+
+def test_rank_truncation_is_nsl():
+    k, C = kernel(), X[:40]
+    full, trunc = LLAPosterior(k, X, Y, NOISE, C), LLAPosterior(k, X, Y, NOISE, C, rank=10)
+    assert trunc.features.s == 10 and trunc.Phi.shape == (X.shape[0], 10)
+    assert float((trunc.mean(Z) - full.mean(Z)).abs().max()) > 1e-3  # differs from NCR (digest §9)
+
+
+@pytest.mark.parametrize("method", ["lla", "ncr", "gsa", "rff"])
+def test_functional_api_float32_and_seeds(method):
+    k64, k32 = kernel(), kernel(torch.float32)
+    kw = {"m": 40, "landmarks": "uniform", "prior_mean": MEAN}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalWarning)
+        a = reduced_posterior(method, k64, X, Y, NOISE, seed=1, **kw)
+        b = reduced_posterior(method, k64, X, Y, NOISE, seed=1, **kw)
+        c = reduced_posterior(method, k64, X, Y, NOISE, seed=2, **kw)
+        f = reduced_posterior(method, k32, X.float(), Y.float(), NOISE, seed=1, **kw)
+    assert torch.equal(a.mean(Z), b.mean(Z))
+    assert not torch.equal(a.mean(Z), c.mean(Z))
+    assert f.mean(Z.float()).dtype == torch.float32
+    tol = 5e-2 if method == "gsa" else 1e-3  # GSA's alpha is a residual / sigma^2: float32 loses more
+    assert float((f.mean(Z.float()).double() - a.mean(Z)).abs().max()) < tol * float(a.mean(Z).abs().max())
+
+
+def test_bad_inputs():
+    k = kernel()
+    for kw, match in [({"m": 0}, "m"), ({"m": X.shape[0] + 1}, "m"), ({"m": 2.5}, "m")]:
+        with pytest.raises(ValueError, match=match):
+            reduced_posterior("lla", k, X, Y, NOISE, **kw)
+    with pytest.raises(ValueError, match="method"):
+        reduced_posterior("svgp", k, X, Y, NOISE)
+    with pytest.raises(ValueError, match="noise"):
+        LLAPosterior(k, X, Y, 0.0, X[:10])
+    with pytest.raises(ValueError, match="y"):
+        LLAPosterior(k, X, Y[:-1], NOISE, X[:10])
+    bad = X.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="X"):
+        LLAPosterior(k, bad, Y, NOISE, X[:10])
+    with pytest.raises(ValueError, match="landmarks"):
+        LLAPosterior(k, X, Y, NOISE, X[:10, :3])
+    with pytest.raises(ValueError, match="landmarks"):
+        LLAPosterior(k, X[:5], Y[:5], NOISE, X[:10])
+    with pytest.raises(ValueError, match="coef"):
+        GSAPosterior(k, X, Y, NOISE, X[:10], coef="pinv")
+    with pytest.raises(ValueError, match="rank"):
+        LLAPosterior(k, X, Y, NOISE, X[:10], rank=11)
+
+
+def test_reduced_gp_model_interface(ref):
+    k, mean, var = ref
+    model = ReducedGP.from_exact(exact_model(kernel()), method="lla", m=X.shape[0], landmarks="fps")
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalWarning)
+        out = model(Z)
+        pred = model.likelihood(model(Z))
+    assert isinstance(out, gpytorch.distributions.MultivariateNormal)
+    assert float((out.mean - mean).abs().max()) < 1e-6
+    assert float((pred.variance - var - NOISE).abs().max()) < 1e-6
+    model.train()
+    with pytest.raises(RuntimeError, match="eval"):
+        model(Z)
+
+
+def test_reduced_gp_objectives_and_training():
+    """Titsias' bound equals GPyTorch's SGPR training loss; with every point a landmark both objectives are the
+    exact -MLL / n; training lowers the bound."""
+    k = kernel()
+    model = ReducedGP.from_exact(exact_model(k), method="lla", m=40, landmarks="fps")
+    C = X[::7][:40]
+
+    class SGPR(gpytorch.models.ExactGP):
+        def __init__(self, lik):
+            super().__init__(X, Y, lik)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = gpytorch.kernels.InducingPointKernel(k, inducing_points=C.clone(), likelihood=lik)
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    lik.noise = NOISE
+    sgpr = SGPR(lik).double()
+    sgpr.mean_module.constant.data.fill_(MEAN)
+    sgpr.train()
+    sg = -gpytorch.mlls.ExactMarginalLogLikelihood(lik, sgpr)(sgpr(X), Y)
+    assert float(model.loss(C, "titsias")) == pytest.approx(float(sg), rel=1e-8)
+    em = exact_model(kernel())
+    em.train()
+    with gpytorch.settings.max_cholesky_size(10_000):
+        exact = float(-gpytorch.mlls.ExactMarginalLogLikelihood(em.likelihood, em)(em(X), Y))
+    full = X[torch.randperm(X.shape[0], generator=torch.Generator().manual_seed(0))[:X.shape[0] // 3]]
+    assert float(model.loss(full, "dtc")) > exact - 1e-9  # fewer landmarks: DTC evidence differs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalWarning)
+        assert float(model.loss(X, "titsias")) == pytest.approx(exact, rel=1e-5)
+    trace = model.fit(iters=15, lr=0.05)
+    assert trace[-1] < trace[0] - 1e-3
+    model.eval()
+    assert torch.isfinite(model(Z).mean).all()
