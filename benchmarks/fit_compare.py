@@ -42,7 +42,13 @@ import numpy as np
 import torch
 
 from gpnys import datasets
-from gpnys.gp.exact import ExactGPModel, cholesky_loss, fit, gaussian_nll, hyperparameters
+from gpnys.gp.exact import (
+    ExactGPModel,
+    cholesky_loss,
+    fit,
+    gaussian_nll,
+    hyperparameters,
+)
 from gpnys.gp.exact import predict as gp_predict
 from gpnys.gp.higp_adapter import _inv_softplus, _quiet_stdout, _softplus
 from gpnys.gp.hook import use_preconditioner

@@ -61,3 +61,16 @@ def test_fit_compare_quick(tmp_path):
             assert key in rec, (name, key)
         assert len(rec["loss_trace"]) == len(rec["time_trace"]) == 3 and rec["checkpoints"][-1]["step"] == 3
         assert all(math.isfinite(x) for x in numbers(rec)), name
+
+
+def test_reduced_compare_quick(tmp_path):
+    out = tmp_path / "reduced.json"
+    res = load("reduced_compare").main(["--quick", "--threads", "1", "--out", str(out)])
+    assert out.exists() and out.with_suffix(".png").exists()
+    r = res["elevators"]
+    lla = {(a["landmarks"], a["m"]): a for a in r["approaches"] if a["method"] == "lla"}
+    ncr = [a for a in r["approaches"] if a["method"] == "ncr"]
+    assert ncr and all(abs(a["error_vs_exact"] - lla[(a["landmarks"], a["m"])]["error_vs_exact"])
+                       <= 1e-6 * a["error_vs_exact"] for a in ncr)  # NCR = LLA ([SPA] Prop 2)
+    assert all(a["error_vs_exact"] > 0 for a in r["approaches"])
+    assert len(r["nytro"]["test_rmse_path"]) == r["nytro"]["t_max"]

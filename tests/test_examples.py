@@ -27,3 +27,8 @@ def test_gpytorch_training_example_matches_cholesky():
     assert gp["builds"] == 6 and gp["cg_applications"] > 0  # one per step, one for the final hyperparameters
     assert abs(gp["rmse"] - ch["rmse"]) / ch["rmse"] < 0.02
     assert abs(gp["noise"] - ch["noise"]) / ch["noise"] < 0.02
+
+
+def test_reduced_posteriors_example():
+    res = load("reduced_posteriors").main(["--data", "concrete", "--n", "300", "--m", "40", "--iters", "1"])
+    assert res

@@ -12,8 +12,16 @@ from gpnys.gp.exact import ExactGPModel
 from gpnys.gp.exact import predict as exact_predict
 from gpnys.kernels import make_kernel
 from gpnys.precond.base import NumericalWarning
-from gpnys.reduced import (ExactPosterior, GSAPosterior, LLAPosterior, NCRPosterior, ReducedGP, landmark_rkhs_error,
-                           reduced_posterior, rkhs_error)
+from gpnys.reduced import (
+    ExactPosterior,
+    GSAPosterior,
+    LLAPosterior,
+    NCRPosterior,
+    ReducedGP,
+    landmark_rkhs_error,
+    reduced_posterior,
+    rkhs_error,
+)
 
 DS = datasets.load("concrete", n=300, seed=0)
 X, Y, Z = DS.train_x, DS.train_y, DS.test_x[:60]

@@ -6,10 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gpnys.cli import fit, mll, pcg
+from gpnys.cli import fit, mll, pcg, reduce
 
 #: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
-SUBCOMMANDS = [fit, pcg, mll]
+SUBCOMMANDS = [fit, pcg, mll, reduce]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,9 +39,18 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
 from gpnys.kernels.entries import split_outputscale
-from gpnys.kernels.operator import DEFAULT_DENSE_LIMIT_BYTES, StationaryKernelOperator, supported
+from gpnys.kernels.operator import (
+    DEFAULT_DENSE_LIMIT_BYTES,
+    StationaryKernelOperator,
+    supported,
+)
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import NumericalWarning, Preconditioner, safe_cholesky, validate_count
+from gpnys.precond.base import (
+    NumericalWarning,
+    Preconditioner,
+    safe_cholesky,
+    validate_count,
+)
 from gpnys.precond.cache import PointCache
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.precond.strategy import PRECONDITIONERS, make_preconditioner

@@ -26,7 +26,12 @@ from gpnys.kernels.entries import KernelEntries
 from gpnys.precond.base import safe_cholesky
 from gpnys.precond.strategy import AutoPreconditioner
 from gpnys.reduced.gsa import GSAPosterior
-from gpnys.reduced.lla import LLAPosterior, kernel_block, kernel_diag, validate_regression
+from gpnys.reduced.lla import (
+    LLAPosterior,
+    kernel_block,
+    kernel_diag,
+    validate_regression,
+)
 from gpnys.reduced.ncr import NCRPosterior
 from gpnys.solvers.pcg import pcg
 

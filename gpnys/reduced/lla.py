@@ -120,8 +120,10 @@ class LLAPosterior:
         solver: optional ``solver(M, B)`` for the ``s x s`` system (default Cholesky).
 
     Attributes:
-        features: the map; Phi: ``(n, s)`` training features (``G^T`` in the papers); gp: the
-        :class:`FeatureGP`; w: ``(s,)`` ridge solution ``w_hat = (G G^T + sigma^2 I)^{-1} G y`` ([SPA] eq. (12)).
+        features: the :class:`NystromFeatureMap`.
+        Phi: ``(n, s)`` training features (``G^T`` in the papers).
+        gp: the :class:`~gpnys.reduced.features.FeatureGP`.
+        w: ``(s,)`` ridge solution ``w_hat = (G G^T + sigma^2 I)^{-1} G y`` ([SPA] eq. (12)).
     """
 
     method = "lla"
