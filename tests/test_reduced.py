@@ -48,6 +48,26 @@ def dense(k, A, B):
         return k(A, B).to_dense()
 
 
+class SGPR(gpytorch.models.ExactGP):
+    """GPyTorch's SGPR (``InducingPointKernel``) on the test data."""
+
+    def __init__(self, k, C, lik):
+        super().__init__(X, Y, lik)
+        self.mean_module = gpytorch.means.ConstantMean()
+        self.covar_module = gpytorch.kernels.InducingPointKernel(k, inducing_points=C.clone(), likelihood=lik)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def sgpr_model(k, C):
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    lik.noise = NOISE
+    sgpr = SGPR(k, C, lik).double()
+    sgpr.mean_module.constant.data.fill_(MEAN)
+    return sgpr
+
+
 @pytest.fixture(scope="module")
 def ref():
     """GPyTorch's exact GP (Cholesky) predictive mean and latent variance at Z."""
@@ -86,19 +106,8 @@ def test_lla_equals_ncr_and_gpytorch_sgpr():
     lla, ncr = LLAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN), NCRPosterior(k, X, Y, NOISE, C, prior_mean=MEAN)
     assert float((lla.mean(Z) - ncr.mean(Z)).abs().max() / lla.mean(Z).abs().max()) < 1e-6
 
-    class SGPR(gpytorch.models.ExactGP):
-        def __init__(self, lik):
-            super().__init__(X, Y, lik)
-            self.mean_module = gpytorch.means.ConstantMean()
-            self.covar_module = gpytorch.kernels.InducingPointKernel(k, inducing_points=C.clone(), likelihood=lik)
-
-        def forward(self, x):
-            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-    lik = gpytorch.likelihoods.GaussianLikelihood().double()
-    lik.noise = NOISE
-    sgpr = SGPR(lik).double()
-    sgpr.mean_module.constant.data.fill_(MEAN)
+    sgpr = sgpr_model(k, C)
+    lik = sgpr.likelihood
     sgpr.eval()
     for correction in (False, True):
         with gpytorch.settings.sgpr_diagonal_correction(correction), torch.no_grad():
@@ -244,19 +253,8 @@ def test_reduced_gp_objectives_and_training():
     model = ReducedGP.from_exact(exact_model(k), method="lla", m=40, landmarks="fps")
     C = X[::7][:40]
 
-    class SGPR(gpytorch.models.ExactGP):
-        def __init__(self, lik):
-            super().__init__(X, Y, lik)
-            self.mean_module = gpytorch.means.ConstantMean()
-            self.covar_module = gpytorch.kernels.InducingPointKernel(k, inducing_points=C.clone(), likelihood=lik)
-
-        def forward(self, x):
-            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-    lik = gpytorch.likelihoods.GaussianLikelihood().double()
-    lik.noise = NOISE
-    sgpr = SGPR(lik).double()
-    sgpr.mean_module.constant.data.fill_(MEAN)
+    sgpr = sgpr_model(k, C)
+    lik = sgpr.likelihood
     sgpr.train()
     sg = -gpytorch.mlls.ExactMarginalLogLikelihood(lik, sgpr)(sgpr(X), Y)
     assert float(model.loss(C, "titsias")) == pytest.approx(float(sg), rel=1e-8)
