@@ -40,15 +40,20 @@ def validate_points(X: torch.Tensor, name: str = "X") -> None:
         raise ValueError(f"{name} contains NaN or inf")
 
 
+def validate_positive(value: float, name: str) -> float:
+    """Return ``value`` as a float; raise ``ValueError`` naming ``name`` unless it is positive and finite."""
+    try:
+        val = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a positive number, got {value!r}") from exc
+    if not (val > 0 and math.isfinite(val)):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+    return val
+
+
 def validate_mu(mu: float) -> float:
     """Return ``mu`` as a float; raise ``ValueError`` unless it is positive and finite."""
-    try:
-        val = float(mu)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"mu must be a positive number, got {mu!r}") from exc
-    if not (val > 0 and math.isfinite(val)):
-        raise ValueError(f"mu must be positive and finite, got {mu!r}")
-    return val
+    return validate_positive(mu, "mu")
 
 
 def validate_count(value: int, name: str, low: int = 1, high: int | None = None, high_name: str = "n") -> int:

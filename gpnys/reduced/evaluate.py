@@ -16,6 +16,7 @@ from typing import Any
 import gpytorch
 import torch
 
+from gpnys.gp.exact import gaussian_nll
 from gpnys.reduced.error import ExactPosterior, landmark_rkhs_error, rkhs_error
 from gpnys.reduced.landmarks import choose_m, select_landmarks
 from gpnys.reduced.models import reduced_posterior
@@ -34,7 +35,7 @@ def _metrics(yt: torch.Tensor, mean: torch.Tensor, var: torch.Tensor | None, noi
     if var is not None:
         v = var + noise
         v = transform.inverse_variance(v) if transform is not None else v
-        out["test_nll"] = float((0.5 * torch.log(2 * torch.pi * v) + 0.5 * (yt - mean).square() / v).mean())
+        out["test_nll"] = gaussian_nll(yt, mean, v)
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 
 from gpnys import landmarks as _lm
 from gpnys.kernels.entries import split_outputscale
-from gpnys.precond.base import validate_count, validate_points
+from gpnys.precond.base import validate_count, validate_points, validate_positive
 from gpnys.precond.rank import estimate_rank
 from gpnys.reduced.lla import kernel_block, kernel_diag
 
@@ -38,13 +38,7 @@ _MULTINOMIAL_MAX = 1 << 24  # torch.multinomial's category limit; Gumbel-top-k b
 def _validate_noise(noise: Any) -> float:
     if noise is None:
         raise ValueError("noise is required (the ridge lambda = noise > 0)")
-    try:
-        val = float(noise)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"noise must be a positive number, got {noise!r}") from exc
-    if not (val > 0 and math.isfinite(val)):
-        raise ValueError(f"noise must be positive and finite, got {noise!r}")
-    return val
+    return validate_positive(noise, "noise")
 
 
 def _validate_seed(seed: Any) -> int:

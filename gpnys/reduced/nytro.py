@@ -22,7 +22,6 @@ numerical rank. Any ``R`` with ``R R^T = K_mm^+`` gives the same ``alpha`` path.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 import gpytorch
 import torch
 
-from gpnys.precond.base import NumericalWarning, validate_count
+from gpnys.precond.base import NumericalWarning, validate_count, validate_positive
 from gpnys.reduced.lla import (
     NystromFeatureMap,
     _finite_2d,
@@ -43,16 +42,6 @@ __all__ = ["STOP_RULES", "NytroPath", "landmark_factor", "nystrom_krr", "nytro",
 
 STOP_RULES = ("threshold", "best", "none")
 
-
-def _positive(value: float, name: str) -> float:
-    """``value`` as a float; ``ValueError`` naming ``name`` unless positive and finite."""
-    try:
-        val = float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name} must be a positive number, got {value!r}") from exc
-    if not (val > 0 and math.isfinite(val)):
-        raise ValueError(f"{name} must be positive and finite, got {value!r}")
-    return val
 
 
 def _validate_data(X: torch.Tensor, y: torch.Tensor, landmarks: torch.Tensor) -> None:
@@ -71,7 +60,7 @@ def landmark_factor(kernel: gpytorch.kernels.Kernel, landmarks: torch.Tensor,
     ``.cross(Z)`` = ``k(Z, C)``.
     """
     m = landmarks.shape[0]
-    rtol = m * torch.finfo(landmarks.dtype).eps if rtol is None else _positive(rtol, "rtol")
+    rtol = m * torch.finfo(landmarks.dtype).eps if rtol is None else validate_positive(rtol, "rtol")
     return NystromFeatureMap(kernel, landmarks, rtol=rtol)
 
 
@@ -155,7 +144,7 @@ def nytro(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, lan
     t_max = validate_count(t_max, "t_max")
     if stop not in STOP_RULES:
         raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
-    tau = _positive(tau, "tau")
+    tau = validate_positive(tau, "tau")
     has_val = _validation_set(X_val, y_val, X.shape[1])
     if stop != "none" and not has_val:
         raise ValueError(f"stop={stop!r} needs a validation set: pass X_val and y_val (or use stop='none')")
@@ -166,7 +155,7 @@ def nytro(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, lan
     n = X.shape[0]
     if gamma is None:
         gamma = 1.0 / float(kernel_diag(kernel, X).max())
-    gamma = _positive(gamma, "gamma")
+    gamma = validate_positive(gamma, "gamma")
     landmarks = landmarks.to(X)
     fmap = landmark_factor(kernel, landmarks, rtol)
     R = fmap.A.to(X)
@@ -214,7 +203,7 @@ def _lam_values(lam: float | torch.Tensor | Sequence[float]) -> tuple[list[float
     values = [lam] if scalar else (lam.tolist() if isinstance(lam, torch.Tensor) else list(lam))
     if not values:
         raise ValueError("lam is empty")
-    return [_positive(v, "lam") for v in values], scalar
+    return [validate_positive(v, "lam") for v in values], scalar
 
 
 def nystrom_krr(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, landmarks: torch.Tensor,
