@@ -83,6 +83,9 @@ class EstimatorSettings:
             :class:`~gpnys.kernels.operator.StationaryKernelOperator` (RBF/Matérn under a ``ScaleKernel``): same
             values, closed-form derivative, no ``n x n`` autograd temporaries.
         dense_limit_bytes: that operator caches the dense kernel up to this size, else recomputes row blocks.
+        probe_seed: when set, every MLL evaluation draws its probes from this seed (common random numbers), so
+            the estimate is a deterministic function of the hyperparameters — what a quasi-Newton optimiser such as
+            BoTorch's L-BFGS-B needs; the global RNG is left untouched. ``None``: fresh probes per call (for Adam).
         variance_method: ``"auto"``, ``"pcg"`` or ``"cholesky"`` for the predictive variances; variance_tolerance,
             variance_block: their PCG tolerance and test-point block size (:meth:`PreconditionerHook.predict`).
         control_variate: for AFN, ``"diag"`` (cheap, ``O(nk(k + t))``), ``"full"`` (rebuild the FSAI rows with
@@ -103,9 +106,14 @@ class EstimatorSettings:
     variance_method: str = "auto"
     variance_tolerance: float = 1e-3
     variance_block: int = 1024
+    probe_seed: int | None = None
 
     def context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
+        # importing BoTorch turns GPyTorch's fast (CG/SLQ) log_prob and solves off globally; they are the point here
+        fast = gpytorch.settings.fast_computations
+        stack.enter_context(fast(covar_root_decomposition=fast.covar_root_decomposition.on(), log_prob=True,
+                                 solves=True))
         stack.enter_context(gpytorch.settings.max_cholesky_size(0))
         stack.enter_context(gpytorch.settings.cg_tolerance(self.cg_tolerance))
         stack.enter_context(gpytorch.settings.eval_cg_tolerance(min(self.cg_tolerance, 1e-4)))
@@ -165,7 +173,13 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         hook = self._gpnys_hook
         if hook is not None:
             hook.last_probes = None
-        res = super().log_prob(value)
+        seed = None if hook is None else hook.settings.probe_seed
+        if seed is None:
+            res = super().log_prob(value)
+        else:
+            with torch.random.fork_rng(devices=[value.device] if value.device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                res = super().log_prob(value)
         if hook is not None and hook.variance_reduction and torch.is_grad_enabled():
             C = hook.control_variate()
             if C is not None:
@@ -217,6 +231,7 @@ class PreconditionerHook:
         method: str | type[Preconditioner] = "auto",
         settings: EstimatorSettings | None = None,
         seed: int = 0,
+        train_x: torch.Tensor | None = None,
         **options: Any,
     ) -> None:
         if not isinstance(model, gpytorch.models.ExactGP):
@@ -234,13 +249,14 @@ class PreconditionerHook:
         self.settings = settings or EstimatorSettings()
         self.seed = seed
         self.options = {**GP_DEFAULTS.get(method, {}), **options} if isinstance(method, str) else options
-        X = model.train_inputs[0]
-        if X.dim() != 2:
+        X = model.train_inputs[0] if train_x is None else train_x
+        if X.dim() != 2 or X.shape[0] != model.train_inputs[0].shape[-2]:
             raise ValueError(f"train inputs must be (n, d) (batched models are not supported), got {tuple(X.shape)}")
         for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
             if options.get(key) is not None:
                 validate_count(options[key], key, 1, X.shape[0])
-        self.cache = PointCache(X)
+        self.train_x = X.detach()
+        self.cache = PointCache(self.train_x)
         self.builds = 0
         self.applications = 0
         self.samples = 0
@@ -319,7 +335,7 @@ class PreconditionerHook:
     def preconditioner(self) -> tuple[Preconditioner, torch.Tensor]:
         """The preconditioner ``P`` of ``K + μI`` for the current hyperparameters, and ``s²`` (0-dim)."""
         model = self.model
-        X = model.train_inputs[0]
+        X = self.train_x
         kernel = model.covar_module
         with torch.no_grad():
             _, s2f = split_outputscale(kernel)
@@ -361,11 +377,29 @@ class PreconditionerHook:
         closed-form blocked derivative) for a ``ScaleKernel`` over RBF/Matérn when ``settings.kernel_operator``;
         else ``None``."""
         kernel = self.model.covar_module
-        if not (self.settings.kernel_operator and isinstance(kernel, gpytorch.kernels.ScaleKernel)
-                and supported(kernel.base_kernel) and len(kernel.batch_shape) == 0):
+        scaled = isinstance(kernel, gpytorch.kernels.ScaleKernel)
+        base = kernel.base_kernel if scaled else kernel
+        if not (self.settings.kernel_operator and supported(base) and len(kernel.batch_shape) == 0):
             return None
-        return StationaryKernelOperator(X, kernel.outputscale, kernel.base_kernel.lengthscale, base=kernel.base_kernel,
-                                        cache=self._kernel_cache, dense_limit_bytes=self.settings.dense_limit_bytes)
+        # a bare RBF/Matérn (BoTorch's default SingleTaskGP kernel) has the constant outputscale 1
+        s2 = kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
+        return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self._kernel_cache,
+                                        dense_limit_bytes=self.settings.dense_limit_bytes)
+
+    def system(self, X: torch.Tensor) -> tuple[Callable, Callable]:
+        """``(A, M)`` for the current hyperparameters: ``A(V) = K̂ V`` with ``K̂ = s² K(X, X) + σ² I`` and
+        ``M(R) = P̂⁻¹ R``, both ``(n, t) -> (n, t)``, for :func:`gpnys.solvers.pcg.pcg` (no autograd)."""
+        P, s2 = self.preconditioner()
+        noise = self.model.likelihood.noise.detach().reshape(-1)[0]
+        op = self.stationary_operator(X)
+        kernel = self.model.covar_module
+        kmm = op._matmul if op is not None else (lambda V: kernel(X) @ V)
+
+        def A(V: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return kmm(V) + noise * V
+
+        return A, (lambda R: P.solve(R) / s2)
 
     def kernel_operator(self, op: LinearOperator) -> LinearOperator:
         """The training covariance's kernel part: :meth:`stationary_operator` on the inputs the kernel actually
@@ -422,7 +456,7 @@ class PreconditionerHook:
                 cheap = n / 3 + m < 2 * iters * m
                 method = "cholesky" if cheap and op is not None and op._dense() is not None else "pcg"
             self.variance_method_used = method
-            solve = self._cholesky_quad(op, noise) if method == "cholesky" else self._pcg_quad(op, X, noise)
+            solve = self._cholesky_quad(op, noise) if method == "cholesky" else self._pcg_quad(X)
             out = []
             for a in range(0, m, self.settings.variance_block):
                 T = test_x[a : a + self.settings.variance_block]
@@ -430,17 +464,12 @@ class PreconditionerHook:
                 out.append((kernel(T, diag=True) - solve(Kxt)).clamp_min(0.0))
         return mean, torch.cat(out) + noise
 
-    def _pcg_quad(self, op: StationaryKernelOperator | None, X: torch.Tensor, noise: torch.Tensor) -> Callable:
+    def _pcg_quad(self, X: torch.Tensor) -> Callable:
         """``B -> diag(B^T K̂^{-1} B)`` by PCG (see :meth:`predict`)."""
-        P, s2 = self.preconditioner()
-        kernel = self.model.covar_module
-        kmm = op._matmul if op is not None else (lambda V: kernel(X) @ V)
-
-        def A(V: torch.Tensor) -> torch.Tensor:
-            return kmm(V) + noise * V
+        A, M = self.system(X)
 
         def quad(B: torch.Tensor) -> torch.Tensor:
-            res = pcg(A, B, precond=lambda R: P.solve(R) / s2, x0=P.solve(B) / s2,
+            res = pcg(A, B, precond=M, x0=M(B),
                       tol=self.settings.variance_tolerance, maxiter=self.settings.max_cg_iterations)
             self.variance_iterations = res.iterations
             return (B * res.x).sum(0) + (res.x * (B - A(res.x))).sum(0)  # 2 b'x - x'Ax
@@ -490,6 +519,7 @@ def use_preconditioner(
     method: str | type[Preconditioner] = "auto",
     settings: EstimatorSettings | None = None,
     seed: int = 0,
+    train_x: torch.Tensor | None = None,
     **options: Any,
 ) -> contextlib.AbstractContextManager[PreconditionerHook]:
     """Context manager: train / predict ``model`` with a gpnys preconditioner for GPyTorch's CG + SLQ.
@@ -501,10 +531,12 @@ def use_preconditioner(
             ``cls(X, kernel, mu, **options)``.
         settings: estimator accuracy knobs (:class:`EstimatorSettings`).
         seed: seed of the preconditioner's randomness (rank-estimation subsamples, uniform landmarks).
+        train_x: the ``(n, d)`` inputs the kernel sees in training when the model's ``forward`` transforms
+            ``model.train_inputs`` (e.g. a BoTorch input transform); default ``model.train_inputs[0]``.
         **options: passed to the preconditioner (e.g. ``k=2000``, ``w=100``, ``rank=...``); ``afn`` and
             ``auto`` default to :data:`GP_DEFAULTS` (k = 500, w = 30).
 
     Returns:
         The context manager; entering it gives the :class:`PreconditionerHook` with its counters.
     """
-    return PreconditionerHook(model, method, settings, seed, **options).activate()
+    return PreconditionerHook(model, method, settings, seed, train_x, **options).activate()

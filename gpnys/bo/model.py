@@ -1,0 +1,236 @@
+"""A BoTorch ``SingleTaskGP`` that trains and predicts with gpnys preconditioners once Cholesky gets too big.
+
+:class:`PreconditionedSingleTaskGP` is a ``SingleTaskGP`` (same constructor, modules, transforms and
+priors). Up to ``max_cholesky_size`` training points it *is* a ``SingleTaskGP``: BoTorch's Cholesky path runs
+unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(X, X) + σ² I`` is formed:
+
+* **training** — ``fit_gpytorch_mll(mll)`` calls the model's ``custom_fit`` (BoTorch's hook for model-specific
+  fitting): BoTorch's default routine (``_fit_fallback``: L-BFGS-B through ``fit_gpytorch_mll_scipy``, retries
+  on failure) inside :meth:`PreconditionedSingleTaskGP.preconditioned`, i.e. GPyTorch's CG + SLQ with
+  the gpnys preconditioner, the exact ``log det P`` and the preconditioner control variate (issue 4). Probes
+  are drawn from a fixed seed at every evaluation (common random numbers,
+  :attr:`gpnys.gp.hook.EstimatorSettings.probe_seed`), so BoTorch's L-BFGS-B sees a deterministic objective.
+* **posterior** at ``X* (*b, q, d)`` — mean ``m(X*) + K(X*, X) α`` with ``α = K̂⁻¹ (y − m(X))`` by PCG, cached
+  while data and hyperparameters are unchanged; joint covariance in the variational form
+
+  ``Σ = K(X*, X*) − (K*ᵀ B + Bᵀ K* − Bᵀ K̂ B)``,  ``B ≈ K̂⁻¹ K*`` (``K* = K(X, X*)``, ``n x q`` per batch),
+
+  whose error is second order in the PCG error of ``B`` (``Σ − Σ_exact = Eᵀ K̂ E``, ``E = B − K̂⁻¹K*``) and whose
+  gradient w.r.t. ``X*`` (``B`` held fixed) is the exact one to first order — what ``optimize_acqf`` needs.
+  ``B`` is warm-started from the previous call's solution when the batch shape repeats (an L-BFGS run over
+  the acquisition function moves ``X*`` a little per step): ``x0 = B_prev + P̂⁻¹ (K* − K*_prev)``.
+  BoTorch draws joint samples for ``q > 1`` from the ``q x q`` covariance (its Cholesky is ``q x q``).
+* ``condition_on_observations`` with one new batch of points returns a new model of this class with the data
+  appended (hyperparameters kept, transforms not refitted, as BoTorch does). Batched observations
+  (``fantasize``) go through GPyTorch's fantasy strategy: its caches come from CG and a Lanczos root of
+  ``K̂⁻¹`` above GPyTorch's own ``max_cholesky_size``, never from an ``n x n`` Cholesky there, and the batched
+  fantasy model predicts through GPyTorch.
+
+Only single-output models with homoskedastic noise (``train_Yvar=None``) and non-batched inputs take the
+preconditioned path; anything else stays on BoTorch's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator
+
+import gpytorch
+import torch
+from botorch.fit import _fit_fallback
+from botorch.models import SingleTaskGP
+from botorch.models.transforms.input import InputTransform
+from botorch.models.transforms.outcome import OutcomeTransform
+from botorch.utils.types import DEFAULT
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.likelihoods import GaussianLikelihood, Likelihood
+from gpytorch.means import Mean
+from gpytorch.module import Module
+
+from gpnys.gp.hook import EstimatorSettings, PreconditionerHook
+from gpnys.precond.base import validate_positive
+from gpnys.precond.strategy import PRECONDITIONERS
+from gpnys.solvers.pcg import pcg
+
+__all__ = ["PreconditionedSingleTaskGP"]
+
+
+class PreconditionedSingleTaskGP(SingleTaskGP):
+    """``SingleTaskGP`` whose MLL training and posterior solves use gpnys preconditioners above a size threshold.
+
+    Args:
+        train_X, train_Y, train_Yvar, likelihood, covar_module, mean_module, outcome_transform, input_transform:
+            as for ``SingleTaskGP`` (``train_X (n, d)``, ``train_Y (n, 1)``).
+        precond: ``"auto"`` (AFN paper Algorithm 5: Nyström or AFN for the current length-scale), ``"afn"``,
+            ``"nystrom"``, ``"fsai"``, ``"pivchol"``, ...
+        max_cholesky_size: at most this many training points the model behaves exactly as ``SingleTaskGP``
+            (Cholesky); ``None`` follows GPyTorch's ``max_cholesky_size`` setting at call time (4096 once
+            BoTorch is imported).
+        settings: the MLL estimator's knobs (:class:`~gpnys.gp.hook.EstimatorSettings`); by default 16 probes
+            with a fixed ``probe_seed`` (= ``seed``) so the training objective is deterministic for L-BFGS-B.
+        seed: seed of the preconditioner (rank estimation, landmarks) and of the probes.
+        posterior_tolerance: relative PCG residual for ``B = K̂⁻¹ K*`` (covariance, second-order error);
+            ``α`` is solved to its square. Both are floored at ``100 eps`` of the dtype.
+        **precond_options: passed to the preconditioner (e.g. ``k=1000``, ``w=50``).
+
+    Attributes:
+        posterior_iterations: PCG iterations of the latest posterior solve (``B``), for diagnostics.
+    """
+
+    def __init__(
+        self,
+        train_X: torch.Tensor,
+        train_Y: torch.Tensor,
+        train_Yvar: torch.Tensor | None = None,
+        likelihood: Likelihood | None = None,
+        covar_module: Module | None = None,
+        mean_module: Mean | None = None,
+        outcome_transform: OutcomeTransform | Any | None = DEFAULT,
+        input_transform: InputTransform | None = None,
+        *,
+        precond: str = "auto",
+        max_cholesky_size: int | None = None,
+        settings: EstimatorSettings | None = None,
+        seed: int = 0,
+        posterior_tolerance: float = 1e-6,
+        **precond_options: Any,
+    ) -> None:
+        if precond not in PRECONDITIONERS or precond == "none":
+            raise ValueError(f"precond must be one of {[p for p in PRECONDITIONERS if p != 'none']}, got {precond!r}")
+        if max_cholesky_size is not None and (isinstance(max_cholesky_size, bool) or max_cholesky_size < 0):
+            raise ValueError(f"max_cholesky_size must be a non-negative int or None, got {max_cholesky_size!r}")
+        validate_positive(posterior_tolerance, "posterior_tolerance")
+        super().__init__(train_X, train_Y, train_Yvar, likelihood, covar_module, mean_module, outcome_transform,
+                         input_transform)
+        self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
+                              "settings": settings or EstimatorSettings(probe_seed=seed), "seed": seed,
+                              "posterior_tolerance": float(posterior_tolerance), "options": precond_options}
+        self._clear_gpnys_caches()
+
+    # -- state --------------------------------------------------------------------------------------------
+    def _clear_gpnys_caches(self) -> None:
+        self._gpnys_hook: PreconditionerHook | None = None
+        self._gpnys_alpha: tuple[tuple, torch.Tensor] | None = None
+        self._gpnys_warm: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.posterior_iterations = 0
+
+    def uses_preconditioner(self) -> bool:
+        """Whether the preconditioned path applies: one output, homoskedastic ``GaussianLikelihood``,
+        non-batched data, and more than ``max_cholesky_size`` training points."""
+        limit = self._gpnys_config["max_cholesky_size"]
+        limit = gpytorch.settings.max_cholesky_size.value() if limit is None else limit
+        X = self.train_inputs[0]
+        return (X.dim() == 2 and self.train_targets.dim() == 1 and X.shape[0] > limit
+                and type(self.likelihood) is GaussianLikelihood)
+
+    def _kernel_inputs(self) -> torch.Tensor:
+        """Training inputs as the kernel sees them (input transform applied), ``(n, d)``."""
+        X = self.train_inputs[0]
+        if hasattr(self, "input_transform") and not self._has_transformed_inputs:
+            with torch.no_grad():
+                X = self.input_transform.preprocess_transform(X)
+        return X.detach()
+
+    def hook(self) -> PreconditionerHook:
+        """The :class:`~gpnys.gp.hook.PreconditionerHook` for the current training data (rebuilt when it changes;
+        it rebuilds the preconditioner itself when the hyperparameters change)."""
+        X, h = self._kernel_inputs(), self._gpnys_hook
+        if h is None or h.train_x.shape != X.shape or not torch.equal(h.train_x, X):
+            c = self._gpnys_config
+            h = PreconditionerHook(self, c["precond"], c["settings"], c["seed"], train_x=X, **c["options"])
+            self._gpnys_hook, self._gpnys_alpha, self._gpnys_warm = h, None, None
+        return h
+
+    @contextlib.contextmanager
+    def preconditioned(self) -> Iterator[PreconditionerHook | None]:
+        """Context for MLL evaluations: GPyTorch's CG + SLQ with the gpnys preconditioner when
+        :meth:`uses_preconditioner`, else a no-op (yields ``None``). ``fit_gpytorch_mll`` enters it by itself."""
+        if not self.uses_preconditioner():
+            yield None
+            return
+        with self.hook().activate() as h:
+            yield h
+
+    def custom_fit(self, mll: gpytorch.mlls.MarginalLogLikelihood, **kwargs: Any) -> gpytorch.mlls.MarginalLogLikelihood:
+        """Called by ``botorch.fit.fit_gpytorch_mll``: BoTorch's default fitting routine (its private
+        ``_fit_fallback``; same keywords) with the preconditioner active (:meth:`preconditioned`)."""
+        with self.preconditioned():
+            return _fit_fallback(mll, **kwargs)
+
+    # -- posterior ----------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if (self.training or len(args) != 1 or kwargs or gpytorch.settings.prior_mode.on()
+                or not self.uses_preconditioner() or args[0].dim() < 2):
+            return super().__call__(*args, **kwargs)
+        return self._preconditioned_posterior(args[0])
+
+    def _tolerance(self, dtype: torch.dtype, power: int = 1) -> float:
+        return max(self._gpnys_config["posterior_tolerance"] ** power, 100 * torch.finfo(dtype).eps)
+
+    def _alpha(self, X: torch.Tensor, A, M) -> torch.Tensor:
+        """``α = K̂⁻¹ (y − m(X))`` ``(n,)``, cached on the data and hyperparameters."""
+        key = (X.data_ptr(), X._version, self.train_targets.data_ptr(), self.train_targets._version,
+               tuple(torch.cat([p.detach().reshape(-1) for p in self.parameters()]).tolist()))
+        if self._gpnys_alpha is None or self._gpnys_alpha[0] != key:
+            with torch.no_grad():
+                r = (self.train_targets - self.mean_module(X))[:, None]
+                res = pcg(A, r, precond=M, x0=M(r), tol=self._tolerance(X.dtype, 2),
+                          maxiter=self._gpnys_config["settings"].max_cg_iterations)
+            self._gpnys_alpha = (key, res.x[:, 0])
+        return self._gpnys_alpha[1]
+
+    def _solve_block(self, R: torch.Tensor, A, M) -> torch.Tensor:
+        """``B ≈ K̂⁻¹ R`` (``(n, t)``) by PCG, warm-started from the previous call when ``R``'s shape repeats."""
+        warm = self._gpnys_warm
+        x0 = M(R) if warm is None or warm[0].shape != R.shape else warm[1] + M(R - warm[0])
+        res = pcg(A, R, precond=M, x0=x0, tol=self._tolerance(R.dtype),
+                  maxiter=self._gpnys_config["settings"].max_cg_iterations)
+        self.posterior_iterations = res.iterations
+        self._gpnys_warm = (R, res.x)
+        return res.x
+
+    def _preconditioned_posterior(self, x: torch.Tensor) -> MultivariateNormal:
+        """Latent posterior at ``x (*b, q, d)`` (already input-transformed): mean ``(*b, q)``, covariance
+        ``(*b, q, q)`` (module docstring)."""
+        X, kernel = self.train_inputs[0], self.covar_module
+        h = self.hook()
+        A, M = h.system(X)
+        alpha = self._alpha(X, A, M)
+        n, q, batch = X.shape[0], x.shape[-2], x.shape[:-2]
+        Ks = kernel(X, x).to_dense()  # (*b, n, q), differentiable w.r.t. x
+        mean = self.mean_module(x) + (Ks.mT @ alpha[:, None]).squeeze(-1)
+        with torch.no_grad():
+            R = Ks.detach().movedim(-2, 0).reshape(n, -1)
+            B = self._solve_block(R, A, M)
+            KB = A(B)
+        B, KB = (T.reshape(n, *batch, q).movedim(0, -2) for T in (B, KB))
+        C = Ks.mT @ B
+        cov = kernel(x).to_dense() - (C + C.mT - B.mT @ KB)
+        return MultivariateNormal(mean, 0.5 * (cov + cov.mT))
+
+    # -- conditioning -------------------------------------------------------------------------------------
+    def condition_on_observations(self, X: torch.Tensor, Y: torch.Tensor, **kwargs: Any) -> "SingleTaskGP":
+        """BoTorch's ``condition_on_observations``: a new model with ``(X (q, d), Y (q, 1))`` appended
+        (module docstring). Batched ``X``/``Y`` (fantasies) use GPyTorch's fantasy strategy."""
+        if not self.uses_preconditioner() or X.dim() != 2 or Y.dim() != 2 or kwargs:
+            if self.prediction_strategy is None:  # GPyTorch's fantasy update needs its caches (CG / Lanczos here)
+                with torch.no_grad():
+                    gpytorch.models.ExactGP.__call__(self.eval(), self.train_inputs[0][:1])
+            return super().condition_on_observations(X, Y, **kwargs)
+        self.eval()
+        X_tf = self.transform_inputs(X)
+        if hasattr(self, "outcome_transform"):
+            Y, _ = self.outcome_transform(Y, X=X_tf)
+        self._validate_tensor_args(X=X_tf, Y=Y, strict=False)
+        caches = (self._gpnys_hook, self._gpnys_alpha, self._gpnys_warm)
+        self._clear_gpnys_caches()
+        try:
+            new = copy.deepcopy(self)
+        finally:
+            self._gpnys_hook, self._gpnys_alpha, self._gpnys_warm = caches
+        new.set_train_data(torch.cat([self.train_inputs[0], X_tf.detach()]),
+                           torch.cat([self.train_targets, Y.detach().squeeze(-1)]), strict=False)
+        if hasattr(new, "_original_train_inputs"):
+            new._original_train_inputs = torch.cat([self._original_train_inputs, X.detach()])
+        return new
