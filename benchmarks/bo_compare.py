@@ -1,0 +1,167 @@
+"""Issue 6 target 1: one BO iteration (fit + qLogEI) at large n, gpnys's PreconditionedSingleTaskGP vs SingleTaskGP.
+
+Data: ``--n`` scrambled-Sobol points in [0, 1]^6 and Hartmann-6 values (``negate=True``), float64. For each model,
+from BoTorch's default initialisation (same modules, priors and ``Standardize``): ``fit_gpytorch_mll`` (L-BFGS-B),
+then ``optimize_acqf`` with qLogEI (q = 1, ``--num-restarts`` 5, ``--raw-samples`` 128). SingleTaskGP runs on
+BoTorch's own path (importing BoTorch turns GPyTorch's fast computations off, so it is Cholesky at every size).
+Then the posterior check: the gpnys model takes SingleTaskGP's fitted hyperparameters and both predict at
+``--n-test`` uniform random points; relative errors of the posterior mean and variance against SingleTaskGP.
+
+An untimed warm-up fit on 64 points runs first (torch imports its symbolic-shape machinery on the first
+broadcast, ~1-10 s, once per process).
+
+Run:  python benchmarks/bo_compare.py --n 5000 --threads 2     (quiet machine)
+      python benchmarks/bo_compare.py --quick                    (n = 150, gpnys forced on; the tests run it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from botorch.acquisition.logei import qLogExpectedImprovement
+from botorch.fit import fit_gpytorch_mll
+from botorch.models import SingleTaskGP
+from botorch.optim import optimize_acqf
+from botorch.test_functions import Hartmann
+from gpytorch.mlls import ExactMarginalLogLikelihood
+from torch.quasirandom import SobolEngine
+
+from gpnys.bo import PreconditionedSingleTaskGP
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def one_iteration(model, Y: torch.Tensor, args, timeout: float | None) -> dict:
+    """Fit from the model's initialisation, then one qLogEI ``optimize_acqf``; times and results."""
+    bounds = torch.stack([torch.zeros(6), torch.ones(6)]).to(Y)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_gpytorch_mll(ExactMarginalLogLikelihood(model.likelihood, model),
+                         optimizer_kwargs={"timeout_sec": timeout} if timeout else None)
+    t1 = time.perf_counter()
+    cand, value = optimize_acqf(qLogExpectedImprovement(model, best_f=Y.max()), bounds=bounds, q=1,
+                                num_restarts=args.num_restarts, raw_samples=args.raw_samples)
+    t2 = time.perf_counter()
+    rec = {"fit_s": t1 - t0, "acq_s": t2 - t1, "total_s": t2 - t0, "acq_value": float(value),
+           "candidate_value": float(Hartmann(dim=6, negate=True)(cand).reshape(-1)[0]),
+           "lengthscale": model.covar_module.lengthscale.detach().reshape(-1).tolist(),
+           "noise": float(model.likelihood.noise.detach().reshape(-1)[0]),
+           "fit_warnings": sorted({f"{w.category.__name__}: {str(w.message)[:120]}" for w in caught})}
+    if isinstance(model, PreconditionedSingleTaskGP) and model.uses_preconditioner():
+        h = model.hook()
+        rec.update(builds=h.builds, cg_applications=h.applications, precond=[r.kind for r in h.history[-1:]],
+                   rank=h.history[-1].rank if h.history else None, posterior_iterations=model.posterior_iterations)
+    return rec
+
+
+def posterior_check(ref: SingleTaskGP, model: PreconditionedSingleTaskGP, n_test: int, seed: int) -> dict:
+    """Mean / variance of ``model`` with ``ref``'s hyperparameters vs ``ref`` at ``n_test`` random points."""
+    model.load_state_dict(ref.state_dict())
+    Xt = torch.rand(n_test, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    out = {}
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        pr = ref.posterior(Xt)
+        mr, vr = pr.mean.reshape(-1), pr.variance.reshape(-1)
+        t1 = time.perf_counter()
+        pm = model.posterior(Xt)
+        mm, vm = pm.mean.reshape(-1), pm.variance.reshape(-1)
+        t2 = time.perf_counter()
+    em = (mm - mr).abs() / mr.abs().max()
+    ev = (vm - vr).abs() / vr
+    out.update(n_test=n_test, ref_predict_s=t1 - t0, gpnys_predict_s=t2 - t1,
+               mean_rel_err_max=float(em.max()), mean_rel_err_median=float(em.median()),
+               var_rel_err_max=float(ev.max()), var_rel_err_median=float(ev.median()),
+               posterior_iterations=model.posterior_iterations)
+    return out
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [m for m in ("singletask", "gpnys") if m in res["methods"]]
+    fit = [res["methods"][m]["fit_s"] for m in names]
+    acq = [res["methods"][m]["acq_s"] for m in names]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(names, fit, label="fit_gpytorch_mll")
+    ax.bar(names, acq, bottom=fit, label="optimize_acqf (qLogEI)")
+    ax.set_ylabel("wall time (s)")
+    ax.set_title(f"one BO iteration, Hartmann-6, n = {res['n']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--n-test", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--methods", default="singletask,gpnys")
+    ap.add_argument("--num-restarts", type=int, default=5)
+    ap.add_argument("--raw-samples", type=int, default=128)
+    ap.add_argument("--max-cholesky-size", type=int, default=None, help="gpnys threshold (default GPyTorch's, 4096)")
+    ap.add_argument("--singletask-timeout", type=float, default=None,
+                    help="stop SingleTaskGP's L-BFGS-B after this many seconds (its time is then a lower bound)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.n, args.n_test, args.num_restarts, args.raw_samples = 150, 100, 2, 16
+        args.max_cholesky_size = 0 if args.max_cholesky_size is None else args.max_cholesky_size
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    f = Hartmann(dim=6, negate=True)
+    Xw = torch.rand(64, 6, dtype=torch.float64)
+    fit_gpytorch_mll(ExactMarginalLogLikelihood(*(lambda m: (m.likelihood, m))(SingleTaskGP(Xw, f(Xw)[:, None]))))
+    X = SobolEngine(6, scramble=True, seed=args.seed).draw(args.n, dtype=torch.float64)
+    Y = f(X).unsqueeze(-1)
+    models = {"singletask": lambda: SingleTaskGP(X, Y),
+              "gpnys": lambda: PreconditionedSingleTaskGP(X, Y, max_cholesky_size=args.max_cholesky_size)}
+    res: dict = {"n": args.n, "d": 6, "seed": args.seed, "num_restarts": args.num_restarts,
+                 "raw_samples": args.raw_samples, "threads": torch.get_num_threads(), "machine": platform.platform(),
+                 "methods": {}}
+    fitted = {}
+    for name in args.methods.split(","):
+        torch.manual_seed(args.seed)
+        fitted[name] = models[name]()
+        res["methods"][name] = one_iteration(fitted[name], Y, args,
+                                             args.singletask_timeout if name == "singletask" else None)
+        r = res["methods"][name]
+        print(f"{name:>10}: fit {r['fit_s']:8.2f} s, qLogEI {r['acq_s']:7.2f} s, total {r['total_s']:8.2f} s, "
+              f"noise {r['noise']:.3g}, candidate f = {r['candidate_value']:.4f}"
+              + (f", {r['precond']} rank {r['rank']}, {r['builds']} builds" if "builds" in r else ""), flush=True)
+    if {"singletask", "gpnys"} <= set(fitted):
+        ms = res["methods"]
+        res["time_ratio"] = ms["gpnys"]["total_s"] / ms["singletask"]["total_s"]
+        chk = posterior_check(fitted["singletask"], models["gpnys"](), args.n_test, args.seed)
+        res["posterior_check"] = chk
+        print(f"gpnys / SingleTaskGP wall time (fit + qLogEI): {res['time_ratio']:.3f}")
+        print(f"posterior at {chk['n_test']} points, SingleTaskGP's hyperparameters: mean rel. err max "
+              f"{chk['mean_rel_err_max']:.2e} (median {chk['mean_rel_err_median']:.1e}), variance rel. err max "
+              f"{chk['var_rel_err_max']:.2e} (median {chk['var_rel_err_median']:.1e}); predict "
+              f"{chk['gpnys_predict_s']:.2f} s vs {chk['ref_predict_s']:.2f} s, {chk['posterior_iterations']} PCG it.")
+    torch.set_num_threads(threads)
+    path = Path(args.out) if args.out else RESULTS / ("bo_compare_quick.json" if args.quick else f"bo_compare_n{args.n}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    plot(res, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Bayesian optimisation with many observations: gpnys's PreconditionedSingleTaskGP vs BoTorch's SingleTaskGP.
+
+A BO loop on Hartmann-6 (BoTorch's test function, maximised: ``negate=True``, optimum 3.32237) started from
+``--n-init`` scrambled-Sobol points. Each iteration: build the model on all data so far, warm-start it from the
+previous iteration's hyperparameters (as BoTorch users do; the outcome transform is refitted, only the
+kernel/likelihood/mean parameters are carried over), ``fit_gpytorch_mll``, maximise qLogEI with
+``optimize_acqf`` and evaluate the candidate(s). Both models see the same initial design per seed.
+
+Prints best value and per-iteration fit / acquisition time for each model; writes a JSON and a PNG of
+best-so-far vs wall time.
+
+Run:  python examples/bo_large_n.py --quick                       (seconds; the test suite runs it)
+      python examples/bo_large_n.py --n-init 5000 --iters 10 --seeds 0,1,2 --threads 2 \\
+          --json benchmarks/results/bo_loop.json                     (issue 6 target 2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from botorch.acquisition.logei import qLogExpectedImprovement
+from botorch.fit import fit_gpytorch_mll
+from botorch.models import SingleTaskGP
+from botorch.optim import optimize_acqf
+from botorch.test_functions import Hartmann
+from gpytorch.mlls import ExactMarginalLogLikelihood
+from torch.quasirandom import SobolEngine
+
+from gpnys.bo import PreconditionedSingleTaskGP
+
+MODELS = {"gpnys": PreconditionedSingleTaskGP, "singletask": SingleTaskGP}
+
+
+def hyper_state(model) -> dict[str, torch.Tensor]:
+    """The model's trainable state (kernel, likelihood, mean), without the outcome transform's buffers."""
+    return {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("outcome_transform")}
+
+
+def run_loop(method: str, seed: int, args) -> dict:
+    """One BO campaign; returns per-iteration records (n, fit_s, acq_s, best) and the chosen points' values."""
+    f = Hartmann(dim=6, negate=True)
+    bounds = torch.stack([torch.zeros(6), torch.ones(6)]).to(torch.float64)
+    X = SobolEngine(6, scramble=True, seed=seed).draw(args.n_init, dtype=torch.float64)
+    Y = f(X).unsqueeze(-1)
+    kw = {"max_cholesky_size": args.max_cholesky_size} if method == "gpnys" else {}
+    state, records, wall = None, [], 0.0
+    torch.manual_seed(seed)
+    for it in range(args.iters):
+        t0 = time.perf_counter()
+        model = MODELS[method](X, Y, **kw)
+        if state is not None:
+            model.load_state_dict(state, strict=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # BoTorch's optimisation warnings are reported by its own retry logic
+            fit_gpytorch_mll(ExactMarginalLogLikelihood(model.likelihood, model))
+        t1 = time.perf_counter()
+        acq = qLogExpectedImprovement(model, best_f=Y.max())
+        cand, _ = optimize_acqf(acq, bounds=bounds, q=args.q, num_restarts=args.num_restarts,
+                                raw_samples=args.raw_samples)
+        t2 = time.perf_counter()
+        X, Y = torch.cat([X, cand]), torch.cat([Y, f(cand).unsqueeze(-1)])
+        wall += t2 - t0
+        rec = {"iteration": it + 1, "n": X.shape[0] - args.q, "fit_s": t1 - t0, "acq_s": t2 - t1, "wall_s": wall,
+               "best": float(Y.max()), "noise": float(model.likelihood.noise.detach().reshape(-1)[0])}
+        if method == "gpnys" and model.uses_preconditioner():
+            h = model.hook()
+            rec.update(precond=h.history[-1].kind if h.history else None, rank=h.history[-1].rank if h.history else None,
+                       builds=h.builds, posterior_iterations=model.posterior_iterations)
+        records.append(rec)
+        state = hyper_state(model)
+        print(f"  {method:>10} seed {seed} it {it + 1:2d}: n={rec['n']} fit {rec['fit_s']:7.2f} s, "
+              f"acq {rec['acq_s']:6.2f} s, best {rec['best']:.5f}"
+              + (f" ({rec.get('precond')}, rank {rec.get('rank')})" if "precond" in rec else ""), flush=True)
+    return {"method": method, "seed": seed, "records": records, "best": float(Y.max()), "wall_s": wall}
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colors = {"gpnys": "C0", "singletask": "C1"}
+    for r in runs:
+        t = [0.0] + [x["wall_s"] for x in r["records"]]
+        b = [r["initial_best"]] + [x["best"] for x in r["records"]]
+        ax.step(t, b, where="post", color=colors[r["method"]], alpha=0.8,
+                label=f"{r['method']}" if r["seed"] == runs[0]["seed"] else None)
+    ax.axhline(3.32237, color="k", lw=0.5, ls="--")
+    ax.set_xlabel("wall time (s): fit + acquisition")
+    ax.set_ylabel("best Hartmann-6 value")
+    ax.set_title(f"BO from {runs[0]['records'][0]['n']} points (qLogEI)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="n-init 120, 2 iterations, gpnys forced on (seconds)")
+    ap.add_argument("--n-init", type=int, default=2000)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--methods", default="gpnys,singletask")
+    ap.add_argument("--q", type=int, default=1)
+    ap.add_argument("--num-restarts", type=int, default=5)
+    ap.add_argument("--raw-samples", type=int, default=128)
+    ap.add_argument("--max-cholesky-size", type=int, default=None,
+                    help="gpnys's Cholesky threshold (default: GPyTorch's setting, 4096 with BoTorch)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write the records here")
+    ap.add_argument("--png", default=None, help="plot path (default: next to --json, else bo_large_n.png)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.n_init, args.iters, args.num_restarts, args.raw_samples = 120, 2, 2, 16
+        args.max_cholesky_size = 0 if args.max_cholesky_size is None else args.max_cholesky_size
+    for name in args.methods.split(","):
+        if name not in MODELS:
+            raise ValueError(f"--methods: unknown model {name!r}; choose from {sorted(MODELS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runs = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for name in args.methods.split(","):
+            run = run_loop(name, seed, args)
+            X0 = SobolEngine(6, scramble=True, seed=seed).draw(args.n_init, dtype=torch.float64)
+            run["initial_best"] = float(Hartmann(dim=6, negate=True)(X0).max())
+            runs.append(run)
+    print(f"\n{'model':>10} {'seed':>4} {'best':>8} {'wall s':>8} {'fit s/it':>9} {'acq s/it':>9}")
+    for r in runs:
+        n = len(r["records"])
+        print(f"{r['method']:>10} {r['seed']:4d} {r['best']:8.5f} {r['wall_s']:8.1f} "
+              f"{sum(x['fit_s'] for x in r['records']) / n:9.2f} {sum(x['acq_s'] for x in r['records']) / n:9.2f}")
+    out = {"n_init": args.n_init, "iters": args.iters, "q": args.q, "num_restarts": args.num_restarts,
+           "raw_samples": args.raw_samples, "threads": torch.get_num_threads(), "runs": runs}
+    png = Path(args.png) if args.png else (Path(args.json).with_suffix(".png") if args.json else Path("bo_large_n.png"))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    plot(runs, png)
+    print(f"wrote {png}" + (f" and {args.json}" if args.json else ""))
+    return out
+
+
+if __name__ == "__main__":
+    main()

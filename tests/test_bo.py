@@ -1,0 +1,559 @@
+"""BoTorch integration: :class:`gpnys.bo.PreconditionedSingleTaskGP` against BoTorch's own ``SingleTaskGP``.
+
+Importing BoTorch turns GPyTorch's fast computations off and raises ``max_cholesky_size`` to 4096, so a plain
+``SingleTaskGP`` on a few hundred points is the dense Cholesky reference. ``max_cholesky_size=0`` forces the
+preconditioned path (CG + SLQ training with the gpnys preconditioner, PCG posterior); a small ``k`` (< n) keeps
+the preconditioner inexact so PCG really iterates.
+"""
+
+import math
+import warnings
+
+import gpytorch
+import pytest
+import torch
+
+pytest.importorskip("botorch")
+
+from botorch.acquisition import qUpperConfidenceBound
+from botorch.acquisition.logei import qLogExpectedImprovement
+from botorch.fit import fit_gpytorch_mll
+from botorch.models import SingleTaskGP
+from botorch.models.transforms.input import Normalize
+from botorch.models.transforms.outcome import Standardize
+from botorch.optim import optimize_acqf
+from botorch.sampling import SobolQMCNormalSampler
+from botorch.test_functions import Hartmann
+from gpytorch.mlls import ExactMarginalLogLikelihood
+
+import gpnys
+from gpnys.bo import PreconditionedSingleTaskGP
+
+from helpers import load_script
+
+USES_BOTORCH = True  # conftest: run under BoTorch's global GPyTorch settings
+PRECOND = {"k": 40, "w": 10}  # k < n: an inexact preconditioner, so PCG iterates
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+def sinsum(X):
+    """Smooth test function on the unit cube, ``(n, d) -> (n, 1)``."""
+    return (torch.sin(3.0 * X) + 0.5 * torch.cos(5.0 * X[..., :1] * X[..., 1:2])).sum(-1, keepdim=True)
+
+
+def hartmann6(X):
+    return Hartmann(dim=6).to(X)(X).unsqueeze(-1)
+
+
+def data(n, d, dtype=torch.float64, seed=0, noise_std=0.01, f=sinsum):
+    """``(X (n, d) uniform on the unit cube, Y = f(X) + noise (n, 1))`` from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(n, d, generator=g, dtype=dtype)
+    Y = f(X) + noise_std * torch.randn(n, 1, generator=g, dtype=dtype)
+    return X, Y
+
+
+def points_at(m, d, dtype=torch.float64, seed=1, batch=()):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(*batch, m, d, generator=g, dtype=dtype)
+
+
+def set_hypers(model, noise=1e-3, lengthscale=None, constant=0.1):
+    """Noise, ARD lengthscales (default evenly spaced in [0.3, 0.7]) and constant mean, set explicitly."""
+    d = model.train_inputs[0].shape[-1]
+    dtype = model.train_inputs[0].dtype
+    if lengthscale is None:
+        lengthscale = torch.linspace(0.3, 0.7, d, dtype=dtype)
+    model.likelihood.noise = torch.tensor(noise, dtype=dtype)
+    model.covar_module.lengthscale = torch.as_tensor(lengthscale, dtype=dtype).reshape(1, d)
+    model.mean_module.constant = torch.tensor(constant, dtype=dtype)
+    return model
+
+
+def pair(X, Y, noise=1e-3, lengthscale=None, transforms=None, **kwargs):
+    """(dense ``SingleTaskGP`` reference, ``PreconditionedSingleTaskGP``) with identical hyperparameters.
+
+    ``transforms``: a function returning fresh ``{"input_transform": ..., "outcome_transform": ...}`` kwargs
+    (each model gets its own instances; the state dict copies their learnt statistics)."""
+    transforms = transforms or dict
+    ref = set_hypers(SingleTaskGP(X, Y, **transforms()), noise, lengthscale)
+    options = {"max_cholesky_size": 0, **PRECOND, **kwargs}
+    model = PreconditionedSingleTaskGP(X, Y, **transforms(), **options)
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def rel_error(actual, expected):
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    return float(((actual - expected).abs() / expected.abs()).max())
+
+
+def assert_rel(actual, expected, rtol, what=""):
+    """Element-wise relative agreement: ``|a - e| <= rtol |e|`` everywhere."""
+    err = rel_error(actual, expected)
+    assert err <= rtol, f"{what}: max relative error {err:.3g} > {rtol:g}"
+
+
+def fit(model, maxiter=None, **kwargs):
+    """``fit_gpytorch_mll`` on the model's ``ExactMarginalLogLikelihood`` (the model's ``custom_fit`` for ours)."""
+    mll = ExactMarginalLogLikelihood(model.likelihood, model)
+    if maxiter is not None:
+        kwargs["optimizer_kwargs"] = {"options": {"maxiter": maxiter}}
+    fit_gpytorch_mll(mll, **kwargs)
+    return model
+
+
+def exact_mll(model):
+    """``ExactMarginalLogLikelihood`` of ``model`` at its training data (train mode, no fast computations)."""
+    model.train()
+    mll = ExactMarginalLogLikelihood(model.likelihood, model)
+    with torch.no_grad():
+        return float(mll(model(*model.train_inputs), model.train_targets))
+
+
+def lengthscale(model):
+    return model.covar_module.lengthscale.detach().reshape(-1)
+
+
+# -- 1. posterior agreement at the same hyperparameters -----------------------------------------------------
+def test_posterior_mean_and_variance_match_single_task_gp():
+    n, d = 250, 4
+    X, Y = data(n, d)
+    ref, model = pair(X, Y)
+    assert model.uses_preconditioner()
+    Xt = points_at(100, d)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    assert p.mean.shape == (100, 1) and p.variance.shape == (100, 1)
+    assert model.posterior_iterations > 0  # PCG really iterated (k < n)
+    hook = model.hook()
+    assert hook.builds >= 1 and hook.history[-1].rank <= PRECOND["k"]  # the gpnys preconditioner was built
+    assert_rel(p.mean, p_ref.mean, 1e-6, "mean")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance")
+    # a second batch of the same shape takes the warm-started solve: as accurate
+    Xt2 = points_at(100, d, seed=3)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt2), model.posterior(Xt2)
+    assert_rel(p.mean, p_ref.mean, 1e-6, "mean (warm start)")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance (warm start)")
+
+
+def test_posterior_caches_follow_hyperparameters_and_data():
+    """alpha, the warm start and the preconditioner are cached; none may go stale. The tolerance (1e-4) is
+    loose on purpose: stale caches give errors of order one."""
+    n, d = 250, 4
+    X, Y = data(n, d)
+    ref, model = pair(X, Y)
+    Xt = points_at(50, d)
+    with torch.no_grad():
+        model.posterior(Xt)
+    builds = model.hook().builds
+    set_hypers(ref, noise=5e-3, lengthscale=[0.25, 0.4, 0.5, 0.8], constant=-0.2)
+    model.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    assert model.hook().builds > builds  # rebuilt for the new hyperparameters
+    assert_rel(p.mean, p_ref.mean, 1e-4, "mean after new hyperparameters")
+    assert_rel(p.variance, p_ref.variance, 1e-4, "variance after new hyperparameters")
+
+    X2, Y2 = data(n + 30, d, seed=20)
+    y2 = (Y2.squeeze(-1) - Y2.mean()) / Y2.std()
+    for m in (ref, model):
+        m.set_train_data(X2, y2, strict=False)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    assert model.hook().train_x.shape == (n + 30, d)
+    assert_rel(p.mean, p_ref.mean, 1e-4, "mean after new data")
+    assert_rel(p.variance, p_ref.variance, 1e-4, "variance after new data")
+
+
+def test_joint_covariance_matches_single_task_gp():
+    n, d = 250, 4
+    X, Y = data(n, d)
+    ref, model = pair(X, Y)
+    Xq = points_at(3, d, batch=(4,), seed=2)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xq), model.posterior(Xq)
+    c_ref, c = p_ref.distribution.covariance_matrix, p.distribution.covariance_matrix
+    assert c.shape == c_ref.shape == (4, 3, 3)
+    assert model.posterior_iterations > 0
+    torch.testing.assert_close(c, c_ref, rtol=0, atol=1e-8)
+    torch.testing.assert_close(p.mean, p_ref.mean, rtol=1e-6, atol=0)
+
+
+def test_posterior_gradient_matches_single_task_gp():
+    """The gradient w.r.t. the test inputs (``B`` held fixed) is what ``optimize_acqf`` uses."""
+    n, d = 250, 4
+    X, Y = data(n, d)
+    ref, model = pair(X, Y)
+    Xt = points_at(100, d)
+    grads = []
+    for m in (ref, model):
+        x = Xt.clone().requires_grad_(True)
+        post = m.posterior(x)
+        (post.mean.sum() + post.variance.sum()).backward()
+        grads.append(x.grad)
+    assert model.posterior_iterations > 0 and model.hook().builds >= 1
+    assert_rel(grads[1], grads[0], 1e-5, "d(mean + variance)/dX")
+
+
+# -- 2. no n x n Cholesky on the preconditioned path -------------------------------------------------------
+@pytest.fixture
+def cholesky_shapes(monkeypatch):
+    """Record the shape of every matrix passed to ``torch.linalg.cholesky`` / ``cholesky_ex``.
+
+    linear_operator's ``psd_safe_cholesky`` calls ``torch.linalg.cholesky_ex`` (looked up on the module at call
+    time, so the patch sees it), as do gpnys' ``safe_cholesky`` and BoTorch's samplers."""
+    shapes = []
+    for name in ("cholesky", "cholesky_ex"):
+        original = getattr(torch.linalg, name)
+
+        def wrapped(A, *args, _original=original, **kwargs):
+            shapes.append(tuple(A.shape))
+            return _original(A, *args, **kwargs)
+
+        monkeypatch.setattr(torch.linalg, name, wrapped)
+    return shapes
+
+
+@pytest.mark.parametrize("precond, n", [("afn", 200), ("auto", 600)])  # "auto" estimates the rank on 500 points
+def test_no_n_by_n_cholesky_on_preconditioned_path(cholesky_shapes, precond, n):
+    d = 4
+    X, Y = data(n, d, seed=3)
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, precond=precond, **PRECOND)
+    fit(model, maxiter=3)
+    with torch.no_grad():
+        _ = model.posterior(points_at(20, d)).variance
+        model.posterior(points_at(3, d, batch=(2,))).rsample(torch.Size([4]))
+    assert model._gpnys_hook.builds >= 1 and model.posterior_iterations > 0
+    assert cholesky_shapes, "the patch saw no Cholesky at all (the preconditioner's k x k factor is expected)"
+    big = [s for s in cholesky_shapes if s[-1] >= n]
+    assert not big, f"{len(big)} Cholesky factorisations of size >= n = {n}: {sorted(set(big))}"
+
+
+def test_cholesky_patch_sees_single_task_gp(cholesky_shapes):
+    """The same patch records BoTorch's ``n x n`` Cholesky in ``SingleTaskGP``: the check above can fail."""
+    n, d = 200, 4
+    X, Y = data(n, d, seed=3)
+    ref = SingleTaskGP(X, Y)
+    fit(ref, maxiter=2)
+    assert (n, n) in [s[-2:] for s in cholesky_shapes]
+    cholesky_shapes.clear()
+    with torch.no_grad():
+        _ = ref.posterior(points_at(20, d)).variance
+    assert (n, n) in [s[-2:] for s in cholesky_shapes]
+
+
+# -- 3. at most max_cholesky_size points: exactly SingleTaskGP ------------------------------------------------
+@pytest.mark.parametrize("max_cholesky_size", [None, 10_000])  # None: GPyTorch's setting, 4096 under BoTorch
+def test_below_threshold_is_single_task_gp(max_cholesky_size):
+    n, d = 120, 3
+    X, Y = data(n, d, seed=4)
+    ref, model = pair(X, Y, max_cholesky_size=max_cholesky_size)
+    assert not model.uses_preconditioner()
+    Xt = points_at(50, d)
+    Xq = points_at(3, d, batch=(2,))
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+        torch.testing.assert_close(p.mean, p_ref.mean, rtol=1e-12, atol=0)
+        torch.testing.assert_close(p.variance, p_ref.variance, rtol=1e-12, atol=0)
+        torch.testing.assert_close(model.posterior(Xq).distribution.covariance_matrix,
+                                   ref.posterior(Xq).distribution.covariance_matrix, rtol=1e-12, atol=1e-15)
+    fit(ref, maxiter=5)
+    fit(model, maxiter=5)
+    for (name, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
+    with torch.no_grad():
+        model.posterior(Xt)
+    assert model._gpnys_hook is None and model.posterior_iterations == 0  # no hook was ever built
+
+
+# -- 4. fit_gpytorch_mll ---------------------------------------------------------------------------------------
+def test_fit_matches_single_task_gp():
+    n, d = 250, 3
+    X, Y = data(n, d, seed=5, noise_std=0.05)
+    ref = SingleTaskGP(X, Y)
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, k=100, w=15)
+    for (name, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b), name  # the same default initialisation
+    fit(ref)
+    fit(model)
+    assert model._gpnys_hook.builds > 1  # rebuilt as the hyperparameters moved
+    assert model._gpnys_hook.applications > 0
+    assert_rel(lengthscale(model), lengthscale(ref), 0.02, "fitted lengthscales")
+    assert_rel(model.likelihood.noise.detach(), ref.likelihood.noise.detach(), 0.02, "fitted noise")
+
+    # the preconditioned MLL value (CG + SLQ) against the exact one at the same hyperparameters
+    ref.load_state_dict(model.state_dict())
+    exact = exact_mll(ref)
+    model.train()
+    mll = ExactMarginalLogLikelihood(model.likelihood, model)
+    with model.preconditioned() as hook, torch.no_grad():
+        applications = hook.applications
+        value = float(mll(model(*model.train_inputs), model.train_targets))
+        assert hook.applications > applications  # the value came from preconditioned CG
+    assert abs(value - exact) <= 1e-3 * abs(exact), (value, exact)
+
+
+def test_fit_keeps_converged_attempt_and_ignores_global_rng():
+    """With an inexact preconditioner (k = 50 of n = 250, d = 6) the estimated MLL is deterministic (fixed probe
+    seed) but its gradient is not exactly its derivative, so L-BFGS-B can end near the optimum with an
+    ABNORMAL line-search termination. The fit must keep that near-optimal result: its exact MLL close to the
+    exact fit's, and the same hyperparameters whatever the global RNG state."""
+    n, d = 250, 6
+    X, Y = data(n, d, seed=5, f=hartmann6)
+    ref = fit(SingleTaskGP(X, Y))
+    best = exact_mll(ref)
+    fitted, values = [], []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        model = fit(PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, k=50, w=10))
+        fitted.append({k: v.detach().clone() for k, v in model.named_parameters()})
+        ref2 = SingleTaskGP(X, Y)
+        ref2.load_state_dict(model.state_dict())
+        values.append(exact_mll(ref2))
+    assert all(v >= best - 2e-3 * abs(best) for v in values), (values, best)
+    for name, p in fitted[0].items():
+        assert torch.equal(p, fitted[1][name]), (name, p, fitted[1][name])
+
+
+# -- 5. acquisition ------------------------------------------------------------------------------------------
+def test_acquisition_optimisation():
+    n, d = 200, 4
+    X, Y = data(n, d, seed=6)
+    _, model = pair(X, Y)
+    bounds = torch.stack([torch.zeros(d), torch.ones(d)]).to(X)
+
+    torch.manual_seed(0)
+    acqf = qLogExpectedImprovement(model, best_f=Y.max())
+    cand, value = optimize_acqf(acqf, bounds=bounds, q=1, num_restarts=2, raw_samples=16)
+    assert cand.shape == (1, d)
+    assert bool(((cand >= 0) & (cand <= 1)).all()) and bool(torch.isfinite(value).all())
+    assert model.posterior_iterations > 0 and model.hook().builds >= 1
+
+    acqf = qUpperConfidenceBound(model, beta=0.2)
+    cand, value = optimize_acqf(acqf, bounds=bounds, q=3, num_restarts=2, raw_samples=16)
+    assert cand.shape == (3, d)
+    assert bool(((cand >= 0) & (cand <= 1)).all()) and bool(torch.isfinite(value).all())
+
+    with torch.no_grad():
+        samples = model.posterior(points_at(3, d, batch=(4,))).rsample(torch.Size([8]))
+    assert samples.shape == (8, 4, 3, 1) and bool(torch.isfinite(samples).all())
+
+
+# -- 6. input and outcome transforms -------------------------------------------------------------------------
+def box_transforms(d):
+    return lambda: {"input_transform": Normalize(d=d), "outcome_transform": Standardize(m=1)}
+
+
+def test_input_and_outcome_transforms():
+    n, d = 200, 3
+    X01, Y = data(n, d, seed=7)
+    X, Y = X01 * 10 + 5, 3.0 * Y + 7.0
+    ref, model = pair(X, Y, transforms=box_transforms(d))
+    Xt = points_at(60, d) * 10 + 5
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    assert model.posterior_iterations > 0
+    assert float(model.hook().train_x.max()) <= 1.0 + 1e-12  # the hook sees the normalised inputs
+    assert_rel(p.mean, p_ref.mean, 1e-6, "mean")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance")
+
+
+def test_fit_with_transforms():
+    n, d = 200, 3
+    X01, Y = data(n, d, seed=7)
+    X, Y = X01 * 10 + 5, 3.0 * Y + 7.0
+    model = PreconditionedSingleTaskGP(X, Y, **box_transforms(d)(), max_cholesky_size=0, **PRECOND)
+    fit(model, maxiter=10)
+    hook = model._gpnys_hook
+    assert hook is not None and hook.builds >= 1 and hook.applications > 0
+    assert float(hook.train_x.min()) >= -1e-12 and float(hook.train_x.max()) <= 1.0 + 1e-12
+    with torch.no_grad():
+        post = model.posterior(points_at(20, d) * 10 + 5)
+    assert bool(torch.isfinite(post.mean).all()) and bool((post.variance > 0).all())
+
+
+# -- 7. conditioning and fantasies ---------------------------------------------------------------------------
+@pytest.mark.parametrize("transformed", [False, True], ids=["plain", "transforms"])
+def test_condition_on_observations(transformed):
+    n, d = 200, 3
+    X, Y = data(n, d, seed=8)
+    Xn, Yn = data(5, d, seed=9)
+    Xt = points_at(40, d)
+    if transformed:
+        X, Xn, Xt, Y, Yn = X * 10 + 5, Xn * 10 + 5, Xt * 10 + 5, 3 * Y + 7, 3 * Yn + 7
+    ref, model = pair(X, Y, transforms=box_transforms(d) if transformed else None)
+    with torch.no_grad():
+        before = model.posterior(Xt)
+        mean0, var0 = before.mean.clone(), before.variance.clone()
+        ref.posterior(Xt)  # GPyTorch needs its prediction caches before conditioning
+        ref_c = ref.condition_on_observations(Xn, Yn)
+        new = model.condition_on_observations(Xn, Yn)
+    assert type(new) is PreconditionedSingleTaskGP and new is not model
+    assert new.train_inputs[0].shape == (n + 5, d) and new.train_targets.shape == (n + 5,)
+    assert new.uses_preconditioner()
+    with torch.no_grad():
+        p_ref, p = ref_c.posterior(Xt), new.posterior(Xt)
+    assert new.posterior_iterations > 0
+    assert_rel(p.mean, p_ref.mean, 1e-6, "conditioned mean")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "conditioned variance")
+    # the original model is unchanged
+    assert model.train_inputs[0].shape == (n, d) and model.train_targets.shape == (n,)
+    with torch.no_grad():
+        after = model.posterior(Xt)
+    torch.testing.assert_close(after.mean, mean0, rtol=1e-12, atol=0)
+    torch.testing.assert_close(after.variance, var0, rtol=1e-12, atol=0)
+
+
+def test_fantasize():
+    n, d = 200, 3
+    X, Y = data(n, d, seed=8)
+    _, model = pair(X, Y)
+    torch.manual_seed(0)
+    fantasy = model.fantasize(points_at(2, d, seed=10), sampler=SobolQMCNormalSampler(torch.Size([4])))
+    assert fantasy.train_inputs[0].shape[-2] == n + 2
+    with torch.no_grad():
+        post = fantasy.posterior(points_at(3, d, seed=11))
+    assert post.mean.shape == (4, 3, 1)
+    assert bool(torch.isfinite(post.mean).all()) and bool(torch.isfinite(post.variance).all())
+    assert model.train_inputs[0].shape == (n, d)
+
+
+# -- 8. bad input --------------------------------------------------------------------------------------------
+def _outcome(fn):
+    """``("raise", exception type)`` or ``("ok", sorted warning categories)`` of calling ``fn``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            return "raise", type(exc)
+    return "ok", sorted({w.category.__name__ for w in caught})
+
+
+def _bad_cases():
+    X, Y = data(50, 3, seed=12)
+    Y_nan = Y.clone()
+    Y_nan[3, 0] = float("nan")
+    return {"nan": (X, Y_nan), "n-mismatch": (X, Y[:-1]), "ndim-mismatch": (X[0], Y)}
+
+
+@pytest.mark.parametrize("case", ["nan", "n-mismatch", "ndim-mismatch"])
+def test_bad_data_behaves_like_single_task_gp(case):
+    Xb, Yb = _bad_cases()[case]
+    ours = {"max_cholesky_size": 0, "k": 10, "w": 5}
+    expected = _outcome(lambda: SingleTaskGP(Xb, Yb))
+    if expected[0] == "raise":
+        with pytest.raises(expected[1]):
+            PreconditionedSingleTaskGP(Xb, Yb, **ours)
+        return
+    # SingleTaskGP accepts it (same warnings here); the error comes at first use, and must be the same type
+    assert _outcome(lambda: PreconditionedSingleTaskGP(Xb, Yb, **ours)) == expected
+    Xt = points_at(4, Xb.shape[-1])
+    for use in (lambda m: m.posterior(Xt).mean, lambda m: fit(m, maxiter=2)):
+        expected = _outcome(lambda use=use: use(SingleTaskGP(Xb, Yb)))
+        assert expected[0] == "raise", case
+        with pytest.raises(expected[1]):
+            use(PreconditionedSingleTaskGP(Xb, Yb, **ours))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"precond": "bogus"}, "precond"),
+    ({"precond": "none"}, "precond"),
+    ({"posterior_tolerance": 0}, "posterior_tolerance"),
+    ({"posterior_tolerance": float("nan")}, "posterior_tolerance"),
+    ({"max_cholesky_size": -1}, "max_cholesky_size"),
+])
+def test_bad_arguments(kwargs, name):
+    X, Y = data(20, 2)
+    with pytest.raises(ValueError, match=name):
+        PreconditionedSingleTaskGP(X, Y, **kwargs)
+
+
+# -- 9. float32 ----------------------------------------------------------------------------------------------
+def test_float32_posterior():
+    n, d = 200, 3
+    X, Y = data(n, d, dtype=torch.float32, seed=13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BoTorch's InputDataWarning about float32
+        ref, model = pair(X, Y, noise=1e-2)
+    Xt = points_at(60, d, dtype=torch.float32)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    assert p.mean.dtype == p.variance.dtype == torch.float32
+    assert model.posterior_iterations > 0
+    assert_rel(p.mean, p_ref.mean, 1e-3, "float32 mean")
+    assert_rel(p.variance, p_ref.variance, 1e-2, "float32 variance")
+
+
+# -- 10. reproducibility -------------------------------------------------------------------------------------
+def test_fit_is_reproducible():
+    n, d = 150, 3
+    X, Y = data(n, d, seed=14)
+    fitted = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, seed=3, **PRECOND)
+        fit(model, maxiter=15)
+        assert model._gpnys_hook.builds > 1
+        fitted.append(dict(model.named_parameters()))
+    for name, p in fitted[0].items():
+        assert torch.equal(p, fitted[1][name]), name
+
+
+# -- 11. the hook under BoTorch's global settings ------------------------------------------------------------
+def test_hook_builds_under_botorch_settings():
+    n, d = 200, 3
+    X, Y = data(n, d, seed=15)
+    y = Y.squeeze(-1)
+
+    class GP(gpytorch.models.ExactGP):
+        def __init__(self, x, y, likelihood):
+            super().__init__(x, y, likelihood)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().to(torch.float64)
+    gp = GP(X, y, likelihood).to(torch.float64)
+    gp.covar_module.base_kernel.lengthscale = 0.4
+    likelihood.noise = 1e-2
+    gp.train()
+    mll = ExactMarginalLogLikelihood(likelihood, gp)
+    assert not gpytorch.settings.fast_computations.log_prob.on()  # BoTorch's global setting
+    with (gpytorch.settings.fast_computations(log_prob=False, solves=False),
+          gpnys.use_preconditioner(gp, "afn", k=30, w=10) as hook):
+        loss = -mll(gp(X), y)
+        loss.backward()
+    assert hook.builds >= 1 and hook.applications >= 1
+    assert math.isfinite(float(loss.detach()))
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gp.parameters())
+    # the hook left the likelihood and the global settings as they were
+    assert "marginal" not in vars(likelihood)
+    assert not gpytorch.settings.fast_computations.log_prob.on()
+    # and the estimate is close to the exact (Cholesky) value
+    with torch.no_grad():
+        exact = -mll(gp(X), y)
+    assert abs(float(loss) - float(exact)) <= 1e-2 * abs(float(exact)), (float(loss), float(exact))
+
+
+# -- the example and the benchmark (their --quick modes) ---------------------------------------------------
+def test_bo_large_n_example_quick(tmp_path):
+    out = load_script("examples", "bo_large_n").main(["--quick", "--json", str(tmp_path / "bo.json")])
+    assert (tmp_path / "bo.json").exists() and (tmp_path / "bo.png").exists()
+    runs = {r["method"]: r for r in out["runs"]}
+    assert set(runs) == {"gpnys", "singletask"}
+    for r in runs.values():
+        assert len(r["records"]) == 2 and r["best"] >= r["initial_best"]
+    assert all(rec["builds"] >= 1 for rec in runs["gpnys"]["records"])  # the preconditioned path ran
+
+
+def test_bo_compare_quick(tmp_path):
+    res = load_script("benchmarks", "bo_compare").main(["--quick", "--out", str(tmp_path / "bo.json")])
+    assert (tmp_path / "bo.png").exists()
+    assert res["methods"]["gpnys"]["builds"] >= 1
+    chk = res["posterior_check"]
+    assert chk["mean_rel_err_max"] < 1e-6 and chk["var_rel_err_max"] < 1e-4
