@@ -53,7 +53,21 @@ from gpnys.precond.base import validate_positive
 from gpnys.precond.strategy import PRECONDITIONERS
 from gpnys.solvers.pcg import pcg
 
-__all__ = ["PreconditionedSingleTaskGP"]
+__all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS"]
+
+#: landmark / neighbour counts of ``afn`` and ``auto`` in :class:`PreconditionedSingleTaskGP` unless given (``k`` is
+#: capped at ``n / 2``). BO data are often nearly noiseless (BoTorch's noise floor is 1e-4 after ``Standardize``),
+#: so ``mu`` is far below the 1e-3..1e-1 that :data:`gpnys.gp.hook.GP_DEFAULTS` (k = 500) was chosen for. Measured
+#: at Hartmann-6, n = 5000, fitted length-scales, noise 2.4e-4 (1 thread; BoTorch's L-BFGS-B runs with one BLAS
+#: thread anyway): one MLL evaluation with k = 500 / 1000 / 1500 / 2000 (w = 30) took 6.1 / 3.1 / 3.2 / 4.1 s
+#: (60 / 21 / 14 / 13 CG iterations; Cholesky: 15 s), and k = 1500 had the smaller gradient error (noise
+#: gradient 10 % vs 37 % off for k = 1000 at noise 2.1e-4, 16 probes); a posterior solve (16 columns, tolerance
+#: 1e-8) needed 121 PCG iterations with k = 1000, w = 30 (13 s) and 27 with k = 2000, w = 60 (3 s + 2 s setup,
+#: built once per data and hyperparameters).
+BO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "train": {"k": 1500, "w": 30},
+    "posterior": {"k": 2000, "w": 60},
+}
 
 
 class PreconditionedSingleTaskGP(SingleTaskGP):
@@ -71,9 +85,17 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             with a fixed ``probe_seed`` (= ``seed``) so the training objective is deterministic for L-BFGS-B.
         seed: seed of the preconditioner (rank estimation, landmarks) and of the probes.
         posterior_tolerance: relative PCG residual for ``B = K̂⁻¹ K*``. The covariance error is second order in
-            it but scales like ``tol² |k*|² / σ²``: 1e-6 left 5e-6 relative variance errors at noise 1e-3
-            (n = 250), 1e-8 left 5e-10. ``α`` is solved to ``tol²``. Both are floored at ``1000 eps`` of the dtype.
-        **precond_options: passed to the preconditioner (e.g. ``k=1000``, ``w=50``).
+            it but scales like ``tol² |k*|² / σ²``. Hartmann-6, n = 5000, noise 2.1e-4, 1000 test points: tolerance
+            1e-6 / 1e-7 / 1e-8 left maximum relative variance errors 6.6e-5 / 1.2e-6 / 8.2e-9 in 20 / 26 / 32 PCG
+            iterations. ``α`` is solved to ``tol²``. Both are floored at ``1000 eps`` of the dtype.
+        posterior_options: preconditioner options for the posterior solves only (default for ``afn`` / ``auto``:
+            ``k=2000, w=60``, :data:`BO_DEFAULTS`); built once per data and hyperparameters.
+        fit_subset: ``fit_gpytorch_mll`` on the preconditioned path first fits the hyperparameters on this many
+            seeded random training points (BoTorch's Cholesky path; ``None``: off), then runs L-BFGS-B on all the
+            data from there. The full-data objective is the same; only the starting point (and so the number
+            of the expensive full-data evaluations) changes.
+        **precond_options: passed to the training preconditioner (default for ``afn`` / ``auto``: ``k=1500,
+            w=30``, :data:`BO_DEFAULTS`).
 
     Attributes:
         posterior_iterations: PCG iterations of the latest posterior solve (``B``), for diagnostics.
@@ -94,7 +116,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         max_cholesky_size: int | None = None,
         settings: EstimatorSettings | None = None,
         seed: int = 0,
-        posterior_tolerance: float = 1e-8,
+        posterior_tolerance: float = 1e-6,
+        posterior_options: dict[str, Any] | None = None,
+        fit_subset: int | None = 1000,
         **precond_options: Any,
     ) -> None:
         if precond not in PRECONDITIONERS or precond == "none":
@@ -102,11 +126,15 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if max_cholesky_size is not None and (isinstance(max_cholesky_size, bool) or max_cholesky_size < 0):
             raise ValueError(f"max_cholesky_size must be a non-negative int or None, got {max_cholesky_size!r}")
         validate_positive(posterior_tolerance, "posterior_tolerance")
+        if fit_subset is not None and (isinstance(fit_subset, bool) or not isinstance(fit_subset, int) or fit_subset < 1):
+            raise ValueError(f"fit_subset must be a positive int or None, got {fit_subset!r}")
         super().__init__(train_X, train_Y, train_Yvar, likelihood, covar_module, mean_module, outcome_transform,
                          input_transform)
         self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
                               "settings": settings or EstimatorSettings(probe_seed=seed), "seed": seed,
-                              "posterior_tolerance": float(posterior_tolerance), "options": precond_options}
+                              "posterior_tolerance": float(posterior_tolerance),
+                              "options": precond_options, "posterior_options": dict(posterior_options or {}),
+                              "fit_subset": fit_subset}
         self._clear_gpnys_caches()
 
     # -- state --------------------------------------------------------------------------------------------
@@ -139,9 +167,20 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         X, h = self._kernel_inputs(), self._gpnys_hook
         if h is None or h.train_x.shape != X.shape or not torch.equal(h.train_x, X):
             c = self._gpnys_config
-            h = PreconditionerHook(self, c["precond"], c["settings"], c["seed"], train_x=X, **c["options"])
+            h = PreconditionerHook(self, c["precond"], c["settings"], c["seed"], train_x=X,
+                                   **self._options("train", X.shape[0]))
             self._gpnys_hook, self._gpnys_alpha, self._gpnys_warm = h, None, None
         return h
+
+    def _options(self, use: str, n: int) -> dict[str, Any]:
+        """Preconditioner options for ``use`` (``"train"`` or ``"posterior"``): :data:`BO_DEFAULTS` for ``afn`` /
+        ``auto`` (landmarks capped at ``n / 2``) under the caller's options."""
+        c = self._gpnys_config
+        user = c["options"] if use == "train" else {**c["options"], **c["posterior_options"]}
+        defaults = dict(BO_DEFAULTS[use]) if c["precond"] in ("afn", "auto") else {}
+        if defaults:
+            defaults["k"] = max(1, min(defaults["k"], n // 2))
+        return {**defaults, **user}
 
     @contextlib.contextmanager
     def preconditioned(self) -> Iterator[PreconditionerHook | None]:
@@ -160,8 +199,29 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         # L-BFGS-B can end in an "ABNORMAL" line search at the optimum; BoTorch would discard that fit and
         # restart from prior samples, so it is accepted here like BoTorch's own accepted warnings.
         kwargs.setdefault("warning_handler", lambda w: DEFAULT_WARNING_HANDLER(w) or "ABNORMAL" in str(w.message))
+        if not self.uses_preconditioner():
+            return _fit_fallback(mll, **kwargs)
+        if kwargs.get("closure") is None:
+            self._fit_on_subset(mll, kwargs)
         with self.preconditioned():
             return _fit_fallback(mll, **kwargs)
+
+    def _fit_on_subset(self, mll: gpytorch.mlls.MarginalLogLikelihood, kwargs: dict[str, Any]) -> None:
+        """Start values for the full-data fit: ``_fit_fallback`` on ``fit_subset`` seeded random training points
+        (a copy of this model, Cholesky path); its kernel, mean and likelihood parameters are copied back."""
+        m, n = self._gpnys_config["fit_subset"], self.train_targets.shape[-1]
+        if m is None or n <= m or type(mll) is not gpytorch.mlls.ExactMarginalLogLikelihood:
+            return
+        with self._without_caches():
+            sub = copy.deepcopy(self)
+        sub.train()  # original (untransformed) inputs, as BoTorch trains
+        g = torch.Generator().manual_seed(self._gpnys_config["seed"])
+        idx = torch.randperm(n, generator=g)[:m].sort().values.to(self.train_targets.device)
+        sub.set_train_data(sub.train_inputs[0][idx], sub.train_targets[idx], strict=False)
+        sub._gpnys_config = {**sub._gpnys_config, "max_cholesky_size": m}
+        _fit_fallback(gpytorch.mlls.ExactMarginalLogLikelihood(sub.likelihood, sub), **kwargs)
+        for name in ("covar_module", "mean_module", "likelihood"):
+            getattr(self, name).load_state_dict(getattr(sub, name).state_dict())
 
     # -- posterior ----------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -200,7 +260,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         ``(*b, q, q)`` (module docstring)."""
         X, kernel = self.train_inputs[0], self.covar_module
         h = self.hook()
-        A, M = h.system(X)
+        A, M = h.system(X, self._options("posterior", X.shape[0]))
         alpha = self._alpha(X, A, M)
         n, q, batch = X.shape[0], x.shape[-2], x.shape[:-2]
         Ks = kernel(X, x).to_dense()  # (*b, n, q), differentiable w.r.t. x

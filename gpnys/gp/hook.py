@@ -263,6 +263,8 @@ class PreconditionerHook:
         self.history: list[StepRecord] = []
         self._key: tuple | None = None
         self._current: tuple[Preconditioner, torch.Tensor] | None = None
+        # preconditioners built with other options (e.g. a stronger one for posterior solves): options -> (key, P, s2)
+        self._others: dict[tuple, tuple[tuple, tuple[Preconditioner, torch.Tensor]]] = {}
         self.last_probes: torch.Tensor | None = None
         self.variance_reduction = bool(self.settings.variance_reduction)
         self.control_variates = 0
@@ -311,15 +313,15 @@ class PreconditionerHook:
         ls_key = tuple(ls.detach().reshape(-1).tolist()) if ls is not None else ()
         return (ls_key, mu, s2)
 
-    def _build(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float) -> tuple[Preconditioner, bool]:
+    def _build(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float,
+               options: dict[str, Any]) -> tuple[Preconditioner, bool]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("default", NumericalWarning)
                 if isinstance(self.method, str):
-                    P = make_preconditioner(self.method, X, kernel, mu, cache=self.cache, seed=self.seed,
-                                            **self.options)
+                    P = make_preconditioner(self.method, X, kernel, mu, cache=self.cache, seed=self.seed, **options)
                 else:
-                    P = self.method(X, kernel, mu, **self.options)
+                    P = self.method(X, kernel, mu, **options)
             if not torch.isfinite(P.logdet()):
                 raise RuntimeError("non-finite log det")
             return P, False
@@ -332,25 +334,36 @@ class PreconditionerHook:
             )
             return PivotedCholeskyPreconditioner(X, kernel, mu, rank=min(100, X.shape[0])), True
 
-    def preconditioner(self) -> tuple[Preconditioner, torch.Tensor]:
-        """The preconditioner ``P`` of ``K + μI`` for the current hyperparameters, and ``s²`` (0-dim)."""
+    def preconditioner(self, options: dict[str, Any] | None = None) -> tuple[Preconditioner, torch.Tensor]:
+        """The preconditioner ``P`` of ``K + μI`` for the current hyperparameters, and ``s²`` (0-dim).
+
+        ``options`` (e.g. ``{"k": 2000, "w": 60}``) override the hook's preconditioner options for this request;
+        such a preconditioner is cached separately from the training one (both rebuilt when the hyperparameters
+        change), so posterior solves can use a stronger preconditioner than the many MLL evaluations."""
         model = self.model
         X = self.train_x
         kernel = model.covar_module
+        opts = self.options if not options else {**self.options, **options}
+        slot = None if opts == self.options else tuple(sorted(opts.items()))
         with torch.no_grad():
             _, s2f = split_outputscale(kernel)
             noise = float(model.likelihood.noise.detach().reshape(-1)[0])
             mu = noise / s2f
             key = self._hyper_key(kernel, mu, s2f)
-            if key != self._key or self._current is None:
+            cached = (self._key, self._current) if slot is None else self._others.get(slot, (None, None))
+            if key != cached[0] or cached[1] is None:
                 t0 = time.perf_counter()
-                P, fallback = self._build(X.detach(), kernel, mu)
+                P, fallback = self._build(X.detach(), kernel, mu, opts)
                 self.builds += 1
                 s2 = torch.as_tensor(s2f, dtype=X.dtype, device=X.device)
-                self._current, self._key = (P, s2), key
+                cached = (key, (P, s2))
+                if slot is None:
+                    self._key, self._current = cached
+                else:
+                    self._others[slot] = cached
                 self.history.append(StepRecord(mu, s2f, int(P.rank), P.summary().get("choice", P.kind),
                                                time.perf_counter() - t0, fallback))
-        return self._current
+        return cached[1]
 
     # -- the GPyTorch override ------------------------------------------------------------------------
     def override(self, op: AddedDiagLinearOperator) -> tuple[Callable, LinearOperator, torch.Tensor]:
@@ -386,10 +399,11 @@ class PreconditionerHook:
         return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self._kernel_cache,
                                         dense_limit_bytes=self.settings.dense_limit_bytes)
 
-    def system(self, X: torch.Tensor) -> tuple[Callable, Callable]:
+    def system(self, X: torch.Tensor, options: dict[str, Any] | None = None) -> tuple[Callable, Callable]:
         """``(A, M)`` for the current hyperparameters: ``A(V) = K̂ V`` with ``K̂ = s² K(X, X) + σ² I`` and
-        ``M(R) = P̂⁻¹ R``, both ``(n, t) -> (n, t)``, for :func:`gpnys.solvers.pcg.pcg` (no autograd)."""
-        P, s2 = self.preconditioner()
+        ``M(R) = P̂⁻¹ R``, both ``(n, t) -> (n, t)``, for :func:`gpnys.solvers.pcg.pcg` (no autograd).
+        ``options``: preconditioner options for ``M`` (see :meth:`preconditioner`)."""
+        P, s2 = self.preconditioner(options)
         noise = self.model.likelihood.noise.detach().reshape(-1)[0]
         op = self.stationary_operator(X)
         kernel = self.model.covar_module
