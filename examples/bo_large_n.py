@@ -53,7 +53,10 @@ def run_loop(method: str, seed: int, args) -> dict:
     torch.manual_seed(seed)
     for it in range(args.iters):
         t0 = time.perf_counter()
-        model = MODELS[method](X, Y, **kw)
+        # warm-started gpnys fits skip the subset start (it helps a cold start; from the previous iteration's
+        # hyperparameters it would only move away and back)
+        warm = {"fit_subset": None} if method == "gpnys" and state is not None else {}
+        model = MODELS[method](X, Y, **kw, **warm)
         if state is not None:
             model.load_state_dict(state, strict=False)
         with warnings.catch_warnings():
