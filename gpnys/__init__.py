@@ -8,6 +8,7 @@ switch for existing ``ExactGP`` models::
 """
 
 from gpnys import datasets, landmarks
+from gpnys.budget import memory_budget
 from gpnys.gp.hook import EstimatorSettings, use_preconditioner
 from gpnys.precond import (
     AFNPreconditioner,
@@ -31,5 +32,6 @@ __all__ = [
     "NystromPreconditioner",
     "PivotedCholeskyPreconditioner",
     "pcg",
+    "memory_budget",
     "__version__",
 ]

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gpnys.budget import block_elems
+
 __all__ = ["FPSResult", "KMeansResult", "fps", "uniform", "kmeans", "fill_distance", "select", "METHODS"]
 
 METHODS = ("fps", "uniform", "kmeans")
-_BLOCK_ELEMS = 1 << 22  # elements of a temporary distance block (32 MiB in float64)
 
 
 def _validate(X: torch.Tensor, k: int) -> None:
@@ -51,7 +52,7 @@ def _sqdist_to_point(X: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tens
 
 
 def _row_block(n: int, m: int) -> int:
-    return max(1, min(n, _BLOCK_ELEMS // max(1, m)))
+    return max(1, min(n, block_elems() // max(1, m)))
 
 
 @dataclass

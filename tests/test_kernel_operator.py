@@ -15,8 +15,7 @@ import pytest
 import torch
 from helpers import points
 
-import gpnys.kernels.operator as kernel_operator_module
-from gpnys import datasets
+from gpnys import budget, datasets, memory_budget
 from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import EstimatorSettings, use_preconditioner
 from gpnys.kernels import KERNEL_NAMES
@@ -226,25 +225,45 @@ def test_on_the_fly_equals_cached(name, ard, dtype):
 
 @pytest.mark.parametrize("rows", ["1", "7", "n", "n+1"])
 @pytest.mark.parametrize("dense_limit_bytes", [0, None], ids=["on-the-fly", "cached"])
-def test_row_block_edge_cases(monkeypatch, rows, dense_limit_bytes, dtype):
-    """Blocks of ``_BLOCK_ELEMS // n`` rows: one row, a ragged last block (37 = 5 * 7 + 2), exactly n, and more
-    than n rows (one short block); both the on-the-fly path and the blocked build of the cache."""
+def test_row_block_edge_cases(rows, dense_limit_bytes, dtype):
+    """Blocks of ``block_bytes / 8 / n`` rows (:func:`gpnys.memory_budget`): one row, a ragged last block
+    (37 = 5 * 7 + 2), exactly n, and more than n rows (one short block); both the on-the-fly path and the blocked
+    build of the cache."""
     n = 37
-    monkeypatch.setattr(kernel_operator_module, "_BLOCK_ELEMS", {"1": n, "7": 7 * n, "n": n * n,
-                                                                  "n+1": n * (n + 1)}[rows])
+    block_rows = {"1": 1, "7": 7, "n": n, "n+1": n + 1}[rows]
     X = inputs(dtype, n=n, seed=3)
     kern = kernel_at("matern32", True, dtype)
     kw = {} if dense_limit_bytes is None else {"dense_limit_bytes": dense_limit_bytes}
-    op = operator(X, kern, **kw)
-    assert op._block_rows() == {"1": 1, "7": 7, "n": n, "n+1": n + 1}[rows]
     U, V = uv(dtype, n=n)
-    with torch.no_grad():
-        assert rel_max(op.matmul(V), dense_reference(X, kern) @ V) < MATMUL_TOL[dtype]
-        assert rel_max(op.to_dense(), dense_reference(X, kern)) < MATMUL_TOL[dtype]
-    ours = closed_form_grads(kern, op, U, V)
+    with memory_budget(block_bytes=8 * n * block_rows):
+        op = operator(X, kern, **kw)
+        assert op._block_rows() == block_rows
+        with torch.no_grad():
+            assert rel_max(op.matmul(V), dense_reference(X, kern) @ V) < MATMUL_TOL[dtype]
+            assert rel_max(op.to_dense(), dense_reference(X, kern)) < MATMUL_TOL[dtype]
+        ours = closed_form_grads(kern, op, U, V)
     ref = autograd_grads(kern, lambda: kern(X).to_dense(), U, V)
     for key in ref:
         assert rel_max(ours[key], ref[key]) < GRAD_TOL[dtype], key
+
+
+def test_dense_cache_follows_the_memory_budget(dtype):
+    """``dense_limit_bytes=None`` reads the budget when the operator is built: dense_bytes = 0 gives the on-the-fly
+    path with the same products and gradients as the cached one."""
+    X = inputs(dtype)
+    kern = kernel_at("matern52", True, dtype)
+    U, V = uv(dtype)
+    cached = operator(X, kern)
+    with memory_budget(dense_bytes=0, block_bytes=8 * N * 5):
+        fly = operator(X, kern)
+        assert fly.dense_limit_bytes == 0 and fly._block_rows() == 5
+        with torch.no_grad():
+            assert fly._dense() is None and cached._dense() is not None
+            torch.testing.assert_close(fly.matmul(V), cached.matmul(V), rtol=10 * EPS[dtype], atol=0)
+        g_fly = closed_form_grads(kern, fly, U, V)
+    g_cached = closed_form_grads(kern, cached, U, V)
+    for key in g_cached:  # 5-row blocks sum the gradient in another order (measured 6e-14 in float64)
+        torch.testing.assert_close(g_fly[key], g_cached[key], rtol=1000 * EPS[dtype], atol=0)
 
 
 # -- 4. the cache --------------------------------------------------------------------------------------------
@@ -388,7 +407,8 @@ def test_hook_swaps_the_operator_in_only_while_training(concrete300):
         m.train()
         lazy = m.likelihood(m(*m.train_inputs)).lazy_covariance_matrix._linear_op
         assert isinstance(lazy, StationaryKernelOperator)
-        assert lazy.X is m.train_inputs[0] and lazy.dense_limit_bytes == EstimatorSettings().dense_limit_bytes
+        # EstimatorSettings.dense_limit_bytes defaults to None: the memory budget's limit
+        assert lazy.X is m.train_inputs[0] and lazy.dense_limit_bytes == budget.dense_limit_bytes()
         m.eval()  # prediction keeps GPyTorch's kernel
         gpytorch_op = m.covar_module(m.train_inputs[0])
         assert hook.kernel_operator(gpytorch_op) is gpytorch_op

@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from gpnys import landmarks
+from gpnys import landmarks, memory_budget
 
 
 def brute_force_fps(X, k, start):
@@ -59,11 +59,11 @@ def test_fps_k_equals_n_and_duplicates():
     assert float(res.fill_distances[2]) == 0.0  # three distinct values cover everything
 
 
-def test_fps_blocked_equals_unblocked(monkeypatch):
+def test_fps_blocked_equals_unblocked():
     X = torch.randn(500, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     ref = landmarks.fps(X, 50).indices
-    monkeypatch.setattr(landmarks, "_BLOCK_ELEMS", 64)  # force many small row blocks
-    assert torch.equal(landmarks.fps(X, 50).indices, ref)
+    with memory_budget(block_bytes=8 * 64):  # force many small row blocks
+        assert torch.equal(landmarks.fps(X, 50).indices, ref)
 
 
 @pytest.mark.parametrize("fn", ["fps", "kmeans", "select"])

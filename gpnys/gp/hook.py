@@ -39,11 +39,7 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
 from gpnys.kernels.entries import split_outputscale
-from gpnys.kernels.operator import (
-    DEFAULT_DENSE_LIMIT_BYTES,
-    StationaryKernelOperator,
-    supported,
-)
+from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import (
     NumericalWarning,
@@ -82,7 +78,8 @@ class EstimatorSettings:
         kernel_operator: during training, replace GPyTorch's autograd-tracked dense kernel by
             :class:`~gpnys.kernels.operator.StationaryKernelOperator` (RBF/Matérn under a ``ScaleKernel``): same
             values, closed-form derivative, no ``n x n`` autograd temporaries.
-        dense_limit_bytes: that operator caches the dense kernel up to this size, else recomputes row blocks.
+        dense_limit_bytes: that operator caches the dense kernel up to this size, else recomputes row blocks;
+            ``None``: the memory budget's (:func:`gpnys.budget.memory_budget`, 4 GiB by default).
         probe_seed: when set, every MLL evaluation draws its probes from this seed (common random numbers), so
             the estimate is a deterministic function of the hyperparameters — what a quasi-Newton optimiser such as
             BoTorch's L-BFGS-B needs; the global RNG is left untouched. ``None``: fresh probes per call (for Adam).
@@ -102,7 +99,7 @@ class EstimatorSettings:
     probes: str = "rademacher"
     control_variate: str = "auto"
     kernel_operator: bool = True
-    dense_limit_bytes: int = DEFAULT_DENSE_LIMIT_BYTES
+    dense_limit_bytes: int | None = None
     variance_method: str = "auto"
     variance_tolerance: float = 1e-3
     variance_block: int = 1024

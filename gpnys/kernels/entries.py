@@ -10,10 +10,9 @@ from __future__ import annotations
 import gpytorch
 import torch
 
+from gpnys.budget import block_elems
+
 __all__ = ["KernelEntries", "split_outputscale"]
-
-_BLOCK_ELEMS = 1 << 23  # entries of a temporary kernel block (64 MiB in float64)
-
 
 def split_outputscale(kernel: gpytorch.kernels.Kernel) -> tuple[gpytorch.kernels.Kernel, float]:
     """Return ``(base_kernel, outputscale)``: ``(kernel, 1.0)`` when ``kernel`` is not a ``ScaleKernel``."""
@@ -55,7 +54,7 @@ class KernelEntries:
     def matmul(self, V: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """``K @ V`` for ``V: (n, t)``, computed in row blocks so memory is ``O(block * n)``. ``(n, t)``"""
         n = self.n
-        block = block or max(1, min(n, _BLOCK_ELEMS // max(n, 1)))
+        block = block or max(1, min(n, block_elems() // max(n, 1)))
         if block >= n:
             return self(slice(None), slice(None)) @ V
         return torch.cat([self(slice(i, i + block), slice(None)) @ V for i in range(0, n, block)])

@@ -33,12 +33,9 @@ import gpytorch
 import torch
 from linear_operator.operators import LinearOperator
 
-__all__ = ["StationaryKernelOperator", "supported", "DEFAULT_DENSE_LIMIT_BYTES"]
+from gpnys.budget import block_elems, dense_limit_bytes as budget_dense_limit
 
-#: cache the dense K and H below this size together (4 GiB: Matérn n ~ 16 000 in float64, ~ 23 000 in float32;
-#: RBF stores K only, n ~ 23 000 in float64)
-DEFAULT_DENSE_LIMIT_BYTES = 4 << 30
-_BLOCK_ELEMS = 1 << 22  # entries of one (b, n) row block in the on-the-fly paths (32 MiB in float64)
+__all__ = ["StationaryKernelOperator", "supported"]
 
 
 def _nu(base: gpytorch.kernels.Kernel) -> float | None:
@@ -87,7 +84,9 @@ class StationaryKernelOperator(LinearOperator):
         base: the unit-variance GPyTorch kernel whose current hyperparameters equal ``lengthscale``.
         cache: a dict shared across reconstructions (GPyTorch rebuilds operators from their representation) that
             holds the dense unit kernel for the current length-scale.
-        dense_limit_bytes: cache the dense kernel only up to this many bytes; above, matmuls recompute row blocks.
+        dense_limit_bytes: cache the dense K (and, for Matérn, H) only up to this many bytes together; above,
+            matmuls recompute row blocks. ``None``: the memory budget's (:mod:`gpnys.budget`, 4 GiB by default:
+            Matérn n ~ 16 000 in float64, RBF n ~ 23 000). Row blocks follow the budget's ``block_bytes``.
     """
 
     def __init__(
@@ -98,16 +97,18 @@ class StationaryKernelOperator(LinearOperator):
         *,
         base: gpytorch.kernels.Kernel,
         cache: dict[str, Any],
-        dense_limit_bytes: int = DEFAULT_DENSE_LIMIT_BYTES,
+        dense_limit_bytes: int | None = None,
     ) -> None:
-        super().__init__(X, outputscale, lengthscale, base=base, cache=cache, dense_limit_bytes=dense_limit_bytes)
+        limit = budget_dense_limit() if dense_limit_bytes is None else int(dense_limit_bytes)
+        super().__init__(X, outputscale, lengthscale, base=base, cache=cache, dense_limit_bytes=limit)
         self.X, self.outputscale, self.lengthscale = X, outputscale, lengthscale
-        self.base, self.cache, self.dense_limit_bytes = base, cache, dense_limit_bytes
+        self.base, self.cache = base, cache
+        self.dense_limit_bytes = limit
         self.nu = _nu(base)
 
     # -- values -------------------------------------------------------------------------------------------
     def _block_rows(self) -> int:
-        return max(1, _BLOCK_ELEMS // max(1, self.X.shape[0]))
+        return max(1, block_elems() // max(1, self.X.shape[0]))
 
     def _scaled(self) -> torch.Tensor:
         """``z = (x - mean) / l`` (``(n, d)``); centring keeps ``(z_i - z_j)^2`` accurate in float32."""

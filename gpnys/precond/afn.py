@@ -24,6 +24,7 @@ from typing import Any
 import gpytorch
 import torch
 
+from gpnys.budget import block_elems
 from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_inputs
@@ -31,10 +32,6 @@ from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_in
 __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
 
 LANDMARK_RULES = ("auto", "fps", "uniform")
-_BLOCK_ELEMS = 1 << 23  # entries of a temporary K12 column block: 64 MiB in float64
-# Entries of the gathered V rows per FSAI batch (16 MiB in float64). The gather is memory-bound; a buffer
-# that stays in cache for the following bmm measured ~1.6x faster per row than 64 MiB batches on CPU.
-_GATHER_ELEMS = 1 << 21
 _CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
 
 
@@ -118,7 +115,7 @@ class AFNPreconditioner(Preconditioner):
         # Step 4 and V = K12^T L^{-T} ((n-k, k)), one block of K12's columns at a time.
         m = n - self.k
         self.V = torch.empty(m, self.k, dtype=X.dtype, device=X.device)
-        cb = max(1, _BLOCK_ELEMS // self.k)
+        cb = max(1, block_elems() // self.k)
         for c in range(0, m, cb):
             K12 = ke(lm, rest[c : c + cb])
             self.V[c : c + cb] = torch.linalg.solve_triangular(self.L, K12, upper=False).T
@@ -133,7 +130,9 @@ class AFNPreconditioner(Preconditioner):
             Kb = ke.batched(rest[I]) + mu_ * torch.eye(I.shape[1], dtype=X.dtype, device=X.device)
             return torch.baddbmm(Kb, Vs, Vs.mT, alpha=-1.0)
 
-        batch = max(1, _GATHER_ELEMS // (self.w * (self.w + self.k)))
+        # gathered V rows per batch: half a block (16 MiB by default); the gather is memory-bound, and a buffer
+        # that stays in cache for the following bmm measured ~1.6x faster per row than 64 MiB batches on CPU
+        batch = max(1, block_elems(2) // (self.w * (self.w + self.k)))
         G = fsai_factor(schur_blocks, idx, valid, batch=batch, shifts=self.shifts, what="AFN: Schur block")
         self.factor = SparseTriangular(G)
         self.cache_hits = cache.hits - hits0
@@ -238,7 +237,7 @@ class AFNPreconditioner(Preconditioner):
             Gx = (g[:, :, None] * torch.where(M[:, :, None], x[I], 0.0)).sum(1)
             return g[:, -1].log().sum(), Gx.square().sum()
 
-        batch = max(1, _GATHER_ELEMS // (w * (w + self.k)))
+        batch = max(1, block_elems(2) // (w * (w + self.k)))
         logg = X.new_zeros(())
         quad = w1.square().sum()
         for a in range(0, idx.shape[0], batch):

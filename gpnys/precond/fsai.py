@@ -17,6 +17,7 @@ from typing import Any, Callable
 import gpytorch
 import torch
 
+from gpnys.budget import block_elems
 from gpnys.kernels.entries import KernelEntries
 from gpnys.precond.base import (
     NumericalWarning,
@@ -28,7 +29,6 @@ from gpnys.precond.cache import PointCache, metric_scale
 
 __all__ = ["fsai_factor", "SparseTriangular", "FSAIPreconditioner"]
 
-_BLOCK_ELEMS = 1 << 22  # entries of the temporary local blocks per batch (32 MiB in float64)
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, val: torch.Tensor, n: int) -> torch.Tensor:
@@ -71,7 +71,7 @@ def fsai_factor(
     """
     n, w = idx.shape
     dev = idx.device
-    batch = int(batch) if batch else max(1, _BLOCK_ELEMS // (w * w))
+    batch = int(batch) if batch else max(1, block_elems() // (w * w))
     vals: list[torch.Tensor] = []
     for a in range(0, n, batch):
         I, M = idx[a : a + batch], valid[a : a + batch]

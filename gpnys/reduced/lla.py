@@ -18,18 +18,18 @@ import warnings
 import gpytorch
 import torch
 
+from gpnys.budget import block_elems
 from gpnys.precond.base import NumericalWarning
 from gpnys.reduced.features import FeatureGP, Solver
 
 __all__ = ["NystromFeatureMap", "LLAPosterior", "kernel_block", "validate_regression"]
 
-_BLOCK_ELEMS = 1 << 23  # entries of one temporary kernel block (64 MiB in float64)
 VARIANCES = ("dtc", "sor")
 
 
 def kernel_block(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """Dense ``k(A, B)`` (``(a, b)``) without autograd, evaluated in row blocks of ``A``."""
-    rows = max(1, _BLOCK_ELEMS // max(1, B.shape[0]))
+    rows = max(1, block_elems() // max(1, B.shape[0]))
     with torch.no_grad():
         return torch.cat([kernel(A[i : i + rows], B).to_dense() for i in range(0, A.shape[0], rows)])
 

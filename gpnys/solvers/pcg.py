@@ -32,6 +32,7 @@ from typing import Callable, Union
 import gpytorch
 import torch
 
+from gpnys.budget import block_elems, dense_limit_bytes as dense_limit_bytes_budget
 from gpnys.kernels.entries import KernelEntries
 from gpnys.precond.base import (
     NumericalWarning,
@@ -217,7 +218,8 @@ def pcg(
 class KernelSystem:
     """The product ``v -> (K + mu I) v`` for a unit-variance kernel matrix ``K = k(X, X)``.
 
-    ``K`` is cached densely (built in row blocks) when ``n * n * itemsize < dense_limit_bytes``;
+    ``K`` is cached densely (built in row blocks) when ``n * n * itemsize < dense_limit_bytes`` (``None``: the
+    memory budget's, :mod:`gpnys.budget`);
     otherwise every product recomputes ``K`` in row blocks via :meth:`KernelEntries.matmul` (memory
     ``O(block * n)``). Call with ``V: (n,)`` or ``(n, t)``; returns the same shape.
 
@@ -225,18 +227,19 @@ class KernelSystem:
     """
 
     def __init__(
-        self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float, dense_limit_bytes: int = 2 << 30
+        self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float, dense_limit_bytes: int | None = None
     ) -> None:
         validate_points(X)
         self.mu = validate_mu(mu)
         self.entries = KernelEntries(X, kernel)
         self.n = X.shape[0]
-        self.dense = self.n * self.n * X.element_size() < int(dense_limit_bytes)
+        limit = dense_limit_bytes_budget() if dense_limit_bytes is None else int(dense_limit_bytes)
+        self.dense = self.n * self.n * X.element_size() < limit
         self._K: torch.Tensor | None = None
         if self.dense:
             n = self.n
             K = torch.empty(n, n, dtype=X.dtype, device=X.device)
-            block = max(1, min(n, (1 << 23) // max(n, 1)))
+            block = max(1, min(n, block_elems() // max(n, 1)))
             for i in range(0, n, block):
                 K[i : i + block] = self.entries(slice(i, i + block), slice(None))
             self._K = K
@@ -250,7 +253,7 @@ class KernelSystem:
 
 
 def kernel_system(
-    X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float, dense_limit_bytes: int = 2 << 30
+    X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float, dense_limit_bytes: int | None = None
 ) -> KernelSystem:
     """Return the callable ``v -> K v + mu v`` (see :class:`KernelSystem`); ``X: (n, d)``, ``mu > 0``.
 
