@@ -88,8 +88,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             it but scales like ``tol² |k*|² / σ²``. Hartmann-6, n = 5000, noise 2.1e-4, 1000 test points: tolerance
             1e-6 / 1e-7 / 1e-8 left maximum relative variance errors 6.6e-5 / 1.2e-6 / 8.2e-9 in 20 / 26 / 32 PCG
             iterations. ``α`` is solved to ``tol²``. Both are floored at ``1000 eps`` of the dtype.
-        posterior_options: preconditioner options for the posterior solves only (default for ``afn`` / ``auto``:
-            ``k=2000, w=60``, :data:`BO_DEFAULTS`); built once per data and hyperparameters.
+        posterior_options: preconditioner options for the posterior solves only, over ``**precond_options``
+            (which apply to both) and the defaults for ``afn`` / ``auto`` (``k=2000, w=60``, :data:`BO_DEFAULTS`);
+            built once per data and hyperparameters.
         fit_subset: ``fit_gpytorch_mll`` on the preconditioned path first fits the hyperparameters on this many
             seeded random training points (BoTorch's Cholesky path; ``None``: off), then runs L-BFGS-B on all the
             data from there. The full-data objective is the same; only the starting point (and so the number
