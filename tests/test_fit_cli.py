@@ -109,6 +109,20 @@ def test_cli_fit_with_preconditioner_reports_steps(capsys):
     assert out["test_rmse"] == pytest.approx(exact["test_rmse"], rel=1e-3)
 
 
+def test_cli_mll_reports_the_kernel_storage_and_follows_the_budget(capsys):
+    """`--dense-gib 0` moves gpnys's kernel operator to on-the-fly row blocks (reported in the JSON); the estimate
+    is the same as with the dense cache (same probes; only the blocked summation order differs)."""
+    base = ["mll", "--data", "concrete", "--n", "200", "--method", "auto", "--json"]
+    records = {}
+    for extra in ([], ["--dense-gib", "0", "--block-mib", "1"]):
+        assert main(base + extra) == 0
+        (rec,) = json.loads(capsys.readouterr().out)
+        records[rec["kernel_storage"]] = rec
+    dense, fly = records["dense"], records["on-the-fly"]
+    assert fly["dense_bytes"] == 0 and fly["block_bytes"] == 1 << 20 and dense["dense_bytes"] == 4 << 30
+    assert fly["loss"] == pytest.approx(dense["loss"], rel=1e-8)
+
+
 @pytest.mark.parametrize(
     "argv,name",
     [
@@ -122,6 +136,8 @@ def test_cli_fit_with_preconditioner_reports_steps(capsys):
         (["mll", "--cg-tol", "-1", "--method", "afn"], "cg-tol"),
         (["mll", "--n", "0"], "n"),
         (["mll", "--k", "5000", "--method", "afn"], "k"),
+        (["mll", "--block-mib", "0"], "block-mib"),
+        (["mll", "--dense-gib", "-1"], "dense-gib"),
         (["fit", "--precond", "bogus"], "precond"),
         (["fit", "--precond", "afn", "--w", "0"], "w"),
         (["fit", "--precond", "auto", "--lanczos-steps", "0"], "lanczos-steps"),

@@ -42,6 +42,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    p.add_argument("--block-mib", type=int, default=None,
+                   help="memory budget: MiB per temporary block (default 32; gpnys.memory_budget)")
+    p.add_argument("--dense-gib", type=float, default=None,
+                   help="memory budget: cache the dense kernel up to this many GiB, else on the fly (default 4)")
 
 
 def _plain(obj: Any) -> Any:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from gpnys.budget import memory_budget
 from gpnys.cli import fit, mll, pcg, reduce
 
 #: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
@@ -22,11 +23,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def budget_from_args(args: argparse.Namespace) -> dict[str, int | None]:
+    """``memory_budget`` keywords from ``--block-mib`` / ``--dense-gib`` (absent or None: the defaults)."""
+    mib, gib = getattr(args, "block_mib", None), getattr(args, "dense_gib", None)
+    if mib is not None and mib < 1:
+        raise ValueError(f"--block-mib must be >= 1, got {mib}")
+    if gib is not None and not gib >= 0:
+        raise ValueError(f"--dense-gib must be >= 0, got {gib}")
+    return {"block_bytes": None if mib is None else mib << 20, "dense_bytes": None if gib is None else int(gib * 2**30)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args._run(args) or 0)
+        with memory_budget(**budget_from_args(args)):
+            return int(args._run(args) or 0)
     except ValueError as exc:
         parser.exit(2, f"gpnys {args.command}: error: {exc}\n")
     return 0

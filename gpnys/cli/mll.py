@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from gpnys import datasets
+from gpnys import budget, datasets
 from gpnys.cli.common import (
     DTYPES,
     add_common_args,
@@ -17,6 +17,7 @@ from gpnys.cli.common import (
 )
 from gpnys.gp.higp_adapter import evaluate_higp  # imports higp itself only when called
 from gpnys.gp.mll import METHODS, evaluate, grad_errors
+from gpnys.kernels.operator import caches_dense
 
 NAME = "mll"
 HELP = "negative MLL per point and its raw-parameter gradient: exact Cholesky vs GPyTorch default vs gpnys"
@@ -42,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     common = {"kernel": args.kernel, "lengthscale": args.lengthscale, "outputscale": args.outputscale,
               "noise": args.noise}
     records, ref = [], None
+    n = ds.train_x.shape[0]
+    storage = {"kernel_storage": "dense" if caches_dense(n, ds.train_x.element_size(), args.kernel != "rbf")
+               else "on-the-fly", "block_bytes": budget.block_elems() * 8, "dense_bytes": budget.dense_limit_bytes()}
     for method in args.method:
         if method == "higp":
             if importlib.util.find_spec("higp") is None:
@@ -57,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
             kw = {} if method in ("exact", "gpytorch") else {"settings": settings, **opts}
             rec = evaluate(ds.train_x, ds.train_y, method, seed=args.seed + r, **common, **kw)
             rec["seed"] = args.seed + r
+            if method not in ("exact", "gpytorch"):  # gpnys's training kernel operator (memory budget)
+                rec.update(storage)
             if method == "exact":
                 ref = rec
             records.append(rec)
@@ -70,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"data: {ds.describe()}; kernel {args.kernel}, lengthscale {args.lengthscale}, "
           f"outputscale {args.outputscale}, noise {args.noise}")
+    print(f"gpnys kernel operator: {storage['kernel_storage']} (dense cache limit {storage['dense_bytes'] / 2**30:g} GiB, "
+          f"blocks of {storage['block_bytes'] / 2**20:g} MiB)")
     for rec in records:
         if "skipped" in rec:
             print(f"{rec['method']:9s} skipped: {rec['skipped']}")

@@ -35,7 +35,14 @@ from linear_operator.operators import LinearOperator
 
 from gpnys.budget import block_elems, dense_limit_bytes as budget_dense_limit
 
-__all__ = ["StationaryKernelOperator", "supported"]
+__all__ = ["StationaryKernelOperator", "supported", "caches_dense"]
+
+
+def caches_dense(n: int, itemsize: int, matern: bool, dense_limit_bytes: int | None = None) -> bool:
+    """Whether :class:`StationaryKernelOperator` keeps the kernel dense for ``n`` points: ``K`` (and, for Matérn,
+    ``H = k'/r``) of ``n x n`` entries of ``itemsize`` bytes within ``dense_limit_bytes`` (``None``: the budget's)."""
+    limit = budget_dense_limit() if dense_limit_bytes is None else dense_limit_bytes
+    return (2 if matern else 1) * n * n * itemsize <= limit
 
 
 def _nu(base: gpytorch.kernels.Kernel) -> float | None:
@@ -135,7 +142,7 @@ class StationaryKernelOperator(LinearOperator):
         length-scale, or ``None`` if too big. The buffers are reused across length-scales (no fresh n^2
         allocation per training step)."""
         n = self.X.shape[0]
-        if (1 if self.nu is None else 2) * n * n * self.X.element_size() > self.dense_limit_bytes:
+        if not caches_dense(n, self.X.element_size(), self.nu is not None, self.dense_limit_bytes):
             return None
         X = self.X  # the inputs (by identity and version) are part of the key, not only the length-scale
         key = (X._version, tuple(self.lengthscale.detach().reshape(-1).tolist()))
