@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-__all__ = ["memory_budget", "block_elems", "dense_limit_bytes", "DEFAULT_BLOCK_BYTES", "DEFAULT_DENSE_BYTES"]
+__all__ = ["memory_budget", "block_elems", "block_rows", "block_bytes", "dense_limit_bytes", "DEFAULT_BLOCK_BYTES", "DEFAULT_DENSE_BYTES"]
 
 DEFAULT_BLOCK_BYTES = 32 << 20
 DEFAULT_DENSE_BYTES = 4 << 30
@@ -56,6 +56,17 @@ def memory_budget(block_bytes: int | None = None, dense_bytes: int | None = None
 def block_elems(parts: int = 1) -> int:
     """Entries of one temporary block, divided among ``parts`` simultaneous buffers (at least 1)."""
     return max(1, _state["block_bytes"] // (_ENTRY_BYTES * parts))
+
+
+def block_rows(width: int, cap: int | None = None, parts: int = 1) -> int:
+    """Rows of ``width`` entries that fit in one block (:func:`block_elems`), at least 1 and at most ``cap``."""
+    rows = max(1, block_elems(parts) // max(1, width))
+    return rows if cap is None else max(1, min(cap, rows))
+
+
+def block_bytes() -> int:
+    """Size of one temporary block in bytes."""
+    return _state["block_bytes"]
 
 
 def dense_limit_bytes() -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpnys.budget import block_elems
+from gpnys.budget import block_rows
 
 __all__ = ["FPSResult", "KMeansResult", "fps", "uniform", "kmeans", "fill_distance", "select", "METHODS"]
 
@@ -52,7 +52,7 @@ def _sqdist_to_point(X: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tens
 
 
 def _row_block(n: int, m: int) -> int:
-    return max(1, min(n, block_elems() // max(1, m)))
+    return block_rows(m, cap=n)
 
 
 @dataclass

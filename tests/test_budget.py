@@ -21,6 +21,9 @@ def test_scoped_and_restored():
     before = (budget.block_elems(), budget.dense_limit_bytes())
     with memory_budget(block_bytes=8 * 1000, dense_bytes=0):
         assert budget.block_elems() == 1000 and budget.block_elems(4) == 250 and budget.dense_limit_bytes() == 0
+        assert budget.block_bytes() == 8000
+        assert budget.block_rows(30) == 33 and budget.block_rows(30, cap=10) == 10 and budget.block_rows(5000) == 1
+        assert budget.block_rows(30, parts=2) == 16
         with memory_budget(dense_bytes=123):  # None keeps the other value
             assert budget.block_elems() == 1000 and budget.dense_limit_bytes() == 123
         assert budget.dense_limit_bytes() == 0

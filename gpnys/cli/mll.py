@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     records, ref = [], None
     n = ds.train_x.shape[0]
     storage = {"kernel_storage": "dense" if caches_dense(n, ds.train_x.element_size(), args.kernel != "rbf")
-               else "on-the-fly", "block_bytes": budget.block_elems() * 8, "dense_bytes": budget.dense_limit_bytes()}
+               else "on-the-fly", "block_bytes": budget.block_bytes(), "dense_bytes": budget.dense_limit_bytes()}
     for method in args.method:
         if method == "higp":
             if importlib.util.find_spec("higp") is None:

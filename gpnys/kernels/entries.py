@@ -10,9 +10,10 @@ from __future__ import annotations
 import gpytorch
 import torch
 
-from gpnys.budget import block_elems
+from gpnys.budget import block_rows
 
 __all__ = ["KernelEntries", "split_outputscale"]
+
 
 def split_outputscale(kernel: gpytorch.kernels.Kernel) -> tuple[gpytorch.kernels.Kernel, float]:
     """Return ``(base_kernel, outputscale)``: ``(kernel, 1.0)`` when ``kernel`` is not a ``ScaleKernel``."""
@@ -54,7 +55,7 @@ class KernelEntries:
     def matmul(self, V: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """``K @ V`` for ``V: (n, t)``, computed in row blocks so memory is ``O(block * n)``. ``(n, t)``"""
         n = self.n
-        block = block or max(1, min(n, block_elems() // max(n, 1)))
+        block = block or block_rows(n, cap=n)
         if block >= n:
             return self(slice(None), slice(None)) @ V
         return torch.cat([self(slice(i, i + block), slice(None)) @ V for i in range(0, n, block)])

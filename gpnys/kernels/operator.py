@@ -33,7 +33,7 @@ import gpytorch
 import torch
 from linear_operator.operators import LinearOperator
 
-from gpnys.budget import block_elems, dense_limit_bytes as budget_dense_limit
+from gpnys.budget import block_rows, dense_limit_bytes as budget_dense_limit
 
 __all__ = ["StationaryKernelOperator", "supported", "caches_dense"]
 
@@ -115,7 +115,7 @@ class StationaryKernelOperator(LinearOperator):
 
     # -- values -------------------------------------------------------------------------------------------
     def _block_rows(self) -> int:
-        return max(1, block_elems() // max(1, self.X.shape[0]))
+        return block_rows(self.X.shape[0])
 
     def _scaled(self) -> torch.Tensor:
         """``z = (x - mean) / l`` (``(n, d)``); centring keeps ``(z_i - z_j)^2`` accurate in float32."""

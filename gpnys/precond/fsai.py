@@ -17,7 +17,7 @@ from typing import Any, Callable
 import gpytorch
 import torch
 
-from gpnys.budget import block_elems
+from gpnys.budget import block_rows
 from gpnys.kernels.entries import KernelEntries
 from gpnys.precond.base import (
     NumericalWarning,
@@ -71,7 +71,7 @@ def fsai_factor(
     """
     n, w = idx.shape
     dev = idx.device
-    batch = int(batch) if batch else max(1, block_elems() // (w * w))
+    batch = int(batch) if batch else block_rows(w * w)
     vals: list[torch.Tensor] = []
     for a in range(0, n, batch):
         I, M = idx[a : a + batch], valid[a : a + batch]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gpnys.budget import block_elems
+from gpnys.budget import block_rows
 
 __all__ = ["causal_knn"]
 
@@ -49,7 +49,7 @@ def causal_knn(X: torch.Tensor, w: int, block: int | None = None) -> tuple[torch
     m = w - 1  # neighbours wanted per row
     if m == 0 or n <= 1:
         return idx, valid
-    block = int(block) if block else max(1, min(n, block_elems() // n))
+    block = int(block) if block else block_rows(n, cap=n)
     for i0 in range(1, n, block):  # row 0 has no candidates
         i1 = min(n, i0 + block)
         rows = rows_all[i0:i1]

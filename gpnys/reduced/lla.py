@@ -18,7 +18,7 @@ import warnings
 import gpytorch
 import torch
 
-from gpnys.budget import block_elems
+from gpnys.budget import block_rows
 from gpnys.precond.base import NumericalWarning
 from gpnys.reduced.features import FeatureGP, Solver
 
@@ -29,7 +29,7 @@ VARIANCES = ("dtc", "sor")
 
 def kernel_block(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """Dense ``k(A, B)`` (``(a, b)``) without autograd, evaluated in row blocks of ``A``."""
-    rows = max(1, block_elems() // max(1, B.shape[0]))
+    rows = block_rows(B.shape[0])
     with torch.no_grad():
         return torch.cat([kernel(A[i : i + rows], B).to_dense() for i in range(0, A.shape[0], rows)])
 

@@ -32,7 +32,7 @@ from typing import Callable, Union
 import gpytorch
 import torch
 
-from gpnys.budget import block_elems, dense_limit_bytes as dense_limit_bytes_budget
+from gpnys.budget import block_rows, dense_limit_bytes as dense_limit_bytes_budget
 from gpnys.kernels.entries import KernelEntries
 from gpnys.precond.base import (
     NumericalWarning,
@@ -239,7 +239,7 @@ class KernelSystem:
         if self.dense:
             n = self.n
             K = torch.empty(n, n, dtype=X.dtype, device=X.device)
-            block = max(1, min(n, block_elems() // max(n, 1)))
+            block = block_rows(n, cap=n)
             for i in range(0, n, block):
                 K[i : i + block] = self.entries(slice(i, i + block), slice(None))
             self._K = K
