@@ -60,24 +60,27 @@ def supported(base: gpytorch.kernels.Kernel) -> bool:
 
 def _k_and_h(r: torch.Tensor, nu: float | None, k: torch.Tensor, h: torch.Tensor | None) -> None:
     """Write ``k(r)`` and ``k'(r) / r`` of the unit-variance kernel into ``k`` and ``h`` (``r`` is overwritten);
-    in place, because on CPU these elementwise passes over ``n x n`` are memory-bound. RBF has ``h = -k``, so
-    its ``h`` is neither computed nor stored (``None``)."""
+    in place and without temporaries, because on CPU these elementwise passes over ``n x n`` are memory-bound
+    and a fresh ``(b, n)`` allocation per block costs more than the arithmetic (page faults: a per-block
+    ``r.neg()`` was half of a matmul's time). RBF has ``h = -k``, so its ``h`` is neither computed nor stored
+    (``None``)."""
     if nu is None:
         torch.exp(r.square_().mul_(-0.5), out=k)
     elif nu == 0.5:
-        torch.exp(r.neg(), out=k)
-        torch.div(k, r.clamp_(min=torch.finfo(r.dtype).tiny), out=h).neg_()
-        h.masked_fill_(r <= torch.finfo(r.dtype).tiny, 0.0)
+        torch.exp(r.neg_(), out=k)
+        tiny = torch.finfo(r.dtype).tiny
+        torch.div(k, r.clamp_(max=-tiny), out=h)  # -exp(-r) / r, with r = -r here
+        h.masked_fill_(r >= -tiny, 0.0)
     elif nu == 1.5:
-        r.mul_(math.sqrt(3.0))
-        torch.exp(r.neg(), out=h)  # e = exp(-a), a = sqrt(3) r
-        torch.addcmul(h, r, h, out=k)  # (1 + a) e
+        r.mul_(-math.sqrt(3.0))  # r = -a, a = sqrt(3) r
+        torch.exp(r, out=h)  # e = exp(-a)
+        torch.addcmul(h, r, h, value=-1.0, out=k)  # (1 + a) e
         h.mul_(-3.0)
     else:
-        r.mul_(math.sqrt(5.0))
-        e = torch.exp(r.neg())
-        torch.addcmul(e, r, e, out=h)  # (1 + a) e
-        torch.addcmul(h, r.square_(), e, value=1.0 / 3.0, out=k)  # (1 + a + a^2/3) e
+        r.mul_(math.sqrt(5.0))  # a
+        torch.exp(torch.neg(r, out=k), out=k)  # e (k is scratch)
+        torch.addcmul(k, r, k, out=h)  # (1 + a) e
+        torch.addcmul(h, r.square_(), k, value=1.0 / 3.0, out=k)  # (1 + a + a^2/3) e
         h.mul_(-5.0 / 3.0)
 
 
@@ -121,21 +124,29 @@ class StationaryKernelOperator(LinearOperator):
         """``z = (x - mean) / l`` (``(n, d)``); centring keeps ``(z_i - z_j)^2`` accurate in float32."""
         Z = (self.X - self.X.mean(0)) / self.lengthscale.detach().reshape(-1)
         self._zmax = float(Z.abs().max()) if Z.numel() else 0.0
+        self._sq = Z.square().sum(1)
         return Z
 
-    def _rows(self, Z: torch.Tensor, a: int, b: int, out: tuple[torch.Tensor, torch.Tensor | None] | None = None):
-        """``(k, h)`` on rows ``a:b``: two ``(b - a, n)`` blocks (written into ``out`` when given; ``h`` is
-        ``None`` for RBF, where it is ``-k``)."""
+    def _rows(self, Z: torch.Tensor, a: int, b: int, out: tuple[torch.Tensor, torch.Tensor | None],
+              scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write ``(k, h)`` on rows ``a:b`` into ``out``, two ``(b - a, n)`` blocks (``h`` is ``None`` for RBF,
+        where it is ``-k``); ``scratch`` (``(>= b - a, n)``) holds the distances. Reusing the caller's buffers
+        keeps a pass over ``n`` rows free of ``(b, n)`` allocations (glibc returns and re-faults them: slower,
+        and peak RSS grows by the retained blocks)."""
         with torch.no_grad():
-            R = torch.cdist(Z[a:b], Z)
-            R.diagonal(offset=a).zero_()  # the matmul form of cdist leaves ~sqrt(eps) |z| on the diagonal
+            sq = self._sq
+            R = torch.addmm(sq[None, :], Z[a:b], Z.mT, alpha=-2.0, out=scratch[: b - a])
+            R.add_(sq[a:b, None]).clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
+            R.diagonal(offset=a).zero_()  # ... leaves ~sqrt(eps) |z| on the diagonal
             if self.nu == 0.5:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
                 R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * self._zmax, 0.0)
-            if out is None:
-                out = (torch.empty_like(R), None if self.nu is None else torch.empty_like(R))
-            Kb, Hb = out
-            _k_and_h(R, self.nu, Kb, Hb)
-            return Kb, Hb
+            _k_and_h(R, self.nu, *out)
+            return out
+
+    def _workspace(self, rows: int, blocks: int) -> list[torch.Tensor]:
+        """``blocks`` scratch buffers of ``(rows, n)`` for one pass over the kernel."""
+        n = self.X.shape[0]
+        return [self.X.new_empty(rows, n) for _ in range(blocks)]
 
     def _dense(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Cached dense ``(K, H)`` (unit kernel and ``k'/r``; ``H`` is ``None`` for RBF) for the current
@@ -156,8 +167,9 @@ class StationaryKernelOperator(LinearOperator):
             elif H is None:
                 H = torch.empty_like(K)
             Z, bs = self._scaled(), self._block_rows()
+            (scratch,) = self._workspace(min(bs, n), 1)
             for a in range(0, n, bs):
-                self._rows(Z, a, a + bs, out=(K[a : a + bs], None if H is None else H[a : a + bs]))
+                self._rows(Z, a, min(a + bs, n), (K[a : a + bs], None if H is None else H[a : a + bs]), scratch)
             self.cache.update(X=X, key=key, K=K, H=H)
         return self.cache["K"], self.cache["H"]
 
@@ -166,12 +178,15 @@ class StationaryKernelOperator(LinearOperator):
         for RBF)."""
         dense = self._dense()
         n, bs = self.X.shape[0], self._block_rows()
-        Z = None if dense is not None else self._scaled()
+        if dense is None:
+            Z = self._scaled()
+            scratch, Kw, *Hw = self._workspace(min(bs, n), 2 if self.nu is None else 3)
         for a in range(0, n, bs):
             if dense is not None:
                 yield a, dense[0][a : a + bs], None if dense[1] is None else dense[1][a : a + bs]
-            else:
-                yield (a, *self._rows(Z, a, a + bs))
+            else:  # the yielded blocks are views of the workspace, valid until the next step
+                m = min(bs, n - a)
+                yield (a, *self._rows(Z, a, a + m, (Kw[:m], Hw[0][:m] if Hw else None), scratch))
 
     def _unit_matmul(self, rhs: torch.Tensor) -> torch.Tensor:
         dense = self._dense()
@@ -218,13 +233,9 @@ class StationaryKernelOperator(LinearOperator):
         for a, Kb, Hb in self._blocks():
             b = Kb.shape[0]
             W = weight_rows(a, a + b)  # (b, n)
-            if Hb is None:  # RBF: A = W o H = -(W o K)
-                WK = W.mul_(Kb)
-                d_s2 = d_s2 + WK.sum(dtype=acc)
-                A = WK.neg_().to(acc)
-            else:
-                d_s2 = d_s2 + (W * Kb).sum(dtype=acc)
-                A = W.mul_(Hb).to(acc)
+            d_s2 = d_s2 + (W[:, None, :] @ Kb[:, :, None]).sum(dtype=acc)  # row dots: no (b, n) temporary
+            A = W.mul_(Kb).neg_() if Hb is None else W.mul_(Hb)  # RBF: A = W o H = -(W o K)
+            A = A.to(acc)
             diag_w[a : a + b] += A.sum(1)
             diag_w += A.sum(0)
             cross += (Za[a : a + b] * (A @ Za)).sum(0)
