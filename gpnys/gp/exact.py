@@ -120,7 +120,7 @@ def cholesky_loss(model: gpytorch.models.ExactGP, cache: dict[str, Any] | None =
         del L
         W.sub_(alpha @ alpha.mT)  # K̂^{-1} - a a^T
         g_noise = 0.5 * W.diagonal().sum() / n
-        g_s2, g_ls = op.weighted_derivative(lambda a, b: W[a:b])  # overwrites W
+        g_s2, g_ls = op.weighted_derivative(lambda rows, cols: W[rows][:, cols])  # overwrites W
         g_s2, g_ls = 0.5 * g_s2 / n, 0.5 * g_ls / n
         del W
     # value + <theta - stop_grad(theta), gradient>: the value of the loss, the gradient of the closed form

@@ -19,7 +19,12 @@ Closed form. For a stationary kernel ``k(r)`` with ``r^2 = sum_d (x_d - x'_d)^2 
                                      = -(s^2 / l_d) [z_d^T diag(A 1) z_d + z_d^T diag(A^T 1) z_d - 2 z_d^T A z_d],
     d/d s^2                          = sum_ij W_ij k(r_ij) = sum_t u_t^T K v_t,
 
-each a pass over row blocks of ``A`` (``O(n^2 (t + d))`` flops, ``O(b n)`` memory). Written by hand because
+each a pass over row blocks of ``A`` (``O(n^2 (t + d))`` flops, ``O(b n)`` memory).
+
+Cutoff. Without the dense cache, blocks whose entries are all ``<= prune_tol`` (machine epsilon by default) are
+skipped: the points are sorted into k-d tree leaves and each leaf meets only the leaves within the cutoff radius
+(:mod:`gpnys.kernels.cutoff`). Products and derivatives then cost ``O(n m (t + d))`` with ``m`` the neighbours
+per leaf, instead of ``O(n^2 (t + d))``. Written by hand because
 neither GPyTorch nor linear_operator offers a kernel operator whose derivative avoids the autograd graph on CPU
 (GPyTorch's KeOps kernels do so on GPUs only, through KeOps).
 """
@@ -33,7 +38,8 @@ import gpytorch
 import torch
 from linear_operator.operators import LinearOperator
 
-from gpnys.budget import block_rows, dense_limit_bytes as budget_dense_limit
+from gpnys.budget import block_elems, block_rows, dense_limit_bytes as budget_dense_limit
+from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
 
 __all__ = ["StationaryKernelOperator", "supported", "caches_dense"]
 
@@ -93,11 +99,20 @@ class StationaryKernelOperator(LinearOperator):
         lengthscale: ``(1, 1)`` or ``(1, d)`` tensor, ``base.lengthscale`` (carries autograd).
         base: the unit-variance GPyTorch kernel whose current hyperparameters equal ``lengthscale``.
         cache: a dict shared across reconstructions (GPyTorch rebuilds operators from their representation) that
-            holds the dense unit kernel for the current length-scale.
+            holds the dense unit kernel (or the cutoff plan) for the current length-scale.
         dense_limit_bytes: cache the dense K (and, for Matérn, H) only up to this many bytes together; above,
             matmuls recompute row blocks. ``None``: the memory budget's (:mod:`gpnys.budget`, 4 GiB by default:
             Matérn n ~ 16 000 in float64, RBF n ~ 23 000). Row blocks follow the budget's ``block_bytes``.
+        prune_tol: on the recomputed path, skip leaf pairs whose unit-kernel entries are all ``<= prune_tol``
+            (their distance exceeds :func:`~gpnys.kernels.cutoff.cutoff_radius`); ``None``: machine epsilon of
+            ``X``'s dtype (each skipped entry is below the rounding of the diagonal); ``0``: never skip. Used only
+            when it removes at least :attr:`MIN_SKIPPED` of the entries.
     """
+
+    #: points per leaf of the cutoff plan (rows of one on-the-fly tile)
+    LEAF = 64
+    #: the cutoff plan is used only when it skips at least this share of the n^2 entries
+    MIN_SKIPPED = 0.25
 
     def __init__(
         self,
@@ -108,12 +123,15 @@ class StationaryKernelOperator(LinearOperator):
         base: gpytorch.kernels.Kernel,
         cache: dict[str, Any],
         dense_limit_bytes: int | None = None,
+        prune_tol: float | None = None,
     ) -> None:
         limit = budget_dense_limit() if dense_limit_bytes is None else int(dense_limit_bytes)
-        super().__init__(X, outputscale, lengthscale, base=base, cache=cache, dense_limit_bytes=limit)
+        tol = torch.finfo(X.dtype).eps if prune_tol is None else float(prune_tol)
+        super().__init__(X, outputscale, lengthscale, base=base, cache=cache, dense_limit_bytes=limit, prune_tol=tol)
         self.X, self.outputscale, self.lengthscale = X, outputscale, lengthscale
         self.base, self.cache = base, cache
         self.dense_limit_bytes = limit
+        self.prune_tol = tol
         self.nu = _nu(base)
 
     # -- values -------------------------------------------------------------------------------------------
@@ -124,29 +142,28 @@ class StationaryKernelOperator(LinearOperator):
         """``z = (x - mean) / l`` (``(n, d)``); centring keeps ``(z_i - z_j)^2`` accurate in float32."""
         Z = (self.X - self.X.mean(0)) / self.lengthscale.detach().reshape(-1)
         self._zmax = float(Z.abs().max()) if Z.numel() else 0.0
-        self._sq = Z.square().sum(1)
         return Z
 
-    def _rows(self, Z: torch.Tensor, a: int, b: int, out: tuple[torch.Tensor, torch.Tensor | None],
-              scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write ``(k, h)`` on rows ``a:b`` into ``out``, two ``(b - a, n)`` blocks (``h`` is ``None`` for RBF,
-        where it is ``-k``); ``scratch`` (``(>= b - a, n)``) holds the distances. Reusing the caller's buffers
-        keeps a pass over ``n`` rows free of ``(b, n)`` allocations (glibc returns and re-faults them: slower,
-        and peak RSS grows by the retained blocks)."""
+    def _rows(self, Z: torch.Tensor, sq: torch.Tensor, rows: slice, cols: slice | torch.Tensor,
+              out: tuple[torch.Tensor, torch.Tensor | None], scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write ``(k, h)`` of the tile ``Z[rows]`` x ``Z[cols]`` (``sq = |z|^2`` per point) into ``out``, two
+        ``(|rows|, |cols|)`` blocks (``h`` is ``None`` for RBF, where it is ``-k``); ``scratch`` (same shape) holds
+        the distances. Reusing the caller's buffers keeps a pass free of ``(b, n)`` allocations (glibc keeps and
+        re-faults freed blocks: slower, and the peak RSS grows by the retained blocks)."""
         with torch.no_grad():
-            sq = self._sq
-            R = torch.addmm(sq[None, :], Z[a:b], Z.mT, alpha=-2.0, out=scratch[: b - a])
-            R.add_(sq[a:b, None]).clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
-            R.diagonal(offset=a).zero_()  # ... leaves ~sqrt(eps) |z| on the diagonal
+            full = isinstance(cols, slice)
+            R = torch.addmm(sq[cols][None, :], Z[rows], Z[cols].mT, alpha=-2.0, out=scratch)
+            R.add_(sq[rows, None]).clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
+            # ... leaves ~sqrt(eps) |z| on the diagonal
+            if full:
+                R.diagonal(offset=rows.start).zero_()
+            else:  # a leaf's own positions form one ascending run of `cols`
+                q0, q1 = (int(q) for q in torch.searchsorted(cols, cols.new_tensor([rows.start, rows.stop])))
+                R[cols[q0:q1] - rows.start, torch.arange(q0, q1, device=R.device)] = 0.0
             if self.nu == 0.5:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
                 R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * self._zmax, 0.0)
             _k_and_h(R, self.nu, *out)
             return out
-
-    def _workspace(self, rows: int, blocks: int) -> list[torch.Tensor]:
-        """``blocks`` scratch buffers of ``(rows, n)`` for one pass over the kernel."""
-        n = self.X.shape[0]
-        return [self.X.new_empty(rows, n) for _ in range(blocks)]
 
     def _dense(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Cached dense ``(K, H)`` (unit kernel and ``k'/r``; ``H`` is ``None`` for RBF) for the current
@@ -155,9 +172,8 @@ class StationaryKernelOperator(LinearOperator):
         n = self.X.shape[0]
         if not caches_dense(n, self.X.element_size(), self.nu is not None, self.dense_limit_bytes):
             return None
-        X = self.X  # the inputs (by identity and version) are part of the key, not only the length-scale
-        key = (X._version, tuple(self.lengthscale.detach().reshape(-1).tolist()))
-        if self.cache.get("X") is not X or self.cache.get("key") != key:
+        key = self._key()
+        if self.cache.get("X") is not self.X or self.cache.get("key") != key:
             K, H = self.cache.get("K"), self.cache.get("H")
             if K is None or K.shape != (n, n) or K.dtype != self.X.dtype or K.device != self.X.device:
                 K = torch.empty(n, n, dtype=self.X.dtype, device=self.X.device)
@@ -167,32 +183,80 @@ class StationaryKernelOperator(LinearOperator):
             elif H is None:
                 H = torch.empty_like(K)
             Z, bs = self._scaled(), self._block_rows()
-            (scratch,) = self._workspace(min(bs, n), 1)
+            sq = Z.square().sum(1)
+            scratch = Z.new_empty(min(bs, n) * n)
             for a in range(0, n, bs):
-                self._rows(Z, a, min(a + bs, n), (K[a : a + bs], None if H is None else H[a : a + bs]), scratch)
-            self.cache.update(X=X, key=key, K=K, H=H)
+                rows = slice(a, min(a + bs, n))
+                m = rows.stop - a
+                self._rows(Z, sq, rows, slice(None), (K[rows], None if H is None else H[rows]), scratch[: m * n].view(m, n))
+            self.cache.update(X=self.X, key=key, K=K, H=H)
         return self.cache["K"], self.cache["H"]
 
-    def _blocks(self):
-        """Yield ``(a, K_rows, H_rows)`` over row blocks, from the cache or recomputed (``H_rows`` is ``None``
-        for RBF)."""
-        dense = self._dense()
-        n, bs = self.X.shape[0], self._block_rows()
-        if dense is None:
+    def _key(self) -> tuple:
+        """The inputs (by version; identity is checked separately) and the length-scale key the caches."""
+        return (self.X._version, tuple(self.lengthscale.detach().reshape(-1).tolist()))
+
+    def plan(self) -> LeafPlan | None:
+        """The cutoff plan for the current length-scale (cached), or ``None`` when it would skip less than
+        :attr:`MIN_SKIPPED` of the entries (or ``prune_tol`` is 0)."""
+        radius = cutoff_radius(self.nu, self.prune_tol)
+        key = (*self._key(), radius)
+        if self.cache.get("plan_X") is not self.X or self.cache.get("plan_key") != key:
             Z = self._scaled()
-            scratch, Kw, *Hw = self._workspace(min(bs, n), 2 if self.nu is None else 3)
-        for a in range(0, n, bs):
-            if dense is not None:
-                yield a, dense[0][a : a + bs], None if dense[1] is None else dense[1][a : a + bs]
-            else:  # the yielded blocks are views of the workspace, valid until the next step
-                m = min(bs, n - a)
-                yield (a, *self._rows(Z, a, a + m, (Kw[:m], Hw[0][:m] if Hw else None), scratch))
+            plan = None
+            if math.isfinite(radius) and Z.shape[0] > self.LEAF and float((Z.amax(0) - Z.amin(0)).norm()) > radius:
+                plan = leaf_plan(Z, spatial_order(Z, self.LEAF), self.LEAF, radius)
+                plan = plan if plan.fraction <= 1.0 - self.MIN_SKIPPED else None
+            self.cache.update(plan_X=self.X, plan_key=key, plan=plan)
+        return self.cache["plan"]
+
+    def _pass(self):
+        """One pass over the kernel: ``(perm, Z, tiles)`` where ``perm`` (``None``: identity) is the working
+        order, ``Z`` the scaled points in that order and ``tiles`` yields ``(rows, cols, K_tile, H_tile)`` with
+        ``rows`` a slice and ``cols`` a slice or an ascending index tensor of working-order positions. Recomputed
+        tiles are views of one workspace, valid until the next step."""
+        n = self.X.shape[0]
+        dense = self._dense()
+        Z = self._scaled()
+        if dense is not None:
+            bs = self._block_rows()
+            K, H = dense
+            tiles = ((slice(a, a + bs), slice(None), K[a : a + bs], None if H is None else H[a : a + bs])
+                     for a in range(0, n, bs))
+            return None, Z, tiles
+        plan = self.plan()
+        if plan is None:
+            bs = min(self._block_rows(), n)
+            shapes = [(slice(a, min(a + bs, n)), slice(None)) for a in range(0, n, bs)]
+            perm, size = None, bs * n
+        else:
+            perm, Z = plan.perm, Z[plan.perm]
+            width = max(1, block_elems() // plan.leaf)  # a leaf's columns in chunks of at most one block
+            shapes = ((plan.rows(i), c) for i in range(plan.num_leaves) for c in plan.cols(i).split(width))
+            size = plan.leaf * min(width, n)
+        sq = Z.square().sum(1)
+        buffers = [Z.new_empty(size) for _ in range(2 if self.nu is None else 3)]
+
+        def tiles():
+            for rows, cols in shapes:
+                m, w = rows.stop - rows.start, (n if isinstance(cols, slice) else cols.shape[0])
+                scratch, Kt, *Ht = (b[: m * w].view(m, w) for b in buffers)
+                yield (rows, cols, *self._rows(Z, sq, rows, cols, (Kt, Ht[0] if Ht else None), scratch))
+
+        return perm, Z, tiles()
 
     def _unit_matmul(self, rhs: torch.Tensor) -> torch.Tensor:
         dense = self._dense()
         if dense is not None:
             return dense[0] @ rhs
-        return torch.cat([Kb @ rhs for _, Kb, _ in self._blocks()])
+        perm, _, tiles = self._pass()
+        R = rhs if perm is None else rhs[perm]
+        out = torch.zeros_like(R)
+        for rows, cols, Kt, _ in tiles:
+            out[rows].addmm_(Kt, R[cols])
+        if perm is not None:
+            out = out.index_copy(0, perm, out)  # back to the input order: result[perm] = out
+        return out
 
     def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
         return self.outputscale.detach() * self._unit_matmul(rhs)
@@ -213,32 +277,42 @@ class StationaryKernelOperator(LinearOperator):
         U, V = left_vecs.detach(), right_vecs.detach()
         if U.dim() == 1:
             U, V = U[:, None], V[:, None]
-        return (None, *self.weighted_derivative(lambda a, b: U[a:b] @ V.mT))
+        perm, Z, tiles = self._pass()
+        if perm is not None:
+            U, V = U[perm], V[perm]
+        return (None, *self._derivative(Z, tiles, lambda rows, cols: U[rows] @ V[cols].mT))
 
-    def weighted_derivative(self, weight_rows: Callable[[int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def weighted_derivative(self, weight: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``d/d(outputscale, lengthscale) sum_ij W_ij (s^2 K)_ij`` for a weight matrix ``W`` (``(n, n)``) given
-        by row blocks: ``weight_rows(a, b)`` returns rows ``a:b`` of ``W`` (``(b - a, n)``), which this method
-        overwrites. Returns tensors shaped like ``outputscale`` and ``lengthscale``."""
+        by tiles: ``weight(rows, cols)`` returns ``W[rows][:, cols]`` (``rows``, ``cols``: slices or index
+        tensors), which this method overwrites. Returns tensors shaped like ``outputscale`` and ``lengthscale``."""
+        perm, Z, tiles = self._pass()
+        if perm is None:
+            return self._derivative(Z, tiles, weight)
+        return self._derivative(Z, tiles, lambda rows, cols: weight(perm[rows], perm[cols]))
+
+    def _derivative(self, Z: torch.Tensor, tiles, weight: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The closed form over the tiles of one pass (``Z`` and the indices in the pass's working order)."""
         s2 = self.outputscale.detach()
         ls = self.lengthscale.detach().reshape(-1)
-        Z = self._scaled()
         # The expanded form below subtracts two sums of size ~|z|^2 whose difference is ~|z_i - z_j|^2: it is
         # accumulated in (at least) float64, or float32 loses digits once |z| >> the weighted pairs' distances.
         acc = torch.promote_types(Z.dtype, torch.float64)
         Za = Z.to(acc)
-        n = Z.shape[0]
         d_s2 = Za.new_zeros(())
         cross = Za.new_zeros(Z.shape[1])
-        diag_w = Za.new_zeros(n)  # (A 1)_i + (A^T 1)_i
-        for a, Kb, Hb in self._blocks():
-            b = Kb.shape[0]
-            W = weight_rows(a, a + b)  # (b, n)
-            d_s2 = d_s2 + (W[:, None, :] @ Kb[:, :, None]).sum(dtype=acc)  # row dots: no (b, n) temporary
-            A = W.mul_(Kb).neg_() if Hb is None else W.mul_(Hb)  # RBF: A = W o H = -(W o K)
+        diag_w = Za.new_zeros(Z.shape[0])  # (A 1)_i + (A^T 1)_i
+        for rows, cols, Kt, Ht in tiles:
+            W = weight(rows, cols)  # (|rows|, |cols|)
+            d_s2 = d_s2 + (W[:, None, :] @ Kt[:, :, None]).sum(dtype=acc)  # row dots: no (b, n) temporary
+            A = W.mul_(Kt).neg_() if Ht is None else W.mul_(Ht)  # RBF: A = W o H = -(W o K)
             A = A.to(acc)
-            diag_w[a : a + b] += A.sum(1)
-            diag_w += A.sum(0)
-            cross += (Za[a : a + b] * (A @ Za)).sum(0)
+            diag_w[rows] += A.sum(1)
+            if isinstance(cols, slice):
+                diag_w[cols] += A.sum(0)
+            else:
+                diag_w.index_add_(0, cols, A.sum(0))
+            cross += (Za[rows] * (A @ Za[cols])).sum(0)
         per_dim = (diag_w[:, None] * Za.square()).sum(0) - 2.0 * cross  # sum_ij A_ij (z_id - z_jd)^2
         d_s2 = d_s2.to(Z.dtype)
         d_ls = (-s2 * per_dim.to(Z.dtype) / ls)
