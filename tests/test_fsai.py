@@ -11,6 +11,7 @@ from gpnys.landmarks import fps
 from gpnys.precond.base import NumericalWarning
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner, SparseTriangular, fsai_factor
+from gpnys.precond import knn
 from gpnys.precond.knn import causal_knn
 
 F64 = torch.float64
@@ -54,6 +55,32 @@ def test_causal_knn_random_float32_and_is_causal(dtype):
     rows = torch.arange(120)[:, None]
     assert bool((idx[:, -1] == rows[:, 0]).all())
     assert bool((idx[:, :-1][valid[:, :-1]] < rows.expand(-1, 8)[valid[:, :-1]]).all())
+
+
+@pytest.mark.parametrize("n,w,d", [(9000, 30, 3), (4200, 5, 2), (300, 50, 3), (10, 30, 3)])
+def test_causal_knn_tree_path_matches_brute_force(n, w, d, dtype, monkeypatch):
+    """The k-d tree path (prefix trees + in-chunk brute force) gives the brute-force pattern on continuous data,
+    across chunk boundaries (small chunks here) and for rows with fewer than w - 1 predecessors."""
+    monkeypatch.setattr(knn, "TREE_CHUNK", 1000)
+    X = points(n, d, dtype=dtype, seed=n)
+    idx, valid = causal_knn(X, w, tree=True)
+    # the tree measures distances in float64, so the float64 brute force is the reference for both dtypes
+    ref_idx, ref_valid = causal_knn(X.double(), w, tree=False)
+    assert torch.equal(valid, ref_valid)
+    assert torch.equal(idx, ref_idx)
+    again = causal_knn(X, w, tree=True)
+    assert torch.equal(again[0], idx)
+
+
+def test_causal_knn_chooses_the_tree_path_by_size(monkeypatch):
+    calls = []
+    monkeypatch.setattr(knn, "_tree_knn", lambda *a: calls.append(a))
+    monkeypatch.setattr(knn, "TREE_MIN_N", 50)
+    causal_knn(points(60, 3, dtype=F64, seed=0), 4)
+    assert len(calls) == 1
+    causal_knn(points(40, 3, dtype=F64, seed=0), 4)  # below TREE_MIN_N
+    causal_knn(points(60, 12, dtype=F64, seed=0), 4)  # above TREE_MAX_D
+    assert len(calls) == 1
 
 
 # --------------------------------------------------------------------------------------------- PointCache

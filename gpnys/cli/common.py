@@ -69,6 +69,9 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
                    help="probe distribution (covariance P either way)")
     p.add_argument("--control-variate", choices=("auto", "diag", "full", "none"), default=EstimatorSettings.control_variate,
                    help="log-det gradient control variate for AFN ('none' also disables it for Nyström)")
+    p.add_argument("--prune-tol", type=float, default=None,
+                   help="skip kernel blocks whose entries are all below this (times the outputscale) when the kernel "
+                        "is recomputed on the fly (default: machine epsilon; 0: compute every entry)")
 
 
 def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, dict[str, int]]:
@@ -76,10 +79,12 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
     for name in ("cg_tol", "probes", "lanczos_steps"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.prune_tol is not None and not args.prune_tol >= 0:
+        raise ValueError(f"--prune-tol must be >= 0, got {args.prune_tol}")
     cv = args.control_variate
     settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes, lanczos_steps=args.lanczos_steps,
                                  probes=args.probe_dist, variance_reduction=cv != "none",
-                                 control_variate="auto" if cv == "none" else cv)
+                                 control_variate="auto" if cv == "none" else cv, kernel_prune_tol=args.prune_tol)
     return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
 
 

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             kw = {} if method in ("exact", "gpytorch") else {"settings": settings, **opts}
             rec = evaluate(ds.train_x, ds.train_y, method, seed=args.seed + r, **common, **kw)
             rec["seed"] = args.seed + r
+            rec["n"] = n
             if method not in ("exact", "gpytorch"):  # gpnys's training kernel operator (memory budget)
                 rec.update(storage)
             if method == "exact":

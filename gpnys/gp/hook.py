@@ -80,6 +80,9 @@ class EstimatorSettings:
             values, closed-form derivative, no ``n x n`` autograd temporaries.
         dense_limit_bytes: that operator caches the dense kernel up to this size, else recomputes row blocks;
             ``None``: the memory budget's (:func:`gpnys.budget.memory_budget`, 4 GiB by default).
+        kernel_prune_tol: on the recomputed path the operator skips blocks of entries all ``<= kernel_prune_tol``
+            times the outputscale (:mod:`gpnys.kernels.cutoff`); ``None``: machine epsilon of the data's dtype,
+            ``0``: compute every entry.
         probe_seed: when set, every MLL evaluation draws its probes from this seed (common random numbers), so
             the estimate is a deterministic function of the hyperparameters — what a quasi-Newton optimiser such as
             BoTorch's L-BFGS-B needs; the global RNG is left untouched. ``None``: fresh probes per call (for Adam).
@@ -100,6 +103,7 @@ class EstimatorSettings:
     control_variate: str = "auto"
     kernel_operator: bool = True
     dense_limit_bytes: int | None = None
+    kernel_prune_tol: float | None = None
     variance_method: str = "auto"
     variance_tolerance: float = 1e-3
     variance_block: int = 1024
@@ -270,6 +274,15 @@ class PreconditionerHook:
         self.variance_iterations = 0
         self.variance_method_used: str | None = None
 
+    @property
+    def kernel_fraction(self) -> float | None:
+        """Share of the ``n^2`` kernel entries the training kernel operator computes per product: ``1.0`` without
+        a cutoff plan, ``None`` before the operator's first on-the-fly product (or with a dense cache)."""
+        if "plan_key" not in self._kernel_cache:
+            return None
+        plan = self._kernel_cache["plan"]
+        return 1.0 if plan is None else plan.fraction
+
     def control_variate(self) -> torch.Tensor | None:
         """``C(θ) = log det P̂(θ) + (1/t) Σ_j z_jᵀ P̂(θ)⁻¹ z_j`` on the probes of the last SLQ call.
 
@@ -394,7 +407,8 @@ class PreconditionerHook:
         # a bare RBF/Matérn (BoTorch's default SingleTaskGP kernel) has the constant outputscale 1
         s2 = kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
         return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self._kernel_cache,
-                                        dense_limit_bytes=self.settings.dense_limit_bytes)
+                                        dense_limit_bytes=self.settings.dense_limit_bytes,
+                                        prune_tol=self.settings.kernel_prune_tol)
 
     def system(self, X: torch.Tensor, options: dict[str, Any] | None = None) -> tuple[Callable, Callable]:
         """``(A, M)`` for the current hyperparameters: ``A(V) = K̂ V`` with ``K̂ = s² K(X, X) + σ² I`` and

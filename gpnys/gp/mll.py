@@ -96,7 +96,8 @@ def evaluate(
     elapsed = time.perf_counter() - t0
     if method not in ("exact", "gpytorch"):
         rec = hook.history[-1]
-        extra = {"precond": rec.kind, "rank": rec.rank, "setup_s": rec.setup_s, "cg_iterations": hook.applications}
+        extra = {"precond": rec.kind, "rank": rec.rank, "setup_s": rec.setup_s, "cg_iterations": hook.applications,
+                 "kernel_fraction": hook.kernel_fraction}
 
     def g(p: torch.Tensor) -> float | list[float]:
         v = p.grad.detach().reshape(-1)

@@ -126,6 +126,8 @@ class StationaryKernelOperator(LinearOperator):
         prune_tol: float | None = None,
     ) -> None:
         limit = budget_dense_limit() if dense_limit_bytes is None else int(dense_limit_bytes)
+        if prune_tol is not None and not prune_tol >= 0:
+            raise ValueError(f"prune_tol must be >= 0 (or None), got {prune_tol}")
         tol = torch.finfo(X.dtype).eps if prune_tol is None else float(prune_tol)
         super().__init__(X, outputscale, lengthscale, base=base, cache=cache, dense_limit_bytes=limit, prune_tol=tol)
         self.X, self.outputscale, self.lengthscale = X, outputscale, lengthscale
@@ -152,8 +154,14 @@ class StationaryKernelOperator(LinearOperator):
         re-faults freed blocks: slower, and the peak RSS grows by the retained blocks)."""
         with torch.no_grad():
             full = isinstance(cols, slice)
-            R = torch.addmm(sq[cols][None, :], Z[rows], Z[cols].mT, alpha=-2.0, out=scratch)
-            R.add_(sq[rows, None]).clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
+            Zr, Zc = self._tile_coords(Z, rows, cols)
+            if full:
+                sr, sc, zmax = sq[rows], sq, self._zmax
+            else:
+                sr, sc = Zr.square().sum(1), Zc.square().sum(1)
+                zmax = float(sc.max().sqrt()) if self.nu == 0.5 else 0.0
+            R = torch.addmm(sc[None, :], Zr, Zc.mT, alpha=-2.0, out=scratch)
+            R.add_(sr[:, None]).clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
             # ... leaves ~sqrt(eps) |z| on the diagonal
             if full:
                 R.diagonal(offset=rows.start).zero_()
@@ -161,9 +169,20 @@ class StationaryKernelOperator(LinearOperator):
                 q0, q1 = (int(q) for q in torch.searchsorted(cols, cols.new_tensor([rows.start, rows.stop])))
                 R[cols[q0:q1] - rows.start, torch.arange(q0, q1, device=R.device)] = 0.0
             if self.nu == 0.5:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
-                R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * self._zmax, 0.0)
+                R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * zmax, 0.0)
             _k_and_h(R, self.nu, *out)
             return out
+
+    @staticmethod
+    def _tile_coords(Z: torch.Tensor, rows: slice, cols: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Z[rows], Z[cols])``; a cutoff tile (``cols`` an index tensor) is centred on its leaf, so that
+        ``|z| ~`` the cutoff radius rather than the data's extent: the expanded forms of the distance and of the
+        length-scale derivative then lose ``eps |z|^2`` relative to a small ``|z|``."""
+        if isinstance(cols, slice):
+            return Z[rows], Z[cols]
+        Zr = Z[rows]
+        c = Zr.mean(0)
+        return Zr - c, Z[cols] - c
 
     def _dense(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Cached dense ``(K, H)`` (unit kernel and ``k'/r``; ``H`` is ``None`` for RBF) for the current
@@ -298,22 +317,16 @@ class StationaryKernelOperator(LinearOperator):
         # The expanded form below subtracts two sums of size ~|z|^2 whose difference is ~|z_i - z_j|^2: it is
         # accumulated in (at least) float64, or float32 loses digits once |z| >> the weighted pairs' distances.
         acc = torch.promote_types(Z.dtype, torch.float64)
-        Za = Z.to(acc)
-        d_s2 = Za.new_zeros(())
-        cross = Za.new_zeros(Z.shape[1])
-        diag_w = Za.new_zeros(Z.shape[0])  # (A 1)_i + (A^T 1)_i
+        d_s2 = Z.new_zeros((), dtype=acc)
+        per_dim = Z.new_zeros(Z.shape[1], dtype=acc)  # sum_ij A_ij (z_id - z_jd)^2, tile by tile
         for rows, cols, Kt, Ht in tiles:
             W = weight(rows, cols)  # (|rows|, |cols|)
             d_s2 = d_s2 + (W[:, None, :] @ Kt[:, :, None]).sum(dtype=acc)  # row dots: no (b, n) temporary
             A = W.mul_(Kt).neg_() if Ht is None else W.mul_(Ht)  # RBF: A = W o H = -(W o K)
             A = A.to(acc)
-            diag_w[rows] += A.sum(1)
-            if isinstance(cols, slice):
-                diag_w[cols] += A.sum(0)
-            else:
-                diag_w.index_add_(0, cols, A.sum(0))
-            cross += (Za[rows] * (A @ Za[cols])).sum(0)
-        per_dim = (diag_w[:, None] * Za.square()).sum(0) - 2.0 * cross  # sum_ij A_ij (z_id - z_jd)^2
+            Zr, Zc = (t.to(acc) for t in self._tile_coords(Z, rows, cols))
+            per_dim += ((A.sum(1)[:, None] * Zr.square()).sum(0) + (A.sum(0)[:, None] * Zc.square()).sum(0)
+                        - 2.0 * (Zr * (A @ Zc)).sum(0))
         d_s2 = d_s2.to(Z.dtype)
         d_ls = (-s2 * per_dim.to(Z.dtype) / ls)
         if ls.numel() == 1:
