@@ -1,8 +1,9 @@
 """Issue 7: one -MLL/n value + gradient with ``auto`` at n = 50k, 100k, 200k: wall time and peak memory vs n.
 
 Each point runs ``gpnys mll ... --method auto --json`` in a fresh process (so the peak RSS, read with
-``os.wait4``, is that run's own), on synthetic 3-D points with unit density (``synthetic3d``: a cube of edge
-n^(1/3), the AFN paper's set) and on UCI kin40k (all 40 000 points, d = 8). ``--reference`` adds, per point, a run
+its own ``getrusage``), on synthetic 3-D points with unit density (``synthetic3d`` with ``--no-standardize``: a cube
+of edge n^(1/3), the AFN paper's set, so the length-scale is in units of the mean spacing) and on UCI kin40k
+(its 36 000 training points of split 0, d = 8, standardised). ``--reference`` adds, per point, a run
 with tighter settings (float64, CG tolerance 1e-3, 64 probes, 30 Lanczos steps) and reports the loss difference.
 Prints a table, writes JSON and a PNG (time and peak RSS vs n).
 
@@ -21,6 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from gpnys import datasets, memory_budget
+from gpnys.cli.common import DTYPES
+from gpnys.kernels import make_kernel
+from gpnys.kernels.operator import StationaryKernelOperator
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = ["--dtype", "float64", "--cg-tol", "1e-3", "--probes", "64", "--lanczos-steps", "30"]
 
@@ -38,6 +46,8 @@ def run_mll(data: str, n: int | None, args: argparse.Namespace, extra: list[str]
            "--seed", str(args.seed), "--json", *extra]
     if n is not None:
         cmd += ["--n", str(n)]
+    if data == "synthetic3d":  # keep the unit density of the AFN paper's set (length-scales in its units)
+        cmd.append("--no-standardize")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -48,6 +58,32 @@ def run_mll(data: str, n: int | None, args: argparse.Namespace, extra: list[str]
     peak = json.loads(proc.stderr.strip().splitlines()[-1])["peak_rss_kib"]
     rec.update(wall_s=wall, peak_rss_mib=peak / 1024, cmd="gpnys " + " ".join(cmd[3:]))
     return rec
+
+
+def pass_costs(data: str, n: int | None, dtype: str, args: argparse.Namespace, dense_bytes: int | None) -> dict:
+    """The cost model's two terms at this point, in this process: one kernel product with 17 right-hand sides (16
+    probes + y, what each CG iteration does) and one hyperparameter-derivative pass, plus the share of entries
+    computed (the cutoff plan's, 1.0 without one)."""
+    torch.set_num_threads(args.threads)
+    ds = datasets.load(data, n=n, seed=args.seed, standardize=data != "synthetic3d", dtype=DTYPES[dtype])
+    X = ds.train_x
+    kern = make_kernel(args.kernel).to(X.dtype)
+    kern.base_kernel.lengthscale = args.lengthscale
+    V = torch.randn(X.shape[0], 17, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(X.dtype)
+    with memory_budget(dense_bytes=dense_bytes), torch.no_grad():
+        op = StationaryKernelOperator(X, kern.outputscale.detach(), kern.base_kernel.lengthscale.detach(),
+                                      base=kern.base_kernel, cache={})
+        t0 = time.perf_counter()
+        plan = op.plan() if op._dense() is None else None
+        t1 = time.perf_counter()
+        op.matmul(V)
+        t2 = time.perf_counter()
+        op._bilinear_derivative(V, V)
+        t3 = time.perf_counter()
+    frac = 1.0 if plan is None else plan.fraction
+    n_pts = X.shape[0]
+    return {"plan_s": t1 - t0, "product_s": t2 - t1, "derivative_s": t3 - t2, "kernel_fraction": frac,
+            "entries_per_s_product": frac * n_pts * n_pts / (t2 - t1)}
 
 
 def storage(rec: dict) -> str:
@@ -82,11 +118,11 @@ def main(argv=None) -> dict:
     rows = []
     print(f"{args.kernel}, lengthscale {args.lengthscale}, noise {args.noise}, outputscale 1, {args.threads} threads")
     print(f"{'data':>12} {'n':>7} {'dtype':>7} {'wall s':>8} {'peak MiB':>9} {'precond':>8} {'rank':>5} {'CG it':>5} "
-          f"{'setup s':>7} {'storage':>10} {'loss':>11} {'|loss-ref|':>10}")
+          f"{'setup s':>7} {'storage':>10} {'product s':>9} {'deriv s':>7} {'loss':>11} {'|loss-ref|':>10}")
     for data, n in points:
         for dt in dtypes:
             rec = run_mll(data, n, args, ["--dtype", dt, *budget])
-            row = {"data": data, "dtype": dt, **rec}
+            row = {"data": data, "dtype": dt, **rec, "costs": pass_costs(data, n, dt, args, 0 if budget else None)}
             if args.reference:
                 ref = run_mll(data, n, args, [*REFERENCE, *budget])
                 row["reference"] = ref
@@ -97,7 +133,8 @@ def main(argv=None) -> dict:
             n_pts = rec["n"]
             print(f"{data:>12} {str(n_pts):>7} {dt:>7} {rec['wall_s']:8.1f} {rec['peak_rss_mib']:9.0f} "
                   f"{ex.get('precond', '?'):>8} {ex.get('rank', 0):>5} {ex.get('cg_iterations', 0):>5} "
-                  f"{ex.get('setup_s', 0.0):7.1f} {storage(rec):>10} {rec['loss']:11.6f} {diff}", flush=True)
+                  f"{ex.get('setup_s', 0.0):7.1f} {storage(rec):>10} {row['costs']['product_s']:9.2f} "
+                  f"{row['costs']['derivative_s']:7.2f} {rec['loss']:11.6f} {diff}", flush=True)
     res = {"kernel": args.kernel, "lengthscale": args.lengthscale, "noise": args.noise, "threads": args.threads,
            "reference_settings": " ".join(REFERENCE) if args.reference else None, "rows": rows}
     out = Path(args.out) if args.out else RESULTS / ("scale_quick.json" if args.quick else "scale.json")

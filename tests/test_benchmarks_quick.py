@@ -74,3 +74,16 @@ def test_reduced_compare_quick(tmp_path):
                        <= 1e-6 * a["error_vs_exact"] for a in ncr)  # NCR = LLA ([SPA] Prop 2)
     assert all(a["error_vs_exact"] > 0 for a in r["approaches"])
     assert len(r["nytro"]["test_rmse_path"]) == r["nytro"]["t_max"]
+
+
+def test_scale_quick(tmp_path):
+    """Two on-the-fly MLL runs in child processes: time, peak RSS and the cutoff share are recorded."""
+    out = tmp_path / "scale.json"
+    res = load("scale").main(["--quick", "--threads", "1", "--dtypes", "float64", "--out", str(out)])
+    rows = res["rows"]
+    assert [r["n"] for r in rows] == [3000, 6000]
+    for r in rows:
+        assert r["kernel_storage"] == "on-the-fly" and r["peak_rss_mib"] > 0 and r["wall_s"] > 0
+        assert 0 < r["extra"]["kernel_fraction"] < 1  # unit density, l = 1: the cutoff skips entries
+        assert math.isfinite(r["loss"])
+    assert out.exists() and out.with_suffix(".png").exists()

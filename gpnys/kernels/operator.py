@@ -39,6 +39,7 @@ import torch
 from linear_operator.operators import LinearOperator
 
 from gpnys.budget import block_elems, block_rows, dense_limit_bytes as budget_dense_limit
+from gpnys.kernels import keops as keops_backend
 from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
 
 __all__ = ["StationaryKernelOperator", "supported", "caches_dense"]
@@ -107,6 +108,9 @@ class StationaryKernelOperator(LinearOperator):
             (their distance exceeds :func:`~gpnys.kernels.cutoff.cutoff_radius`); ``None``: machine epsilon of
             ``X``'s dtype (each skipped entry is below the rounding of the diagonal); ``0``: never skip. Used only
             when it removes at least :attr:`MIN_SKIPPED` of the entries.
+        keops: recompute products and derivatives with KeOps (:mod:`gpnys.kernels.keops`) instead of torch tiles;
+            ``None``: when ``X`` is on a CUDA device and ``pykeops`` is installed. The dense cache, when it fits,
+            comes first either way.
     """
 
     #: points per leaf of the cutoff plan (rows of one on-the-fly tile)
@@ -124,12 +128,19 @@ class StationaryKernelOperator(LinearOperator):
         cache: dict[str, Any],
         dense_limit_bytes: int | None = None,
         prune_tol: float | None = None,
+        keops: bool | None = None,
     ) -> None:
         limit = budget_dense_limit() if dense_limit_bytes is None else int(dense_limit_bytes)
         if prune_tol is not None and not prune_tol >= 0:
             raise ValueError(f"prune_tol must be >= 0 (or None), got {prune_tol}")
         tol = torch.finfo(X.dtype).eps if prune_tol is None else float(prune_tol)
-        super().__init__(X, outputscale, lengthscale, base=base, cache=cache, dense_limit_bytes=limit, prune_tol=tol)
+        if keops is None:
+            keops = X.is_cuda and keops_backend.available()
+        elif keops and not keops_backend.available():
+            raise ValueError("keops=True needs pykeops (pip install pykeops)")
+        super().__init__(X, outputscale, lengthscale, base=base, cache=cache, dense_limit_bytes=limit, prune_tol=tol,
+                         keops=bool(keops))
+        self.keops = bool(keops)
         self.X, self.outputscale, self.lengthscale = X, outputscale, lengthscale
         self.base, self.cache = base, cache
         self.dense_limit_bytes = limit
@@ -268,6 +279,8 @@ class StationaryKernelOperator(LinearOperator):
         dense = self._dense()
         if dense is not None:
             return dense[0] @ rhs
+        if self.keops:
+            return keops_backend.matmul(self._scaled(), rhs, self.nu)
         perm, _, tiles = self._pass()
         R = rhs if perm is None else rhs[perm]
         out = torch.zeros_like(R)
@@ -296,6 +309,9 @@ class StationaryKernelOperator(LinearOperator):
         U, V = left_vecs.detach(), right_vecs.detach()
         if U.dim() == 1:
             U, V = U[:, None], V[:, None]
+        if self.keops and self._dense() is None:
+            Z = self._scaled()
+            return (None, *self._finish(*keops_backend.derivative_sums(Z, U, V, self.nu), Z.dtype))
         perm, Z, tiles = self._pass()
         if perm is not None:
             U, V = U[perm], V[perm]
@@ -312,8 +328,6 @@ class StationaryKernelOperator(LinearOperator):
 
     def _derivative(self, Z: torch.Tensor, tiles, weight: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The closed form over the tiles of one pass (``Z`` and the indices in the pass's working order)."""
-        s2 = self.outputscale.detach()
-        ls = self.lengthscale.detach().reshape(-1)
         # The expanded form below subtracts two sums of size ~|z|^2 whose difference is ~|z_i - z_j|^2: it is
         # accumulated in (at least) float64, or float32 loses digits once |z| >> the weighted pairs' distances.
         acc = torch.promote_types(Z.dtype, torch.float64)
@@ -327,8 +341,14 @@ class StationaryKernelOperator(LinearOperator):
             Zr, Zc = (t.to(acc) for t in self._tile_coords(Z, rows, cols))
             per_dim += ((A.sum(1)[:, None] * Zr.square()).sum(0) + (A.sum(0)[:, None] * Zc.square()).sum(0)
                         - 2.0 * (Zr * (A @ Zc)).sum(0))
-        d_s2 = d_s2.to(Z.dtype)
-        d_ls = (-s2 * per_dim.to(Z.dtype) / ls)
+        return self._finish(d_s2, per_dim, Z.dtype)
+
+    def _finish(self, d_s2: torch.Tensor, per_dim: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(d/d s^2, d/d l)`` from ``sum_ij W_ij K_ij`` and ``sum_ij A_ij (z_id - z_jd)^2`` (``(d,)``)."""
+        s2 = self.outputscale.detach()
+        ls = self.lengthscale.detach().reshape(-1)
+        d_s2 = d_s2.to(dtype)
+        d_ls = (-s2 * per_dim.to(dtype) / ls)
         if ls.numel() == 1:
             d_ls = d_ls.sum()
         return d_s2.reshape(self.outputscale.shape), d_ls.reshape(self.lengthscale.shape)
