@@ -9,6 +9,8 @@ Prints a table, writes JSON and a PNG (time and peak RSS vs n).
 
 Run:  python benchmarks/scale.py                       (synthetic3d 50k,100k,200k + kin40k; float32 and float64)
       python benchmarks/scale.py --sizes 200000 --dtypes float32 --reference
+      python benchmarks/scale.py --sizes "" --out benchmarks/results/scale_kin40k.json   (kin40k only)
+      python benchmarks/scale.py --sizes "" --no-kin40k --knn 20000:3,50000:3,200000:3,20000:18 --out ...knn.json
       python benchmarks/scale.py --quick                (n = 3000, 6000; run by the test suite)
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,6 +31,7 @@ from gpnys import datasets, memory_budget
 from gpnys.cli.common import DTYPES
 from gpnys.kernels import make_kernel
 from gpnys.kernels.operator import StationaryKernelOperator
+from gpnys.precond.knn import causal_knn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REFERENCE = ["--dtype", "float64", "--cg-tol", "1e-3", "--probes", "64", "--lanczos-steps", "30"]
@@ -54,7 +58,8 @@ def run_mll(data: str, n: int | None, args: argparse.Namespace, extra: list[str]
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd[3:])} failed:\n{proc.stderr[-3000:]}")
-    rec = json.loads(proc.stdout)[0]
+    # the JSON document starts at the first line that opens a list (imports may print before it: pykeops does)
+    rec = json.loads(proc.stdout[re.search(r"^\[$", proc.stdout, re.M).start():])[0]
     peak = json.loads(proc.stderr.strip().splitlines()[-1])["peak_rss_kib"]
     rec.update(wall_s=wall, peak_rss_mib=peak / 1024, cmd="gpnys " + " ".join(cmd[3:]))
     return rec
@@ -86,6 +91,25 @@ def pass_costs(data: str, n: int | None, dtype: str, args: argparse.Namespace, d
             "entries_per_s_product": frac * n_pts * n_pts / (t2 - t1)}
 
 
+def knn_costs(sizes: list[int], d: int, w: int, threads: int) -> list[dict]:
+    """Causal kNN pattern (FSAI, w nonzeros per row) by brute force and by the k-d tree chunks, on uniform points in
+    ``[0, 1]^d``; whether both patterns agree."""
+    torch.set_num_threads(threads)
+    rows = []
+    for n in sizes:
+        X = torch.rand(n, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        t0 = time.perf_counter()
+        tree = causal_knn(X, w, tree=True)
+        t1 = time.perf_counter()
+        brute = causal_knn(X, w, tree=False)
+        t2 = time.perf_counter()
+        rows.append({"n": n, "d": d, "w": w, "tree_s": t1 - t0, "brute_s": t2 - t1,
+                     "same_pattern": bool(torch.equal(tree[0], brute[0]) and torch.equal(tree[1], brute[1]))})
+        print(f"causal kNN n = {n}, d = {d}, w = {w}: k-d tree chunks {t1 - t0:.2f} s, brute force {t2 - t1:.2f} s, "
+              f"same pattern: {rows[-1]['same_pattern']}", flush=True)
+    return rows
+
+
 def storage(rec: dict) -> str:
     """``dense``, ``on-the-fly`` or ``cut NN%`` (on the fly, computing NN % of the entries)."""
     frac = rec.get("extra", {}).get("kernel_fraction")
@@ -106,15 +130,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-kin40k", action="store_true", help="skip the kin40k point")
     ap.add_argument("--reference", action="store_true", help="also run the tighter reference per point")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--knn", default="", help="also time the causal kNN, e.g. '20000:3,50000:3,200000:3,20000:18' (n:d)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    sizes = [3000, 6000] if args.quick else [int(v) for v in args.sizes.split(",")]
+    sizes = [3000, 6000] if args.quick else [int(v) for v in args.sizes.split(",") if v]
     dtypes = args.dtypes.split(",")
     # the quick mode forces the on-the-fly path (no dense cache) so the test exercises what large n uses
     budget = ["--dense-gib", "0"] if args.quick else []
     points = [("synthetic3d", n) for n in sizes]
     if not args.no_kin40k and not args.quick:
-        points.append(("kin40k", None))
+        points.append(("kin40k", datasets.load("kin40k", standardize=False).train_x.shape[0]))  # the whole split
     rows = []
     print(f"{args.kernel}, lengthscale {args.lengthscale}, noise {args.noise}, outputscale 1, {args.threads} threads")
     print(f"{'data':>12} {'n':>7} {'dtype':>7} {'wall s':>8} {'peak MiB':>9} {'precond':>8} {'rank':>5} {'CG it':>5} "
@@ -135,7 +160,9 @@ def main(argv=None) -> dict:
                   f"{ex.get('precond', '?'):>8} {ex.get('rank', 0):>5} {ex.get('cg_iterations', 0):>5} "
                   f"{ex.get('setup_s', 0.0):7.1f} {storage(rec):>10} {row['costs']['product_s']:9.2f} "
                   f"{row['costs']['derivative_s']:7.2f} {rec['loss']:11.6f} {diff}", flush=True)
-    res = {"kernel": args.kernel, "lengthscale": args.lengthscale, "noise": args.noise, "threads": args.threads,
+    specs = ["1500:3"] if args.quick else [v for v in args.knn.split(",") if v]
+    knn = [r for spec in specs for r in knn_costs([int(spec.split(":")[0])], int(spec.split(":")[1]), 30, args.threads)]
+    res = {"knn": knn, "kernel": args.kernel, "lengthscale": args.lengthscale, "noise": args.noise, "threads": args.threads,
            "reference_settings": " ".join(REFERENCE) if args.reference else None, "rows": rows}
     out = Path(args.out) if args.out else RESULTS / ("scale_quick.json" if args.quick else "scale.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ import importlib.util
 import json
 import math
 
+import pytest
+
 from helpers import load_script
 
 
@@ -79,11 +81,13 @@ def test_reduced_compare_quick(tmp_path):
 def test_scale_quick(tmp_path):
     """Two on-the-fly MLL runs in child processes: time, peak RSS and the cutoff share are recorded."""
     out = tmp_path / "scale.json"
-    res = load("scale").main(["--quick", "--threads", "1", "--dtypes", "float64", "--out", str(out)])
+    res = load("scale").main(["--quick", "--threads", "1", "--dtypes", "float64", "--lengthscale", "0.3", "--out", str(out)])
     rows = res["rows"]
     assert [r["n"] for r in rows] == [3000, 6000]
     for r in rows:
         assert r["kernel_storage"] == "on-the-fly" and r["peak_rss_mib"] > 0 and r["wall_s"] > 0
-        assert 0 < r["extra"]["kernel_fraction"] < 1  # unit density, l = 1: the cutoff skips entries
-        assert math.isfinite(r["loss"])
+        assert math.isfinite(r["loss"]) and r["costs"]["product_s"] > 0
+        assert r["extra"]["kernel_fraction"] == pytest.approx(r["costs"]["kernel_fraction"])
+    assert 0 < rows[-1]["extra"]["kernel_fraction"] < 0.75  # unit density, l = 0.3: the cutoff skips entries
     assert out.exists() and out.with_suffix(".png").exists()
+    assert res["knn"][0]["same_pattern"]

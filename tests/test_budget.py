@@ -59,8 +59,9 @@ def test_kernel_system_follows_budget(dtype):
     assert dense.dense and not fly.dense
     with torch.no_grad():
         ref = kernel(dtype)(X).to_dense() @ V + 0.1 * V
-        for A in (dense, fly):
-            torch.testing.assert_close(A(V), ref, rtol=100 * torch.finfo(dtype).eps, atol=0)
+        for A in (dense, fly):  # relative to the largest entry: the on-the-fly path (the kernel operator's
+            # matmul-form distances) and GPyTorch's round small entries differently in float32
+            assert float((A(V) - ref).abs().max()) <= 100 * torch.finfo(dtype).eps * float(ref.abs().max())
 
 
 def test_afn_setup_is_independent_of_the_block_size():

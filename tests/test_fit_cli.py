@@ -123,9 +123,28 @@ def test_cli_mll_reports_the_kernel_storage_and_follows_the_budget(capsys):
     assert fly["loss"] == pytest.approx(dense["loss"], rel=1e-8)
 
 
+def test_cli_mll_cutoff_reports_the_share_of_entries_and_matches_the_full_kernel(capsys):
+    """synthetic3d at unit density (no input standardisation), l = 0.2, on the fly: the cutoff plan computes a
+    fraction of the entries (reported), and the estimate equals the one with every entry (`--prune-tol 0`), same
+    probes."""
+    base = ["mll", "--data", "synthetic3d", "--n", "3000", "--no-standardize", "--lengthscale", "0.2",
+            "--method", "auto", "--dense-gib", "0", "--json"]
+    assert main(base) == 0
+    (cut,) = json.loads(capsys.readouterr().out)
+    assert main(base + ["--prune-tol", "0"]) == 0
+    (full,) = json.loads(capsys.readouterr().out)
+    assert 0 < cut["extra"]["kernel_fraction"] < 0.9 and full["extra"]["kernel_fraction"] == 1.0
+    assert cut["loss"] == pytest.approx(full["loss"], rel=1e-9)
+    for key in ("raw_lengthscale", "raw_outputscale", "raw_noise"):
+        assert cut["grad"][key] == pytest.approx(full["grad"][key], rel=1e-7)
+    assert main(base[:-1]) == 0
+    assert "kernel entries computed" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv,name",
     [
+        (["mll", "--prune-tol", "-1", "--method", "auto"], "prune-tol"),
         (["mll", "--noise", "-1"], "noise"),
         (["mll", "--noise", "nan"], "noise"),
         (["mll", "--lengthscale", "0"], "lengthscale"),

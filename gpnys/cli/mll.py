@@ -88,5 +88,7 @@ def run(args: argparse.Namespace) -> int:
             e = rec["grad_rel_error"]
             errs = (f"  loss err {rec['loss_rel_error']:.1e}  grad err ls {e['raw_lengthscale']:.1%} "
                     f"os {e['raw_outputscale']:.1%} noise {e['raw_noise']:.1%}")
-        print(f"{rec['method']:9s} seed {rec['seed']}: loss {rec['loss']:.6f}  time {rec['time_s']:.2f}s{errs}")
+        frac = rec.get("extra", {}).get("kernel_fraction")
+        cut = f"  kernel entries computed {frac:.1%}" if frac is not None and frac < 1.0 else ""
+        print(f"{rec['method']:9s} seed {rec['seed']}: loss {rec['loss']:.6f}  time {rec['time_s']:.2f}s{errs}{cut}")
     return 0

@@ -34,6 +34,7 @@ import torch
 
 from gpnys.budget import block_rows, dense_limit_bytes as dense_limit_bytes_budget
 from gpnys.kernels.entries import KernelEntries
+from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.base import (
     NumericalWarning,
     Preconditioner,
@@ -220,8 +221,10 @@ class KernelSystem:
 
     ``K`` is cached densely (built in row blocks) when ``n * n * itemsize < dense_limit_bytes`` (``None``: the
     memory budget's, :mod:`gpnys.budget`);
-    otherwise every product recomputes ``K`` in row blocks via :meth:`KernelEntries.matmul` (memory
-    ``O(block * n)``). Call with ``V: (n,)`` or ``(n, t)``; returns the same shape.
+    otherwise every product recomputes ``K``: for a plain RBF/Matérn kernel through
+    :class:`~gpnys.kernels.operator.StationaryKernelOperator` (reused workspace, cutoff plan in low dimension, KeOps
+    on CUDA), else in row blocks via :meth:`KernelEntries.matmul` (memory ``O(block * n)``). Call with
+    ``V: (n,)`` or ``(n, t)``; returns the same shape.
 
     Attributes: ``n``, ``mu``, ``dense`` (whether ``K`` is cached), ``entries`` (:class:`KernelEntries`).
     """
@@ -243,11 +246,23 @@ class KernelSystem:
             for i in range(0, n, block):
                 K[i : i + block] = self.entries(slice(i, i + block), slice(None))
             self._K = K
+        self._op: StationaryKernelOperator | None = None
+        base = self.entries.kernel
+        if not self.dense and supported(base):
+            one = torch.ones((), dtype=X.dtype, device=X.device)
+            self._op = StationaryKernelOperator(X, one, base.lengthscale.detach().to(X.dtype), base=base, cache={},
+                                                dense_limit_bytes=0)
 
     def __call__(self, V: torch.Tensor) -> torch.Tensor:
         vec = V.dim() == 1
         Vm = V[:, None] if vec else V
-        KV = self._K @ Vm if self._K is not None else self.entries.matmul(Vm)
+        if self._K is not None:
+            KV = self._K @ Vm
+        elif self._op is not None:
+            with torch.no_grad():
+                KV = self._op.matmul(Vm)
+        else:
+            KV = self.entries.matmul(Vm)
         out = KV + self.mu * Vm
         return out[:, 0] if vec else out
 
