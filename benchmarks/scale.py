@@ -4,7 +4,8 @@ Each point runs ``gpnys mll ... --method auto --json`` in a fresh process (so th
 its own ``getrusage``), on synthetic 3-D points with unit density (``synthetic3d`` with ``--no-standardize``: a cube
 of edge n^(1/3), the AFN paper's set, so the length-scale is in units of the mean spacing) and on UCI kin40k
 (its 36 000 training points of split 0, d = 8, standardised). ``--reference`` adds, per point, a run
-with tighter settings (float64, CG tolerance 1e-3, 64 probes, 30 Lanczos steps) and reports the loss difference.
+with tighter settings (CG tolerance 1e-3, 64 probes, 30 Lanczos steps; ``--reference-dtype``, float64 by default)
+and reports the loss difference.
 Prints a table, writes JSON and a PNG (time and peak RSS vs n).
 
 Run:  python benchmarks/scale.py                       (synthetic3d 50k,100k,200k + kin40k; float32 and float64)
@@ -34,7 +35,7 @@ from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.precond.knn import causal_knn
 
 RESULTS = Path(__file__).resolve().parent / "results"
-REFERENCE = ["--dtype", "float64", "--cg-tol", "1e-3", "--probes", "64", "--lanczos-steps", "30"]
+REFERENCE = ["--cg-tol", "1e-3", "--probes", "64", "--lanczos-steps", "30"]
 
 
 # runs the CLI in the child and reports the child's own peak RSS (KiB on Linux) on stderr's last line
@@ -129,6 +130,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-kin40k", action="store_true", help="skip the kin40k point")
     ap.add_argument("--reference", action="store_true", help="also run the tighter reference per point")
+    ap.add_argument("--reference-dtype", default="float64", help="dtype of the reference runs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--knn", default="", help="also time the causal kNN, e.g. '20000:3,50000:3,200000:3,20000:18' (n:d)")
     ap.add_argument("--out", default=None)
@@ -149,7 +151,7 @@ def main(argv=None) -> dict:
             rec = run_mll(data, n, args, ["--dtype", dt, *budget])
             row = {"data": data, "dtype": dt, **rec, "costs": pass_costs(data, n, dt, args, 0 if budget else None)}
             if args.reference:
-                ref = run_mll(data, n, args, [*REFERENCE, *budget])
+                ref = run_mll(data, n, args, ["--dtype", args.reference_dtype, *REFERENCE, *budget])
                 row["reference"] = ref
                 row["loss_abs_diff"] = abs(rec["loss"] - ref["loss"])
             rows.append(row)
@@ -163,7 +165,7 @@ def main(argv=None) -> dict:
     specs = ["1500:3"] if args.quick else [v for v in args.knn.split(",") if v]
     knn = [r for spec in specs for r in knn_costs([int(spec.split(":")[0])], int(spec.split(":")[1]), 30, args.threads)]
     res = {"knn": knn, "kernel": args.kernel, "lengthscale": args.lengthscale, "noise": args.noise, "threads": args.threads,
-           "reference_settings": " ".join(REFERENCE) if args.reference else None, "rows": rows}
+           "reference_settings": " ".join(["--dtype", args.reference_dtype, *REFERENCE]) if args.reference else None, "rows": rows}
     out = Path(args.out) if args.out else RESULTS / ("scale_quick.json" if args.quick else "scale.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
