@@ -169,8 +169,9 @@ def main(argv=None) -> dict:
     out = Path(args.out) if args.out else RESULTS / ("scale_quick.json" if args.quick else "scale.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
-    _plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    if rows:
+        _plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if rows else ""))
     return res
 
 

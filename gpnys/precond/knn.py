@@ -11,7 +11,7 @@ one index per prefix. Two exact paths:
 * on the CPU from :data:`TREE_MIN_N` points on (and ``d <=`` :data:`TREE_MAX_D`): rows in chunks of
   :data:`TREE_CHUNK`; each chunk queries a ``scipy.spatial.cKDTree`` of all earlier chunks and brute-forces the
   pairs inside the chunk, then keeps the ``w - 1`` nearest of both. ``O(n^2 / C log n)`` tree builds,
-  ``O(n C d)`` brute force: at n = 200 000, d = 3 (w = 30) 7.4 s instead of 115 s (benchmarks/RESULTS.md).
+  ``O(n C d)`` brute force: at n = 200 000, d = 3 (w = 30) 9.1 s instead of 68 s (docs/scaling.md).
   Exact distance ties between a tree candidate and another point may be broken differently from the brute
   force path (deterministically), which matters only for duplicated points.
 """
