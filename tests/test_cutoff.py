@@ -175,3 +175,31 @@ def test_plan_is_skipped_when_it_saves_little():
     with memory_budget(dense_bytes=0):
         op, _ = operator(X, "matern32", 1.0)
         assert op.plan() is None
+
+
+def test_kernel_system_recomputes_through_the_cut_operator(dtype):
+    """gpnys pcg / prediction solves: KernelSystem off the dense cache uses the operator (and its cutoff plan) and
+    equals the dense system; a kernel the operator does not support (RQ) falls back to GPyTorch's blocks."""
+    from gpnys.solvers.pcg import kernel_system
+
+    X64 = spread(1200, 2, density=0.05)
+    X = X64.to(dtype)
+    V = torch.randn(1200, 2, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    kern = make_kernel("matern32").to(dtype)
+    kern.base_kernel.lengthscale = 0.9
+    dense = kernel_system(X64, kern.double(), 0.1)
+    kern = kern.to(dtype)
+    with memory_budget(dense_bytes=0):
+        fly = kernel_system(X, kern, 0.1)
+        assert not fly.dense and fly._op is not None and fly._op.plan() is not None
+        out = fly(V)
+    ref = dense(V.double())
+    tol = 1e-4 if dtype == torch.float32 else 1e-11
+    assert float((out.double() - ref).abs().max()) <= tol * float(ref.abs().max())
+    rq = gpytorch.kernels.RQKernel().to(dtype)
+    with memory_budget(dense_bytes=0):
+        other = kernel_system(X[:100], rq, 0.1)
+    assert other._op is None
+    with torch.no_grad():
+        ref_rq = rq(X[:100]).to_dense() @ V[:100] + 0.1 * V[:100]
+    assert float((other(V[:100]) - ref_rq).abs().max()) <= 1e-5 * float(ref_rq.abs().max())
