@@ -274,9 +274,9 @@ def test_cache_is_reused_and_refreshed_on_a_new_lengthscale(monkeypatch):
     computed_rows = []
     original_rows = StationaryKernelOperator._rows
 
-    def counting_rows(self, Z, sq, rows, cols, out, scratch):
+    def counting_rows(self, Zr, Zc, sq, rows, cols, out, scratch):
         computed_rows.append(rows.stop - rows.start)
-        return original_rows(self, Z, sq, rows, cols, out, scratch)
+        return original_rows(self, Zr, Zc, sq, rows, cols, out, scratch)
 
     monkeypatch.setattr(StationaryKernelOperator, "_rows", counting_rows)
     cache = {}

@@ -157,15 +157,15 @@ class StationaryKernelOperator(LinearOperator):
         self._zmax = float(Z.abs().max()) if Z.numel() else 0.0
         return Z
 
-    def _rows(self, Z: torch.Tensor, sq: torch.Tensor, rows: slice, cols: slice | torch.Tensor,
+    def _rows(self, Zr: torch.Tensor, Zc: torch.Tensor, sq: torch.Tensor, rows: slice, cols: slice | torch.Tensor,
               out: tuple[torch.Tensor, torch.Tensor | None], scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write ``(k, h)`` of the tile ``Z[rows]`` x ``Z[cols]`` (``sq = |z|^2`` per point) into ``out``, two
+        """Write ``(k, h)`` of the tile ``rows`` x ``cols`` with coordinates ``(Zr, Zc)`` (:meth:`_tile_coords`;
+        ``sq = |z|^2`` per point, used on full-width tiles) into ``out``, two
         ``(|rows|, |cols|)`` blocks (``h`` is ``None`` for RBF, where it is ``-k``); ``scratch`` (same shape) holds
         the distances. Reusing the caller's buffers keeps a pass free of ``(b, n)`` allocations (glibc keeps and
         re-faults freed blocks: slower, and the peak RSS grows by the retained blocks)."""
         with torch.no_grad():
             full = isinstance(cols, slice)
-            Zr, Zc = self._tile_coords(Z, rows, cols)
             if full:
                 sr, sc, zmax = sq[rows], sq, self._zmax
             else:
@@ -218,7 +218,8 @@ class StationaryKernelOperator(LinearOperator):
             for a in range(0, n, bs):
                 rows = slice(a, min(a + bs, n))
                 m = rows.stop - a
-                self._rows(Z, sq, rows, slice(None), (K[rows], None if H is None else H[rows]), scratch[: m * n].view(m, n))
+                self._rows(Z[rows], Z, sq, rows, slice(None), (K[rows], None if H is None else H[rows]),
+                           scratch[: m * n].view(m, n))
             self.cache.update(X=self.X, key=key, K=K, H=H)
         return self.cache["K"], self.cache["H"]
 
@@ -242,7 +243,7 @@ class StationaryKernelOperator(LinearOperator):
 
     def _pass(self):
         """One pass over the kernel: ``(perm, Z, tiles)`` where ``perm`` (``None``: identity) is the working
-        order, ``Z`` the scaled points in that order and ``tiles`` yields ``(rows, cols, K_tile, H_tile)`` with
+        order, ``Z`` the scaled points in that order and ``tiles`` yields ``(rows, cols, K_tile, H_tile, Zr, Zc)`` with
         ``rows`` a slice and ``cols`` a slice or an ascending index tensor of working-order positions. Recomputed
         tiles are views of one workspace, valid until the next step."""
         n = self.X.shape[0]
@@ -251,8 +252,8 @@ class StationaryKernelOperator(LinearOperator):
         if dense is not None:
             bs = self._block_rows()
             K, H = dense
-            tiles = ((slice(a, a + bs), slice(None), K[a : a + bs], None if H is None else H[a : a + bs])
-                     for a in range(0, n, bs))
+            tiles = ((slice(a, a + bs), slice(None), K[a : a + bs], None if H is None else H[a : a + bs],
+                      Z[a : a + bs], Z) for a in range(0, n, bs))
             return None, Z, tiles
         plan = self.plan()
         if plan is None:
@@ -271,7 +272,8 @@ class StationaryKernelOperator(LinearOperator):
             for rows, cols in shapes:
                 m, w = rows.stop - rows.start, (n if isinstance(cols, slice) else cols.shape[0])
                 scratch, Kt, *Ht = (b[: m * w].view(m, w) for b in buffers)
-                yield (rows, cols, *self._rows(Z, sq, rows, cols, (Kt, Ht[0] if Ht else None), scratch))
+                Zr, Zc = self._tile_coords(Z, rows, cols)  # once per tile: the derivative reuses them
+                yield (rows, cols, *self._rows(Zr, Zc, sq, rows, cols, (Kt, Ht[0] if Ht else None), scratch), Zr, Zc)
 
         return perm, Z, tiles()
 
@@ -284,7 +286,7 @@ class StationaryKernelOperator(LinearOperator):
         perm, _, tiles = self._pass()
         R = rhs if perm is None else rhs[perm]
         out = torch.zeros_like(R)
-        for rows, cols, Kt, _ in tiles:
+        for rows, cols, Kt, *_ in tiles:
             out[rows].addmm_(Kt, R[cols])
         if perm is not None:
             out = out.index_copy(0, perm, out)  # back to the input order: result[perm] = out
@@ -333,12 +335,12 @@ class StationaryKernelOperator(LinearOperator):
         acc = torch.promote_types(Z.dtype, torch.float64)
         d_s2 = Z.new_zeros((), dtype=acc)
         per_dim = Z.new_zeros(Z.shape[1], dtype=acc)  # sum_ij A_ij (z_id - z_jd)^2, tile by tile
-        for rows, cols, Kt, Ht in tiles:
+        for rows, cols, Kt, Ht, Zr, Zc in tiles:
             W = weight(rows, cols)  # (|rows|, |cols|)
             d_s2 = d_s2 + (W[:, None, :] @ Kt[:, :, None]).sum(dtype=acc)  # row dots: no (b, n) temporary
             A = W.mul_(Kt).neg_() if Ht is None else W.mul_(Ht)  # RBF: A = W o H = -(W o K)
             A = A.to(acc)
-            Zr, Zc = (t.to(acc) for t in self._tile_coords(Z, rows, cols))
+            Zr, Zc = Zr.to(acc), Zc.to(acc)
             per_dim += ((A.sum(1)[:, None] * Zr.square()).sum(0) + (A.sum(0)[:, None] * Zc.square()).sum(0)
                         - 2.0 * (Zr * (A @ Zc)).sum(0))
         return self._finish(d_s2, per_dim, Z.dtype)
