@@ -340,6 +340,20 @@ def test_default_posterior_tolerance_and_separate_posterior_preconditioner():
     assert hook.builds == 2  # the posterior preconditioner was cached
 
 
+def test_default_landmarks_capped_per_use():
+    """The ``afn`` / ``auto`` landmark defaults (train k = 1500, posterior k = 3500) are capped at n/2 for training
+    and 0.7 n for the posterior preconditioner; the caller's options win over both."""
+    X, Y = data(200, 3)
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0)
+    assert model._options("train", 200) == {"k": 100, "w": 30}
+    assert model._options("posterior", 200) == {"k": 140, "w": 90}
+    assert model._options("posterior", 10_000) == {"k": 3500, "w": 90}
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, k=60, posterior_options={"w": 12})
+    assert model._options("train", 200) == {"k": 60, "w": 30}
+    assert model._options("posterior", 200) == {"k": 60, "w": 12}
+    assert PreconditionedSingleTaskGP(X, Y, precond="fsai")._options("posterior", 200) == {}
+
+
 def test_fit_subset_start():
     """``fit_subset``: Cholesky fit on a seeded subset, then the preconditioned full-data fit from there; the
     result is a full-data optimum (exact MLL as good as SingleTaskGP's fit) and reproducible."""

@@ -53,21 +53,28 @@ from gpnys.precond.base import validate_positive
 from gpnys.precond.strategy import PRECONDITIONERS
 from gpnys.solvers.pcg import pcg
 
-__all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS"]
+__all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS", "BO_LANDMARK_CAP"]
 
 #: landmark / neighbour counts of ``afn`` and ``auto`` in :class:`PreconditionedSingleTaskGP` unless given (``k`` is
-#: capped at ``n / 2``). BO data are often nearly noiseless (BoTorch's noise floor is 1e-4 after ``Standardize``),
-#: so ``mu`` is far below the 1e-3..1e-1 that :data:`gpnys.gp.hook.GP_DEFAULTS` (k = 500) was chosen for. Measured
-#: at Hartmann-6, n = 5000, fitted length-scales, noise 2.4e-4 (1 thread; BoTorch's L-BFGS-B runs with one BLAS
-#: thread anyway): one MLL evaluation with k = 500 / 1000 / 1500 / 2000 (w = 30) took 6.1 / 3.1 / 3.2 / 4.1 s
-#: (60 / 21 / 14 / 13 CG iterations; Cholesky: 15 s), and k = 1500 had the smaller gradient error (noise
-#: gradient 10 % vs 37 % off for k = 1000 at noise 2.1e-4, 16 probes); a posterior solve (16 columns, tolerance
-#: 1e-8) needed 121 PCG iterations with k = 1000, w = 30 (13 s) and 27 with k = 2000, w = 60 (3 s + 2 s setup,
-#: built once per data and hyperparameters).
+#: capped at a fraction of ``n``, :data:`BO_LANDMARK_CAP`). BO data are often nearly noiseless (BoTorch's noise
+#: floor is 1e-4 after ``Standardize``), so ``mu`` is far below the 1e-3..1e-1 that
+#: :data:`gpnys.gp.hook.GP_DEFAULTS` (k = 500) was chosen for. Measured at Hartmann-6, n = 5000, fitted
+#: length-scales, noise 2.4e-4 (1 thread; BoTorch's L-BFGS-B runs with one BLAS thread anyway): one MLL evaluation
+#: with k = 500 / 1000 / 1500 / 2000 (w = 30) took 6.1 / 3.1 / 3.2 / 4.1 s (60 / 21 / 14 / 13 CG iterations;
+#: Cholesky: 15 s), and k = 1500 had the smaller gradient error (noise gradient 10 % vs 37 % off for k = 1000 at
+#: noise 2.1e-4, 16 probes). The posterior preconditioner is built once per data and hyperparameters and then
+#: applied in every PCG iteration of an acquisition optimisation, so it gets more landmarks: noise 1.55e-4, 2
+#: threads, tolerance 1e-6, a 5-column solve took 31 / 19 / 14 / 7 / 4 PCG iterations with k = 1500 / 2000 /
+#: 2500 / 3500 / 4000 (w = 60, 60, 60, 90, 120; ~40 ms per iteration for all) after a 1.4 / 1.7 / 1.8 / 2.8 /
+#: 2.9 s build.
 BO_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {"k": 1500, "w": 30},
-    "posterior": {"k": 2000, "w": 60},
+    "posterior": {"k": 3500, "w": 90},
 }
+#: fraction of the training points the landmark defaults may take, per use. The posterior preconditioner is
+#: built once per data and hyperparameters and then applied in every PCG iteration of an acquisition
+#: optimisation, so it may take more (its Cholesky is of the k x k landmark block, never of the n x n matrix).
+BO_LANDMARK_CAP: dict[str, float] = {"train": 0.5, "posterior": 0.7}
 
 
 class PreconditionedSingleTaskGP(SingleTaskGP):
@@ -89,7 +96,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             1e-6 / 1e-7 / 1e-8 left maximum relative variance errors 6.6e-5 / 1.2e-6 / 8.2e-9 in 20 / 26 / 32 PCG
             iterations. ``α`` is solved to ``tol²``. Both are floored at ``1000 eps`` of the dtype.
         posterior_options: preconditioner options for the posterior solves only, over ``**precond_options``
-            (which apply to both) and the defaults for ``afn`` / ``auto`` (``k=2000, w=60``, :data:`BO_DEFAULTS`);
+            (which apply to both) and the defaults for ``afn`` / ``auto`` (``k=3500, w=90``, at most ``0.7 n``
+            landmarks, :data:`BO_DEFAULTS`);
             built once per data and hyperparameters.
         fit_subset: ``fit_gpytorch_mll`` on the preconditioned path first fits the hyperparameters on this many
             seeded random training points (BoTorch's Cholesky path; ``None``: off), then runs L-BFGS-B on all the
@@ -175,12 +183,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     def _options(self, use: str, n: int) -> dict[str, Any]:
         """Preconditioner options for ``use`` (``"train"`` or ``"posterior"``): :data:`BO_DEFAULTS` for ``afn`` /
-        ``auto`` (landmarks capped at ``n / 2``) under the caller's options."""
+        ``auto`` (landmarks capped at :data:`BO_LANDMARK_CAP` ``[use] * n``) under the caller's options."""
         c = self._gpnys_config
         user = c["options"] if use == "train" else {**c["options"], **c["posterior_options"]}
         defaults = dict(BO_DEFAULTS[use]) if c["precond"] in ("afn", "auto") else {}
         if defaults:
-            defaults["k"] = max(1, min(defaults["k"], n // 2))
+            defaults["k"] = max(1, min(defaults["k"], int(BO_LANDMARK_CAP[use] * n)))
         return {**defaults, **user}
 
     @contextlib.contextmanager
