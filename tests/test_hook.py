@@ -203,7 +203,7 @@ def test_cli_mll_json_reports_errors_against_cholesky(capsys):
         main(["mll", "--data", "concrete", "--noise", "-1", "--method", "exact"])
 
 
-@pytest.mark.parametrize("schur", ["full", "diag"])
+@pytest.mark.parametrize("schur", ["full", "diag", "frozen"])
 def test_control_variate_family_is_unbiased(schur):
     """With the full factor as probes (Z = R, so Z Z^T = P exactly), d(log det P + sum_j z_j^T P^{-1} z_j) = 0:
     the control variate's expected gradient vanishes for both AFN families, for every hyperparameter."""

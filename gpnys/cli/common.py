@@ -67,7 +67,7 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
                    help="Lanczos quadrature steps (also GPyTorch's minimum CG iterations)")
     p.add_argument("--probe-dist", choices=("rademacher", "gaussian"), default=EstimatorSettings.probes,
                    help="probe distribution (covariance P either way)")
-    p.add_argument("--control-variate", choices=("auto", "diag", "full", "none"), default=EstimatorSettings.control_variate,
+    p.add_argument("--control-variate", choices=("auto", "diag", "frozen", "full", "none"), default=EstimatorSettings.control_variate,
                    help="log-det gradient control variate for AFN ('none' also disables it for Nyström)")
     p.add_argument("--prune-tol", type=float, default=None,
                    help="skip kernel blocks whose entries are all below this (times the outputscale) when the kernel "

@@ -32,7 +32,7 @@ from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_in
 __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
 
 LANDMARK_RULES = ("auto", "fps", "uniform")
-_CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
+_CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the "frozen" diagonal control variate
 
 
 def _gather_rows(V: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
@@ -192,12 +192,19 @@ class AFNPreconditioner(Preconditioner):
         derivative only decides how much variance is removed); this one costs ``O(n k (k + t))`` instead of
         the full rebuild's ``O(n w^2 k)`` forward and backward.
 
+        ``schur="frozen"`` is the same family with ``|V_i|^2`` in ``S_ii`` held at its current value (the landmark
+        term of the Schur diagonal no longer moves with theta). ``V`` is then never rebuilt: ``V L^{-1} z1 =
+        K21 (K11 + mu I)^{-1} z1`` costs ``O(k^2 t + n k t)``, and the ``(n-k) x k`` triangular solve and its
+        backward (``O(n k^2)``, most of the ``diag`` cost) are gone; the family still equals ``P`` at the
+        current hyperparameters, so the control variate stays unbiased.
+
         Args:
             kernel: unit-variance GPyTorch kernel with the current (differentiable) hyperparameters.
             mu: 0-dim tensor, ``noise / outputscale``.
             Z: ``(n, t)`` fixed probe vectors.
-            schur: ``"full"`` (rebuild the FSAI rows), ``"diag"`` (diagonal-scaled FSAI, see above) or ``"auto"``:
-                full while ``(n - k) w^2 k <= 2e9`` (about 2-3 s here, n ~ 4000 at k = 500, w = 30), else diag.
+            schur: ``"full"`` (rebuild the FSAI rows), ``"diag"`` (diagonal-scaled FSAI, see above), ``"frozen"``
+                (``diag`` with the landmark part of the Schur diagonal held) or ``"auto"``:
+                full while ``(n - k) w^2 k <= 2e9`` (about 2-3 s here, n ~ 4000 at k = 500, w = 30), else frozen.
 
         Returns:
             ``(logdet, quad)``, two 0-dim tensors carrying gradients.
@@ -205,22 +212,29 @@ class AFNPreconditioner(Preconditioner):
         from torch.utils.checkpoint import checkpoint
 
         X, lm, rest = self.X, self.landmark_idx, self.rest_idx
+        if schur not in ("auto", "full", "diag", "frozen"):
+            raise ValueError(f"schur must be 'auto', 'full', 'diag' or 'frozen', got {schur!r}")
         eye_k = torch.eye(self.k, dtype=X.dtype, device=X.device)
         L = torch.linalg.cholesky(kernel.forward(X[lm], X[lm]) + mu * eye_k)
-        V = torch.linalg.solve_triangular(L, kernel.forward(X[lm], X[rest]), upper=False).mT
         Zp = Z[self.perm]
         w1 = torch.linalg.solve_triangular(L, Zp[: self.k], upper=False)
-        x = Zp[self.k :] - V @ w1
+        if schur == "frozen":
+            # V w1 = K21 (K11 + mu I)^{-1} z1: no (n-k) x k triangular solve, forward or backward
+            u = torch.linalg.solve_triangular(L.mT, w1, upper=True)
+            x = Zp[self.k :] - kernel.forward(X[rest], X[lm]) @ u
+            Vsq = self.V.square().sum(1)  # held at its value
+        else:
+            V = torch.linalg.solve_triangular(L, kernel.forward(X[lm], X[rest]), upper=False).mT
+            x = Zp[self.k :] - V @ w1
+            Vsq = V.square().sum(1)
         if schur == "auto":
-            schur = "full" if (self.n - self.k) * self.w**2 * self.k <= _CV_FULL_BUDGET else "diag"
-        if schur == "diag":
-            d = kernel.forward(X[rest], X[rest], diag=True) + mu - V.square().sum(1)
+            schur = "full" if (self.n - self.k) * self.w**2 * self.k <= _CV_FULL_BUDGET else "frozen"
+        if schur in ("diag", "frozen"):
+            d = kernel.forward(X[rest], X[rest], diag=True) + mu - Vsq
             scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
             quad = w1.square().sum() + self.factor.mm(scale[:, None] * x).square().sum()
             logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() - 2.0 * scale.log().sum()
             return logdet, quad
-        if schur != "full":
-            raise ValueError(f"schur must be 'auto', 'full' or 'diag', got {schur!r}")
         idx, valid = self.pattern
         w = idx.shape[1]
         eye_w = torch.eye(w, dtype=X.dtype, device=X.device)
