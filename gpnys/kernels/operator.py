@@ -41,8 +41,10 @@ from linear_operator.operators import LinearOperator
 from gpnys.budget import block_elems, block_rows, dense_limit_bytes as budget_dense_limit
 from gpnys.kernels import keops as keops_backend
 from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
+from gpnys.linalg import thin_matmul
 
 __all__ = ["StationaryKernelOperator", "supported", "caches_dense"]
+
 
 
 def caches_dense(n: int, itemsize: int, matern: bool, dense_limit_bytes: int | None = None) -> bool:
@@ -280,7 +282,7 @@ class StationaryKernelOperator(LinearOperator):
     def _unit_matmul(self, rhs: torch.Tensor) -> torch.Tensor:
         dense = self._dense()
         if dense is not None:
-            return dense[0] @ rhs
+            return thin_matmul(dense[0], rhs)
         if self.keops:
             return keops_backend.matmul(self._scaled(), rhs, self.nu)
         perm, _, tiles = self._pass()

@@ -25,6 +25,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows
+from gpnys.linalg import thin_matmul
 from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_inputs
@@ -155,19 +156,19 @@ class AFNPreconditioner(Preconditioner):
     def _solve(self, R: torch.Tensor) -> torch.Tensor:
         r1, r2 = self._split(R)
         w1 = torch.linalg.solve_triangular(self.L, r1, upper=False)
-        s2 = self.factor.tmm(self.factor.mm(r2 - self.V @ w1))
-        s1 = torch.linalg.solve_triangular(self.L.mT, w1 - self.V.T @ s2, upper=True)
+        s2 = self.factor.tmm(self.factor.mm(r2 - thin_matmul(self.V, w1)))
+        s1 = torch.linalg.solve_triangular(self.L.mT, w1 - thin_matmul(self.V.mT, s2), upper=True)
         return self._merge(s1, s2)
 
     def _matmul(self, R: torch.Tensor) -> torch.Tensor:
         r1, r2 = self._split(R)
-        u1 = self.L.mT @ r1 + self.V.T @ r2  # R_f^T r
+        u1 = self.L.mT @ r1 + thin_matmul(self.V.mT, r2)  # R_f^T r
         u2 = self.factor.tsolve(r2)
-        return self._merge(self.L @ u1, self.V @ u1 + self.factor.solve(u2))  # R_f u
+        return self._merge(self.L @ u1, thin_matmul(self.V, u1) + self.factor.solve(u2))  # R_f u
 
     def _sample(self, Z: torch.Tensor) -> torch.Tensor:
         z1, z2 = Z[: self.k], Z[self.k :]  # Z is i.i.d., so no permutation is needed on input
-        return self._merge(self.L @ z1, self.V @ z1 + self.factor.solve(z2))
+        return self._merge(self.L @ z1, thin_matmul(self.V, z1) + self.factor.solve(z2))
 
     def logdet(self) -> torch.Tensor:
         return 2.0 * self.L.diagonal().log().sum() - 2.0 * self.factor.logdiag()

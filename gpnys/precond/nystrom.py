@@ -52,6 +52,7 @@ import torch
 
 from gpnys import landmarks as _landmarks
 from gpnys.kernels.entries import KernelEntries
+from gpnys.linalg import thin_matmul
 from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
 
 __all__ = ["NystromPreconditioner", "SAMPLINGS", "SCALINGS", "LANDMARKS"]
@@ -251,8 +252,8 @@ class NystromPreconditioner(Preconditioner):
     # ----------------------------------------------------------------------------------------- applying
     def _eigen_apply(self, R: torch.Tensor, range_vals: torch.Tensor, comp_val: float) -> torch.Tensor:
         """``(U diag(r) U^T + c (I - U U^T)) R`` computed as ``U ((r - c) * (U^T R)) + c R``. ``(n, t)``"""
-        UtR = self.U.mT @ R
-        return self.U @ ((range_vals - comp_val)[:, None] * UtR) + comp_val * R
+        UtR = thin_matmul(self.U.mT, R)
+        return thin_matmul(self.U, (range_vals - comp_val)[:, None] * UtR) + comp_val * R
 
     def _solve(self, R: torch.Tensor) -> torch.Tensor:
         """``P^{-1} R``: stable ``U (Lam+mu)^{-1} U^T R + (1/mu)(I - U U^T) R`` (eq. 8) or the RAN form. ``(n, t)``"""

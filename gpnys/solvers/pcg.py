@@ -35,6 +35,7 @@ import torch
 from gpnys.budget import block_rows, dense_limit_bytes as dense_limit_bytes_budget
 from gpnys.kernels.entries import KernelEntries
 from gpnys.kernels.operator import StationaryKernelOperator, supported
+from gpnys.linalg import thin_matmul
 from gpnys.precond.base import (
     NumericalWarning,
     Preconditioner,
@@ -257,7 +258,7 @@ class KernelSystem:
         vec = V.dim() == 1
         Vm = V[:, None] if vec else V
         if self._K is not None:
-            KV = self._K @ Vm
+            KV = thin_matmul(self._K, Vm)
         elif self._op is not None:
             with torch.no_grad():
                 KV = self._op.matmul(Vm)
