@@ -46,7 +46,6 @@ from gpnys.linalg import thin_matmul
 __all__ = ["StationaryKernelOperator", "supported", "caches_dense"]
 
 
-
 def caches_dense(n: int, itemsize: int, matern: bool, dense_limit_bytes: int | None = None) -> bool:
     """Whether :class:`StationaryKernelOperator` keeps the kernel dense for ``n`` points: ``K`` (and, for Matérn,
     ``H = k'/r``) of ``n x n`` entries of ``itemsize`` bytes within ``dense_limit_bytes`` (``None``: the budget's)."""
