@@ -225,13 +225,12 @@ class AFNPreconditioner(Preconditioner):
             # V w1 = K21 (K11 + mu I)^{-1} z1: no (n-k) x k triangular solve, forward or backward
             u = torch.linalg.solve_triangular(L.mT, w1, upper=True)
             x = Zp[self.k :] - kernel.forward(X[rest], X[lm]) @ u
-            Vsq = self.V.square().sum(1)  # held at its value
         else:
             V = torch.linalg.solve_triangular(L, kernel.forward(X[lm], X[rest]), upper=False).mT
             x = Zp[self.k :] - V @ w1
-            Vsq = V.square().sum(1)
         if schur in ("diag", "frozen"):
-            d = kernel.forward(X[rest], X[rest], diag=True) + mu - Vsq
+            Vd = self.V if schur == "frozen" else V  # frozen: |V_i|^2 held at its value
+            d = kernel.forward(X[rest], X[rest], diag=True) + mu - Vd.square().sum(1)
             scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
             quad = w1.square().sum() + self.factor.mm(scale[:, None] * x).square().sum()
             logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() - 2.0 * scale.log().sum()
