@@ -96,8 +96,7 @@ class EstimatorSettings:
             (``diag`` without rebuilding the ``(n - k) x k`` block ``V``, ``O(k^2 (k + t) + n k t)``: the same
             gradient errors as ``diag`` to within 0.1 points on elevators n = 10000, l = 1, k = 500 (3 seeds; 6.5 s
             instead of 6.8 s per value + gradient) and to within 0.5 points at Hartmann-6, n = 5000, noise 1.55e-4,
-            k = 1500 (2.28 s instead of 2.68 s); 3 probe seeds there, session 8: every component within 1.4
-            points, 2.5 s instead of 2.85 s) or ``"auto"`` (full while ``(n - k) w^2 k <= 2e9``, else frozen);
+            k = 1500 (2.28 s instead of 2.68 s)) or ``"auto"`` (full while ``(n - k) w^2 k <= 2e9``, else diag);
             see :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms`.
     """
 

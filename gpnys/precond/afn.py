@@ -33,7 +33,7 @@ from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_in
 __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
 
 LANDMARK_RULES = ("auto", "fps", "uniform")
-_CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the frozen diagonal control variate
+_CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
 
 
 def _gather_rows(V: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,7 @@ class AFNPreconditioner(Preconditioner):
             Z: ``(n, t)`` fixed probe vectors.
             schur: ``"full"`` (rebuild the FSAI rows), ``"diag"`` (diagonal-scaled FSAI, see above), ``"frozen"``
                 (``diag`` with the landmark part of the Schur diagonal held) or ``"auto"``:
-                full while ``(n - k) w^2 k <= 2e9`` (about 2-3 s here, n ~ 4000 at k = 500, w = 30), else frozen.
+                full while ``(n - k) w^2 k <= 2e9`` (about 2-3 s here, n ~ 4000 at k = 500, w = 30), else diag.
 
         Returns:
             ``(logdet, quad)``, two 0-dim tensors carrying gradients.
@@ -216,7 +216,7 @@ class AFNPreconditioner(Preconditioner):
         if schur not in ("auto", "full", "diag", "frozen"):
             raise ValueError(f"schur must be 'auto', 'full', 'diag' or 'frozen', got {schur!r}")
         if schur == "auto":
-            schur = "full" if (self.n - self.k) * self.w**2 * self.k <= _CV_FULL_BUDGET else "frozen"
+            schur = "full" if (self.n - self.k) * self.w**2 * self.k <= _CV_FULL_BUDGET else "diag"
         eye_k = torch.eye(self.k, dtype=X.dtype, device=X.device)
         L = torch.linalg.cholesky(kernel.forward(X[lm], X[lm]) + mu * eye_k)
         Zp = Z[self.perm]
