@@ -613,3 +613,16 @@ def test_bo_compare_quick(tmp_path):
     assert res["methods"]["gpnys"]["builds"] >= 1
     chk = res["posterior_check"]
     assert chk["mean_rel_err_max"] < 1e-6 and chk["var_rel_err_max"] < 1e-4
+
+
+def test_bo_gradient_quick(tmp_path):
+    res = load_script("benchmarks", "bo_gradient").main(["--quick", "--out", str(tmp_path / "g.json")])
+    rows = res["rows"]
+    assert len(rows) == 2 * 2 * 2  # noises x control variates x probe seeds
+    for r in rows:
+        assert r["trace_inv"] > 0 and r["alpha_sq"] > 0
+        assert r["loss_rel_err"] < 1e-2, r["loss_rel_err"]  # n = 300, k = 150 landmarks: a good preconditioner
+        assert max(r["grad_err"]) < 0.25, r["grad_err"]
+    # common random numbers: the diag and frozen families share the probes, so their losses agree exactly
+    by = {(r["noise"], r["seed"], r["control_variate"]): r["loss"] for r in rows}
+    assert all(by[(nz, s, "diag")] == by[(nz, s, "frozen")] for nz, s, _ in by)
