@@ -20,6 +20,7 @@ Run:  python benchmarks/bo_gradient.py --threads 2                 (n = 5000, ~3
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
@@ -50,11 +51,7 @@ def loss_and_grad(model, preconditioned: bool) -> tuple[float, torch.Tensor, flo
     """``-MLL / n`` (priors included) and its gradient over all parameters (sorted by name), seconds."""
     mll = ExactMarginalLogLikelihood(model.likelihood, model)
     t0 = time.perf_counter()
-    if preconditioned:
-        with model.preconditioned():
-            loss = -mll(model(*model.train_inputs), model.train_targets)
-            loss.backward()
-    else:
+    with model.preconditioned() if preconditioned else contextlib.nullcontext():
         loss = -mll(model(*model.train_inputs), model.train_targets)
         loss.backward()
     grads = [p.grad.reshape(-1) for _, p in sorted(model.named_parameters())]
