@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = [f"{name}[{i}]" if p.numel() > 1 else name  # one entry per gradient component
              for name, p in sorted(make_model(X, Y, 1e-2, ls, "diag", 0, args).named_parameters())
              for i in range(p.numel())]
+    i_noise = names.index("likelihood.noise_covar.raw_noise")
     res: dict = {"n": args.n, "probes": args.probes, "lengthscale": ls.tolist(), "parameters": names,
                  "threads": torch.get_num_threads(), "machine": platform.platform(), "rows": []}
     print(f"Hartmann-6, n = {args.n}, {args.probes} probes; error columns: loss rel. error, worst gradient "
@@ -103,7 +104,6 @@ def main(argv: list[str] | None = None) -> dict:
         ref_model = make_model(X, Y, noise, ls, "diag", 0, args)
         l0, g0, t0 = loss_and_grad(ref_model, preconditioned=False)
         terms = noise_terms(ref_model)
-        i_noise = names.index("likelihood.noise_covar.raw_noise")
         print(f"noise {noise:g}: exact loss {l0:.6f}, noise gradient {g0[i_noise]:.4g}; tr K^-1 "
               f"{terms['trace_inv']:.4e}, a'a {terms['alpha_sq']:.4e}, noise * tr K^-1 {terms['noise_times_trace']:.1f}"
               f" ({t0:.1f} s)")
