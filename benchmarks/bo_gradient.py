@@ -7,7 +7,7 @@ the length-scales ``--lengthscale`` and each noise in ``--noise``. For each nois
 * the exact loss ``-MLL / n`` and gradient by Cholesky (BoTorch's path), and the exact ``tr K̂⁻¹`` and ``αᵀα``
   (``α = K̂⁻¹ (y - m)``, by ``cholesky_inverse``), whose difference is the data part of the noise gradient;
 * the gpnys estimate (``model.preconditioned()``: CG + SLQ with the BO training preconditioner) for each control
-  variate in ``--control-variates`` and each probe seed, and its errors: loss relative error and, per component,
+  variate in ``--control-variates`` (``none``: GPyTorch's plain estimate) and each probe seed, and its errors: loss relative error and, per component,
   ``|g - g*| / max(|g*|, 0.1 ||g*||)`` (issue 4's measure).
 
 When the noise is tiny that difference is a few per cent of either trace, and the Hutchinson estimate of
@@ -40,7 +40,8 @@ LENGTHSCALE = "0.286,0.369,0.466,0.342,0.333,0.317"
 
 
 def make_model(X, Y, noise: float, lengthscale: torch.Tensor, cv: str, seed: int, args) -> PreconditionedSingleTaskGP:
-    settings = EstimatorSettings(probe_seed=seed, control_variate=cv, num_probes=args.probes)
+    settings = EstimatorSettings(probe_seed=seed, num_probes=args.probes, variance_reduction=cv != "none",
+                                 control_variate="auto" if cv == "none" else cv)
     model = PreconditionedSingleTaskGP(X, Y, settings=settings, max_cholesky_size=0)
     model.likelihood.noise = torch.tensor(noise, dtype=X.dtype)
     model.covar_module.lengthscale = lengthscale.reshape(1, -1)

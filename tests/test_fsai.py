@@ -13,6 +13,7 @@ from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner, SparseTriangular, fsai_factor
 from gpnys.precond import knn
 from gpnys.precond.knn import causal_knn
+from gpnys.solvers.pcg import pcg
 
 F64 = torch.float64
 # Length-scales small / mid / large relative to the spread of uniform points in [0, 1]^d.
@@ -122,6 +123,37 @@ def test_point_cache_reuse_isotropic_and_recompute_ard():
     ard.lengthscale = torch.tensor([1.0, 1.0, 0.05])
     FSAIPreconditioner(X, ard, 1e-2, w=15, cache=cache)
     assert cache.misses == misses + 2
+
+
+def test_point_cache_reuses_ard_patterns_within_tolerance():
+    X = points(300, 3)
+    ard = gpytorch.kernels.RBFKernel(ard_num_dims=3)
+    base = torch.tensor([0.2, 0.5, 1.0], dtype=F64)
+    cache = PointCache(X, scale_rtol=0.1)
+    ard.lengthscale = base
+    P1 = FSAIPreconditioner(X, ard, 1e-3, w=12, cache=cache)
+    misses = cache.misses
+    # every component within 10 %: the stored pattern is reused, and the factor still solves A to PCG accuracy
+    ard.lengthscale = base * torch.tensor([1.09, 0.93, 1.0], dtype=F64)
+    P2 = FSAIPreconditioner(X, ard, 1e-3, w=12, cache=cache)
+    assert cache.misses == misses and torch.equal(P2.G.to_dense() != 0, P1.G.to_dense() != 0)
+    A = dense_A(X, ard, 1e-3)
+    b = torch.randn(300, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
+    res = pcg(lambda v: A @ v, b, precond=P2.solve, tol=1e-10, maxiter=300)
+    torch.testing.assert_close(res.x, torch.linalg.solve(A, b), rtol=1e-7, atol=1e-7)
+    # one component 12 % off: recomputed on X / lengthscale, exactly as without a cache
+    ard.lengthscale = base * torch.tensor([1.12, 1.0, 1.0], dtype=F64)
+    P3 = FSAIPreconditioner(X, ard, 1e-3, w=12, cache=cache)
+    assert cache.misses == misses + 1
+    assert torch.equal(P3.G.to_dense(), FSAIPreconditioner(X, ard, 1e-3, w=12).G.to_dense())
+    # scale_rtol = 0: a pattern per distinct vector; a negative tolerance is an error
+    exact = PointCache(X, scale_rtol=0.0)
+    for f in (1.0, 1.0 + 1e-5):
+        ard.lengthscale = base * f
+        FSAIPreconditioner(X, ard, 1e-3, w=12, cache=exact)
+    assert (exact.hits, exact.misses) == (0, 2)
+    with pytest.raises(ValueError, match="scale_rtol"):
+        PointCache(X, scale_rtol=-0.1)
 
 
 # --------------------------------------------------------------------------------------------- fsai_factor
