@@ -12,6 +12,7 @@ best-so-far vs wall time.
 Run:  python examples/bo_large_n.py --quick                       (seconds; the test suite runs it)
       python examples/bo_large_n.py --n-init 5000 --iters 10 --seeds 0,1,2 --threads 2 \\
           --json benchmarks/results/bo_loop.json                     (issue 6 target 2)
+      add --checkpoint DIR to save every iteration and resume an interrupted campaign from DIR
 """
 
 from __future__ import annotations
@@ -41,8 +42,20 @@ def hyper_state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("outcome_transform")}
 
 
+def checkpoint_path(args, method: str, seed: int) -> Path | None:
+    """Where ``--checkpoint`` keeps one campaign's state (data, hyperparameters, records, RNG) between runs."""
+    if not args.checkpoint:
+        return None
+    return Path(args.checkpoint) / f"{method}_n{args.n_init}_q{args.q}_seed{seed}.pt"
+
+
 def run_loop(method: str, seed: int, args) -> dict:
-    """One BO campaign; returns per-iteration records (n, fit_s, acq_s, best) and the chosen points' values."""
+    """One BO campaign; returns per-iteration records (n, fit_s, acq_s, best) and the chosen points' values.
+
+    With ``--checkpoint DIR`` the state after every iteration is saved there, and a later run with the same
+    options resumes from it (same data, hyperparameters and RNG state, so the same iterations follow): a
+    campaign longer than one session can be finished in several. Each record keeps the time of its own iteration.
+    """
     f = Hartmann(dim=6, negate=True)
     bounds = torch.stack([torch.zeros(6), torch.ones(6)]).to(torch.float64)
     X = SobolEngine(6, scramble=True, seed=seed).draw(args.n_init, dtype=torch.float64)
@@ -51,7 +64,13 @@ def run_loop(method: str, seed: int, args) -> dict:
     kw = {"max_cholesky_size": args.max_cholesky_size} if method == "gpnys" else {}
     state, records, wall = None, [], 0.0
     torch.manual_seed(seed)
-    for it in range(args.iters):
+    ckpt = checkpoint_path(args, method, seed)
+    if ckpt is not None and ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        X, Y, state, records, wall = saved["X"], saved["Y"], saved["state"], saved["records"], saved["wall"]
+        torch.set_rng_state(saved["rng"])
+        print(f"  {method:>10} seed {seed}: resumed after iteration {len(records)} from {ckpt}", flush=True)
+    for it in range(len(records), args.iters):
         t0 = time.perf_counter()
         # warm-started gpnys fits skip the subset start (it helps a cold start; from the previous iteration's
         # hyperparameters it would only move away and back)
@@ -77,6 +96,10 @@ def run_loop(method: str, seed: int, args) -> dict:
                        builds=h.builds, posterior_iterations=model.posterior_iterations)
         records.append(rec)
         state = hyper_state(model)
+        if ckpt is not None:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"X": X, "Y": Y, "state": state, "records": records, "wall": wall,
+                        "rng": torch.get_rng_state()}, ckpt)
         print(f"  {method:>10} seed {seed} it {it + 1:2d}: n={rec['n']} fit {rec['fit_s']:7.2f} s, "
               f"acq {rec['acq_s']:6.2f} s, best {rec['best']:.5f}"
               + (f" ({rec.get('precond')}, rank {rec.get('rank')})" if "precond" in rec else ""), flush=True)
@@ -111,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="n-init 120, 2 iterations, gpnys forced on (seconds)")
     ap.add_argument("--n-init", type=int, default=2000)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=None, help="BO iterations (default 10; --quick: 2)")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--methods", default="gpnys,singletask")
     ap.add_argument("--q", type=int, default=1)
@@ -121,11 +144,15 @@ def main(argv: list[str] | None = None) -> dict:
                     help="gpnys's Cholesky threshold (default: GPyTorch's setting, 4096 with BoTorch)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the records here")
+    ap.add_argument("--checkpoint", default=None,
+                    help="directory: save each campaign after every iteration and resume from it when present")
     ap.add_argument("--png", default=None, help="plot path (default: next to --json, else bo_large_n.png)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.n_init, args.iters, args.num_restarts, args.raw_samples = 120, 2, 2, 16
+        args.n_init, args.num_restarts, args.raw_samples = 120, 2, 16
+        args.iters = 2 if args.iters is None else args.iters
         args.max_cholesky_size = 0 if args.max_cholesky_size is None else args.max_cholesky_size
+    args.iters = 10 if args.iters is None else args.iters
     for name in args.methods.split(","):
         if name not in MODELS:
             raise ValueError(f"--methods: unknown model {name!r}; choose from {sorted(MODELS)}")
