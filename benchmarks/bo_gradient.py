@@ -7,8 +7,8 @@ the length-scales ``--lengthscale`` and each noise in ``--noise``. For each nois
 * the exact loss ``-MLL / n`` and gradient by Cholesky (BoTorch's path), and the exact ``tr K̂⁻¹`` and ``αᵀα``
   (``α = K̂⁻¹ (y - m)``, by ``cholesky_inverse``), whose difference is the data part of the noise gradient;
 * the gpnys estimate (``model.preconditioned()``: CG + SLQ with the BO training preconditioner) for each control
-  variate in ``--control-variates`` (``none``: GPyTorch's plain estimate) and each probe seed, and its errors: loss relative error and, per component,
-  ``|g - g*| / max(|g*|, 0.1 ||g*||)`` (issue 4's measure).
+  variate in ``--control-variates`` (``none``: GPyTorch's plain estimate) and each probe seed, and its errors:
+  loss relative error and, per component, ``|g - g*| / max(|g*|, 0.1 ||g*||)`` (issue 4's measure).
 
 When the noise is tiny that difference is a few per cent of either trace, and the Hutchinson estimate of
 ``tr K̂⁻¹`` carries its error into it (docs/bo.md, "The noise gradient at the noise floor").
