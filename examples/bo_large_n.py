@@ -67,7 +67,8 @@ def run_loop(method: str, seed: int, args) -> dict:
     ckpt = checkpoint_path(args, method, seed)
     if ckpt is not None and ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        X, Y, state, records, wall = saved["X"], saved["Y"], saved["state"], saved["records"], saved["wall"]
+        X, Y, state, records = saved["X"], saved["Y"], saved["state"], saved["records"]
+        wall = records[-1]["wall_s"] if records else 0.0
         torch.set_rng_state(saved["rng"])
         print(f"  {method:>10} seed {seed}: resumed after iteration {len(records)} from {ckpt}", flush=True)
     for it in range(len(records), args.iters):
@@ -98,8 +99,7 @@ def run_loop(method: str, seed: int, args) -> dict:
         state = hyper_state(model)
         if ckpt is not None:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"X": X, "Y": Y, "state": state, "records": records, "wall": wall,
-                        "rng": torch.get_rng_state()}, ckpt)
+            torch.save({"X": X, "Y": Y, "state": state, "records": records, "rng": torch.get_rng_state()}, ckpt)
         print(f"  {method:>10} seed {seed} it {it + 1:2d}: n={rec['n']} fit {rec['fit_s']:7.2f} s, "
               f"acq {rec['acq_s']:6.2f} s, best {rec['best']:.5f}"
               + (f" ({rec.get('precond')}, rank {rec.get('rank')})" if "precond" in rec else ""), flush=True)
@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.n_init, args.num_restarts, args.raw_samples = 120, 2, 16
-        args.iters = 2 if args.iters is None else args.iters
         args.max_cholesky_size = 0 if args.max_cholesky_size is None else args.max_cholesky_size
-    args.iters = 10 if args.iters is None else args.iters
+    if args.iters is None:
+        args.iters = 2 if args.quick else 10
     for name in args.methods.split(","):
         if name not in MODELS:
             raise ValueError(f"--methods: unknown model {name!r}; choose from {sorted(MODELS)}")
