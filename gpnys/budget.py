@@ -4,10 +4,16 @@ Kernel products, preconditioner setup (landmark distances, kNN, ``K12`` column b
 reduced-posterior features never hold an ``n x n`` matrix unless it fits; they work on temporary blocks whose
 size comes from here. Two numbers:
 
-* ``block_bytes``: the size of one temporary block (default 32 MiB). Peak memory of a blocked pass is a small
-  multiple of it plus the ``O(n t)`` inputs and outputs.
+* ``block_bytes``: the size of one temporary block (default 32 MiB on CPU; on a CUDA device
+  :data:`CUDA_BLOCK_SHARE` of its free memory, at most :data:`CUDA_MAX_BLOCK_BYTES`). Peak memory of a blocked
+  pass is a small multiple of it plus the ``O(n t)`` inputs and outputs.
 * ``dense_bytes``: the dense kernel matrix ``K(X, X)`` (and, for Matérn, its companion ``k'/r``) is cached when it
-  fits in this many bytes (default 4 GiB); above, every product recomputes row blocks on the fly.
+  fits in this many bytes (default 4 GiB on CPU; on a CUDA device :data:`CUDA_DENSE_SHARE` of its free memory);
+  above, every product recomputes the kernel on the fly.
+
+The CPU defaults suit a workstation's RAM; a GPU has less memory per flop and far more bandwidth, so its defaults
+come from ``torch.cuda.mem_get_info`` of the device the data lives on (pass ``device=``). A value set with
+:func:`memory_budget` applies to every device.
 
 Set them for a block of code with :func:`memory_budget` (a context manager, like ``gpytorch.settings``)::
 
@@ -22,13 +28,23 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-__all__ = ["memory_budget", "block_elems", "block_rows", "block_bytes", "dense_limit_bytes", "DEFAULT_BLOCK_BYTES", "DEFAULT_DENSE_BYTES"]
+import torch
+
+__all__ = ["memory_budget", "block_elems", "block_rows", "block_bytes", "dense_limit_bytes", "DEFAULT_BLOCK_BYTES",
+           "DEFAULT_DENSE_BYTES", "CUDA_BLOCK_SHARE", "CUDA_MAX_BLOCK_BYTES", "CUDA_DENSE_SHARE"]
 
 DEFAULT_BLOCK_BYTES = 32 << 20
 DEFAULT_DENSE_BYTES = 4 << 30
+#: on CUDA, one temporary block takes this share of the device's free memory ...
+CUDA_BLOCK_SHARE = 1 / 16
+#: ... but at most this many bytes (larger blocks stop paying once a tile fills the GPU)
+CUDA_MAX_BLOCK_BYTES = 1 << 30
+#: on CUDA, the dense kernel cache may take this share of the device's free memory
+CUDA_DENSE_SHARE = 0.5
 _ENTRY_BYTES = 8
 
-_state = {"block_bytes": DEFAULT_BLOCK_BYTES, "dense_bytes": DEFAULT_DENSE_BYTES}
+#: ``None``: the device's default (module docstring)
+_state: dict[str, int | None] = {"block_bytes": None, "dense_bytes": None}
 
 
 def _validate(value: int | None, name: str, minimum: int) -> int | None:
@@ -53,22 +69,40 @@ def memory_budget(block_bytes: int | None = None, dense_bytes: int | None = None
         _state.update(old)
 
 
-def block_elems(parts: int = 1) -> int:
+def _cuda_free(device: torch.device | str | None) -> int | None:
+    """Free bytes of ``device`` when it is a CUDA device, else ``None``."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def block_bytes(device: torch.device | str | None = None) -> int:
+    """Size of one temporary block in bytes, for data on ``device`` (``None``: the CPU default)."""
+    if _state["block_bytes"] is not None:
+        return _state["block_bytes"]
+    free = _cuda_free(device)
+    if free is None:
+        return DEFAULT_BLOCK_BYTES
+    return max(DEFAULT_BLOCK_BYTES, min(CUDA_MAX_BLOCK_BYTES, int(free * CUDA_BLOCK_SHARE)))
+
+
+def dense_limit_bytes(device: torch.device | str | None = None) -> int:
+    """Largest dense kernel cache in bytes, for data on ``device`` (``None``: the CPU default)."""
+    if _state["dense_bytes"] is not None:
+        return _state["dense_bytes"]
+    free = _cuda_free(device)
+    return DEFAULT_DENSE_BYTES if free is None else int(free * CUDA_DENSE_SHARE)
+
+
+def block_elems(parts: int = 1, device: torch.device | str | None = None) -> int:
     """Entries of one temporary block, divided among ``parts`` simultaneous buffers (at least 1)."""
-    return max(1, _state["block_bytes"] // (_ENTRY_BYTES * parts))
+    return max(1, block_bytes(device) // (_ENTRY_BYTES * parts))
 
 
-def block_rows(width: int, cap: int | None = None, parts: int = 1) -> int:
+def block_rows(width: int, cap: int | None = None, parts: int = 1, device: torch.device | str | None = None) -> int:
     """Rows of ``width`` entries that fit in one block (:func:`block_elems`), at least 1 and at most ``cap``."""
-    rows = max(1, block_elems(parts) // max(1, width))
+    rows = max(1, block_elems(parts, device) // max(1, width))
     return rows if cap is None else max(1, min(cap, rows))
-
-
-def block_bytes() -> int:
-    """Size of one temporary block in bytes."""
-    return _state["block_bytes"]
-
-
-def dense_limit_bytes() -> int:
-    """Largest dense kernel cache in bytes (see the module docstring)."""
-    return _state["dense_bytes"]

@@ -1,7 +1,34 @@
-import pytest
+import os
+
 import torch
 
+# The Triton kernels run on CPU tensors only under Triton's interpreter, and triton.jit reads TRITON_INTERPRET when a
+# kernel module is imported: set it before any test imports gpnys's Triton backend, unless a GPU runs them compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
 DTYPES = [torch.float32, torch.float64]
+
+#: the device of the ``cuda``-marked suite; ``GPNYS_CUDA_SUITE_DEVICE=cpu`` runs that suite's logic on the CPU
+CUDA_SUITE_DEVICE = os.environ.get("GPNYS_CUDA_SUITE_DEVICE", "cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``cuda``-marked tests where their device is missing (CI never has a GPU)."""
+    if CUDA_SUITE_DEVICE != "cuda" or torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (pytest -m cuda on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cuda_device():
+    """The ``cuda`` suite's device (:data:`CUDA_SUITE_DEVICE`)."""
+    return torch.device(CUDA_SUITE_DEVICE)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,6 +1,6 @@
-"""KeOps reductions of StationaryKernelOperator (gpnys.kernels.keops), forced on the CPU.
+"""KeOps reductions of StationaryKernelOperator (gpnys.kernels.backends.keops), forced on the CPU.
 
-The operator picks KeOps by itself only on CUDA devices (none here); ``keops=True`` runs the same formulas through
+The operator never picks KeOps by itself (pykeops segfaults on CUDA 13); ``keops=True`` runs the same formulas through
 KeOps's CPU backend, which is what these tests compare with the torch tiles and GPyTorch's dense kernel. Skipped
 when pykeops is not installed (it is an optional dependency: ``pip install pykeops``; it compiles each formula
 with the system C++ compiler on first use).
@@ -51,8 +51,8 @@ def test_keops_product_and_derivative_match_the_torch_tiles(name, dtype):
 def test_keops_is_off_on_cpu_by_default_and_validated(monkeypatch):
     X = torch.rand(20, 3, dtype=torch.float64)
     op, _ = build(X, "rbf", None)
-    assert op.keops is False  # CPU: torch tiles unless forced
-    from gpnys.kernels import keops
+    assert op.keops is False  # never chosen unless forced
+    from gpnys.kernels.backends import keops
 
     monkeypatch.setattr(keops, "available", lambda: False)
     base = gpytorch.kernels.RBFKernel().double()

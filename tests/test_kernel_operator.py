@@ -20,6 +20,7 @@ from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import EstimatorSettings, use_preconditioner
 from gpnys.kernels import KERNEL_NAMES
 from gpnys.kernels import make_kernel as make_scale_kernel
+from gpnys.kernels.backends.torch_tiles import TorchTiles
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 
 NAMES = list(KERNEL_NAMES)  # rbf, matern12, matern32, matern52
@@ -278,13 +279,13 @@ def test_cache_is_reused_and_refreshed_on_a_new_lengthscale(monkeypatch):
     X = inputs(dtype)
     kern = kernel_at("matern52", True, dtype)
     computed_rows = []
-    original_rows = StationaryKernelOperator._rows
+    original_fill = TorchTiles.fill
 
-    def counting_rows(self, Zr, Zc, sq, rows, cols, out, scratch):
+    def counting_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax):
         computed_rows.append(rows.stop - rows.start)
-        return original_rows(self, Zr, Zc, sq, rows, cols, out, scratch)
+        return original_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax)
 
-    monkeypatch.setattr(StationaryKernelOperator, "_rows", counting_rows)
+    monkeypatch.setattr(TorchTiles, "fill", counting_fill)
     cache = {}
     first = operator(X, kern, cache=cache)
     K1, H1 = first._dense()

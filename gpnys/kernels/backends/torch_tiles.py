@@ -1,0 +1,153 @@
+"""The torch backend: the kernel recomputed in row tiles (or cutoff-plan leaf tiles), in place.
+
+Each tile ``K[rows, cols]`` (and ``H = k'/r`` for Matérn) is written into reused workspace buffers, then
+multiplied (product) or weighted and reduced (derivative sums, :mod:`gpnys.kernels.backends`). Distances use the
+expanded form ``|z_i|^2 + |z_j|^2 - 2 z_i . z_j`` (one GEMM per tile, the fastest form on CPU) with the diagonal
+set to zero exactly. The dense cache of :class:`~gpnys.kernels.operator.StationaryKernelOperator` is filled with
+the same :meth:`TorchTiles.fill`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+
+from gpnys.budget import block_elems, block_rows
+from gpnys.kernels.backends import KernelBackend
+from gpnys.kernels.cutoff import LeafPlan
+from gpnys.kernels.formulas import Formula
+
+__all__ = ["TorchTiles", "k_and_h_inplace", "Tile"]
+
+#: ``(rows, cols, K_tile, H_tile, Z_rows, Z_cols)``: ``rows`` a slice, ``cols`` a slice or an ascending index
+#: tensor of working-order positions; ``H_tile`` is ``None`` for RBF (``H = -K``)
+Tile = tuple[slice, Any, torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor]
+
+
+def k_and_h_inplace(r: torch.Tensor, f: Formula, k: torch.Tensor, h: torch.Tensor | None) -> None:
+    """Write ``k(r)`` and ``k'(r) / r`` of the unit kernel into ``k`` and ``h`` (``r`` is overwritten).
+
+    The formulas of :mod:`gpnys.kernels.formulas`, hand-fused in place and without temporaries: on CPU these
+    elementwise passes over ``n x n`` are memory-bound and a fresh ``(b, n)`` allocation per block costs more than
+    the arithmetic (page faults: a per-block ``r.neg()`` was half of a matmul's time). RBF has ``h = -k``, so its
+    ``h`` is neither computed nor stored (``None``)."""
+    if f.rbf:
+        torch.exp(r.square_().mul_(-0.5), out=k)
+    elif f.singular:  # Matérn-1/2: k = e^{-r}, h = -e^{-r} / r
+        torch.exp(r.neg_(), out=k)
+        tiny = torch.finfo(r.dtype).tiny
+        torch.div(k, r.clamp_(max=-tiny), out=h)  # -exp(-r) / r, with r = -r here
+        h.masked_fill_(r >= -tiny, 0.0)
+    elif len(f.p) == 2:  # Matérn-3/2: k = (1 + a) e^{-a}, h = -c^2 e^{-a}
+        r.mul_(-f.c)  # r = -a
+        torch.exp(r, out=h)  # e = exp(-a)
+        torch.addcmul(h, r, h, value=-1.0, out=k)  # (1 + a) e
+        h.mul_(f.c2 * f.q[0])
+    else:  # Matérn-5/2: k = (1 + a + a^2/3) e^{-a}, h = -(c^2/3)(1 + a) e^{-a}
+        r.mul_(f.c)  # a
+        torch.exp(torch.neg(r, out=k), out=k)  # e (k is scratch)
+        torch.addcmul(k, r, k, out=h)  # (1 + a) e
+        torch.addcmul(h, r.square_(), k, value=f.p[2], out=k)  # (1 + a + a^2/3) e
+        h.mul_(f.c2 * f.q[0])
+
+
+class TorchTiles(KernelBackend):
+    """Tiles of ``k(Z, Z)`` recomputed with torch ops (module docstring); runs on any device."""
+
+    name = "torch"
+
+    # -- tiles --------------------------------------------------------------------------------------------
+    def fill(self, Zr: torch.Tensor, Zc: torch.Tensor, sq: torch.Tensor, rows: slice, cols: slice | torch.Tensor,
+             out: tuple[torch.Tensor, torch.Tensor | None], scratch: torch.Tensor,
+             zmax: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write ``(k, h)`` of the tile ``rows`` x ``cols`` with coordinates ``(Zr, Zc)`` (:meth:`coords`;
+        ``sq = |z|^2`` per point and ``zmax = max |z|``, used on full-width tiles) into ``out``, two
+        ``(|rows|, |cols|)`` blocks (``h`` is ``None`` for RBF); ``scratch`` (same shape) holds the distances.
+        Reusing the caller's buffers keeps a pass free of ``(b, n)`` allocations (glibc keeps and re-faults freed
+        blocks: slower, and the peak RSS grows by the retained blocks)."""
+        with torch.no_grad():
+            full = isinstance(cols, slice)
+            singular = self.formula.singular
+            if full:
+                sr, sc = sq[rows], sq
+            else:
+                sr, sc = Zr.square().sum(1), Zc.square().sum(1)
+                zmax = float(sc.max().sqrt()) if singular else 0.0
+            R = torch.addmm(sc[None, :], Zr, Zc.mT, alpha=-2.0, out=scratch)
+            R.add_(sr[:, None]).clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
+            # ... leaves ~sqrt(eps) |z| on the diagonal
+            if full:
+                R.diagonal(offset=rows.start).zero_()
+            else:  # a leaf's own positions form one ascending run of `cols`
+                q0, q1 = (int(q) for q in torch.searchsorted(cols, cols.new_tensor([rows.start, rows.stop])))
+                R[cols[q0:q1] - rows.start, torch.arange(q0, q1, device=R.device)] = 0.0
+            if singular:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
+                R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * zmax, 0.0)
+            k_and_h_inplace(R, self.formula, *out)
+            return out
+
+    @staticmethod
+    def coords(Z: torch.Tensor, rows: slice, cols: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Z[rows], Z[cols])``; a cutoff tile (``cols`` an index tensor) is centred on its leaf, so that
+        ``|z| ~`` the cutoff radius rather than the data's extent: the expanded forms of the distance and of the
+        length-scale derivative then lose ``eps |z|^2`` relative to a small ``|z|``."""
+        if isinstance(cols, slice):
+            return Z[rows], Z[cols]
+        Zr = Z[rows]
+        c = Zr.mean(0)
+        return Zr - c, Z[cols] - c
+
+    def tiles(self, Z: torch.Tensor, plan: LeafPlan | None) -> Iterator[Tile]:
+        """Recomputed tiles covering ``k(Z, Z)`` (every pair, or the plan's leaf pairs); each is a view of one
+        workspace, valid until the next is yielded."""
+        n = Z.shape[0]
+        if plan is None:
+            bs = block_rows(n, cap=n, device=Z.device)
+            shapes: Any = [(slice(a, min(a + bs, n)), slice(None)) for a in range(0, n, bs)]
+            size = bs * n
+        else:
+            width = max(1, block_elems(device=Z.device) // plan.leaf)  # a leaf's columns in chunks of at most one block
+            shapes = ((plan.rows(i), c) for i in range(plan.num_leaves) for c in plan.cols(i).split(width))
+            size = plan.leaf * min(width, n)
+        sq = Z.square().sum(1)
+        zmax = float(Z.abs().max()) if Z.numel() else 0.0
+        buffers = [Z.new_empty(size) for _ in range(2 if self.formula.rbf else 3)]
+        for rows, cols in shapes:
+            m, w = rows.stop - rows.start, (n if isinstance(cols, slice) else cols.shape[0])
+            scratch, Kt, *Ht = (b[: m * w].view(m, w) for b in buffers)
+            Zr, Zc = self.coords(Z, rows, cols)  # once per tile: the derivative reuses them
+            yield (rows, cols, *self.fill(Zr, Zc, sq, rows, cols, (Kt, Ht[0] if Ht else None), scratch, zmax),
+                   Zr, Zc)
+
+    # -- the two passes -----------------------------------------------------------------------------------
+    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
+        out = torch.zeros_like(R)
+        for rows, cols, Kt, *_ in self.tiles(Z, plan):
+            out[rows].addmm_(Kt, R[cols])
+        return out
+
+    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
+                        plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weighted_sums(Z, self.tiles(Z, plan), lambda rows, cols: U[rows] @ V[cols].mT)
+
+    @staticmethod
+    def weighted_sums(Z: torch.Tensor, tiles: Iterator[Tile],
+                      weight: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum_ij W_ij K_ij, [sum_ij W_ij H_ij (z_id - z_jd)^2]_d)`` over ``tiles`` for a weight matrix given
+        by tiles (``weight(rows, cols)``, overwritten here); in at least float64."""
+        # The expanded form below subtracts two sums of size ~|z|^2 whose difference is ~|z_i - z_j|^2: it is
+        # accumulated in (at least) float64, or float32 loses digits once |z| >> the weighted pairs' distances.
+        acc = torch.promote_types(Z.dtype, torch.float64)
+        s = Z.new_zeros((), dtype=acc)
+        g = Z.new_zeros(Z.shape[1], dtype=acc)
+        for rows, cols, Kt, Ht, Zr, Zc in tiles:
+            W = weight(rows, cols)  # (|rows|, |cols|)
+            s = s + (W[:, None, :] @ Kt[:, :, None]).sum(dtype=acc)  # row dots: no (b, n) temporary
+            A = W.mul_(Kt).neg_() if Ht is None else W.mul_(Ht)  # RBF: A = W o H = -(W o K)
+            A = A.to(acc)
+            Zr, Zc = Zr.to(acc), Zc.to(acc)
+            g += ((A.sum(1)[:, None] * Zr.square()).sum(0) + (A.sum(0)[:, None] * Zc.square()).sum(0)
+                  - 2.0 * (Zr * (A @ Zc)).sum(0))
+        return s, g

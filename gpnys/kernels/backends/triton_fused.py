@@ -1,0 +1,125 @@
+"""The Triton backend: launches the fused kernels of :mod:`.triton_kernels` (CUDA; CPU tensors under the interpreter).
+
+Tiles are ``BLOCK = 64`` points square, the cutoff plan's leaf size, so a block-sparse pass walks the plan's CSR
+leaf lists directly. Right-hand sides go in column blocks of ``BT = 16 .. 64``. float32 tile products use full
+FP32 (``input_precision="ieee"``) unless TF32 is asked for; float64 runs in FP64 throughout.
+
+Numerical trouble cannot be silent: if a kernel fails to compile or launch (say, an FP64 ``tl.dot`` on a GPU or a
+Triton build without it), :class:`TritonBackend` warns once and answers with the torch tiles instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from gpnys.kernels.backends import KernelBackend
+from gpnys.kernels.cutoff import LeafPlan
+
+__all__ = ["TritonBackend", "BLOCK"]
+
+#: points per tile side (= :attr:`StationaryKernelOperator.LEAF`, the cutoff plan's leaf)
+BLOCK = 64
+
+#: (device type, dtype) pairs whose kernels failed: answered by the torch tiles from then on
+_FAILED: set[tuple[str, torch.dtype]] = set()
+
+
+def _pow2(x: int, lo: int, hi: int) -> int:
+    p = lo
+    while p < x and p < hi:
+        p *= 2
+    return p
+
+
+class TritonBackend(KernelBackend):
+    """Fused Triton products and derivative sums (module docstring)."""
+
+    name = "triton"
+
+    def _constants(self, dtype: torch.dtype) -> dict[str, Any]:
+        import triton.language as tl
+
+        f = self.formula
+        p = f.p + (0.0,) * (3 - len(f.p))
+        q = f.q + (0.0,) * (2 - len(f.q))
+        if len(f.p) > 3 or len(f.q) > 2:  # pragma: no cover - the table has degree <= 2
+            raise ValueError("the Triton kernels take kernel polynomials of degree <= 2")
+        prec = "tf32" if self.tf32 and dtype == torch.float32 else "ieee"
+        return dict(DT=tl.float64 if dtype == torch.float64 else tl.float32, PREC=prec, RBF=f.rbf,
+                    SINGULAR=f.singular, C=f.c, C2=f.c2, P0=p[0], P1=p[1], P2=p[2], NP=max(1, len(f.p)),
+                    Q0=q[0], Q1=q[1], NQ=max(1, len(f.q)))
+
+    @staticmethod
+    def _lists(Z: torch.Tensor, plan: LeafPlan | None) -> tuple[bool, torch.Tensor, torch.Tensor, int]:
+        nblocks = -(-Z.shape[0] // BLOCK)
+        if plan is None:
+            dummy = torch.zeros(1, dtype=torch.int64, device=Z.device)
+            return False, dummy, dummy, nblocks
+        if plan.leaf != BLOCK:
+            raise ValueError(f"the Triton backend needs a cutoff plan with leaf {BLOCK}, got {plan.leaf}")
+        ptr = getattr(plan, "near_ptr_t", None)
+        if ptr is None:
+            ptr = torch.tensor(plan.near_ptr, dtype=torch.int64, device=Z.device)
+        return True, ptr.to(Z.device), plan.near_idx.to(device=Z.device, dtype=torch.int64), nblocks
+
+    def _fallback(self, Z: torch.Tensor, err: Exception):
+        from gpnys.kernels.backends.torch_tiles import TorchTiles
+
+        key = (Z.device.type, Z.dtype)
+        if key not in _FAILED:
+            _FAILED.add(key)
+            warnings.warn(f"Triton kernel failed for {Z.dtype} on {Z.device.type} ({type(err).__name__}: {err}); "
+                          "using the torch tiles instead", RuntimeWarning, stacklevel=4)
+        return TorchTiles(self.formula, self.tf32)
+
+    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
+        if (Z.device.type, Z.dtype) in _FAILED:
+            return self._fallback(Z, RuntimeError("earlier failure")).matmul(Z, R, plan)
+        try:
+            return self._matmul(Z, R, plan)
+        except Exception as err:  # compile / launch errors surface as many types (CompilationError, ...)
+            return self._fallback(Z, err).matmul(Z, R, plan)
+
+    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
+                        plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if (Z.device.type, Z.dtype) in _FAILED:
+            return self._fallback(Z, RuntimeError("earlier failure")).derivative_sums(Z, U, V, plan)
+        try:
+            return self._derivative_sums(Z, U, V, plan)
+        except Exception as err:
+            return self._fallback(Z, err).derivative_sums(Z, U, V, plan)
+
+    def _matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
+        from gpnys.kernels.backends.triton_kernels import kv_kernel
+
+        n, d = Z.shape
+        t = R.shape[1]
+        Z, R = Z.contiguous(), R.to(Z.dtype).contiguous()
+        out = torch.empty_like(R)
+        if n == 0 or t == 0:
+            return out.zero_()
+        sparse, ptr, idx, nblocks = self._lists(Z, plan)
+        bt = _pow2(t, 16, 64)
+        grid = (nblocks, -(-t // bt))
+        kv_kernel[grid](Z, R, out, n, d, t, ptr, idx, nblocks, SPARSE=sparse, BLOCK=BLOCK, BT=bt,
+                        **self._constants(Z.dtype))
+        return out
+
+    def _derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
+                         plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+        from gpnys.kernels.backends.triton_kernels import derivative_kernel
+
+        n, d = Z.shape
+        t = U.shape[1]
+        Z, U, V = Z.contiguous(), U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
+        sparse, ptr, idx, nblocks = self._lists(Z, plan)
+        dp = _pow2(d, 1, 1 << 30)
+        s = torch.zeros(nblocks, dtype=torch.float64, device=Z.device)
+        g = torch.zeros(nblocks, dp, dtype=torch.float64, device=Z.device)
+        if n and t:
+            derivative_kernel[(nblocks,)](Z, U, V, s, g, n, d, t, ptr, idx, nblocks, SPARSE=sparse, BLOCK=BLOCK,
+                                          BT=_pow2(t, 16, 32), DP=dp, **self._constants(Z.dtype))
+        return s.sum(), g.sum(0)[:d]

@@ -1,0 +1,257 @@
+"""Kernel compute backends (gpnys.kernels.backends) and the formula table (gpnys.kernels.formulas).
+
+The Triton kernels run here on CPU tensors through Triton's interpreter (conftest sets ``TRITON_INTERPRET=1`` when
+there is no GPU); the ``cuda``-marked tests run the compiled kernels on a GPU. References are GPyTorch's dense
+kernel and autograd through it.
+"""
+
+import copy
+import math
+import warnings
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys import memory_budget
+from gpnys.kernels import make_kernel
+from gpnys.kernels import backends
+from gpnys.kernels.backends import keops as keops_backend
+from gpnys.kernels.backends import select_backend
+from gpnys.kernels.backends.torch_tiles import k_and_h_inplace
+from gpnys.kernels.cutoff import cutoff_radius
+from gpnys.kernels.formulas import FORMULAS, formula, k_and_h, unit_kernel
+from gpnys.kernels.operator import StationaryKernelOperator
+
+pytest.importorskip("triton")
+
+NAMES = ["rbf", "matern12", "matern32", "matern52"]
+NUS = {"rbf": None, "matern12": 0.5, "matern32": 1.5, "matern52": 2.5}
+TOL = {torch.float32: 5e-5, torch.float64: 1e-11}
+GTOL = {torch.float32: 2e-4, torch.float64: 1e-9}
+
+
+# -- the formula table -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_formulas_match_gpytorch_and_their_derivative(name):
+    r = torch.linspace(0.0, 6.0, 301, dtype=torch.float64)[1:]
+    base = make_kernel(name).base_kernel.double()
+    base.lengthscale = 1.0
+    with torch.no_grad():
+        ref = base(torch.zeros(1, 1, dtype=torch.float64), r[:, None]).to_dense()[0]
+    k, h = k_and_h(r.square(), NUS[name])
+    torch.testing.assert_close(k, ref, rtol=1e-13, atol=1e-15)
+    rr = r.clone().requires_grad_(True)
+    kk, _ = k_and_h(rr.square(), NUS[name])
+    (dk,) = torch.autograd.grad(kk.sum(), rr)
+    torch.testing.assert_close(h, dk / r, rtol=1e-10, atol=1e-14)  # h = k'(r) / r
+    assert all(math.isclose(unit_kernel(float(x), NUS[name]), float(y), rel_tol=1e-13) for x, y in zip(r, k))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inplace_tiles_agree_with_the_table(name, dtype):
+    r = torch.linspace(0.0, 8.0, 257, dtype=dtype)
+    f = formula(NUS[name])
+    k_ref, h_ref = k_and_h(r.square(), NUS[name])
+    k, h = torch.empty_like(r), (None if f.rbf else torch.empty_like(r))
+    k_and_h_inplace(r.clone(), f, k, h)
+    torch.testing.assert_close(k, k_ref, rtol=10 * torch.finfo(dtype).eps, atol=0)
+    if h is not None:
+        if f.singular:  # the pole of Matérn-1/2 is stored as 0
+            h_ref = torch.where(r > 0, h_ref, torch.zeros_like(h_ref))
+        torch.testing.assert_close(h, h_ref, rtol=10 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_formula_rejects_other_smoothness():
+    with pytest.raises(ValueError, match="nu"):
+        formula(3.5)
+    assert set(FORMULAS) == {None, 0.5, 1.5, 2.5}
+    assert cutoff_radius(1.5, 1e-16) > cutoff_radius(None, 1e-16) > 0
+
+
+# -- choosing the backend --------------------------------------------------------------------------------------
+def test_selection_is_torch_on_cpu_triton_on_cuda_and_never_keops(monkeypatch):
+    monkeypatch.setattr(keops_backend, "available", lambda: True)  # even with pykeops installed
+    assert select_backend(torch.device("cpu")) == "torch"
+    assert select_backend(torch.device("cuda", 0)) == "triton"  # only inspects the device type
+    monkeypatch.setattr(backends, "triton_available", lambda: False)
+    assert select_backend(torch.device("cuda")) == "torch"
+    assert select_backend("cpu", "keops") == "keops"
+
+
+def test_selection_errors(monkeypatch):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        select_backend("cpu", "cuda")
+    monkeypatch.setattr(keops_backend, "available", lambda: False)
+    with pytest.raises(ValueError, match="pykeops"):
+        select_backend("cpu", "keops")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        select_backend("cpu", "triton")
+    X = torch.rand(10, 2, dtype=torch.float64)
+    base = gpytorch.kernels.RBFKernel().double()
+    with pytest.raises(ValueError, match="contradicts"):
+        StationaryKernelOperator(X, torch.tensor(1.0, dtype=torch.float64), base.lengthscale, base=base, cache={},
+                                 keops=True, backend="torch")
+
+
+# -- the Triton kernels against dense references ---------------------------------------------------------------
+def setup(name, dtype, ard, n=150, spread=5.0, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    X = (torch.rand(n, 3, generator=g, dtype=torch.float64) * spread + 2.0).to(dtype)
+    U = torch.randn(n, 5, generator=g, dtype=torch.float64).to(dtype)
+    V = torch.randn(n, 5, generator=g, dtype=torch.float64).to(dtype)
+    kern = make_kernel(name, 3 if ard else None).to(dtype)
+    kern.outputscale = 1.3
+    kern.base_kernel.lengthscale = torch.tensor([0.5, 0.8, 1.1]) if ard else 0.7
+    return X.to(device), U.to(device), V.to(device), kern.to(device)
+
+
+def op_for(X, kern, backend, prune_tol=0.0, **kw):
+    return StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel,
+                                    cache={}, backend=backend, prune_tol=prune_tol, dense_limit_bytes=0, **kw)
+
+
+def autograd_reference(X, kern, U, V, name):
+    """``sum_t u_t^T K v_t`` and its gradient in (outputscale, lengthscale), through GPyTorch's dense unit kernel in
+    float64 at ``X / l`` (so the reference's own rounding is negligible)."""
+    unit = make_kernel(name).base_kernel.to(X.device).double()
+    unit.lengthscale = 1.0
+    s2 = kern.outputscale.detach().double().clone().requires_grad_(True)
+    ls = kern.base_kernel.lengthscale.detach().double().clone().requires_grad_(True)
+    X64, U64, V64 = X.double(), U.double(), V.double()
+    Z = X64 / ls.reshape(-1)
+    if name == "matern12":  # GPyTorch's distance has an infinite derivative at r = 0: explicit differences
+        r2 = (Z[:, None, :] - Z[None, :, :]).square().sum(-1)
+        r = torch.where(r2 > 0, r2.clamp_min(1e-300).sqrt(), torch.zeros_like(r2))
+        K = s2 * torch.exp(-r)
+    else:
+        K = s2 * unit(Z).to_dense()
+    loss = (U64 * (K @ V64)).sum()
+    g_s2, g_ls = torch.autograd.grad(loss, [s2, ls])
+    with torch.no_grad():
+        return K.detach(), g_s2, g_ls
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("ard", [False, True], ids=["iso", "ard"])
+def test_triton_product_and_derivative_match_dense_autograd(name, ard, dtype):
+    X, U, V, kern = setup(name, dtype, ard)
+    K, g_s2, g_ls = autograd_reference(X, kern, U, V, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to the torch tiles would warn
+        op = op_for(X, kern, "triton")
+        assert op.backend.name == "triton" and op.plan() is None
+        with torch.no_grad():
+            KV = op.matmul(V)
+        _, d_s2, d_ls = op._bilinear_derivative(U, V)
+    ref = K @ V.double()
+    assert KV.dtype == dtype and d_s2.dtype == dtype
+    assert float((KV.double() - ref).abs().max()) <= TOL[dtype] * float(ref.abs().max())
+    assert float((d_s2.double() - g_s2).abs()) <= GTOL[dtype] * float(g_s2.abs())
+    assert d_ls.shape == kern.base_kernel.lengthscale.shape
+    assert float((d_ls.double() - g_ls).abs().max()) <= GTOL[dtype] * float(g_ls.abs().max())
+
+
+@pytest.mark.parametrize("name", ["rbf", "matern32"])
+def test_triton_block_sparse_plan_matches_torch_tiles_and_dense(name, dtype):
+    """Points spread far beyond the cutoff radius: the plan skips leaf pairs, on both backends alike."""
+    g = torch.Generator().manual_seed(3)
+    n = 400
+    X = (torch.rand(n, 2, generator=g, dtype=torch.float64) * torch.tensor([300.0, 4.0])).to(dtype)
+    V = torch.randn(n, 3, generator=g, dtype=torch.float64).to(dtype)
+    kern = make_kernel(name).to(dtype)
+    kern.outputscale = 0.9
+    kern.base_kernel.lengthscale = 1.0
+    tri = op_for(X, kern, "triton", prune_tol=None)
+    tor = op_for(X, kern, "torch", prune_tol=None)
+    plan = tri.plan()
+    assert plan is not None and plan.fraction < 0.75
+    with torch.no_grad():
+        ref = copy.deepcopy(kern).double()(X.double()).to_dense() @ V.double()  # float64: |x| ~ 300
+        a, b = tri.matmul(V), tor.matmul(V)
+    scale = float(ref.abs().max())
+    assert float((a.double() - ref).abs().max()) <= TOL[dtype] * scale
+    assert float((a.double() - b.double()).abs().max()) <= TOL[dtype] * scale
+    _, ts2, tls = tri._bilinear_derivative(V, V)
+    _, ps2, pls = tor._bilinear_derivative(V, V)
+    assert float((ts2 - ps2).abs()) <= GTOL[dtype] * float(ps2.abs())
+    assert float((tls - pls).abs()) <= GTOL[dtype] * float(pls.abs())
+
+
+def test_triton_odd_shapes_and_repeatability():
+    """n not a multiple of the tile, one right-hand side, more columns than one column block, duplicate points;
+    the same inputs give bitwise the same outputs."""
+    X, _, _, kern = setup("matern12", torch.float64, True, n=70)
+    X[5] = X[6]  # coincident points: h's pole must not leak
+    g = torch.Generator().manual_seed(1)
+    for t in (1, 70):
+        V = torch.randn(70, t, generator=g, dtype=torch.float64)
+        op = op_for(X, kern, "triton")
+        with torch.no_grad():
+            ref = kern(X).to_dense() @ V
+            out = op.matmul(V)
+            again = op_for(X, kern, "triton").matmul(V)
+        assert float((out - ref).abs().max()) <= 1e-12 * float(ref.abs().max())
+        assert torch.equal(out, again)
+        d1 = op._bilinear_derivative(V, V)
+        d2 = op_for(X, kern, "triton")._bilinear_derivative(V, V)
+        assert torch.isfinite(d1[2]).all() and torch.equal(d1[1], d2[1]) and torch.equal(d1[2], d2[2])
+
+
+def test_triton_failure_warns_and_falls_back_to_torch(monkeypatch):
+    from gpnys.kernels.backends import triton_fused
+
+    X, U, V, kern = setup("rbf", torch.float64, False, n=40)
+    monkeypatch.setattr(triton_fused, "_FAILED", set())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no FP64 dot here")
+
+    monkeypatch.setattr(triton_fused.TritonBackend, "_matmul", broken)
+    op = op_for(X, kern, "triton")
+    with pytest.warns(RuntimeWarning, match="torch tiles"), torch.no_grad():
+        out = op.matmul(V)
+    with torch.no_grad():
+        torch.testing.assert_close(out, kern(X).to_dense() @ V, rtol=1e-12, atol=1e-12)
+
+
+def test_tf32_is_opt_in():
+    X, _, V, kern = setup("rbf", torch.float32, False, n=40)
+    assert op_for(X, kern, "triton").backend._constants(torch.float32)["PREC"] == "ieee"
+    op = op_for(X, kern, "triton", tf32=True)
+    assert op.backend._constants(torch.float32)["PREC"] == "tf32"
+    assert op.backend._constants(torch.float64)["PREC"] == "ieee"
+    with torch.no_grad():  # the interpreter computes in full precision; on a GPU TF32 is ~1e-3 relative
+        ref = kern(X).to_dense() @ V
+        assert float((op.matmul(V) - ref).abs().max()) <= 1e-2 * float(ref.abs().max())
+
+
+def test_budget_is_device_aware(monkeypatch):
+    from gpnys import budget
+
+    assert budget.dense_limit_bytes("cpu") == budget.DEFAULT_DENSE_BYTES == budget.dense_limit_bytes()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 << 30, 80 << 30))
+    assert budget.dense_limit_bytes("cuda") == int((40 << 30) * budget.CUDA_DENSE_SHARE)
+    assert budget.block_bytes("cuda") == min(budget.CUDA_MAX_BLOCK_BYTES, int((40 << 30) * budget.CUDA_BLOCK_SHARE))
+    with memory_budget(dense_bytes=123, block_bytes=800):  # an explicit budget applies to every device
+        assert budget.dense_limit_bytes("cuda") == 123 and budget.block_bytes("cuda") == 800
+
+
+# -- the same on a GPU, compiled ------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_triton_matches_dense_autograd(name, dtype, cuda_device):
+    X, U, V, kern = setup(name, dtype, True, n=700, device=cuda_device)
+    K, g_s2, g_ls = autograd_reference(X, kern, U, V, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        op = op_for(X, kern, None)
+        assert op.backend.name == ("triton" if cuda_device.type == "cuda" else "torch")
+        with torch.no_grad():
+            KV = op.matmul(V)
+        _, d_s2, d_ls = op._bilinear_derivative(U, V)
+    ref = K @ V.double()
+    assert float((KV.double() - ref).abs().max()) <= TOL[dtype] * float(ref.abs().max())
+    assert float((d_s2.double() - g_s2).abs()) <= GTOL[dtype] * float(g_s2.abs())
+    assert float((d_ls.double() - g_ls).abs().max()) <= GTOL[dtype] * float(g_ls.abs().max())
