@@ -40,12 +40,34 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", choices=sorted(KERNEL_NAMES), default="matern32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
-    p.add_argument("--device", default=None, help="torch device (default: cpu)")
+    p.add_argument("--device", default=None,
+                   help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu); on CUDA the kernel products run as fused "
+                        "Triton kernels")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--block-mib", type=int, default=None,
-                   help="memory budget: MiB per temporary block (default 32; gpnys.memory_budget)")
+                   help="memory budget: MiB per temporary block (default 32 on CPU, 1/16 of the free GPU memory "
+                        "up to 1024 on CUDA; gpnys.memory_budget)")
     p.add_argument("--dense-gib", type=float, default=None,
-                   help="memory budget: cache the dense kernel up to this many GiB, else on the fly (default 4)")
+                   help="memory budget: cache the dense kernel up to this many GiB, else on the fly (default 4 on "
+                        "CPU, half the free GPU memory on CUDA)")
+
+
+def parse_device(text: str | None) -> torch.device | None:
+    """``--device``: a torch device that exists here (``ValueError`` naming the flag otherwise)."""
+    if text is None:
+        return None
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device: not a torch device: {text!r} (e.g. cpu, cuda, cuda:0)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {text}: only cpu and cuda devices are supported")
+    return device
 
 
 def _plain(obj: Any) -> Any:
@@ -69,6 +91,11 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
                    help="probe distribution (covariance P either way)")
     p.add_argument("--control-variate", choices=("auto", "diag", "frozen", "full", "none"), default=EstimatorSettings.control_variate,
                    help="log-det gradient control variate for AFN ('none' also disables it for Nyström)")
+    p.add_argument("--kernel-backend", choices=("auto", "torch", "triton", "keops"), default="auto",
+                   help="on-the-fly kernel products: auto = fused Triton kernels on CUDA, torch tiles on CPU; keops "
+                        "only on request")
+    p.add_argument("--tf32", action="store_true",
+                   help="let float32 Triton tile products use TF32 tensor cores (about 1e-3 relative error)")
     p.add_argument("--prune-tol", type=float, default=None,
                    help="skip kernel blocks whose entries are all below this (times the outputscale) when the kernel "
                         "is recomputed on the fly (default: machine epsilon; 0: compute every entry)")
@@ -84,7 +111,9 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
     cv = args.control_variate
     settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes, lanczos_steps=args.lanczos_steps,
                                  probes=args.probe_dist, variance_reduction=cv != "none",
-                                 control_variate="auto" if cv == "none" else cv, kernel_prune_tol=args.prune_tol)
+                                 control_variate="auto" if cv == "none" else cv, kernel_prune_tol=args.prune_tol,
+                                 kernel_backend=None if args.kernel_backend == "auto" else args.kernel_backend,
+                                 kernel_tf32=args.tf32)
     return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
 
 

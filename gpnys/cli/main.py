@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from gpnys.budget import memory_budget
 from gpnys.cli import fit, mll, pcg, reduce
+from gpnys.cli.common import parse_device
 
 #: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
 SUBCOMMANDS = [fit, pcg, mll, reduce]
@@ -37,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "device"):
+            args.device = parse_device(args.device)
         with memory_budget(**budget_from_args(args)):
             return int(args._run(args) or 0)
     except ValueError as exc:

@@ -17,6 +17,7 @@ from gpnys.cli.common import (
 )
 from gpnys.gp.higp_adapter import evaluate_higp  # imports higp itself only when called
 from gpnys.gp.mll import METHODS, evaluate, grad_errors
+from gpnys.kernels.backends import select_backend
 from gpnys.kernels.operator import caches_dense
 
 NAME = "mll"
@@ -44,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
               "noise": args.noise}
     records, ref = [], None
     n = ds.train_x.shape[0]
-    storage = {"kernel_storage": "dense" if caches_dense(n, ds.train_x.element_size(), args.kernel != "rbf")
-               else "on-the-fly", "block_bytes": budget.block_bytes(), "dense_bytes": budget.dense_limit_bytes()}
+    dev = ds.train_x.device
+    storage = {"kernel_storage": "dense" if caches_dense(n, ds.train_x.element_size(), args.kernel != "rbf", device=dev)
+               else "on-the-fly", "block_bytes": budget.block_bytes(dev), "dense_bytes": budget.dense_limit_bytes(dev),
+               "kernel_backend": select_backend(dev, settings.kernel_backend)}
     for method in args.method:
         if method == "higp":
             if importlib.util.find_spec("higp") is None:
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"data: {ds.describe()}; kernel {args.kernel}, lengthscale {args.lengthscale}, "
           f"outputscale {args.outputscale}, noise {args.noise}")
     print(f"gpnys kernel operator: {storage['kernel_storage']} (dense cache limit {storage['dense_bytes'] / 2**30:g} GiB, "
-          f"blocks of {storage['block_bytes'] / 2**20:g} MiB)")
+          f"blocks of {storage['block_bytes'] / 2**20:g} MiB, {storage['kernel_backend']} backend)")
     for rec in records:
         if "skipped" in rec:
             print(f"{rec['method']:9s} skipped: {rec['skipped']}")

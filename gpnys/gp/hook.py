@@ -83,8 +83,10 @@ class EstimatorSettings:
         kernel_prune_tol: on the recomputed path the operator skips blocks of entries all ``<= kernel_prune_tol``
             times the outputscale (:mod:`gpnys.kernels.cutoff`); ``None``: machine epsilon of the data's dtype,
             ``0``: compute every entry.
-        kernel_keops: recompute that operator's products with KeOps (:mod:`gpnys.kernels.keops`); ``None``: on a
-            CUDA device when ``pykeops`` is installed.
+        kernel_backend: the backend of that operator's recomputed products (:mod:`gpnys.kernels.backends`):
+            ``None`` picks fused Triton kernels on CUDA and torch tiles on CPU; ``"torch"``, ``"triton"``,
+            ``"keops"`` force one. ``kernel_keops=True`` is ``kernel_backend="keops"`` (KeOps is never chosen
+            by itself). ``kernel_tf32``: let float32 Triton tile products use TF32 (about 1e-3 relative error).
         probe_seed: when set, every MLL evaluation draws its probes from this seed (common random numbers), so
             the estimate is a deterministic function of the hyperparameters — what a quasi-Newton optimiser such as
             BoTorch's L-BFGS-B needs; the global RNG is left untouched. ``None``: fresh probes per call (for Adam).
@@ -110,7 +112,9 @@ class EstimatorSettings:
     kernel_operator: bool = True
     dense_limit_bytes: int | None = None
     kernel_prune_tol: float | None = None
+    kernel_backend: str | None = None
     kernel_keops: bool | None = None
+    kernel_tf32: bool = False
     variance_method: str = "auto"
     variance_tolerance: float = 1e-3
     variance_block: int = 1024
@@ -415,7 +419,8 @@ class PreconditionerHook:
         s2 = kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
         return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self._kernel_cache,
                                         dense_limit_bytes=self.settings.dense_limit_bytes,
-                                        prune_tol=self.settings.kernel_prune_tol, keops=self.settings.kernel_keops)
+                                        prune_tol=self.settings.kernel_prune_tol, backend=self.settings.kernel_backend,
+                                        keops=self.settings.kernel_keops, tf32=self.settings.kernel_tf32)
 
     def system(self, X: torch.Tensor, options: dict[str, Any] | None = None) -> tuple[Callable, Callable]:
         """``(A, M)`` for the current hyperparameters: ``A(V) = K̂ V`` with ``K̂ = s² K(X, X) + σ² I`` and

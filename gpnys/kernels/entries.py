@@ -55,7 +55,7 @@ class KernelEntries:
     def matmul(self, V: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """``K @ V`` for ``V: (n, t)``, computed in row blocks so memory is ``O(block * n)``. ``(n, t)``"""
         n = self.n
-        block = block or block_rows(n, cap=n)
+        block = block or block_rows(n, cap=n, device=self.X.device)
         if block >= n:
             return self(slice(None), slice(None)) @ V
         return torch.cat([self(slice(i, i + block), slice(None)) @ V for i in range(0, n, block)])

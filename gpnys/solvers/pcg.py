@@ -221,10 +221,10 @@ class KernelSystem:
     """The product ``v -> (K + mu I) v`` for a unit-variance kernel matrix ``K = k(X, X)``.
 
     ``K`` is cached densely (built in row blocks) when ``n * n * itemsize < dense_limit_bytes`` (``None``: the
-    memory budget's, :mod:`gpnys.budget`);
+    memory budget's for ``X``'s device, :mod:`gpnys.budget`);
     otherwise every product recomputes ``K``: for a plain RBF/Matérn kernel through
-    :class:`~gpnys.kernels.operator.StationaryKernelOperator` (reused workspace, cutoff plan in low dimension, KeOps
-    on CUDA), else in row blocks via :meth:`KernelEntries.matmul` (memory ``O(block * n)``). Call with
+    :class:`~gpnys.kernels.operator.StationaryKernelOperator` (cutoff plan in low dimension; torch tiles on CPU,
+    fused Triton kernels on CUDA), else in row blocks via :meth:`KernelEntries.matmul` (memory ``O(block * n)``). Call with
     ``V: (n,)`` or ``(n, t)``; returns the same shape.
 
     Attributes: ``n``, ``mu``, ``dense`` (whether ``K`` is cached), ``entries`` (:class:`KernelEntries`).
@@ -237,13 +237,13 @@ class KernelSystem:
         self.mu = validate_mu(mu)
         self.entries = KernelEntries(X, kernel)
         self.n = X.shape[0]
-        limit = dense_limit_bytes_budget() if dense_limit_bytes is None else int(dense_limit_bytes)
+        limit = dense_limit_bytes_budget(X.device) if dense_limit_bytes is None else int(dense_limit_bytes)
         self.dense = self.n * self.n * X.element_size() < limit
         self._K: torch.Tensor | None = None
         if self.dense:
             n = self.n
             K = torch.empty(n, n, dtype=X.dtype, device=X.device)
-            block = block_rows(n, cap=n)
+            block = block_rows(n, cap=n, device=X.device)
             for i in range(0, n, block):
                 K[i : i + block] = self.entries(slice(i, i + block), slice(None))
             self._K = K
