@@ -51,8 +51,8 @@ def _sqdist_to_point(X: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tens
     return torch.cat([(X[i : i + block] - x).square().sum(dim=1) for i in range(0, n, block)])
 
 
-def _row_block(n: int, m: int) -> int:
-    return block_rows(m, cap=n)
+def _row_block(n: int, m: int, device: torch.device | None = None) -> int:
+    return block_rows(m, cap=n, device=device)
 
 
 @dataclass
@@ -87,7 +87,7 @@ def fps(X: torch.Tensor, k: int, start: int | None = None) -> FPSResult:
     """
     _validate(X, k)
     n = X.shape[0]
-    block = _row_block(n, X.shape[1])
+    block = _row_block(n, X.shape[1], X.device)
     if start is None:
         start = int(torch.argmin(_sqdist_to_point(X, X.mean(dim=0), block)))
     elif not 0 <= start < n:
@@ -123,7 +123,7 @@ def uniform(n: int, k: int, seed: int = 0, device: torch.device | str | None = N
 
 def _nearest(X: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Index of and squared distance to the nearest row of C for every row of X, in row blocks. ((n,), (n,))"""
-    block = _row_block(X.shape[0], C.shape[0])
+    block = _row_block(X.shape[0], C.shape[0], X.device)
     labels, dists = [], []
     for i in range(0, X.shape[0], block):
         d2 = torch.cdist(X[i : i + block], C).square()
@@ -166,7 +166,7 @@ def kmeans(X: torch.Tensor, k: int, iters: int = 20, seed: int = 0, tol: float =
         raise ValueError(f"iters must be a non-negative integer, got {iters!r}")
     n = X.shape[0]
     gen = _generator(seed, X.device)
-    block = _row_block(n, X.shape[1])
+    block = _row_block(n, X.shape[1], X.device)
     first = int(torch.randint(n, (1,), generator=gen, device=X.device))
     centers = [X[first]]
     mind = _sqdist_to_point(X, X[first], block)

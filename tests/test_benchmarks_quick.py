@@ -91,3 +91,37 @@ def test_scale_quick(tmp_path):
     assert 0 < rows[-1]["extra"]["kernel_fraction"] < 0.75  # unit density, l = 0.3: the cutoff skips entries
     assert out.exists() and out.with_suffix(".png").exists()
     assert res["knn"][0]["same_pattern"]
+
+
+def test_gpu_quick(tmp_path):
+    """Issue 19's GPU benchmark on the CPU: products by torch tiles and (interpreted) Triton, MLL rows against
+    Cholesky, short fits; every row in the JSON."""
+    from gpnys.kernels.backends import triton_available
+
+    out = tmp_path / "gpu.json"
+    load("gpu").main(["--quick", "--out", str(out)])
+    assert out.exists() and out.with_suffix(".png").exists()
+    data = json.loads(out.read_text())
+    assert data["meta"]["device_name"] and data["meta"]["versions"]["torch"] and "--quick" in data["meta"]["command"]
+    products = data["products"]
+    for backend in ("torch", "triton"):
+        rows = [r for r in products if r["backend"] == backend]
+        assert [r["n"] for r in rows] == [300, 600], backend
+        if backend == "triton" and not triton_available():
+            assert all(r["status"] == "skipped" for r in rows)
+            continue
+        assert all(r["status"] == "ok" and math.isfinite(r["time_s"]) and r["time_s"] > 0 for r in rows), rows
+        assert all(r["entries_per_s"] == pytest.approx(r["n"] ** 2 / r["time_s"]) for r in rows)
+    triton_rows = [r for r in products if r["backend"].startswith("triton") and r["n"] == 300 and r["status"] == "ok"]
+    assert all(r["rel_error_vs_torch"] < 1e-4 for r in triton_rows)
+    mll = [r for r in data["mll"] if r["method"] == "gpnys"]
+    assert {r["data"] for r in mll} == {"kin40k", "synthetic3d"}
+    for r in mll:
+        assert r["status"] == "ok" and r["reference"] == "gpytorch_cholesky", r
+        assert r["loss_abs_error"] < 1e-2 and math.isfinite(r["grad_max_rel_error"])
+    assert any(r["method"] == "gpnys_prune0" and r["status"] == "ok" for r in data["mll"])
+    fits = {r["method"]: r for r in data["fit"]}
+    assert set(fits) == {"gpnys", "gpytorch_cg", "cholesky"}
+    for r in fits.values():
+        assert r["status"] == "ok" and len(r["loss_trace"]) == 3 and math.isfinite(r["final_loss"]), r
+        assert r["wall_s"] > 0 and r["hyperparameters"]["noise"] > 0

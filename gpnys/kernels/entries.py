@@ -44,8 +44,16 @@ class KernelEntries:
             return self.kernel.forward(A, B).to(self.X.dtype)
 
     def __call__(self, I: torch.Tensor | slice, J: torch.Tensor | slice) -> torch.Tensor:
-        """``K[I][:, J]`` for index tensors or slices. ``(|I|, |J|)``"""
-        return self.points(self.X[I], self.X[J])
+        """``K[I][:, J]`` for index tensors or slices. ``(|I|, |J|)``; evaluated in row blocks of the memory
+        budget when large (a GPyTorch kernel holds a few temporaries of the result's size)."""
+        A, B = self.X[I], self.X[J]
+        rows = block_rows(B.shape[0], parts=4, device=self.X.device)
+        if A.shape[0] <= rows:
+            return self.points(A, B)
+        out = A.new_empty(A.shape[0], B.shape[0])
+        for a in range(0, A.shape[0], rows):
+            out[a : a + rows] = self.points(A[a : a + rows], B)
+        return out
 
     def batched(self, idx: torch.Tensor) -> torch.Tensor:
         """Local blocks ``K[s_b, s_b]`` for a batch of index sets ``idx: (b, w)``. Returns ``(b, w, w)``."""

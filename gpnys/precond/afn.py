@@ -116,7 +116,7 @@ class AFNPreconditioner(Preconditioner):
         # Step 4 and V = K12^T L^{-T} ((n-k, k)), one block of K12's columns at a time.
         m = n - self.k
         self.V = torch.empty(m, self.k, dtype=X.dtype, device=X.device)
-        cb = block_rows(self.k)
+        cb = block_rows(self.k, device=X.device)
         for c in range(0, m, cb):
             K12 = ke(lm, rest[c : c + cb])
             self.V[c : c + cb] = torch.linalg.solve_triangular(self.L, K12, upper=False).T
@@ -133,7 +133,7 @@ class AFNPreconditioner(Preconditioner):
 
         # gathered V rows per batch: half a block (16 MiB by default); the gather is memory-bound, and a buffer
         # that stays in cache for the following bmm measured ~1.6x faster per row than 64 MiB batches on CPU
-        batch = block_rows(self.w * (self.w + self.k), parts=2)
+        batch = block_rows(self.w * (self.w + self.k), parts=2, device=X.device)
         G = fsai_factor(schur_blocks, idx, valid, batch=batch, shifts=self.shifts, what="AFN: Schur block")
         self.factor = SparseTriangular(G)
         self.cache_hits = cache.hits - hits0
@@ -251,7 +251,7 @@ class AFNPreconditioner(Preconditioner):
             Gx = (g[:, :, None] * torch.where(M[:, :, None], x[I], 0.0)).sum(1)
             return g[:, -1].log().sum(), Gx.square().sum()
 
-        batch = block_rows(w * (w + self.k), parts=2)
+        batch = block_rows(w * (w + self.k), parts=2, device=X.device)
         logg = X.new_zeros(())
         quad = w1.square().sum()
         for a in range(0, idx.shape[0], batch):

@@ -69,9 +69,11 @@ def causal_knn(X: torch.Tensor, w: int, block: int | None = None, tree: bool | N
     if tree is None:
         tree = dev.type == "cpu" and n >= TREE_MIN_N and X.shape[1] <= TREE_MAX_D
     if tree:
+        if dev.type != "cpu":
+            raise ValueError(f"tree=True runs on CPU tensors (scipy's cKDTree); X is on {dev}")
         _tree_knn(X, m, idx, valid)
         return idx, valid
-    block = int(block) if block else block_rows(n, cap=n)
+    block = int(block) if block else block_rows(n, cap=n, device=dev)
     for i0 in range(1, n, block):  # row 0 has no candidates
         i1 = min(n, i0 + block)
         rows = rows_all[i0:i1]

@@ -214,8 +214,14 @@ class NystromPreconditioner(Preconditioner):
         core = 0.5 * (core + core.mT)
         C = safe_cholesky(core, "Nystrom core chol(Omega^T Y_nu)", self.shifts)
         B = torch.linalg.solve_triangular(C.mT, Y_nu, upper=True, left=False)  # B C^T = Y_nu
-        # Thin SVD of B (more accurate than the eig(B^T B) shortcut of the authors' code, digest §2.1 step 5).
-        U, sigma, _ = torch.linalg.svd(B, full_matrices=False)
+        # Thin SVD of B (more accurate than the eig(B^T B) shortcut of the authors' code, digest §2.1 step 5);
+        # through B = QR first when B is tall, which a GPU's SVD of an (n, k) matrix with n >> k needs.
+        if B.shape[0] > 2 * B.shape[1]:
+            Q, R = torch.linalg.qr(B)
+            Ur, sigma, _ = torch.linalg.svd(R)
+            U = Q @ Ur
+        else:
+            U, sigma, _ = torch.linalg.svd(B, full_matrices=False)
         lam = (sigma.square() - nu).clamp_min(0)
         return U, lam
 

@@ -29,7 +29,7 @@ VARIANCES = ("dtc", "sor")
 
 def kernel_block(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """Dense ``k(A, B)`` (``(a, b)``) without autograd, evaluated in row blocks of ``A``."""
-    rows = block_rows(B.shape[0])
+    rows = block_rows(B.shape[0], device=B.device)
     with torch.no_grad():
         return torch.cat([kernel(A[i : i + rows], B).to_dense() for i in range(0, A.shape[0], rows)])
 

@@ -62,6 +62,8 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if isinstance(landmarks, torch.Tensor):
+        if method == "rff":
+            raise ValueError("landmarks: method 'rff' draws random features and takes no landmark points")
         C = landmarks
     else:
         mm = _count(m, X, kernel, noise, seed)

@@ -23,8 +23,8 @@ __all__ = ["TritonBackend", "BLOCK"]
 #: points per tile side (= :attr:`StationaryKernelOperator.LEAF`, the cutoff plan's leaf)
 BLOCK = 64
 
-#: (device type, dtype) pairs whose kernels failed: answered by the torch tiles from then on
-_FAILED: set[tuple[str, torch.dtype]] = set()
+#: (device type, dtype, tf32) whose kernels failed: answered by the torch tiles from then on (one warning each)
+_FAILED: set[tuple[str, torch.dtype, bool]] = set()
 
 
 def _pow2(x: int, lo: int, hi: int) -> int:
@@ -65,10 +65,13 @@ class TritonBackend(KernelBackend):
             ptr = torch.tensor(plan.near_ptr, dtype=torch.int64, device=Z.device)
         return True, ptr.to(Z.device), plan.near_idx.to(device=Z.device, dtype=torch.int64), nblocks
 
+    def _key(self, Z: torch.Tensor) -> tuple[str, torch.dtype, bool]:
+        return Z.device.type, Z.dtype, self.tf32 and Z.dtype == torch.float32
+
     def _fallback(self, Z: torch.Tensor, err: Exception):
         from gpnys.kernels.backends.torch_tiles import TorchTiles
 
-        key = (Z.device.type, Z.dtype)
+        key = self._key(Z)
         if key not in _FAILED:
             _FAILED.add(key)
             warnings.warn(f"Triton kernel failed for {Z.dtype} on {Z.device.type} ({type(err).__name__}: {err}); "
@@ -76,7 +79,7 @@ class TritonBackend(KernelBackend):
         return TorchTiles(self.formula, self.tf32)
 
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
-        if (Z.device.type, Z.dtype) in _FAILED:
+        if self._key(Z) in _FAILED:
             return self._fallback(Z, RuntimeError("earlier failure")).matmul(Z, R, plan)
         try:
             return self._matmul(Z, R, plan)
@@ -85,7 +88,7 @@ class TritonBackend(KernelBackend):
 
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
                         plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if (Z.device.type, Z.dtype) in _FAILED:
+        if self._key(Z) in _FAILED:
             return self._fallback(Z, RuntimeError("earlier failure")).derivative_sums(Z, U, V, plan)
         try:
             return self._derivative_sums(Z, U, V, plan)

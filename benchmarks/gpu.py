@@ -1,0 +1,808 @@
+"""Issue 19: gpnys on a GPU — kernel-product throughput, one MLL value + gradient, and a short fit.
+
+Three parts (``--parts product,mll,fit``), every timing synchronised (``torch.cuda.synchronize``) on CUDA and every
+peak memory read with ``torch.cuda.max_memory_allocated`` after a reset (``None`` on the CPU):
+
+1. product: one unit Matérn-3/2 product ``K V`` (``V``: 32 columns, ``--product-dtype`` float32) on ``synthetic3d``
+   (unit density, l = 1) with no cutoff (``prune_tol=0``, ``dense_limit_bytes=0``: every entry recomputed), for
+   each backend of :class:`~gpnys.kernels.operator.StationaryKernelOperator`: ``torch`` tiles, ``triton`` (when
+   ``select_backend(device, "triton")`` accepts it), ``triton_tf32`` and, with ``--keops``, ``keops`` in a child
+   process (pykeops segfaults on CUDA 13: a crash is recorded as ``crashed``). Median of ``--repeats`` after one
+   warm-up; entries/s = n^2 / time; relative error (Frobenius) against the torch tiles at the smallest n. A
+   ``triton`` row whose kernels failed and fell back to the torch tiles is marked ``fallback``.
+2. mll: ``-MLL/n`` and its raw-parameter gradient at fixed hyperparameters (ScaleKernel(Matérn-3/2), Gaussian
+   likelihood, zero mean; ``--lengthscale``, ``--outputscale``, ``--noise``) by
+   ``gpnys`` (``use_preconditioner(model, "auto")``, default backend; at the synthetic sizes also ``gpnys_prune0``,
+   ``EstimatorSettings(kernel_prune_tol=0)``), ``gpytorch_cholesky`` (GPyTorch's exact path, float64, only where
+   3 n^2 x 8 bytes fit in the free memory, else ``skipped (memory)``), ``cholesky_closed`` (the same exact loss by
+   :func:`gpnys.gp.exact.cholesky_loss`, float64, closed-form gradient, where 4 n^2 x 8 bytes fit), ``gpytorch_cg``
+   (``max_cholesky_size(0)``, GPyTorch's defaults; an OOM is recorded as ``OOM``) and, with ``--keops``,
+   ``gpytorch_keops`` (``gpytorch.kernels.keops.MaternKernel`` under ``max_cholesky_size(0)``, in a child process).
+   Errors are against ``gpytorch_cholesky`` where it ran, else ``cholesky_closed``: |loss - ref| and the largest
+   gradient error |g - g*| / max(|g*|, 0.1 ||g*||) (:func:`gpnys.gp.mll.grad_errors`). Data: kin40k (``--real-data``,
+   standardised, 8-D) at 10k, 25k and its whole training split (36 000), and ``synthetic3d`` (not standardised) at
+   200k and 1e6.
+3. fit: ``--fit-steps`` Adam steps (lr ``--lr``) from GPyTorch's initialisation (constant mean) by ``gpnys``,
+   ``gpytorch_cg`` and ``cholesky`` (closed-form gradient, float64, where it fits) at the real sizes and synthetic
+   200k; ``--fit-1e6`` adds synthetic 1e6 with gpnys and ``--fit-1e6-steps`` (50) steps: the issue's "50-step Adam
+   fit on 10^6 points within one hour". Wall time (steps only), final loss and hyperparameters; the ETA is printed
+   after the first step. A fit whose ETA exceeds ``--fit-max-seconds`` stops there (``stopped``; not the 1e6 fit).
+
+Every size that raises (OOM, ...) is recorded with its error text and the run goes on. A measurement whose time,
+projected from the previous size of the same method (x n^2, x n for gpnys with its cutoff), exceeds
+``--max-seconds`` is skipped, and so is every measurement (but the ``--fit-1e6`` fit) that would start after
+``--budget-s`` (1800) of the run. Untimed warm-ups at <= 4096 points come first (Triton / KeOps compilation, cuBLAS
+start-up). The JSON is rewritten after every row, so an interrupted run keeps what it measured.
+
+Run:  python benchmarks/gpu.py                                  (CUDA: all parts, default sizes; sized for < 25 min on an
+                                                               H100, not yet measured)
+      python benchmarks/gpu.py --parts product --keops          (+ KeOps products in a child process)
+      python benchmarks/gpu.py --parts fit --fit-1e6 --real-sizes "" --fit-synthetic-sizes ""   (the 1e6 fit only)
+      python benchmarks/gpu.py --quick                          (CPU, tiny sizes, Triton interpreted; run by the tests)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def _wants_interpreter(argv: list[str]) -> bool:
+    """``--quick`` on the CPU: Triton kernels run on CPU tensors only under its interpreter."""
+    cpu = "--device=cpu" in argv or any(a == "--device" and b == "cpu" for a, b in zip(argv, argv[1:]))
+    return "--quick" in argv and (cpu or not torch.cuda.is_available())
+
+
+# triton.jit reads TRITON_INTERPRET when a kernel module is imported: set it before gpnys (and triton) load
+if _wants_interpreter(sys.argv[1:]):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import importlib.metadata  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import gpytorch  # noqa: E402
+
+from gpnys import datasets  # noqa: E402
+from gpnys.gp.exact import ExactGPModel, cholesky_loss, fit, hyperparameters  # noqa: E402
+from gpnys.gp.hook import EstimatorSettings, use_preconditioner  # noqa: E402
+from gpnys.gp.mll import grad_errors  # noqa: E402
+from gpnys.kernels.backends import select_backend, triton_available  # noqa: E402
+from gpnys.kernels.operator import StationaryKernelOperator, caches_dense  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+CHILD_TAG = "GPU_BENCH_CHILD "
+PRODUCT_COLUMNS = 32
+WARMUP_N = 4096
+REFERENCES = ("gpytorch_cholesky", "cholesky_closed")  # the error reference: the first of these that ran
+
+
+# -- device helpers -------------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_mib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def cleanup(device: torch.device) -> None:
+    """Return freed CUDA memory to the device (after an OOM the traceback's tensors go with ``gc``)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free memory of ``device`` (CUDA: ``mem_get_info``; CPU: ``MemAvailable``)."""
+    cleanup(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30  # unknown: assume a small machine
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch_cuda": torch.version.cuda}
+    for pkg in ("torch", "triton", "gpytorch", "linear_operator", "pykeops", "gpnys"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def classify(err: BaseException) -> str:
+    msg = str(err).lower()
+    oom = isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in msg or "can't allocate memory" in msg
+    return "OOM" if oom else "error"
+
+
+def guarded(fn: Callable[[], dict], device: torch.device) -> dict:
+    """``fn()`` (a record; status ``ok`` unless it says otherwise) or ``{"status": "OOM"/"error", "error": ...}``."""
+    try:
+        rec = fn()
+        rec.setdefault("status", "ok")
+    except Exception as err:  # noqa: BLE001 - every failure is a result here
+        rec = {"status": classify(err), "error": f"{type(err).__name__}: {str(err)[:2000]}"}
+    cleanup(device)
+    return rec
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def load_data(data: str, n: int | None, dtype: torch.dtype, device: torch.device, seed: int):
+    """``(X, y)`` on ``device``: ``synthetic3d`` unstandardised (unit density), real data standardised; ``n``
+    ``None``: the whole training split."""
+    ds = datasets.load(data, n=n, seed=seed, standardize=data != "synthetic3d", dtype=dtype, device=device)
+    return ds.train_x, ds.train_y
+
+
+# -- child processes (KeOps) ----------------------------------------------------------------------------------
+def keops_missing() -> str | None:
+    """Skip text when pykeops is not installed (GPyTorch's KeOps kernels would quietly fall back to its own)."""
+    return None if importlib.util.find_spec("pykeops") else "skipped (pykeops is not installed: pip install pykeops)"
+
+
+def run_child(spec: dict, timeout: float) -> dict:
+    """Run ``spec`` in a fresh interpreter (``--child``); a signal (segfault) is ``crashed``, never fatal here."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "error": f"child ran past {timeout:.0f} s"}
+    tail = (proc.stderr or "")[-1500:]
+    if proc.returncode < 0:
+        return {"status": "crashed", "error": f"child killed by signal {-proc.returncode}; stderr tail: {tail}"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(CHILD_TAG):
+            return json.loads(line[len(CHILD_TAG):])
+    return {"status": "error", "error": f"child exit code {proc.returncode}, no result; stderr tail: {tail}"}
+
+
+def child_main(spec: dict) -> None:
+    device = torch.device(spec["device"])
+    if spec["task"] == "product":
+        rec = guarded(lambda: product_run("keops", spec["n"], DTYPES[spec["dtype"]], device, spec["seed"],
+                                          spec["repeats"], ref_torch=spec["ref"]), device)
+    else:
+        dtype, hypers = DTYPES[spec["dtype"]], spec["hypers"]
+        data, n, seed = spec["data"], spec["n"], spec["seed"]
+
+        def go():
+            X, y = load_data(data, n, dtype, device, seed)
+            w = min(X.shape[0], spec["warmup_n"])
+            mll_eval(X[:w], y[:w], "gpytorch_keops", hypers, seed)  # KeOps compiles its formulas here
+            cleanup(device)
+            return mll_eval(X, y, "gpytorch_keops", hypers, seed)
+
+        rec = guarded(go, device)
+    print(CHILD_TAG + json.dumps(rec), flush=True)
+
+
+# -- part 1: products -----------------------------------------------------------------------------------------
+def product_run(backend: str, n: int, dtype: torch.dtype, device: torch.device, seed: int, repeats: int,
+                tf32: bool = False, keep: bool = False, ref_torch: bool = False) -> dict:
+    """One ``K V`` timed: median of ``repeats`` after a warm-up. ``keep``: return the product under ``"_out"``;
+    ``ref_torch``: also the relative error against the torch tiles (the KeOps child)."""
+    X, _ = load_data("synthetic3d", n, dtype, device, seed)
+    base = gpytorch.kernels.MaternKernel(nu=1.5).to(device=device, dtype=dtype)
+    base.lengthscale = 1.0
+
+    def operator(name: str, tf: bool) -> StationaryKernelOperator:
+        return StationaryKernelOperator(X, torch.ones((), dtype=dtype, device=device), base.lengthscale.detach(),
+                                        base=base, cache={}, backend=name, prune_tol=0.0, dense_limit_bytes=0,
+                                        tf32=tf)
+
+    op = operator(backend, tf32)
+    V = torch.randn(X.shape[0], PRODUCT_COLUMNS, generator=torch.Generator().manual_seed(seed),
+                    dtype=torch.float64).to(device=device, dtype=dtype)
+    rec: dict[str, Any] = {"n": X.shape[0]}
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reset_peak(device)
+        op.matmul(V)  # warm-up (compilation)
+        times, out = [], None
+        for _ in range(repeats):
+            t, out = timed(lambda: op.matmul(V), device)
+            times.append(t)
+        rec["peak_mem_mib"] = peak_mib(device)
+        if ref_torch:
+            ref = operator("torch", False).matmul(V)
+            rec["rel_error_vs_torch"] = rel_error(out, ref)
+    msgs = [str(w.message) for w in caught if "Triton kernel failed" in str(w.message)]
+    if backend == "triton" and (msgs or triton_failed(device, dtype)):
+        rec.update(status="fallback", error="the Triton kernels failed; the torch tiles answered: "
+                   + ("; ".join(msgs) or "earlier failure"))
+        if tf32 and msgs:  # a TF32-only failure must not send the other Triton rows to the torch tiles too
+            from gpnys.kernels.backends import triton_fused
+
+            triton_fused._FAILED.discard((device.type, dtype))
+    rec.update(time_s=statistics.median(times), times_s=times, entries_per_s=X.shape[0] ** 2 / statistics.median(times))
+    if keep:
+        rec["_out"] = out
+    return rec
+
+
+def triton_failed(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether gpnys's Triton kernels failed for ``(device, dtype)`` and its torch tiles answer instead."""
+    from gpnys.kernels.backends import triton_fused
+
+    return (device.type, dtype) in triton_fused._FAILED
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def part_products(args, bench) -> None:
+    device, dtype = args.device, DTYPES[args.product_dtype]
+    variants = [("torch", "torch", False), ("triton", "triton", False), ("triton_tf32", "triton", True)]
+    bench.header("product", f"K V, unit Matern-3/2, l = 1, {PRODUCT_COLUMNS} columns, {args.product_dtype}, no cutoff, "
+                 f"median of {args.repeats} after a warm-up",
+                 f"{'backend':>12} {'n':>8} {'status':>16} {'time s':>9} {'entries/s':>10} {'rel err':>9} "
+                 f"{'peak MiB':>9}")
+    outs: dict[str, torch.Tensor] = {}
+    for i, n in enumerate(args.product_sizes):
+        for label, backend, tf32 in variants + ([("keops", "keops", False)] if args.keops else []):
+            row = {"backend": label, "n": n, "dtype": args.product_dtype, "tf32": tf32}
+            skip = bench.projected_skip("product", "synthetic3d", label, n, 2, args.repeats + 1)
+            if backend == "triton" and not skip:
+                try:
+                    select_backend(device, "triton")
+                except ValueError as err:
+                    skip = f"skipped ({err})"
+            if backend == "keops" and not skip:
+                skip = keops_missing()
+            if skip:
+                row.update(status="skipped", error=skip)
+            elif backend == "keops":
+                row.update(run_child({"task": "product", "n": n, "dtype": args.product_dtype, "device": str(device),
+                                      "seed": args.seed, "repeats": args.repeats, "ref": i == 0},
+                                     timeout=3 * args.max_seconds + 600))
+            else:
+                row.update(guarded(lambda: product_run(backend, n, dtype, device, args.seed, args.repeats, tf32,
+                                                       keep=i == 0), device))
+                out = row.pop("_out", None)
+                if out is not None:
+                    if label == "torch":
+                        outs["torch"] = out
+                    elif "torch" in outs:
+                        row["rel_error_vs_torch"] = rel_error(out, outs["torch"])
+                    del out
+            bench.add("products", row, ("product", "synthetic3d", label))
+            print(f"{label:>12} {n:>8} {row['status']:>16} {fmt(row.get('time_s'), '9.4f')} "
+                  f"{fmt(row.get('entries_per_s'), '10.3g')} {fmt(row.get('rel_error_vs_torch'), '9.1e')} "
+                  f"{fmt(row.get('peak_mem_mib'), '9.0f')}" + note(row), flush=True)
+        outs.clear()  # only the smallest size is compared
+        cleanup(device)
+
+
+# -- part 2: one MLL value + gradient -------------------------------------------------------------------------
+def make_model(X, y, hypers: dict | None, keops: bool = False, mean: str = "zero") -> ExactGPModel:
+    """ScaleKernel(Matérn-3/2) with a Gaussian likelihood at ``hypers`` (``None``: GPyTorch's initialisation)."""
+    if keops:
+        kernel: Any = gpytorch.kernels.ScaleKernel(gpytorch.kernels.keops.MaternKernel(nu=1.5))
+    else:
+        kernel = "matern32"
+    if hypers is None:
+        lik = gpytorch.likelihoods.GaussianLikelihood()
+    else:
+        lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-6))
+    model = ExactGPModel(X, y, lik, kernel=kernel, mean=mean).to(X)
+    if hypers is not None:
+        model.covar_module.base_kernel.lengthscale = hypers["lengthscale"]
+        model.covar_module.outputscale = hypers["outputscale"]
+        lik.noise = hypers["noise"]
+    return model
+
+
+def gpnys_settings(args, prune0: bool) -> EstimatorSettings:
+    return EstimatorSettings(kernel_backend=args.gpnys_backend, kernel_prune_tol=0.0 if prune0 else None)
+
+
+def mll_eval(X, y, method: str, hypers: dict, seed: int, settings: EstimatorSettings | None = None) -> dict:
+    """``-MLL/n`` and its raw-parameter gradient by ``method``; synchronised time and peak memory."""
+    device, n = X.device, X.shape[0]
+    if method in REFERENCES:
+        X, y = X.double(), y.double()
+    model = make_model(X, y, hypers, keops=method == "gpytorch_keops")
+    model.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    torch.manual_seed(seed)
+    extra: dict[str, Any] = {}
+    hook_box: list = []
+    if method == "gpytorch_cholesky":
+        ctx: Any = gpytorch.settings.max_cholesky_size(n + 1)
+    elif method in ("gpytorch_cg", "gpytorch_keops"):
+        ctx = gpytorch.settings.max_cholesky_size(0)
+    elif method == "cholesky_closed":
+        ctx = contextlib.nullcontext()
+    else:
+        ctx = use_preconditioner(model, "auto", settings=settings, seed=seed)
+
+    def run():
+        with ctx as hook:
+            hook_box.append(hook)
+            loss = cholesky_loss(model) if method == "cholesky_closed" else -mll(model(X), y)
+            loss.backward()
+        return loss
+
+    reset_peak(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        elapsed, loss = timed(run, device)
+    peak = peak_mib(device)
+    if method.startswith("gpnys"):
+        hook = hook_box[0]
+        rec = hook.history[-1]
+        s = settings or EstimatorSettings()
+        kc = hook._kernel_cache  # the training kernel operator's: the dense K, or the on-the-fly path's plan
+        extra = {"precond": rec.kind, "rank": rec.rank, "setup_s": rec.setup_s, "cg_iterations": hook.applications,
+                 "kernel_fraction": hook.kernel_fraction,
+                 "backend": select_backend(device, s.kernel_backend),
+                 "kernel_storage": "dense" if kc.get("K") is not None else "on-the-fly" if "plan_key" in kc else None}
+        if extra["backend"] == "triton":
+            extra["triton_fallback"] = triton_failed(device, X.dtype)
+    msgs = sorted({f"{w.category.__name__}: {str(w.message)[:300]}" for w in caught})
+    if msgs:
+        extra["warnings"] = msgs
+
+    def g(p: torch.Tensor) -> float | list[float]:
+        v = p.grad.detach().reshape(-1)
+        return v.tolist() if v.numel() > 1 else float(v)
+
+    grad = {"raw_lengthscale": g(model.covar_module.base_kernel.raw_lengthscale),
+            "raw_outputscale": g(model.covar_module.raw_outputscale),
+            "raw_noise": g(model.likelihood.noise_covar.raw_noise)}
+    return {"n": n, "loss": float(loss.detach()), "grad": grad, "time_s": elapsed, "peak_mem_mib": peak,
+            "extra": extra}
+
+
+def memory_skip(method: str, n: int, itemsize: int, device: torch.device) -> str | None:
+    """``skipped (memory)`` text for the dense methods whose estimate exceeds the free memory, else ``None``."""
+    need = {"gpytorch_cholesky": 3 * n * n * 8, "cholesky_closed": 4 * n * n * 8}.get(method)
+    if need is None and method == "gpytorch_cg" and device.type != "cuda":
+        need = n * n * itemsize  # one dense kernel; on CUDA the allocation just fails (OOM), on a CPU it may swap
+    if need is None:
+        return None
+    free = free_bytes(device)
+    if need > free:
+        return f"skipped (memory): needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    return None
+
+
+class Warmups:
+    """Untimed first calls (Triton / cuBLAS / KeOps start-up) once per (data, method, dtype, on-the-fly)."""
+
+    def __init__(self, args):
+        self.args, self.done = args, set()
+
+    def __call__(self, data: str, X, y, method: str, settings: EstimatorSettings | None) -> None:
+        n = X.shape[0]
+        on_the_fly = method.startswith("gpnys") and not caches_dense(
+            n, X.element_size(), True, settings.dense_limit_bytes if settings else None, X.device)
+        key = (data, method, X.dtype, on_the_fly)
+        if key in self.done or method == "gpytorch_keops":
+            return
+        self.done.add(key)
+        w = min(n, self.args.warmup_n)
+        if on_the_fly:  # exercise the recomputed path (and its Triton kernels) at the small size too
+            settings = dataclasses.replace(settings or EstimatorSettings(), dense_limit_bytes=0)
+        guarded(lambda: mll_eval(X[:w], y[:w], method, self.args.hypers, self.args.seed, settings), X.device)
+
+
+def mll_points(args) -> list[tuple[str, int | None]]:
+    return [(args.real_data, n) for n in args.real_sizes] + [("synthetic3d", n) for n in args.synthetic_sizes]
+
+
+def part_mll(args, bench) -> None:
+    device, dtype = args.device, DTYPES[args.dtype]
+    h = args.hypers
+    bench.header("mll", f"-MLL/n + gradient, ScaleKernel(Matern-3/2), l = {h['lengthscale']}, outputscale "
+                 f"{h['outputscale']}, noise {h['noise']}, {args.dtype} (Cholesky float64)",
+                 f"{'data':>11} {'n':>8} {'method':>17} {'status':>16} {'time s':>8} {'peak MiB':>9} {'loss':>12} "
+                 f"{'|dloss|':>8} {'max dgrad':>9} {'CG it':>5} {'entries':>7}")
+    warm = Warmups(args)
+    for data, n_req in mll_points(args):
+        rows: list[dict] = []
+        try:
+            X, y = load_data(data, n_req, dtype, device, args.seed)
+        except Exception as err:  # noqa: BLE001
+            bench.add("mll", {"data": data, "n": n_req, "method": "data", "status": classify(err),
+                              "error": f"{type(err).__name__}: {err}"})
+            print(f"{data:>11} {str(n_req):>8} loading failed: {err}", flush=True)
+            continue
+        n = X.shape[0]
+        methods = ["gpytorch_cholesky", "cholesky_closed", "gpnys"]
+        methods += ["gpnys_prune0"] if data == "synthetic3d" else []
+        methods += ["gpytorch_cg"] + (["gpytorch_keops"] if args.keops else [])
+        ref = None
+        for method in methods:
+            settings = gpnys_settings(args, method == "gpnys_prune0") if method.startswith("gpnys") else None
+            row: dict[str, Any] = {"data": data, "n": n, "d": X.shape[1], "method": method,
+                                   "dtype": "float64" if method in REFERENCES else args.dtype}
+            exponent = 1 if method == "gpnys" and data == "synthetic3d" else 2
+            skip = memory_skip(method, n, X.element_size(), device) or bench.projected_skip(
+                "mll", data, method, n, exponent, 1) or (keops_missing() if method == "gpytorch_keops" else None)
+            if skip:
+                row.update(status="skipped", error=skip)
+            elif method == "gpytorch_keops":
+                row.update(run_child({"task": "mll", "data": data, "n": n_req, "dtype": args.dtype,
+                                      "device": str(device), "seed": args.seed, "hypers": h,
+                                      "warmup_n": args.warmup_n},
+                                     timeout=3 * args.max_seconds + 600))
+            else:
+                warm(data, X, y, method, settings)
+                row.update(guarded(lambda: mll_eval(X, y, method, h, args.seed, settings), device))
+            if row["status"] == "ok" and ref is None and method in REFERENCES:
+                ref = row
+            if ref is not None and row["status"] == "ok" and row is not ref:
+                errs = grad_errors(row["grad"], ref["grad"])
+                row.update(reference=ref["method"], loss_abs_error=abs(row["loss"] - ref["loss"]),
+                           loss_rel_error=abs(row["loss"] - ref["loss"]) / abs(ref["loss"]), grad_rel_error=errs,
+                           grad_max_rel_error=max(errs.values()))
+            rows.append(row)
+            bench.add("mll", row, ("mll", data, method))
+            ex = row.get("extra", {})
+            frac = ex.get("kernel_fraction")
+            print(f"{data:>11} {n:>8} {method:>17} {row['status']:>16} {fmt(row.get('time_s'), '8.2f')} "
+                  f"{fmt(row.get('peak_mem_mib'), '9.0f')} {fmt(row.get('loss'), '12.7f')} "
+                  f"{fmt(row.get('loss_abs_error'), '8.1e')} {fmt(row.get('grad_max_rel_error'), '9.2%')} "
+                  f"{fmt(ex.get('cg_iterations'), '5d')} {fmt(frac, '7.1%')}" + note(row), flush=True)
+        del X, y
+        cleanup(device)
+
+
+# -- part 3: a short fit --------------------------------------------------------------------------------------
+class _Stop(Exception):
+    pass
+
+
+def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, row: dict,
+            max_seconds: float | None) -> dict:
+    """``steps`` Adam steps; fills ``row`` as it goes (saved after every step)."""
+    device = args.device
+    dtype = torch.float64 if method == "cholesky" else DTYPES[args.dtype]
+    X, y = load_data(data, n_req, dtype, device, args.seed)
+    n = X.shape[0]
+    row.update(n=n, dtype=str(dtype).replace("torch.", ""), steps=steps, loss_trace=[], time_trace=[])
+    model = make_model(X, y, None, mean="constant")
+    cache: dict = {}
+    loss_fn = (lambda m: cholesky_loss(m, cache)) if method == "cholesky" else None
+    if method == "gpnys":
+        ctx: Any = use_preconditioner(model, "auto", settings=gpnys_settings(args, False), seed=args.seed)
+        settings: Any = lambda _n: contextlib.nullcontext()  # noqa: E731
+    elif method == "gpytorch_cg":
+        ctx, settings = contextlib.nullcontext(), lambda _n: gpytorch.settings.max_cholesky_size(0)
+    else:
+        ctx, settings = contextlib.nullcontext(), None  # gpnys.gp.exact.fit's Cholesky settings
+    start = [0.0]
+
+    def on_step(t: int, loss: float) -> None:
+        sync(device)  # (``fit`` already read the loss back, which waits for the step)
+        row["time_trace"].append(time.perf_counter() - start[0])
+        row["loss_trace"].append(loss)
+        bench.save()
+        if t == 0:
+            eta = row["time_trace"][0] * steps
+            row["eta_after_step1_s"] = eta
+            print(f"    {method} {data} n = {n}: step 1 took {row['time_trace'][0]:.2f} s, ETA {eta:.0f} s "
+                  f"for {steps} steps", flush=True)
+            if max_seconds is not None and eta > max_seconds and steps > 1:
+                raise _Stop(f"stopped after step 1: ETA {eta:.0f} s > {max_seconds:.0f} s (--fit-max-seconds)")
+
+    reset_peak(device)
+    with ctx:
+        sync(device)
+        start[0] = time.perf_counter()
+        try:
+            fit(model, iters=steps, lr=args.lr, progress=False, seed=args.seed, settings=settings, on_step=on_step,
+                loss=loss_fn)
+            status, err = "ok", None
+        except _Stop as stop:
+            status, err = "stopped", str(stop)
+    wall = row["time_trace"][-1] if row["time_trace"] else None
+    out = {"status": status, "wall_s": wall, "steps_done": len(row["loss_trace"]),
+           "s_per_step": wall / len(row["time_trace"]) if wall else None,
+           "final_loss": row["loss_trace"][-1] if row["loss_trace"] else None,
+           "hyperparameters": hyperparameters(model), "peak_mem_mib": peak_mib(device)}
+    if err:
+        out["error"] = err
+    return out
+
+
+def part_fit(args, bench) -> None:
+    bench.header("fit", f"Adam lr {args.lr}, GPyTorch's initialisation, constant mean, {args.dtype} "
+                 "(Cholesky float64, closed-form gradient)",
+                 f"{'data':>11} {'n':>8} {'method':>12} {'status':>16} {'steps':>5} {'wall s':>8} {'s/step':>7} "
+                 f"{'final loss':>11} {'lengthscale':>11} {'outputsc':>8} {'noise':>8}")
+    points = [(args.real_data, n, args.fit_steps) for n in args.real_sizes]
+    points += [("synthetic3d", n, args.fit_steps) for n in args.fit_synthetic_sizes]
+    if args.fit_1e6:
+        points.append(("synthetic3d", 1_000_000, args.fit_1e6_steps))
+    warm = Warmups(args)
+    with contextlib.suppress(Exception):  # untimed: the first optimiser step imports and initialises (~1 s)
+        Xw, yw = load_data(args.real_data, 64, DTYPES[args.dtype], args.device, args.seed)
+        fit(make_model(Xw, yw, None, mean="constant"), iters=1, progress=False)
+    for data, n_req, steps in points:
+        big = args.fit_1e6 and n_req == 1_000_000 and steps == args.fit_1e6_steps
+        for method in (["gpnys"] if big else ["gpnys", "gpytorch_cg", "cholesky"]):
+            row: dict[str, Any] = {"data": data, "n": n_req, "method": method, "status": "running"}
+            bench.add("fit", row)
+            itemsize = DTYPES[args.dtype].itemsize
+            n_est = n_req or 0
+            if n_req is None:
+                with contextlib.suppress(Exception):
+                    n_est = datasets.load(data, standardize=False).train_x.shape[0]
+            skip = memory_skip({"cholesky": "cholesky_closed"}.get(method, method), n_est, itemsize, args.device)
+            skip = skip or (None if big else bench.projected_skip("fit", data, method, n_est,
+                                                                 1 if method == "gpnys" else 2, 1))
+            if skip:
+                row.update(status="skipped", error=skip)
+            else:
+                if method == "gpnys":  # compile / start-up outside the timed steps
+                    Xw, yw = load_data(data, min(n_est, args.warmup_n) if n_est else args.warmup_n,
+                                       DTYPES[args.dtype], args.device, args.seed)
+                    settings = gpnys_settings(args, False)
+                    if not caches_dense(n_est, itemsize, True, None, args.device):
+                        settings = dataclasses.replace(settings, dense_limit_bytes=0)
+                    warm(data, Xw, yw, "gpnys", settings)
+                    del Xw, yw
+                row.update(guarded(lambda: fit_run(data, n_req, method, steps, args, bench, row,
+                                                   None if big else args.fit_max_seconds), args.device))
+            if row.get("status") == "ok":
+                bench.record_time(("fit", data, method), row["n"], row["wall_s"])
+            bench.save()
+            hp = row.get("hyperparameters", {})
+            print(f"{data:>11} {str(row['n']):>8} {method:>12} {row['status']:>16} {row.get('steps_done', 0):>5} "
+                  f"{fmt(row.get('wall_s'), '8.2f')} {fmt(row.get('s_per_step'), '7.2f')} "
+                  f"{fmt(row.get('final_loss'), '11.6f')} {fmt(hp.get('lengthscale'), '11.4g')} "
+                  f"{fmt(hp.get('outputscale'), '8.4g')} {fmt(hp.get('noise'), '8.4g')}" + note(row), flush=True)
+            cleanup(args.device)
+
+
+# -- bookkeeping ----------------------------------------------------------------------------------------------
+def fmt(v: Any, spec: str) -> str:
+    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return f"{'-':>{width}}"
+    return format(v, spec)
+
+
+def note(row: dict) -> str:
+    return f"  [{row['error'][:160]}]" if row.get("error") else ""
+
+
+class Bench:
+    """Rows of every part, the JSON written after each row, and the projected-time guard."""
+
+    def __init__(self, args, meta: dict):
+        self.args, self.out = args, args.out
+        self.res: dict[str, Any] = {"meta": meta, "products": [], "mll": [], "fit": []}
+        self.times: dict[tuple, tuple[int, float]] = {}
+        self.start = time.perf_counter()
+
+    def header(self, part: str, title: str, cols: str) -> None:
+        print(f"\n== {part}: {title}\n{cols}", flush=True)
+
+    def add(self, part: str, row: dict, key: tuple | None = None) -> None:
+        if not any(r is row for r in self.res[part]):
+            self.res[part].append(row)
+        if key is not None and row.get("status") == "ok" and row.get("time_s") is not None:
+            self.record_time(key, row["n"], row["time_s"])
+        self.save()
+
+    def record_time(self, key: tuple, n: int, t: float) -> None:
+        self.times[key] = (n, t)
+
+    def projected_skip(self, part: str, data: str, method: str, n: int, exponent: float, calls: int) -> str | None:
+        spent = time.perf_counter() - self.start
+        if spent > self.args.budget_s:
+            return f"skipped (the run has taken {spent:.0f} s > --budget-s {self.args.budget_s:g})"
+        prev = self.times.get((part, data, method))
+        if prev is None or not n or prev[0] >= n:
+            return None
+        proj = prev[1] * (n / prev[0]) ** exponent * calls
+        if proj > self.args.max_seconds:
+            return f"skipped (projected {proj:.3g} s from n = {prev[0]} > --max-seconds {self.args.max_seconds:g})"
+        return None
+
+    def save(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.res, indent=1, default=str))
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    a0, a1, a2 = axes
+    methods = list(dict.fromkeys(r["method"] for part in ("mll", "fit") for r in res[part]))
+    color = {m: f"C{i % 10}" for i, m in enumerate(methods)}
+    for label in dict.fromkeys(r["backend"] for r in res["products"]):
+        pts = [(r["n"], r["entries_per_s"]) for r in res["products"]
+               if r["backend"] == label and r.get("entries_per_s")]
+        if pts:
+            a0.loglog(*zip(*pts), "o-", label=label)
+    a0.set(xlabel="n", ylabel="kernel entries / s (one K V, 32 columns)", title="product throughput")
+    for (data, method) in dict.fromkeys((r["data"], r["method"]) for r in res["mll"]):
+        pts = [(r["n"], r["time_s"]) for r in res["mll"] if (r["data"], r["method"]) == (data, method)
+               and r.get("status") == "ok"]
+        if pts:
+            a1.loglog(*zip(*pts), "o-" if data == "synthetic3d" else "s--", color=color[method],
+                      label=f"{method} ({data})")
+    a1.set(xlabel="n", ylabel="time of one -MLL/n + gradient (s)", title="MLL value + gradient")
+    for (data, method) in dict.fromkeys((r["data"], r["method"]) for r in res["fit"]):
+        pts = [(r["n"], r["wall_s"]) for r in res["fit"] if (r["data"], r["method"]) == (data, method)
+               and r.get("status") == "ok"]
+        if pts:
+            a2.loglog(*zip(*pts), "o-" if data == "synthetic3d" else "s--", color=color[method],
+                      label=f"{method} ({data})")
+    a2.set(xlabel="n", ylabel="fit wall time (s)", title="short Adam fit")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(res["meta"]["device_name"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sizes(text: str) -> list[int | None]:
+    """``"10000,25000,all"`` -> ``[10000, 25000, None]`` (``all``: the whole training split)."""
+    return [None if v.strip() == "all" else int(float(v)) for v in text.split(",") if v.strip()]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--child"]:
+        child_main(json.loads(argv[1]))
+        return {}
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="CPU-sized smoke run (the test suite's)")
+    ap.add_argument("--parts", default="product,mll,fit")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="MLL / fit dtype (default float32; quick "
+                    "float64); the Cholesky references are float64")
+    ap.add_argument("--product-dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's; quick 1: small problems stall on busy cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=None, help="timed product repeats after a warm-up (3; quick 1)")
+    ap.add_argument("--warmup-n", type=int, default=None,
+                    help=f"points of the untimed MLL warm-ups (default {WARMUP_N}; quick 128)")
+    ap.add_argument("--product-sizes", default=None, help="default 10000,50000,200000,1000000 (quick 300,600)")
+    ap.add_argument("--real-data", default="kin40k")
+    ap.add_argument("--real-sizes", default=None, help="default 10000,25000,all (quick 300); 'all' = whole split")
+    ap.add_argument("--synthetic-sizes", default=None, help="MLL synthetic3d sizes (default 200000,1000000; quick 500)")
+    ap.add_argument("--fit-synthetic-sizes", default=None, help="fit synthetic3d sizes (default 200000; quick none)")
+    ap.add_argument("--lengthscale", type=float, default=1.0)
+    ap.add_argument("--outputscale", type=float, default=1.0)
+    ap.add_argument("--noise", type=float, default=0.1)
+    ap.add_argument("--gpnys-backend", default=None, choices=["torch", "triton", "keops"],
+                    help="gpnys's kernel backend (default: its own choice, Triton on CUDA)")
+    ap.add_argument("--keops", action="store_true", help="also KeOps rows, each in a child process")
+    ap.add_argument("--fit-steps", type=int, default=None, help="Adam steps (default 20; quick 3)")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--fit-1e6", action="store_true", help="also the gpnys fit on synthetic3d n = 1e6")
+    ap.add_argument("--fit-1e6-steps", type=int, default=50)
+    ap.add_argument("--fit-max-seconds", type=float, default=600.0,
+                    help="stop a fit (not the 1e6 one) whose ETA after step 1 exceeds this")
+    ap.add_argument("--max-seconds", type=float, default=600.0,
+                    help="skip a measurement whose time projected from the previous size exceeds this")
+    ap.add_argument("--budget-s", type=float, default=1800.0,
+                    help="skip every measurement (but the --fit-1e6 fit) that would start after this many seconds")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu[_quick].json)")
+    ap.add_argument("--png", default=None, help="PNG path (default: the JSON's with .png)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if q and args.device.type == "cpu" and "gpnys.kernels.backends.triton_kernels" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # (in-process callers: before the kernels are imported)
+    args.dtype = args.dtype or ("float64" if q else "float32")
+    args.repeats = args.repeats or (1 if q else 3)
+    args.warmup_n = args.warmup_n or (128 if q else WARMUP_N)
+    args.threads = args.threads or (1 if q else None)
+    args.product_sizes = sizes(args.product_sizes or ("300,600" if q else "10000,50000,200000,1000000"))
+    args.real_sizes = sizes(args.real_sizes if args.real_sizes is not None else ("300" if q else "10000,25000,all"))
+    args.synthetic_sizes = sizes(args.synthetic_sizes if args.synthetic_sizes is not None
+                                 else ("500" if q else "200000,1000000"))
+    args.fit_synthetic_sizes = sizes(args.fit_synthetic_sizes if args.fit_synthetic_sizes is not None
+                                     else ("" if q else "200000"))
+    args.fit_steps = args.fit_steps or (3 if q else 20)
+    args.hypers = {"lengthscale": args.lengthscale, "outputscale": args.outputscale, "noise": args.noise}
+    parts = [p for p in args.parts.split(",") if p]
+    if set(parts) - {"product", "mll", "fit"}:
+        ap.error(f"--parts takes product, mll, fit; got {args.parts!r}")
+    args.out = Path(args.out) if args.out else RESULTS / ("gpu_quick.json" if q else "gpu.json")
+    png = Path(args.png) if args.png else args.out.with_suffix(".png")
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = args.device
+    meta = {"device": str(dev), "device_name": device_name(dev), "versions": versions(),
+            "command": "python benchmarks/gpu.py " + shlex.join(argv), "quick": q, "parts": parts,
+            "dtype": args.dtype, "product_dtype": args.product_dtype, "threads": torch.get_num_threads(),
+            "hyperparameters": args.hypers, "seed": args.seed, "repeats": args.repeats, "warmup_n": args.warmup_n,
+            "fit_steps": args.fit_steps,
+            "lr": args.lr, "gpnys_backend": args.gpnys_backend, "keops": args.keops,
+            "triton_available": triton_available(), "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+            "max_seconds": args.max_seconds, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    with contextlib.suppress(Exception):
+        meta["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        meta.update(cuda_capability=f"{props.major}.{props.minor}", cuda_total_mib=props.total_memory / 2**20)
+    bench = Bench(args, meta)
+    print(f"device {dev} ({meta['device_name']}), torch {meta['versions']['torch']}, triton "
+          f"{meta['versions']['triton']}, gpytorch {meta['versions']['gpytorch']}, {meta['threads']} threads")
+    t0 = time.perf_counter()
+    try:
+        for part, fn in (("product", part_products), ("mll", part_mll), ("fit", part_fit)):
+            if part in parts:
+                fn(args, bench)
+    finally:
+        torch.set_num_threads(threads)  # (main is also called in-process by the tests)
+        from gpnys.kernels.backends import triton_fused
+
+        bench.res["meta"].update(total_s=time.perf_counter() - t0, finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                                 triton_failed=sorted(str(k) for k in triton_fused._FAILED))
+        bench.save()
+    plot(bench.res, png)
+    print(f"\ntotal {time.perf_counter() - t0:.1f} s; wrote {args.out} and {png}")
+    return bench.res
+
+
+if __name__ == "__main__":
+    main()
