@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
         sync(device)
         predict_s = time.perf_counter() - t1
     print(f"training {train_s:.1f} s; predictive mean and variance at {test_x.shape[0]} points {predict_s:.1f} s; "
-          f"lengthscale {float(model.covar_module.base_kernel.lengthscale):.3f}, "
-          f"noise {float(model.likelihood.noise):.4f}")
+          f"lengthscale {float(model.covar_module.base_kernel.lengthscale.detach()):.3f}, "
+          f"noise {float(model.likelihood.noise.detach()):.4f}")
     return {"backend": backend, "losses": losses, "train_s": train_s, "predict_s": predict_s,
             "mean": mean.detach(), "var": var.detach()}
 
