@@ -12,7 +12,8 @@ import torch
 
 from gpnys import memory_budget
 from gpnys.kernels import KERNEL_NAMES, make_kernel
-from gpnys.kernels.cutoff import _unit_kernel, cutoff_radius, leaf_plan, spatial_order
+from gpnys.kernels.cutoff import cutoff_radius, leaf_plan, spatial_order
+from gpnys.kernels.formulas import unit_kernel
 from gpnys.kernels.operator import StationaryKernelOperator
 
 NAMES = list(KERNEL_NAMES)
@@ -29,7 +30,7 @@ def spread(n, d=2, dtype=torch.float64, seed=0, density=1.0):
 def test_cutoff_radius_is_where_the_kernel_falls_below_tol(name, tol):
     nu = KERNEL_NAMES[name]
     r = cutoff_radius(nu, tol)
-    assert _unit_kernel(r, nu) <= tol < _unit_kernel(r * (1 - 1e-9), nu)
+    assert unit_kernel(r, nu) <= tol < unit_kernel(r * (1 - 1e-9), nu)
     # against GPyTorch's kernel (unit length-scale) at r and slightly inside
     kern = make_kernel(name).base_kernel.double()
     kern.lengthscale = 1.0
@@ -71,6 +72,118 @@ def test_leaf_plan_covers_every_pair_within_the_radius(d):
     assert plan.fraction < 0.9  # it does skip something here
     # the plan is symmetric: leaf j is listed for i iff i is listed for j
     assert torch.equal(covered, covered.T)
+
+
+# -- the vectorised spatial_order / leaf_plan against the original one-node-at-a-time versions ------------------
+
+
+def _spatial_order_ref(X, leaf):
+    """The original work-list k-d tree (one argsort and one host sync per node)."""
+    n = X.shape[0]
+    perm = torch.arange(n, device=X.device)
+    todo = [(0, n)]
+    while todo:
+        a, b = todo.pop()
+        if b - a <= leaf:
+            continue
+        seg = perm[a:b]
+        P = X[seg]
+        axis = int((P.amax(0) - P.amin(0)).argmax())
+        perm[a:b] = seg[torch.argsort(P[:, axis], stable=True)]
+        mid = a + max(1, math.ceil((b - a) / (2 * leaf))) * leaf
+        todo += [(a, mid), (mid, b)]
+    return perm
+
+
+def _leaf_plan_ref(Z, perm, leaf, radius):
+    """The original leaf plan (one ``nonzero`` per leaf, integer matmul for the covered pairs; CPU only).
+    Returns ``(near_ptr, near_idx, fraction)``."""
+    n, d = Z.shape
+    L = -(-n // leaf)
+    P = Z[perm]
+    pad = L * leaf - n
+    if pad:
+        P = torch.cat([P, P[-1:].expand(pad, d)])
+    P = P.reshape(L, leaf, d)
+    lo, hi = P.amin(1), P.amax(1)
+    ptr, idx, pairs = [0], [], 0
+    sizes = torch.full((L,), leaf, dtype=torch.long)
+    sizes[-1] = n - (L - 1) * leaf
+    chunk = max(1, (1 << 22) // max(1, L * d))
+    r2 = radius * radius
+    for a in range(0, L, chunk):
+        gap = (lo[None, :, :] - hi[a : a + chunk, None, :]).clamp(min=0) + (lo[a : a + chunk, None, :] - hi[None, :, :]).clamp(min=0)
+        near = gap.square().sum(-1) <= r2
+        counts = near.sum(1)
+        pairs += int((near.to(sizes.dtype) @ sizes * sizes[a : a + chunk]).sum())
+        for row, c in zip(near, counts.tolist()):
+            idx.append(row.nonzero().squeeze(1))
+            ptr.append(ptr[-1] + c)
+    return ptr, torch.cat(idx), pairs / float(n * n)
+
+
+def points(kind, n, d, dtype, seed=0):
+    """Test point sets: uniform, integer grid (many tied coordinates and exact box gaps), duplicated points,
+    all points equal."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        X = torch.rand(n, d, generator=g, dtype=torch.float64) * n ** (1.0 / d)
+    elif kind == "grid":
+        X = torch.randint(0, 6, (n, d), generator=g).double()
+    elif kind == "duplicates":
+        X = (torch.rand(-(-n // 5), d, generator=g, dtype=torch.float64) * 10).repeat_interleave(5, 0)[:n]
+        X = X[torch.randperm(n, generator=g)]
+    else:  # "same"
+        X = torch.full((n, d), 1.5, dtype=torch.float64)
+    return X.to(dtype)
+
+
+KINDS = ["uniform", "grid", "duplicates", "same"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("d", [1, 3, 9])
+@pytest.mark.parametrize("n,leaf", [(1, 4), (5, 8), (100, 7), (1000, 16), (2049, 64), (3001, 37)])
+def test_spatial_order_equals_the_one_node_at_a_time_tree(kind, d, n, leaf, dtype):
+    X = points(kind, n, d, dtype, seed=n + d)
+    assert torch.equal(spatial_order(X, leaf), _spatial_order_ref(X, leaf))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("d", [1, 3, 9])
+@pytest.mark.parametrize("n,leaf,radius", [(1, 4, 1.0), (100, 7, 1.5), (1000, 16, 2.0), (3001, 37, 3.0),
+                                           (2500, 8, 0.0)])
+def test_leaf_plan_equals_the_one_leaf_at_a_time_plan(kind, d, n, leaf, radius, dtype):
+    """Same CSR lists and covered share, bit for bit (grid points hit ``gap == radius`` exactly)."""
+    X = points(kind, n, d, dtype, seed=n + d)
+    perm = spatial_order(X, leaf)
+    plan = leaf_plan(X, perm, leaf, radius)
+    ptr, idx, fraction = _leaf_plan_ref(X, perm, leaf, radius)
+    assert plan.near_ptr == ptr and all(type(p) is int for p in plan.near_ptr)
+    assert plan.near_idx.dtype == torch.long and torch.equal(plan.near_idx, idx)
+    assert plan.fraction == fraction
+    assert plan.near_ptr_t.dtype == torch.long and plan.near_ptr_t.shape == (plan.num_leaves + 1,)
+    assert torch.equal(plan.near_ptr_t, torch.tensor(plan.near_ptr))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["uniform", "grid", "duplicates"])
+@pytest.mark.parametrize("d", [1, 3, 9])
+def test_spatial_order_and_leaf_plan_on_cuda_equal_cpu(kind, d, dtype):
+    n, leaf, radius = 20_011, 64, 3.0
+    X = points(kind, n, d, dtype, seed=d)
+    perm = spatial_order(X, leaf)
+    plan = leaf_plan(X, perm, leaf, radius)
+    dev = torch.device("cuda")
+    perm_g = spatial_order(X.to(dev), leaf)
+    assert perm_g.device.type == "cuda" and torch.equal(perm_g.cpu(), perm)
+    plan_g = leaf_plan(X.to(dev), perm_g, leaf, radius)
+    assert plan_g.near_idx.device.type == "cuda" and plan_g.near_ptr_t.device.type == "cuda"
+    assert plan_g.near_ptr == plan.near_ptr
+    assert torch.equal(plan_g.near_idx.cpu(), plan.near_idx)
+    assert torch.equal(plan_g.near_ptr_t.cpu(), plan.near_ptr_t)
+    assert plan_g.fraction == plan.fraction
 
 
 def operator(X, name, ls, prune_tol=None, ard=False):

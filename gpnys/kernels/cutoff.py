@@ -19,15 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from gpnys.kernels.formulas import unit_kernel
+
 __all__ = ["cutoff_radius", "spatial_order", "LeafPlan", "leaf_plan"]
-
-
-def _unit_kernel(r: float, nu: float | None) -> float:
-    if nu is None:
-        return math.exp(-0.5 * r * r)
-    a = math.sqrt(2.0 * nu) * r
-    poly = {0.5: 1.0, 1.5: 1.0 + a, 2.5: 1.0 + a + a * a / 3.0}[nu]
-    return poly * math.exp(-a)
 
 
 def cutoff_radius(nu: float | None, tol: float) -> float:
@@ -38,11 +32,11 @@ def cutoff_radius(nu: float | None, tol: float) -> float:
     if tol >= 1.0:
         return 0.0
     lo, hi = 0.0, 1.0
-    while _unit_kernel(hi, nu) > tol:
+    while unit_kernel(hi, nu) > tol:
         hi *= 2.0
     for _ in range(100):
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if _unit_kernel(mid, nu) > tol else (lo, mid)
+        lo, hi = (mid, hi) if unit_kernel(mid, nu) > tol else (lo, mid)
     return hi
 
 
@@ -50,21 +44,40 @@ def cutoff_radius(nu: float | None, tol: float) -> float:
 def spatial_order(X: torch.Tensor, leaf: int) -> torch.Tensor:
     """Permutation ``perm`` (``(n,)``) that puts the points ``X`` (``(n, d)``) in k-d tree leaf order: every run
     ``perm[i * leaf : (i + 1) * leaf]`` is one leaf, split off by recursive median bisection along the widest axis
-    (splits fall on multiples of ``leaf``, so only the last leaf may be smaller)."""
-    n = X.shape[0]
-    perm = torch.arange(n, device=X.device)
-    todo = [(0, n)]
-    while todo:
-        a, b = todo.pop()
-        if b - a <= leaf:
-            continue
-        seg = perm[a:b]
-        P = X[seg]
-        axis = int((P.amax(0) - P.amin(0)).argmax())
-        perm[a:b] = seg[torch.argsort(P[:, axis], stable=True)]
-        mid = a + max(1, math.ceil((b - a) / (2 * leaf))) * leaf
-        todo += [(a, mid), (mid, b)]
-    return perm
+    (splits fall on multiples of ``leaf``, so only the last leaf may be smaller).
+
+    Built level by level: all ``S`` segments longer than ``leaf`` at one depth are padded to a common length ``w``
+    and sorted together as one ``(S, w)`` batch (a few host syncs per level, not one per tree node). Segments are
+    disjoint and each sort permutes within its segment only, so this equals splitting them one at a time; within
+    a segment the sort is stable (ties keep their order) and the widest axis is the first of equal widths."""
+    n, d = X.shape
+    dev = X.device
+    perm = torch.arange(n + 1, device=dev)  # perm[n]: scratch slot that the padding is written to
+    start = torch.zeros(1, dtype=torch.long, device=dev)
+    size = torch.full((1,), n, dtype=torch.long, device=dev)
+    while True:
+        keep = size > leaf
+        start, size = start[keep], size[keep]  # (S,) segments still to split
+        S = start.numel()
+        if S == 0:
+            return perm[:n]
+        w = int(size.max())
+        off = torch.arange(w, device=dev)
+        real = off < size[:, None]  # (S, w); padding repeats the segment's first point (same box)
+        seg = perm.index_select(0, (start[:, None] + torch.where(real, off, 0)).view(-1))
+        P = X.index_select(0, seg).view(S, w, d)
+        seg = seg.view(S, w)
+        hi = P.amax(1)
+        axis = (hi - P.amin(1)).argmax(1, keepdim=True)  # (S, 1) widest axis, first of ties
+        key = P.gather(2, axis[:, None, :].expand(-1, w, 1)).squeeze(2)  # (S, w)
+        # padding sorts last: it equals the segment's largest key (NaN included) and comes after every real point
+        key = torch.where(real, key, hi.gather(1, axis))
+        order = torch.argsort(key, dim=1, stable=True)
+        dst = torch.where(real, start[:, None] + off, n)
+        perm.index_put_((dst.view(-1),), seg.gather(1, order).view(-1))
+        half = (size + 2 * leaf - 1) // (2 * leaf)  # ceil(size / (2 leaf)) >= 1
+        mid = start + half * leaf
+        start, size = torch.cat([start, mid]), torch.cat([mid - start, start + size - mid])
 
 
 @dataclass
@@ -77,6 +90,7 @@ class LeafPlan:
         leaf: points per leaf.
         near_ptr, near_idx: CSR lists of neighbour leaves (``near_idx[near_ptr[i]:near_ptr[i + 1]]``, ascending).
         fraction: share of the ``n^2`` entries that the listed leaf pairs cover.
+        near_ptr_t: ``near_ptr`` as an int64 tensor (``(L + 1,)``) on ``near_idx``'s device, for device kernels.
     """
 
     perm: torch.Tensor
@@ -84,6 +98,7 @@ class LeafPlan:
     near_ptr: list[int]
     near_idx: torch.Tensor
     fraction: float
+    near_ptr_t: torch.Tensor
 
     @property
     def n(self) -> int:
@@ -108,27 +123,46 @@ class LeafPlan:
 def leaf_plan(Z: torch.Tensor, perm: torch.Tensor, leaf: int, radius: float) -> LeafPlan:
     """Neighbour leaves of the leaves of ``perm`` (``(n,)``, :func:`spatial_order`) for points ``Z`` (``(n, d)``, in
     length-scale units): leaf ``j`` is listed for leaf ``i`` when the distance between their bounding boxes is at
-    most ``radius``, so every pair of points farther apart than ``radius`` whose leaves are not listed is skipped."""
+    most ``radius``, so every pair of points farther apart than ``radius`` whose leaves are not listed is skipped.
+
+    The box distances are symmetric (bit for bit), so only the upper triangle is computed, in row chunks (one host
+    sync each, for ``nonzero``), and mirrored; one sort by ``(row, column)`` then gives the CSR lists."""
     n, d = Z.shape
+    dev = Z.device
     L = -(-n // leaf)
     P = Z[perm]
     pad = L * leaf - n  # repeat the last point so every leaf has `leaf` rows (it does not change the boxes)
     if pad:
         P = torch.cat([P, P[-1:].expand(pad, d)])
     P = P.reshape(L, leaf, d)
-    lo, hi = P.amin(1), P.amax(1)  # (L, d) leaf boxes
-    ptr, idx, pairs = [0], [], 0
-    sizes = torch.full((L,), leaf, dtype=torch.long, device=Z.device)
+    lo, hi = P.amin(1).T.contiguous(), P.amax(1).T.contiguous()  # (d, L) leaf boxes
+    sizes = torch.full((L,), leaf, dtype=torch.long, device=dev)
     sizes[-1] = n - (L - 1) * leaf
-    chunk = max(1, (1 << 22) // max(1, L * d))  # leaf-pair gaps in chunks of ~4M entries
+    entries = 1 << (25 if dev.type == "cuda" else 22)  # leaf-pair gaps in chunks of ~4M entries (32M on a GPU)
+    chunk = max(1, entries // max(1, L * d))
     r2 = radius * radius
+    upper = []
     for a in range(0, L, chunk):
-        gap = (lo[None, :, :] - hi[a : a + chunk, None, :]).clamp(min=0) + (lo[a : a + chunk, None, :] - hi[None, :, :]).clamp(min=0)
-        near = gap.square().sum(-1) <= r2  # (chunk, L)
-        counts = near.sum(1)
-        pairs += int((near.to(sizes.dtype) @ sizes * sizes[a : a + chunk]).sum())
-        for row, c in zip(near, counts.tolist()):
-            idx.append(row.nonzero().squeeze(1))
-            ptr.append(ptr[-1] + c)
-    near_idx = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device=Z.device)
-    return LeafPlan(perm=perm, leaf=leaf, near_ptr=ptr, near_idx=near_idx, fraction=pairs / float(n * n))
+        # leaves a..a+chunk-1 against a..L-1, one axis at a time: (chunk, L - a) squared gaps between the boxes
+        sq = []
+        for lo_k, hi_k in zip(lo, hi):
+            gap = (lo_k[None, a:] - hi_k[a : a + chunk, None]).clamp_(min=0)
+            gap += (lo_k[a : a + chunk, None] - hi_k[None, a:]).clamp_(min=0)
+            sq.append(gap.square_())
+        if d <= 3:  # summed in order, as torch's CPU sum adds up a last dimension this short
+            dist2 = sq[0]
+            for s in sq[1:]:
+                dist2 += s
+        else:  # torch's own order (partial sums) for longer ones
+            dist2 = torch.stack(sq, -1).sum(-1)
+        ij = (dist2 <= r2).nonzero()
+        upper.append(ij[ij[:, 1] >= ij[:, 0]] + a)  # (i, j) with i <= j
+    i, j = torch.cat(upper).unbind(1)
+    off = i != j
+    i, j = torch.cat([i, j[off]]), torch.cat([j, i[off]])  # and its mirror image
+    key = torch.sort(i * L + j).values  # row-major: rows ascending, columns ascending within a row
+    near_idx = key % L
+    ptr_t = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.bincount(i, minlength=L).cumsum(0)])
+    pairs = int((sizes[i] * sizes[j]).sum())  # points covered, integer-exact on every device
+    return LeafPlan(perm=perm, leaf=leaf, near_ptr=ptr_t.tolist(), near_idx=near_idx,
+                    fraction=pairs / float(n * n), near_ptr_t=ptr_t)
