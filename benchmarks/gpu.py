@@ -675,19 +675,14 @@ def plot(res: dict, path: Path) -> None:
         if pts:
             a0.loglog(*zip(*pts), "o-", label=label)
     a0.set(xlabel="n", ylabel="kernel entries / s (one K V, 32 columns)", title="product throughput")
-    for (data, method) in dict.fromkeys((r["data"], r["method"]) for r in res["mll"]):
-        pts = [(r["n"], r["time_s"]) for r in res["mll"] if (r["data"], r["method"]) == (data, method)
-               and r.get("status") == "ok"]
-        if pts:
-            a1.loglog(*zip(*pts), "o-" if data == "synthetic3d" else "s--", color=color[method],
-                      label=f"{method} ({data})")
+    for ax, part, key in ((a1, "mll", "time_s"), (a2, "fit", "wall_s")):
+        for (data, method) in dict.fromkeys((r["data"], r["method"]) for r in res[part]):
+            pts = [(r["n"], r[key]) for r in res[part] if (r["data"], r["method"]) == (data, method)
+                   and r.get("status") == "ok"]
+            if pts:
+                ax.loglog(*zip(*pts), "o-" if data == "synthetic3d" else "s--", color=color[method],
+                          label=f"{method} ({data})")
     a1.set(xlabel="n", ylabel="time of one -MLL/n + gradient (s)", title="MLL value + gradient")
-    for (data, method) in dict.fromkeys((r["data"], r["method"]) for r in res["fit"]):
-        pts = [(r["n"], r["wall_s"]) for r in res["fit"] if (r["data"], r["method"]) == (data, method)
-               and r.get("status") == "ok"]
-        if pts:
-            a2.loglog(*zip(*pts), "o-" if data == "synthetic3d" else "s--", color=color[method],
-                      label=f"{method} ({data})")
     a2.set(xlabel="n", ylabel="fit wall time (s)", title="short Adam fit")
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:

@@ -15,7 +15,9 @@ Run:  python examples/gpu_training.py                          (CUDA: n = 200 00
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import gpytorch
 import torch
@@ -24,15 +26,8 @@ import gpnys
 from gpnys import datasets
 from gpnys.kernels.backends import select_backend
 
-
-class GP(gpytorch.models.ExactGP):
-    def __init__(self, X: torch.Tensor, y: torch.Tensor) -> None:
-        super().__init__(X, y, gpytorch.likelihoods.GaussianLikelihood())
-        self.mean_module = gpytorch.means.ConstantMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
-
-    def forward(self, x: torch.Tensor) -> gpytorch.distributions.MultivariateNormal:
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from large_n import GP  # noqa: E402  (the same plain GPyTorch model as examples/large_n.py)
 
 
 def sync(device: torch.device) -> None:

@@ -65,6 +65,27 @@ def _sq_dist(Z, rows, cols, rmask, cmask, d, BLOCK: tl.constexpr, DT: tl.constex
 
 
 @triton.jit
+def _block_range(ptr, i, nblocks, SPARSE: tl.constexpr):
+    """``[start, stop)`` of row block ``i``'s column-block list: the plan's CSR row, or every block (dense)."""
+    start = 0
+    stop = nblocks
+    if SPARSE:
+        start = tl.load(ptr + i)
+        stop = tl.load(ptr + i + 1)
+    return start, stop
+
+
+@triton.jit
+def _column_block(idx, p, offs, n, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+    """Point indices and mask of the ``p``-th column block (the plan's ``idx[p]``-th leaf, or block ``p``)."""
+    j = p
+    if SPARSE:
+        j = tl.load(idx + p)
+    cols = j * BLOCK + offs
+    return cols, cols < n
+
+
+@triton.jit
 def kv_kernel(Z, V, OUT, n, d, t, ptr, idx, nblocks,
               SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
               RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
@@ -79,19 +100,9 @@ def kv_kernel(Z, V, OUT, n, d, t, ptr, idx, nblocks,
     tcol = tb * BT + tl.arange(0, BT)
     tmask = tcol < t
     acc = tl.zeros((BLOCK, BT), dtype=DT)
-    if SPARSE:
-        start = tl.load(ptr + i)
-        stop = tl.load(ptr + i + 1)
-    else:
-        start = 0
-        stop = nblocks
+    start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
-        if SPARSE:
-            j = tl.load(idx + p)
-        else:
-            j = p
-        cols = j * BLOCK + offs
-        cmask = cols < n
+        cols, cmask = _column_block(idx, p, offs, n, BLOCK, SPARSE)
         r2 = _sq_dist(Z, rows, cols, rmask, cmask, d, BLOCK, DT)
         k, _ = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         k = tl.where(cmask[None, :], k, 0.0)
@@ -117,19 +128,9 @@ def derivative_kernel(Z, U, V, S_OUT, G_OUT, n, d, t, ptr, idx, nblocks,
     dims = tl.arange(0, DP)
     s_acc = tl.zeros((BLOCK,), dtype=tl.float64)
     g_acc = tl.zeros((DP,), dtype=tl.float64)
-    if SPARSE:
-        start = tl.load(ptr + i)
-        stop = tl.load(ptr + i + 1)
-    else:
-        start = 0
-        stop = nblocks
+    start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
-        if SPARSE:
-            j = tl.load(idx + p)
-        else:
-            j = p
-        cols = j * BLOCK + offs
-        cmask = cols < n
+        cols, cmask = _column_block(idx, p, offs, n, BLOCK, SPARSE)
         w = tl.zeros((BLOCK, BLOCK), dtype=DT)
         for t0 in range(0, t, BT):
             tcol = t0 + tl.arange(0, BT)
