@@ -11,6 +11,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows
+from gpnys.kernels.operator import StationaryKernelOperator, supported
 
 __all__ = ["KernelEntries", "split_outputscale"]
 
@@ -33,6 +34,7 @@ class KernelEntries:
     def __init__(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel) -> None:
         self.X = X
         self.kernel, self.outputscale = split_outputscale(kernel)
+        self._op_cache: dict = {}  # the on-the-fly operator's cutoff plan, reused while the length-scale holds
 
     @property
     def n(self) -> int:
@@ -61,9 +63,18 @@ class KernelEntries:
         return self.points(P, P)
 
     def matmul(self, V: torch.Tensor, block: int | None = None) -> torch.Tensor:
-        """``K @ V`` for ``V: (n, t)``, computed in row blocks so memory is ``O(block * n)``. ``(n, t)``"""
+        """``K @ V`` for ``V: (n, t)``: dense when ``K`` fits one block, else recomputed on the fly — by the
+        kernel operator's backends (:mod:`gpnys.kernels.backends`, cutoff included) for a plain RBF/Matérn kernel
+        and no explicit ``block``, otherwise in GPyTorch row blocks (memory ``O(block * n)``). ``(n, t)``"""
         n = self.n
+        explicit = block is not None
         block = block or block_rows(n, cap=n, device=self.X.device)
         if block >= n:
             return self(slice(None), slice(None)) @ V
+        if not explicit and supported(self.kernel):
+            with torch.no_grad():
+                one = torch.ones((), dtype=self.X.dtype, device=self.X.device)
+                op = StationaryKernelOperator(self.X, one, self.kernel.lengthscale.detach().to(self.X.dtype),
+                                              base=self.kernel, cache=self._op_cache, dense_limit_bytes=0)
+                return op.matmul(V.to(self.X.dtype))
         return torch.cat([self(slice(i, i + block), slice(None)) @ V for i in range(0, n, block)])
