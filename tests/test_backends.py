@@ -255,3 +255,54 @@ def test_cuda_triton_matches_dense_autograd(name, dtype, cuda_device):
     assert float((KV.double() - ref).abs().max()) <= TOL[dtype] * float(ref.abs().max())
     assert float((d_s2.double() - g_s2).abs()) <= GTOL[dtype] * float(g_s2.abs())
     assert float((d_ls.double() - g_ls).abs().max()) <= GTOL[dtype] * float(g_ls.abs().max())
+
+
+# -- the compiled path, without a GPU ---------------------------------------------------------------------------
+COMPILE_SCRIPT = r'''
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gpnys.kernels.backends import triton_kernels as K
+from gpnys.kernels.backends.triton_fused import BLOCK, TritonBackend
+from gpnys.kernels.formulas import formula
+
+CASES = [  # (kernel, nu, dtype, sparse, tf32)
+    ("kv", None, torch.float32, False, False), ("kv", 0.5, torch.float32, False, False),
+    ("kv", 1.5, torch.float32, True, False), ("kv", 2.5, torch.float32, False, False),
+    ("kv", 0.5, torch.float64, True, False), ("kv", None, torch.float32, True, True),
+    ("derivative", 1.5, torch.float32, True, False), ("derivative", 2.5, torch.float64, False, False),
+    ("derivative", None, torch.float32, False, False), ("derivative", 0.5, torch.float64, True, False),
+]
+for arch in (80, 90):
+    for kind, nu, dtype, sparse, tf32 in CASES:
+        fn = K.kv_kernel if kind == "kv" else K.derivative_kernel
+        p = "*fp32" if dtype == torch.float32 else "*fp64"
+        ptrs = ["Z", "V", "OUT"] if kind == "kv" else ["Z", "U", "V"]
+        sig = {a: p for a in ptrs}
+        if kind == "derivative":
+            sig.update(S_OUT="*fp64", G_OUT="*fp64")
+        sig.update(n="i32", d="i32", t="i32", ptr="*i64", idx="*i64", nblocks="i32")
+        consts = dict(SPARSE=sparse, BLOCK=BLOCK, BT=32, **TritonBackend(formula(nu), tf32)._constants(dtype))
+        if kind == "derivative":
+            consts["DP"] = 4
+        sig.update({k: "constexpr" for k in consts})
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        triton.compile(src, target=GPUTarget("cuda", arch, 32))
+print("compiled", 2 * len(CASES))
+'''
+
+
+def test_triton_kernels_compile_to_cubin_for_a100_and_h100(tmp_path):
+    """Triton's full compiler (TTIR -> PTX -> cubin with the ptxas it ships) on the kernels for sm_80 and sm_90:
+    no GPU is needed to compile, so CI checks what the interpreter cannot (types, FP64 ``tl.dot``, constexpr
+    branches). Runs in a child process: the test session imports the kernels in interpreter mode."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiled 20" in proc.stdout
