@@ -640,3 +640,22 @@ def test_bo_gradient_quick(tmp_path):
     # common random numbers: the diag and frozen families share the probes, so their losses agree exactly
     by = {(r["noise"], r["seed"], r["control_variate"]): r["loss"] for r in rows}
     assert all(by[(nz, s, "diag")] == by[(nz, s, "frozen")] for nz, s, _ in by)
+
+
+@pytest.mark.parametrize("n", [3, 10, 25])
+def test_default_preconditioner_options_at_tiny_n(n):
+    """The BO defaults (k = 1500 / 3500, w = 30 / 90) are capped at the data: n <= 30 on the preconditioned path
+    trains and predicts (BoTorch's own SingleTaskGP tests use n = 10), and equals SingleTaskGP."""
+    g = torch.Generator().manual_seed(n)
+    X = torch.rand(n, 2, generator=g, dtype=torch.float64)
+    Y = torch.sin(6 * X).sum(-1, keepdim=True)
+    ref = set_hypers(SingleTaskGP(X, Y), noise=1e-2)
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0)
+    model.load_state_dict(ref.state_dict())
+    Xt = torch.rand(7, 2, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        post, post_ref = model.posterior(Xt), ref.posterior(Xt)
+        assert_rel(post.mean, post_ref.mean, 1e-6, "mean")
+        assert_rel(post.variance, post_ref.variance, 1e-4, "variance")
+    fit(model, maxiter=3)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

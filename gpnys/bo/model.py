@@ -189,6 +189,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         defaults = dict(BO_DEFAULTS[use]) if c["precond"] in ("afn", "auto") else {}
         if defaults:
             defaults["k"] = max(1, min(defaults["k"], int(BO_LANDMARK_CAP[use] * n)))
+            defaults["w"] = max(1, min(defaults["w"], n))  # FSAI width: at most n (small n on this path)
         return {**defaults, **user}
 
     @contextlib.contextmanager
