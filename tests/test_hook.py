@@ -285,3 +285,15 @@ def test_predict_falls_back_when_forward_transforms_inputs(concrete):
         mean, var = hook.predict(concrete.test_x)
     assert float(((var - var_ref) / var_ref).abs().max()) < 1e-3
     assert float((mean - mean_ref).abs().max()) < 1e-3
+
+
+@pytest.mark.parametrize("where", ["inputs", "targets"])
+def test_non_finite_training_data_is_refused_on_entry(concrete, where):
+    """NaN in the inputs or targets: use_preconditioner raises a ValueError naming them before any step."""
+    m = model_at(concrete, ls=1.5, noise=0.05, ard=False, dtype=torch.float64)
+    X, y = m.train_inputs[0].clone(), m.train_targets.clone()
+    (X if where == "inputs" else y)[3] = float("nan")
+    m.set_train_data(X, y, strict=False)
+    with pytest.raises(ValueError, match=f"train_{where}"):
+        with use_preconditioner(m, "afn", k=50, w=10):
+            pass

@@ -271,3 +271,25 @@ def test_reduced_gp_objectives_and_training():
     assert trace[-1] < trace[0] - 1e-3
     model.eval()
     assert torch.isfinite(model(Z).mean).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fit_refuses_non_finite_targets_before_any_step(bad):
+    """NaN or inf in the targets: a ValueError naming them, and no parameter moved (issue 20)."""
+    import gpytorch
+
+    from gpnys.gp.exact import ExactGPModel, fit
+    from gpnys.reduced import ReducedGP
+
+    X = torch.rand(40, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = torch.sin(4 * X).sum(1)
+    y[7] = bad
+    exact = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood().double(), kernel="matern32").double()
+    reduced = ReducedGP(X, y, gpytorch.likelihoods.GaussianLikelihood().double(),
+                        gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double(), method="lla", m=10)
+    for model, call, name in ((exact, lambda: fit(exact, iters=2, progress=False), "train_targets"),
+                              (reduced, lambda: reduced.fit(iters=2), "train_y")):
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=name):
+            call()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from gpnys.kernels import make_kernel
 from gpnys.kernels.operator import StationaryKernelOperator, supported
-from gpnys.precond.base import safe_cholesky
+from gpnys.precond.base import safe_cholesky, validate_training_data
 
 __all__ = ["ExactGPModel", "FitResult", "fit", "predict", "gaussian_nll", "hyperparameters", "cholesky_loss",
            "OPTIMIZERS"]
@@ -180,6 +180,7 @@ def fit(
         raise ValueError(f"iters must be a non-negative integer, got {iters!r}")
     if not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be positive and finite, got {lr!r}")
+    validate_training_data(model.train_inputs[0], model.train_targets, ("train_inputs", "train_targets"))
     torch.manual_seed(seed)
     likelihood = model.likelihood
     model.train()

@@ -47,6 +47,7 @@ from gpnys.precond.base import (
     Preconditioner,
     safe_cholesky,
     validate_count,
+    validate_training_data,
 )
 from gpnys.precond.cache import PointCache
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
@@ -265,6 +266,7 @@ class PreconditionerHook:
         X = model.train_inputs[0] if train_x is None else train_x
         if X.dim() != 2 or X.shape[0] != model.train_inputs[0].shape[-2]:
             raise ValueError(f"train inputs must be (n, d) (batched models are not supported), got {tuple(X.shape)}")
+        validate_training_data(X, model.train_targets, ("train_inputs", "train_targets"))
         for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
             if options.get(key) is not None:
                 validate_count(options[key], key, 1, X.shape[0])

@@ -40,6 +40,18 @@ def validate_points(X: torch.Tensor, name: str = "X") -> None:
         raise ValueError(f"{name} contains NaN or inf")
 
 
+def validate_training_data(X: torch.Tensor, y: torch.Tensor, names: tuple[str, str] = ("train_x", "train_y")) -> None:
+    """Raise ``ValueError`` naming the argument unless ``X`` passes :func:`validate_points` and ``y`` is a finite
+    ``(n,)`` floating tensor with ``X``'s ``n`` (checked before any optimiser step touches a parameter)."""
+    validate_points(X, names[0])
+    if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.shape[0] != X.shape[0]:
+        raise ValueError(f"{names[1]} must be a 1-D tensor of {X.shape[0]} targets, got {getattr(y, 'shape', type(y))}")
+    if not y.is_floating_point():
+        raise ValueError(f"{names[1]} must be a floating tensor, got {y.dtype}")
+    if not torch.isfinite(y).all():
+        raise ValueError(f"{names[1]} contains NaN or inf")
+
+
 def validate_positive(value: float, name: str) -> float:
     """Return ``value`` as a float; raise ``ValueError`` naming ``name`` unless it is positive and finite."""
     try:

@@ -19,7 +19,7 @@ import gpytorch
 import torch
 from linear_operator.operators import DiagLinearOperator
 
-from gpnys.precond.base import safe_cholesky
+from gpnys.precond.base import safe_cholesky, validate_training_data
 from gpnys.reduced.features import feature_nll
 from gpnys.reduced.gsa import GSAPosterior
 from gpnys.reduced.landmarks import choose_m, select_landmarks
@@ -171,6 +171,7 @@ class ReducedGP(gpytorch.models.GP):
         if self.method == "rff":
             raise ValueError("fit trains the Nyström objectives; RFF models take hyperparameters from_exact")
         X = self.train_inputs[0]
+        validate_training_data(X, self.train_targets, ("train_x", "train_y"))
         if isinstance(self.landmarks, torch.Tensor):
             C = self.landmarks
         else:
