@@ -184,3 +184,32 @@ def test_cli_fit_lbfgs_with_preconditioner_tracks_cholesky(capsys):
     assert ours["loss_trace"][-1] < ours["loss_trace"][0]
     assert abs(ours["loss_trace"][-1] - exact["loss_trace"][-1]) < 0.02 * abs(exact["loss_trace"][-1])
     assert abs(ours["test_rmse"] - exact["test_rmse"]) < 0.02 * exact["test_rmse"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["mll", "--noise", "1e-7", "--n", "50"], "--noise"),
+    (["mll", "--lengthscale", "0", "--n", "50"], "--lengthscale"),
+    (["mll", "--seed", "-5", "--n", "50"], "--seed"),
+    (["fit", "--seed", "-1", "--iters", "1"], "--seed"),
+    (["pcg", "--device", "nonsense", "--n", "50"], "--device"),
+    (["mll", "--device", "cuda:7", "--n", "50"], "--device"),
+])
+def test_cli_errors_exit_2_with_one_line_naming_the_flag(argv, flag, capsys):
+    if flag == "--device" and "cuda" in argv[2] and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has the device")
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_cli_unwritable_output_exits_2(tmp_path):
+    """Standard output on a full device: one line, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "gpnys.cli.main", "pcg", "--n", "60", "--json"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "standard output" in proc.stderr

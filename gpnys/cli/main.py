@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -40,10 +41,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if hasattr(args, "device"):
             args.device = parse_device(args.device)
+        if getattr(args, "seed", 0) < 0:
+            raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
         with memory_budget(**budget_from_args(args)):
             return int(args._run(args) or 0)
     except ValueError as exc:
         parser.exit(2, f"gpnys {args.command}: error: {exc}\n")
+    except OSError as exc:  # a file that cannot be read, or an output that cannot be written (pipe, full disk)
+        where = exc.filename if exc.filename else "standard output"
+        if exc.filename is None:  # stop the interpreter's final flush from writing to the broken stream again
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        parser.exit(2, f"gpnys {args.command}: error: {where}: {exc.strerror or exc}\n")
     return 0
 
 

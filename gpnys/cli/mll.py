@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import importlib.util
 
 from gpnys import budget, datasets
@@ -16,7 +17,7 @@ from gpnys.cli.common import (
     estimator_from_args,
 )
 from gpnys.gp.higp_adapter import evaluate_higp  # imports higp itself only when called
-from gpnys.gp.mll import METHODS, evaluate, grad_errors
+from gpnys.gp.mll import METHODS, NOISE_LOWER_BOUND, evaluate, grad_errors
 from gpnys.kernels.backends import select_backend
 from gpnys.kernels.operator import caches_dense
 
@@ -37,7 +38,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {args.repeats}")
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    for flag, value, low in (("--lengthscale", args.lengthscale, 0.0), ("--outputscale", args.outputscale, 0.0),
+                             ("--noise", args.noise, NOISE_LOWER_BOUND)):
+        if not (value > low and math.isfinite(value)):
+            raise ValueError(f"{flag} must be finite and > {low:g}, got {value}")
     ds = datasets.load(args.data, split=args.split, n=args.n, seed=args.seed,
                        standardize=not args.no_standardize, dtype=DTYPES[args.dtype], device=args.device)
     settings, opts = estimator_from_args(args)

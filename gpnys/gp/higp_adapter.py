@@ -45,15 +45,12 @@ from typing import Any
 
 import torch
 
-from gpnys.gp.mll import validate_inputs
+from gpnys.gp.mll import NOISE_LOWER_BOUND, validate_inputs
 
 __all__ = ["HIGP_KERNELS", "evaluate_higp"]
 
 #: gpnys kernel name -> HiGP kernel constant name (``higp.GaussianKernel`` = 1, ...)
 HIGP_KERNELS = {"rbf": "GaussianKernel", "matern32": "Matern32Kernel", "matern52": "Matern52Kernel"}
-
-#: lower bound of GPyTorch's noise constraint in :func:`gpnys.gp.mll.evaluate` (``GreaterThan(1e-6)``)
-NOISE_LOWER_BOUND = 1e-6
 
 _last_probe_second: int | None = None
 

@@ -24,9 +24,12 @@ __all__ = ["evaluate", "grad_errors", "validate_inputs", "METHODS"]
 
 METHODS = ("exact", "gpytorch") + tuple(n for n in PRECONDITIONERS if n != "none")
 
+#: lower bound of the likelihood's noise constraint in :func:`evaluate` (``GreaterThan(1e-6)``)
+NOISE_LOWER_BOUND = 1e-6
+
 
 def _model(X, y, kernel, lengthscale, outputscale, noise, ard):
-    lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-6))
+    lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(NOISE_LOWER_BOUND))
     model = ExactGPModel(X, y, lik, kernel=kernel, ard=ard, mean="zero").to(X)
     model.covar_module.base_kernel.lengthscale = lengthscale
     model.covar_module.outputscale = outputscale
@@ -45,6 +48,8 @@ def validate_inputs(
     for name, val in (("outputscale", outputscale), ("noise", noise)):
         if not float(val) > 0:
             raise ValueError(f"{name} must be positive, got {val}")
+    if not float(noise) > NOISE_LOWER_BOUND:
+        raise ValueError(f"noise must exceed the likelihood's lower bound {NOISE_LOWER_BOUND:g}, got {noise}")
     if not bool((torch.as_tensor(lengthscale) > 0).all()):
         raise ValueError(f"lengthscale must be positive, got {lengthscale}")
 

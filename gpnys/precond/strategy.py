@@ -154,6 +154,7 @@ def make_preconditioner(
         return NystromPreconditioner(X, kernel, mu, r, sampling="sketch", scaling="ran", seed=seed)
     if name == "fsai":
         return FSAIPreconditioner(X, kernel, mu, w=min(_default(w, 400), n), cache=cache)
+    wd = min(100, n) if w is None else w  # a default never exceeds n; an explicit w is validated
     if name == "afn":
-        return AFNPreconditioner(X, kernel, mu, k=min(k, n), w=_default(w, 100), seed=seed, cache=cache)
-    return AutoPreconditioner(X, kernel, mu, max_k=k, w=_default(w, 100), seed=seed, cache=cache)
+        return AFNPreconditioner(X, kernel, mu, k=min(k, n), w=wd, seed=seed, cache=cache)
+    return AutoPreconditioner(X, kernel, mu, max_k=k, w=wd, seed=seed, cache=cache)
