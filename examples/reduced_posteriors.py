@@ -93,7 +93,8 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", NumericalWarning)
-                post = reduced_posterior(method, kernel, X, y, noise, m=args.m, landmarks=args.landmarks, seed=0,
+                rule = None if method == "rff" else args.landmarks
+                post = reduced_posterior(method, kernel, X, y, noise, m=args.m, landmarks=rule, seed=0,
                                          prior_mean=prior_mean, **options)
                 mean, var = post.mean(Xt), post.variance(Xt)
             rows[label] = {"rmse": float((mean - yt).square().mean().sqrt()),

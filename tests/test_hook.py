@@ -297,3 +297,15 @@ def test_non_finite_training_data_is_refused_on_entry(concrete, where):
     with pytest.raises(ValueError, match=f"train_{where}"):
         with use_preconditioner(m, "afn", k=50, w=10):
             pass
+
+
+def test_nested_contexts_on_one_model_are_refused_and_the_outer_survives(concrete):
+    m = model_at(concrete, ls=1.5, noise=0.05, ard=False, dtype=torch.float64)
+    with use_preconditioner(m, "afn", k=50, w=10) as outer:
+        with pytest.raises(ValueError, match="already active"):
+            with use_preconditioner(m, "afn", k=50, w=10):
+                pass
+        m.train()
+        loss_and_grads(m, torch.enable_grad())
+        assert outer.builds >= 1  # the outer wrapper is still in place
+    assert "marginal" not in vars(m.likelihood)

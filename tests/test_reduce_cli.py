@@ -107,3 +107,17 @@ def test_reduce_bad_input_names_the_argument(argv, name, capsys):
         main(DATA + argv + ["--json"])
     assert exc.value.code == 2
     assert name in capsys.readouterr().err
+
+
+def test_default_gsa_is_min_norm_and_within_twice_lla(capsys):
+    """Issue 20's case (elevators, n = 2000, m = 300, noise 0.05, l = 2, Matérn-3/2, FPS): the default GSA
+    (min_norm) predicts within 2x LLA's test RMSE; --gsa-coef woodbury is the one that explodes there."""
+    argv = ["reduce", "--data", "elevators", "--n", "2000", "--m", "300", "--noise", "0.05", "--lengthscale", "2",
+            "--outputscale", "1", "--kernel", "matern32", "--method", "lla,gsa", "--no-error", "--json"]
+    rmse = {}
+    for coef in (None, "woodbury"):
+        assert main(argv + ([] if coef is None else ["--gsa-coef", coef])) == 0
+        recs = {r["method"]: r["test_rmse"] for r in json.loads(capsys.readouterr().out)["records"]}
+        rmse[coef] = recs
+    assert rmse[None]["gsa"] <= 2 * rmse[None]["lla"]
+    assert rmse["woodbury"]["gsa"] > 5 * rmse[None]["lla"]

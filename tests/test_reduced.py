@@ -128,8 +128,8 @@ def test_sor_and_dtc_variances_match_dense_formulas():
 
 def test_gsa_coefficients_and_variance():
     k, C = kernel(), X[:30]
-    wb = GSAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN)
-    mn = GSAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN, coef="min_norm")
+    wb = GSAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN, coef="woodbury")
+    mn = GSAPosterior(k, X, Y, NOISE, C, prior_mean=MEAN)  # the default: min_norm
     Kt = dense(k, X, C) @ torch.linalg.pinv(dense(k, C, C), hermitian=True) @ dense(k, C, X)
     A = Kt + NOISE * torch.eye(X.shape[0], dtype=X.dtype)
     r = Y - MEAN
@@ -191,7 +191,7 @@ def test_rank_truncation_is_nsl():
 @pytest.mark.parametrize("method", ["lla", "ncr", "gsa", "rff"])
 def test_functional_api_float32_and_seeds(method):
     k64, k32 = kernel(), kernel(torch.float32)
-    kw = {"m": 40, "landmarks": "uniform", "prior_mean": MEAN}
+    kw = {"m": 40, "landmarks": None if method == "rff" else "uniform", "prior_mean": MEAN}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NumericalWarning)
         a = reduced_posterior(method, k64, X, Y, NOISE, seed=1, **kw)
@@ -293,3 +293,10 @@ def test_fit_refuses_non_finite_targets_before_any_step(bad):
         with pytest.raises(ValueError, match=name):
             call()
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_rff_takes_no_landmarks():
+    with pytest.raises(ValueError, match="landmarks"):
+        reduced_posterior("rff", kernel(), X, Y, NOISE, m=20, landmarks="fps")
+    with pytest.raises(ValueError, match="landmarks"):
+        reduced_posterior("rff", kernel(), X, Y, NOISE, m=20, landmarks=X[:5])

@@ -72,6 +72,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "(numerical rank of the kernel matrix; default)")
     p.add_argument("--landmarks", type=comma_choices(RULES, "landmark rule"), default=["fps"],
                    help=f"comma list of landmark rules: {', '.join(RULES)} (default fps; not used by exact, rff)")
+    p.add_argument("--gsa-coef", choices=("min_norm", "woodbury"), default="min_norm",
+                   help="GSA coefficient: min_norm ([SPA] Algorithm 1; default) or woodbury (the Nyström GP's, which "
+                        "can explode when the landmark kernel is ill-conditioned)")
     p.add_argument("--no-error", action="store_true",
                    help="skip the exact posterior (error_vs_exact and mean_rmse_vs_exact stay null) "
                         "unless 'exact' is among the methods")
@@ -168,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
         records = []
         for method, m, rule in tqdm(_runs(methods, ms, rules), desc="reduce", disable=args.json, leave=True):
             rec = evaluate_method(method, kernel, X, y, ds.test_x, ds.test_y, noise, prior_mean=prior_mean, m=m,
-                                  landmarks=rule or "fps", seed=args.seed, exact=exact, transform=ds.transform)
+                                  landmarks=rule, seed=args.seed, exact=exact, transform=ds.transform,
+                                  **({"coef": args.gsa_coef} if method == "gsa" else {}))
             if method == "exact":
                 rec["fit_s"] = exact_s  # the shared posterior's build time, not the reuse
             records.append(rec)

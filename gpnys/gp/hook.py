@@ -549,6 +549,9 @@ class PreconditionerHook:
     @contextlib.contextmanager
     def activate(self):
         likelihood = self.model.likelihood
+        if "marginal" in vars(likelihood):  # an outer hook's wrapper: stacking would drop one on exit
+            raise ValueError("model: gpnys.use_preconditioner is already active on this model; nested contexts on "
+                             "one model are not supported (leave the outer one first)")
         original = likelihood.marginal
         hook = self
 

@@ -41,7 +41,7 @@ def _metrics(yt: torch.Tensor, mean: torch.Tensor, var: torch.Tensor | None, noi
 
 def evaluate_method(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor,
                     Xt: torch.Tensor, yt: torch.Tensor, noise: float, prior_mean: float = 0.0, m: int | str = 500,
-                    landmarks: str = "fps", seed: int = 0, exact: ExactPosterior | None = None, transform=None,
+                    landmarks: str | None = None, seed: int = 0, exact: ExactPosterior | None = None, transform=None,
                     nytro_t_max: int = 500, **options: Any) -> dict[str, Any]:
     """Fit ``method`` (one of :data:`EVAL_METHODS`) on ``(X (n, d), y (n,))``, predict at ``Xt``, score on ``yt``.
 
@@ -51,6 +51,8 @@ def evaluate_method(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Tenso
     """
     if method not in EVAL_METHODS:
         raise ValueError(f"method must be one of {EVAL_METHODS}, got {method!r}")
+    if method not in ("exact", "rff"):
+        landmarks = landmarks or "fps"
     rec: dict[str, Any] = {"method": method, "landmarks": None if method in ("exact", "rff") else landmarks}
     t0 = time.perf_counter()
     if method == "exact":
@@ -68,8 +70,8 @@ def evaluate_method(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Tenso
         rec.update(t_stop=path.t_stop, gamma=path.gamma)
     else:
         with torch.no_grad():
-            post = reduced_posterior(method, kernel, X, y, noise, m=m, landmarks=landmarks, seed=seed,
-                                     prior_mean=prior_mean, **options)
+            post = reduced_posterior(method, kernel, X, y, noise, m=m, seed=seed, prior_mean=prior_mean,
+                                     landmarks=None if method == "rff" else landmarks, **options)
         fit_s = time.perf_counter() - t0
         mm = post.num_features // 2 if method == "rff" else post.m
     t1 = time.perf_counter()

@@ -5,9 +5,9 @@ kernel against all n training points: ``f(z) = m + k(z, X) alpha``. The training
 the "one term" identity: only ``X_H`` vs. ``X~_H`` differs). The coefficient is not unique (digest P4): every
 ``alpha`` with ``G alpha = w_hat`` solves [SPA] (3), and they predict differently. Two choices:
 
-* ``coef="woodbury"`` (default, the Nyström GP of Williams & Seeger): ``alpha = (K~ + sigma^2 I)^{-1} (y - m)
+* ``coef="woodbury"`` (the Nyström GP of Williams & Seeger): ``alpha = (K~ + sigma^2 I)^{-1} (y - m)
   = (y - m - Phi w_hat) / sigma^2`` ([NSL] eq. (23); the LLA training residual over sigma^2);
-* ``coef="min_norm"`` ([SPA] Algorithm 1, the papers' plots): ``alpha = G^+ w_hat``, the minimum-norm solution
+* ``coef="min_norm"`` (default; [SPA] Algorithm 1, the papers' plots): ``alpha = G^+ w_hat``, the minimum-norm solution
   of ``Phi^T alpha = w_hat`` (least squares, no ``n x s`` pseudo-inverse formed; digest P5).
 
 They differ by ``y_perp / sigma^2``, ``y_perp = (I - G^+ G)(y - m)``. Variance (both): the exact prior term
@@ -43,7 +43,7 @@ class GSAPosterior(LLAPosterior):
     method = "gsa"
 
     def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
-                 landmarks: torch.Tensor, prior_mean: float = 0.0, coef: str = "woodbury", rtol: float | None = None,
+                 landmarks: torch.Tensor, prior_mean: float = 0.0, coef: str = "min_norm", rtol: float | None = None,
                  solver: Solver | None = None) -> None:
         if coef not in COEFFICIENTS:
             raise ValueError(f"coef must be one of {COEFFICIENTS}, got {coef!r}")

@@ -43,7 +43,8 @@ def _count(m: int | str, X: torch.Tensor, kernel, noise: float, seed: int) -> in
 
 
 def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
-                      m: int | str = 500, landmarks: str | torch.Tensor = "fps", seed: int = 0, prior_mean: float = 0.0,
+                      m: int | str = 500, landmarks: str | torch.Tensor | None = None, seed: int = 0,
+                      prior_mean: float = 0.0,
                       **options: Any) -> Posterior:
     """A reduced GP posterior at fixed hyperparameters.
 
@@ -51,7 +52,8 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
         method: ``"lla"``, ``"ncr"``, ``"gsa"`` or ``"rff"``.
         kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2``.
         m: landmarks (RFF: frequencies, i.e. ``2m`` features), or ``"auto"``.
-        landmarks: a rule of :data:`gpnys.reduced.landmarks.RULES` or the points ``(m, d)`` themselves.
+        landmarks: a rule of :data:`gpnys.reduced.landmarks.RULES` or the points ``(m, d)`` themselves; ``None``:
+            ``"fps"`` (RFF takes none: a rule or points with ``"rff"`` is a ``ValueError``).
         seed: seeds landmark selection and RFF frequencies.
         prior_mean: constant prior mean.
         options: passed to the posterior (``variance``, ``coef``, ``rank``, ``rtol``, ``solver``).
@@ -61,9 +63,12 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "rff" and landmarks is not None:
+        raise ValueError(f"landmarks: method 'rff' draws random features and takes no landmarks, got {landmarks!r}"
+                         if not isinstance(landmarks, torch.Tensor) else
+                         "landmarks: method 'rff' draws random features and takes no landmark points")
+    landmarks = "fps" if landmarks is None else landmarks
     if isinstance(landmarks, torch.Tensor):
-        if method == "rff":
-            raise ValueError("landmarks: method 'rff' draws random features and takes no landmark points")
         C = landmarks
     else:
         mm = _count(m, X, kernel, noise, seed)
@@ -92,7 +97,7 @@ class ReducedGP(gpytorch.models.GP):
 
     def __init__(self, train_x: torch.Tensor, train_y: torch.Tensor, likelihood: gpytorch.likelihoods.GaussianLikelihood,
                  covar_module: gpytorch.kernels.Kernel, mean_module: gpytorch.means.Mean | None = None,
-                 method: str = "lla", m: int | str = 500, landmarks: str | torch.Tensor = "fps", seed: int = 0,
+                 method: str = "lla", m: int | str = 500, landmarks: str | torch.Tensor | None = None, seed: int = 0,
                  **options: Any) -> None:
         super().__init__()
         if method not in METHODS:
@@ -177,7 +182,7 @@ class ReducedGP(gpytorch.models.GP):
         else:
             with torch.no_grad():
                 mm = _count(self.m, X, self.covar_module, self._noise(), self.seed)
-                C, _ = select_landmarks(X, mm, self.landmarks, kernel=self.covar_module, noise=self._noise(),
+                C, _ = select_landmarks(X, mm, self.landmarks or "fps", kernel=self.covar_module, noise=self._noise(),
                                         seed=self.seed)
         self.train()
         opt = torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=lr)
