@@ -300,3 +300,10 @@ def test_rff_takes_no_landmarks():
         reduced_posterior("rff", kernel(), X, Y, NOISE, m=20, landmarks="fps")
     with pytest.raises(ValueError, match="landmarks"):
         reduced_posterior("rff", kernel(), X, Y, NOISE, m=20, landmarks=X[:5])
+
+
+def test_reduced_gp_refuses_per_point_noise():
+    """FixedNoiseGaussianLikelihood: a ValueError, not the first point's noise used for every point (issue 20)."""
+    lik = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(noise=torch.full((X.shape[0],), 0.1, dtype=X.dtype))
+    with pytest.raises(ValueError, match="likelihood"):
+        ReducedGP(X, Y, lik, kernel(), method="lla", m=20)

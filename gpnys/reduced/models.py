@@ -102,6 +102,11 @@ class ReducedGP(gpytorch.models.GP):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if not isinstance(likelihood, gpytorch.likelihoods.GaussianLikelihood) or isinstance(
+                likelihood, gpytorch.likelihoods.FixedNoiseGaussianLikelihood):
+            # the reduced posteriors take one noise variance; per-point noise would be answered with the first one
+            raise ValueError(f"likelihood must be a GaussianLikelihood with one (learned) noise variance, got "
+                             f"{type(likelihood).__name__}; per-point noise is not supported by ReducedGP")
         self.train_inputs, self.train_targets = (train_x,), train_y
         self.likelihood, self.covar_module = likelihood, covar_module
         self.mean_module = mean_module if mean_module is not None else gpytorch.means.ZeroMean()
