@@ -81,8 +81,14 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     """``SingleTaskGP`` whose MLL training and posterior solves use gpnys preconditioners above a size threshold.
 
     Args:
-        train_X, train_Y, train_Yvar, likelihood, covar_module, mean_module, outcome_transform, input_transform:
-            as for ``SingleTaskGP`` (``train_X (n, d)``, ``train_Y (n, 1)``).
+        train_X: ``(n, d)``, as for ``SingleTaskGP``.
+        train_Y: ``(n, 1)``, as for ``SingleTaskGP``.
+        train_Yvar: as for ``SingleTaskGP``.
+        likelihood: as for ``SingleTaskGP``.
+        covar_module: as for ``SingleTaskGP``.
+        mean_module: as for ``SingleTaskGP``.
+        outcome_transform: as for ``SingleTaskGP``.
+        input_transform: as for ``SingleTaskGP``.
         precond: ``"auto"`` (AFN paper Algorithm 5: Nyström or AFN for the current length-scale), ``"afn"``,
             ``"nystrom"``, ``"fsai"``, ``"pivchol"``, ...
         max_cholesky_size: at most this many training points the model behaves exactly as ``SingleTaskGP``

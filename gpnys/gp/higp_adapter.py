@@ -132,7 +132,9 @@ def evaluate_higp(
     Args:
         X: ``(n, d)`` inputs; y: ``(n,)`` targets. float32 inputs run HiGP in single precision, else double.
         kernel: ``rbf``, ``matern32`` or ``matern52`` (HiGP has no Matérn-1/2 and no ARD: ``ValueError``).
-        lengthscale, outputscale, noise: positive; noise is the total noise variance (GPyTorch's ``likelihood.noise``).
+        lengthscale: positive.
+        outputscale: positive.
+        noise: positive, the total noise variance (GPyTorch's ``likelihood.noise``).
         seed: passed to HiGP's setup (as ``seed + 1``, HiGP ignores seeds <= 0); HiGP's SLQ probes are seeded
             from the wall clock regardless (see the module docstring).
         rank: ``afn_rank`` (HiGP default 50); lanczos_steps: ``niter`` (10), PCG / Lanczos steps for both the

@@ -74,7 +74,8 @@ def evaluate(
         method: one of :data:`METHODS`.
         kernel: kernel name; lengthscale: scalar or ``(d,)`` with ``ard=True``; outputscale, noise: positive.
         seed: seeds torch (probes) and the preconditioner.
-        settings, options: passed to :func:`use_preconditioner` for gpnys methods.
+        settings: passed to :func:`use_preconditioner` for gpnys methods.
+        **options: passed to :func:`use_preconditioner` for gpnys methods.
 
     Returns:
         ``{"method", "loss", "grad": {"raw_lengthscale": float | list, "raw_outputscale", "raw_noise"},

@@ -116,7 +116,8 @@ class LLAPosterior:
         X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2 > 0``; landmarks: ``(m, d)`` with ``1 <= m <= n``.
         prior_mean: constant prior mean (subtracted from y, added to predictions).
         variance: ``"dtc"`` (default) or ``"sor"``.
-        rank, rtol: see :class:`NystromFeatureMap`.
+        rank: see :class:`NystromFeatureMap`.
+        rtol: see :class:`NystromFeatureMap`.
         solver: optional ``solver(M, B)`` for the ``s x s`` system (default Cholesky).
 
     Attributes:

@@ -87,9 +87,12 @@ class ReducedGP(gpytorch.models.GP):
         likelihood: ``GaussianLikelihood``.
         covar_module: ``ScaleKernel`` over RBF/Matérn (its hyperparameters are used, and trained by ``fit``).
         mean_module: ``ConstantMean`` or ``ZeroMean`` (default ``ZeroMean``).
-        method, m, landmarks, seed, options: as :func:`reduced_posterior`. Landmarks are chosen when the
-            posterior is first needed (and again after hyperparameters change, for the kernel-dependent rules
-            ``leverage`` and ``m="auto"``).
+        method: as :func:`reduced_posterior`.
+        m: as :func:`reduced_posterior`.
+        landmarks: as :func:`reduced_posterior`. Landmarks are chosen when the posterior is first needed (and again
+            after hyperparameters change, for the kernel-dependent rules ``leverage`` and ``m="auto"``).
+        seed: as :func:`reduced_posterior`.
+        **options: as :func:`reduced_posterior`.
 
     Eval mode: ``model(x)`` returns ``MultivariateNormal(mean, diag(variance))`` of the latent function at
     ``x (b, d)`` (independent marginals); ``likelihood(model(x))`` adds the noise.

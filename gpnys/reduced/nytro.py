@@ -128,7 +128,8 @@ def nytro(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, lan
         t_max: maximum number of steps.
         gamma: the step is ``gamma / n``; default ``1 / max_i k(x_i, x_i)`` (``1 / outputscale`` for a
             ``ScaleKernel`` over a stationary kernel), which guarantees convergence.
-        X_val, y_val: ``(n_val, d)``, ``(n_val,)`` validation set; required by ``stop`` ``"threshold"``/``"best"``.
+        X_val: ``(n_val, d)`` validation inputs; required by ``stop`` ``"threshold"``/``"best"``.
+        y_val: ``(n_val,)`` validation targets; required with ``X_val``.
         Z: ``(nz, d)`` points at which to predict after every step.
         stop: ``"threshold"`` — first ``t`` whose relative validation-RMSE decrease
             ``(e_{t-1} - e_t) / e_{t-1}`` is below ``tau``, with ``e_0`` the RMSE of ``alpha_0 = 0`` (digest N7

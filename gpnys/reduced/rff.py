@@ -64,9 +64,10 @@ class RandomFourierFeatures:
         d: input dimension (must equal the ARD dimension, if any).
         num_frequencies: ``D`` frequencies, hence ``2D`` features.
         seed: generator seed; the same seed, dtype and device give the same draws.
-        dtype, device: of the stored draws (default ``torch.get_default_dtype()``, CPU); every call computes
-            in its input's dtype and device. :class:`RFFPosterior` draws in at least float64, so one seed gives
-            the same frequencies for float32 and float64 data.
+        dtype: of the stored draws (default ``torch.get_default_dtype()``); every call computes in its input's
+            dtype and device.
+        device: of the stored draws (default CPU). :class:`RFFPosterior` draws in at least float64, so one seed
+            gives the same frequencies for float32 and float64 data.
 
     Attributes:
         G: ``(D, d)`` standard normal draws; u: ``(D,)`` chi-square draws with ``2 nu`` degrees of freedom
