@@ -309,3 +309,26 @@ def test_nested_contexts_on_one_model_are_refused_and_the_outer_survives(concret
         loss_and_grads(m, torch.enable_grad())
         assert outer.builds >= 1  # the outer wrapper is still in place
     assert "marginal" not in vars(m.likelihood)
+
+
+def test_float32_inputs_in_a_float64_model(concrete):
+    """GPyTorch promotes float32 inputs to the float64 hyperparameters; so does the hook (issue 20): the loss is
+    Cholesky's to the estimator's accuracy and the predictions are the exact posterior's."""
+    from gpnys.gp.exact import predict
+
+    m = model_at(concrete, ls=1.5, noise=0.05, ard=False, dtype=torch.float64)
+    X32 = m.train_inputs[0].float()
+    m.set_train_data(X32, m.train_targets, strict=False)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(m.likelihood, m)
+    m.train()
+    with gpytorch.settings.max_cholesky_size(10**6), torch.no_grad():
+        exact = float(-mll(m(X32), m.train_targets))
+    mean_ref, var_ref = predict(m, concrete.test_x.float())
+    with use_preconditioner(m, "afn", k=200, w=20) as hook:
+        m.train()
+        loss = -mll(m(X32), m.train_targets)
+        loss.backward()
+        mean, var = hook.predict(concrete.test_x.float())
+    assert loss.dtype == torch.float64 and abs(float(loss) - exact) <= 1e-2 * abs(exact)
+    assert float((mean - mean_ref).abs().max() / mean_ref.abs().max()) < 1e-3
+    assert float(((var - var_ref) / var_ref).abs().max()) < 3e-3

@@ -28,6 +28,7 @@ inside the context; see :class:`EstimatorSettings`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from dataclasses import dataclass
@@ -270,7 +271,10 @@ class PreconditionerHook:
         for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
             if options.get(key) is not None:
                 validate_count(options[key], key, 1, X.shape[0])
-        self.train_x = X.detach()
+        self._promotion: tuple | None = None
+        params = [p.dtype for p in model.parameters() if p.is_floating_point()]
+        dtype = functools.reduce(torch.promote_types, params, X.dtype)  # GPyTorch's computation dtype
+        self.train_x = X.detach().to(dtype)
         self.cache = PointCache(self.train_x)
         self.builds = 0
         self.applications = 0
@@ -418,12 +422,26 @@ class PreconditionerHook:
         base = kernel.base_kernel if scaled else kernel
         if not (self.settings.kernel_operator and supported(base) and len(kernel.batch_shape) == 0):
             return None
+        X = self._promoted(X, base.lengthscale.dtype)
         # a bare RBF/Matérn (BoTorch's default SingleTaskGP kernel) has the constant outputscale 1
         s2 = kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
         return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self._kernel_cache,
                                         dense_limit_bytes=self.settings.dense_limit_bytes,
                                         prune_tol=self.settings.kernel_prune_tol, backend=self.settings.kernel_backend,
                                         keops=self.settings.kernel_keops, tf32=self.settings.kernel_tf32)
+
+    def _promoted(self, X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``X`` in the dtype GPyTorch computes the kernel in (inputs promoted with the hyperparameters: float32
+        inputs in a float64 model give a float64 kernel). The copy is kept while ``X`` is unchanged, so the
+        operator's caches, keyed on its inputs' identity, still hit."""
+        target = torch.promote_types(X.dtype, dtype)
+        if X.dtype == target:
+            return X
+        src, version, out = self._promotion if self._promotion is not None else (None, None, None)
+        if src is not X or version != X._version or out.dtype != target:
+            out = X.detach().to(target)
+            self._promotion = (X, X._version, out)
+        return out
 
     def system(self, X: torch.Tensor, options: dict[str, Any] | None = None) -> tuple[Callable, Callable]:
         """``(A, M)`` for the current hyperparameters: ``A(V) = K̂ V`` with ``K̂ = s² K(X, X) + σ² I`` and
