@@ -41,7 +41,14 @@ class KernelEntries:
         return self.X.shape[0]
 
     def points(self, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-        """``k(A, B)`` for point sets ``A: (..., p, d)``, ``B: (..., q, d)`` (batch dims broadcast). ``(..., p, q)``"""
+        """``k(A, B)`` for point sets ``A: (..., p, d)``, ``B: (..., q, d)`` (batch dims broadcast). ``(..., p, q)``
+
+        ``kernel.forward`` skips the kernel's own ``active_dims`` selection (GPyTorch applies it in ``__call__``),
+        so it is applied here; sub-kernels of sums and products apply theirs in their ``forward``."""
+        dims = self.kernel.active_dims
+        if dims is not None:
+            dims = dims.to(A.device)
+            A, B = A.index_select(-1, dims), B.index_select(-1, dims)
         with torch.no_grad():
             return self.kernel.forward(A, B).to(self.X.dtype)
 
