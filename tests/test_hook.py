@@ -362,3 +362,38 @@ def test_active_dims_are_honoured(method):
         loss = -mll(m(X), y)
         loss.backward()
     assert abs(float(loss) - exact) <= 1e-2 * abs(exact)
+
+
+class _Renamed(gpytorch.models.ExactGP):
+    """A kernel under another attribute name, and inputs scaled inside forward() (issue 20)."""
+
+    def __init__(self, x, y, lik, scale=1.0):
+        super().__init__(x, y, lik)
+        self.mu = gpytorch.means.ConstantMean()
+        self.cov = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
+        self.scale = scale
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mu(x), self.cov(self.scale * x))
+
+
+@pytest.mark.parametrize("scale", [1.0, 20.0])
+def test_kernel_under_any_name_and_inputs_transformed_in_forward(concrete, scale):
+    """The hook reads the kernel and its inputs from the covariance forward() builds: the loss is Cholesky's and the
+    preconditioner is built on the inputs the kernel sees (few CG iterations, not hundreds)."""
+    X, y = concrete.train_x, concrete.train_y
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    m = _Renamed(X, y, lik, scale=scale).double()
+    m.cov.base_kernel.lengthscale = 1.5 * scale
+    lik.noise = 0.05
+    m.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, m)
+    with gpytorch.settings.max_cholesky_size(10**6), torch.no_grad():
+        exact = float(-mll(m(X), y))
+    with use_preconditioner(m, "afn", k=200, w=20) as hook:
+        loss = -mll(m(X), y)
+        loss.backward()
+    assert hook.kernel is m.cov
+    assert abs(float(loss) - exact) <= 1e-2 * abs(exact)
+    assert hook.applications / max(1, hook.builds) < 30  # measured 13 (on the raw inputs: 47, loss 2 % off)
+    assert m.cov.base_kernel.raw_lengthscale.grad is not None

@@ -289,6 +289,9 @@ class PreconditionerHook:
         self.control_variates = 0
         self._kernel_cache: dict[str, Any] = {}
         self._kernel_x: torch.Tensor | None = None
+        #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
+        #: the inputs as its forward() passed them)
+        self._seen: tuple[gpytorch.kernels.Kernel, torch.Tensor] | None = None
         self.variance_iterations = 0
         self.variance_method_used: str | None = None
 
@@ -315,7 +318,7 @@ class PreconditionerHook:
         P = getattr(P, "inner", P)  # AutoPreconditioner: the Nyström or AFN it chose
         if not hasattr(P, "differentiable_terms"):
             return None
-        kernel = self.model.covar_module
+        kernel = self.kernel
         base, _ = split_outputscale(kernel)
         s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
         noise = self.model.likelihood.noise.reshape(-1)[0]
@@ -333,6 +336,31 @@ class PreconditionerHook:
             quad = quad / s2
         self.control_variates += 1
         return logdet + quad / t
+
+    # -- the kernel and its inputs ----------------------------------------------------------------------
+    @property
+    def kernel(self) -> gpytorch.kernels.Kernel:
+        """The kernel of the training covariance: the one GPyTorch evaluated in the model's ``forward`` (any
+        attribute name), else ``model.covar_module`` before the first training call."""
+        if self._seen is not None:
+            return self._seen[0]
+        kernel = getattr(self.model, "covar_module", None)
+        if not isinstance(kernel, gpytorch.kernels.Kernel):
+            raise ValueError("model: no kernel found yet; gpnys reads it from the covariance the model's forward() "
+                             "builds in training mode (call the model on its training inputs first)")
+        return kernel
+
+    def _inputs(self) -> torch.Tensor:
+        """The points the kernel sees: the training inputs, or what ``forward`` made of them (e.g. ``20 * x``),
+        in the computation dtype; the landmark / kNN cache follows them."""
+        X = self.train_x
+        if self._seen is not None:
+            seen = self._promoted(self._seen[1], X.dtype)
+            if not (seen is X or (seen.shape == X.shape and torch.equal(seen, X))):
+                X = seen
+        if not (self.cache.X is X or (self.cache.X.shape == X.shape and torch.equal(self.cache.X, X))):
+            self.cache = PointCache(X.detach())
+        return self.cache.X
 
     # -- building -------------------------------------------------------------------------------------
     def _hyper_key(self, kernel: gpytorch.kernels.Kernel, mu: float, s2: float) -> tuple:
@@ -369,8 +397,8 @@ class PreconditionerHook:
         such a preconditioner is cached separately from the training one (both rebuilt when the hyperparameters
         change), so posterior solves can use a stronger preconditioner than the many MLL evaluations."""
         model = self.model
-        X = self.train_x
-        kernel = model.covar_module
+        X = self._inputs()
+        kernel = self.kernel
         opts = self.options if not options else {**self.options, **options}
         slot = None if opts == self.options else tuple(sorted(opts.items()))
         with torch.no_grad():
@@ -417,7 +445,7 @@ class PreconditionerHook:
         """``covar_module(X, X)`` as a :class:`~gpnys.kernels.operator.StationaryKernelOperator` (cached dense values,
         closed-form blocked derivative) for a ``ScaleKernel`` over RBF/Matérn when ``settings.kernel_operator``;
         else ``None``."""
-        kernel = self.model.covar_module
+        kernel = self.kernel
         scaled = isinstance(kernel, gpytorch.kernels.ScaleKernel)
         base = kernel.base_kernel if scaled else kernel
         if not (self.settings.kernel_operator and supported(base) and len(kernel.batch_shape) == 0):
@@ -450,7 +478,7 @@ class PreconditionerHook:
         P, s2 = self.preconditioner(options)
         noise = self.model.likelihood.noise.detach().reshape(-1)[0]
         op = self.stationary_operator(X)
-        kernel = self.model.covar_module
+        kernel = self.kernel
         kmm = op._matmul if op is not None else (lambda V: kernel(X) @ V)
 
         def A(V: torch.Tensor) -> torch.Tensor:
@@ -463,8 +491,9 @@ class PreconditionerHook:
         """The training covariance's kernel part: :meth:`stationary_operator` on the inputs the kernel actually
         received (``op.x1``, so a ``forward`` that transforms x is respected) while training, else ``op``."""
         if not (self.model.training and isinstance(op, LazyEvaluatedKernelTensor)
-                and op.kernel is self.model.covar_module and op.x1 is op.x2 and op.x1.dim() == 2):
+                and op.x1 is op.x2 and op.x1.dim() == 2 and op.x1.shape[0] == self.train_x.shape[0]):
             return op
+        self._seen = (op.kernel, op.x1)
         so = self.stationary_operator(op.x1)
         if so is not None:
             self._kernel_x = op.x1
@@ -507,7 +536,7 @@ class PreconditionerHook:
                 self.variance_method_used = "gpytorch"
                 pred = lik(model(test_x))
                 return pred.mean, pred.variance
-            kernel = model.covar_module
+            kernel = self.kernel
             noise = lik.noise.reshape(-1)[0]
             n, m = X.shape[0], test_x.shape[0]
             alpha = self._mean_weights(X)
