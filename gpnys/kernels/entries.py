@@ -13,7 +13,7 @@ import torch
 from gpnys.budget import block_rows
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 
-__all__ = ["KernelEntries", "split_outputscale"]
+__all__ = ["KernelEntries", "split_outputscale", "evaluate"]
 
 
 def split_outputscale(kernel: gpytorch.kernels.Kernel) -> tuple[gpytorch.kernels.Kernel, float]:
@@ -21,6 +21,20 @@ def split_outputscale(kernel: gpytorch.kernels.Kernel) -> tuple[gpytorch.kernels
     if isinstance(kernel, gpytorch.kernels.ScaleKernel):
         return kernel.base_kernel, float(kernel.outputscale.detach().reshape(-1)[0])
     return kernel, 1.0
+
+
+def evaluate(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor, diag: bool = False) -> torch.Tensor:
+    """Dense ``k(A, B)`` (``(..., p, q)``; ``diag``: ``(..., p)``) with autograd to the kernel's parameters.
+
+    ``kernel.forward`` skips the kernel's own ``active_dims`` (GPyTorch applies them in ``__call__``, which
+    returns a lazy tensor), so they are applied here; sub-kernels of sums and products apply theirs in their
+    ``forward``, which answers with a ``LinearOperator``: made dense."""
+    dims = kernel.active_dims
+    if dims is not None:
+        dims = dims.to(A.device)
+        A, B = A.index_select(-1, dims), B.index_select(-1, dims)
+    K = kernel.forward(A, B, diag=diag)
+    return K if isinstance(K, torch.Tensor) else K.to_dense()
 
 
 class KernelEntries:
@@ -41,16 +55,10 @@ class KernelEntries:
         return self.X.shape[0]
 
     def points(self, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-        """``k(A, B)`` for point sets ``A: (..., p, d)``, ``B: (..., q, d)`` (batch dims broadcast). ``(..., p, q)``
-
-        ``kernel.forward`` skips the kernel's own ``active_dims`` selection (GPyTorch applies it in ``__call__``),
-        so it is applied here; sub-kernels of sums and products apply theirs in their ``forward``."""
-        dims = self.kernel.active_dims
-        if dims is not None:
-            dims = dims.to(A.device)
-            A, B = A.index_select(-1, dims), B.index_select(-1, dims)
+        """``k(A, B)`` for point sets ``A: (..., p, d)``, ``B: (..., q, d)`` (batch dims broadcast), without
+        autograd (:func:`evaluate`). ``(..., p, q)``"""
         with torch.no_grad():
-            return self.kernel.forward(A, B).to(self.X.dtype)
+            return evaluate(self.kernel, A, B).to(self.X.dtype)
 
     def __call__(self, I: torch.Tensor | slice, J: torch.Tensor | slice) -> torch.Tensor:
         """``K[I][:, J]`` for index tensors or slices. ``(|I|, |J|)``; evaluated in row blocks of the memory

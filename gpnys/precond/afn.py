@@ -25,6 +25,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows
+from gpnys.kernels.entries import evaluate
 from gpnys.linalg import thin_matmul
 from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
 from gpnys.precond.cache import PointCache
@@ -218,19 +219,19 @@ class AFNPreconditioner(Preconditioner):
         if schur == "auto":
             schur = "full" if (self.n - self.k) * self.w**2 * self.k <= _CV_FULL_BUDGET else "diag"
         eye_k = torch.eye(self.k, dtype=X.dtype, device=X.device)
-        L = torch.linalg.cholesky(kernel.forward(X[lm], X[lm]) + mu * eye_k)
+        L = torch.linalg.cholesky(evaluate(kernel, X[lm], X[lm]) + mu * eye_k)
         Zp = Z[self.perm]
         w1 = torch.linalg.solve_triangular(L, Zp[: self.k], upper=False)
         if schur == "frozen":
             # V w1 = K21 (K11 + mu I)^{-1} z1: no (n-k) x k triangular solve, forward or backward
             u = torch.linalg.solve_triangular(L.mT, w1, upper=True)
-            x = Zp[self.k :] - kernel.forward(X[rest], X[lm]) @ u
+            x = Zp[self.k :] - evaluate(kernel, X[rest], X[lm]) @ u
         else:
-            V = torch.linalg.solve_triangular(L, kernel.forward(X[lm], X[rest]), upper=False).mT
+            V = torch.linalg.solve_triangular(L, evaluate(kernel, X[lm], X[rest]), upper=False).mT
             x = Zp[self.k :] - V @ w1
         if schur in ("diag", "frozen"):
             Vd = self.V if schur == "frozen" else V  # frozen: |V_i|^2 held at its value
-            d = kernel.forward(X[rest], X[rest], diag=True) + mu - Vd.square().sum(1)
+            d = evaluate(kernel, X[rest], X[rest], diag=True) + mu - Vd.square().sum(1)
             scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
             quad = w1.square().sum() + self.factor.mm(scale[:, None] * x).square().sum()
             logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() - 2.0 * scale.log().sum()
@@ -242,7 +243,7 @@ class AFNPreconditioner(Preconditioner):
         def rows(I: torch.Tensor, M: torch.Tensor, V: torch.Tensor, x: torch.Tensor, mu: torch.Tensor):
             P = X[rest[I]]
             Vs = _gather_rows(V, I)
-            S = kernel.forward(P, P) + mu * eye_w - Vs @ Vs.mT
+            S = evaluate(kernel, P, P) + mu * eye_w - Vs @ Vs.mT
             S = torch.where(M[:, :, None] & M[:, None, :], S, eye_w)
             Lb = torch.linalg.cholesky(S)
             e = torch.zeros(S.shape[0], w, 1, dtype=S.dtype, device=S.device)

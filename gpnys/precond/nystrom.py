@@ -51,7 +51,7 @@ import gpytorch
 import torch
 
 from gpnys import landmarks as _landmarks
-from gpnys.kernels.entries import KernelEntries
+from gpnys.kernels.entries import KernelEntries, evaluate
 from gpnys.linalg import thin_matmul
 from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
 
@@ -179,7 +179,7 @@ class NystromPreconditioner(Preconditioner):
             raise NotImplementedError("differentiable terms exist for column sampling with the stable scaling only")
         X, idx = self.X, self.landmark_indices
         ar = torch.arange(self.k, device=X.device)
-        Y = kernel.forward(X, X[idx])
+        Y = evaluate(kernel, X, X[idx])
         Y = Y.index_put((idx, ar), Y[idx, ar] + self.nu)
         C = torch.linalg.cholesky(0.5 * (Y[idx] + Y[idx].mT))
         B = torch.linalg.solve_triangular(C.mT, Y, upper=True, left=False)

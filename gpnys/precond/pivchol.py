@@ -42,7 +42,7 @@ import torch
 from linear_operator.functions import pivoted_cholesky
 from linear_operator.operators import LinearOperator
 
-from gpnys.kernels.entries import KernelEntries
+from gpnys.kernels.entries import KernelEntries, evaluate
 from gpnys.precond.base import NumericalWarning, Preconditioner, draw, validate_count
 
 __all__ = ["PivotedCholeskyPreconditioner", "KernelRowsOperator"]
@@ -67,7 +67,7 @@ class KernelRowsOperator(LinearOperator):
 
     def _entries(self, A: torch.Tensor, B: torch.Tensor, diag: bool) -> torch.Tensor:
         with torch.no_grad():
-            return self.kernel.forward(A, B, diag=diag).to(self.X.dtype)
+            return evaluate(self.kernel, A, B, diag=diag).to(self.X.dtype)
 
     def _size(self) -> torch.Size:
         n = self.X.shape[-2]
