@@ -40,7 +40,8 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
 from gpnys.budget import block_rows
-from gpnys.kernels.entries import split_outputscale
+from gpnys.gp.discover import training_kernel
+from gpnys.kernels.entries import KernelEntries, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import (
@@ -341,14 +342,10 @@ class PreconditionerHook:
     @property
     def kernel(self) -> gpytorch.kernels.Kernel:
         """The kernel of the training covariance: the one GPyTorch evaluated in the model's ``forward`` (any
-        attribute name), else ``model.covar_module`` before the first training call."""
-        if self._seen is not None:
-            return self._seen[0]
-        kernel = getattr(self.model, "covar_module", None)
-        if not isinstance(kernel, gpytorch.kernels.Kernel):
-            raise ValueError("model: no kernel found yet; gpnys reads it from the covariance the model's forward() "
-                             "builds in training mode (call the model on its training inputs first)")
-        return kernel
+        attribute name; :func:`~gpnys.gp.discover.training_kernel` before the first training call)."""
+        if self._seen is None:
+            self._seen = training_kernel(self.model)
+        return self._seen[0]
 
     def _inputs(self) -> torch.Tensor:
         """The points the kernel sees: the training inputs, or what ``forward`` made of them (e.g. ``20 * x``),
@@ -478,8 +475,11 @@ class PreconditionerHook:
         P, s2 = self.preconditioner(options)
         noise = self.model.likelihood.noise.detach().reshape(-1)[0]
         op = self.stationary_operator(X)
-        kernel = self.kernel
-        kmm = op._matmul if op is not None else (lambda V: kernel(X) @ V)
+        if op is not None:
+            kmm = op._matmul
+        else:  # any other kernel: dense row blocks of the memory budget, not GPyTorch's n x n evaluation
+            entries = KernelEntries(self._promoted(X, self.train_x.dtype), self.kernel)
+            kmm = lambda V: entries.outputscale * entries.matmul(V)  # noqa: E731
 
         def A(V: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():

@@ -19,6 +19,7 @@ import gpytorch
 import torch
 from linear_operator.operators import DiagLinearOperator
 
+from gpnys.gp.discover import training_kernel
 from gpnys.precond.base import safe_cholesky, validate_training_data
 from gpnys.reduced.features import feature_nll
 from gpnys.reduced.gsa import GSAPosterior
@@ -119,9 +120,20 @@ class ReducedGP(gpytorch.models.GP):
 
     @classmethod
     def from_exact(cls, model: gpytorch.models.ExactGP, **kwargs: Any) -> "ReducedGP":
-        """A reduced model with (copies of) the kernel, mean and likelihood of a trained ``ExactGP``."""
-        return cls(model.train_inputs[0], model.train_targets, copy.deepcopy(model.likelihood),
-                   copy.deepcopy(model.covar_module), copy.deepcopy(model.mean_module), **kwargs)
+        """A reduced model with (copies of) the kernel, mean and likelihood of a trained ``ExactGP``. The kernel is
+        the one its ``forward`` evaluates (any attribute name, :func:`~gpnys.gp.discover.training_kernel`); the
+        mean is ``model.mean_module``."""
+        kernel, seen = training_kernel(model)
+        X = model.train_inputs[0]
+        if not (seen is X or (seen.shape == X.shape and torch.equal(seen, X))):
+            raise ValueError("model: its forward() transforms the inputs before the kernel; build ReducedGP on the "
+                             "transformed inputs instead")
+        mean = getattr(model, "mean_module", None)
+        if not isinstance(mean, gpytorch.means.Mean):
+            raise ValueError("model: ReducedGP.from_exact takes the prior mean from model.mean_module "
+                             "(ConstantMean or ZeroMean), which this model does not have")
+        return cls(X, model.train_targets, copy.deepcopy(model.likelihood), copy.deepcopy(kernel),
+                   copy.deepcopy(mean), **kwargs)
 
     def _prior_mean(self) -> float:
         c = getattr(self.mean_module, "constant", None)

@@ -1,0 +1,31 @@
+"""Which kernel, on which inputs, a GPyTorch model's training covariance really uses.
+
+A model may keep its kernel under any attribute name, and its ``forward`` may transform the inputs before the
+kernel sees them (``self.cov(20 * x)``). Both are visible in the covariance GPyTorch builds: in training mode
+``forward`` returns a ``MultivariateNormal`` whose lazy covariance is a ``LazyEvaluatedKernelTensor`` carrying the
+kernel object and the inputs it was called with. gpnys reads them there instead of from attribute names.
+"""
+
+from __future__ import annotations
+
+import gpytorch
+import torch
+from gpytorch.lazy import LazyEvaluatedKernelTensor
+
+__all__ = ["training_kernel"]
+
+
+def training_kernel(model: gpytorch.models.ExactGP) -> tuple[gpytorch.kernels.Kernel, torch.Tensor]:
+    """``(kernel, inputs)`` of ``model``'s prior covariance at its training inputs: the kernel object its
+    ``forward`` evaluated and the ``(n, d)`` points it passed to it. No kernel entry is computed (the covariance
+    stays lazy). ``ValueError`` when the covariance is not a single kernel evaluated on one set of points (e.g.
+    ``k1(x) + k2(x)`` added outside a kernel object: wrap them in one kernel, ``k1 + k2``)."""
+    X = model.train_inputs[0]
+    # forward() in the model's current mode: toggling it would have side effects (BoTorch models transform their
+    # stored training inputs when they enter eval mode)
+    with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(True):
+        cov = model.forward(X).lazy_covariance_matrix
+    if isinstance(cov, LazyEvaluatedKernelTensor) and cov.x1 is cov.x2 and cov.x1.dim() == 2:
+        return cov.kernel, cov.x1
+    raise ValueError(f"model: its forward() covariance is a {type(cov).__name__}, not one kernel evaluated on the "
+                     "training inputs; combine the kernels into one kernel object (k1 + k2, k1 * k2)")
