@@ -662,3 +662,20 @@ def test_default_preconditioner_options_at_tiny_n(n):
         assert_rel(post.variance, post_ref.variance, 1e-4, "variance")
     fit(model, maxiter=3)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_unsupported_cases_above_the_threshold_say_so():
+    """Per-point noise (train_Yvar) above max_cholesky_size: SingleTaskGP's Cholesky, with a warning, not silently
+    (issue 20); the answer is SingleTaskGP's."""
+    from gpnys.precond.base import NumericalWarning
+
+    X, Y = data(40, 2, seed=3)
+    Yvar = torch.full_like(Y, 1e-2)
+    model = PreconditionedSingleTaskGP(X, Y, train_Yvar=Yvar, max_cholesky_size=10)
+    ref = SingleTaskGP(X, Y, train_Yvar=Yvar)
+    model.load_state_dict(ref.state_dict())
+    Xt = points_at(5, 2)
+    with pytest.warns(NumericalWarning, match="Cholesky"), torch.no_grad():
+        mean = model.posterior(Xt).mean
+    with torch.no_grad():
+        torch.testing.assert_close(mean, ref.posterior(Xt).mean)

@@ -440,3 +440,22 @@ def test_sum_product_and_linear_kernels_train_under_the_hook(name, method):
     scale = max(float(g.abs().max()) for g in ref.values())  # stochastic: errors relative to the largest component
     for k, p in m.named_parameters():
         assert float((p.grad - ref[k]).abs().max()) <= 0.05 * scale, k
+
+
+def test_a_covariance_of_two_kernel_calls_is_a_clear_error():
+    """k1(x) + k2(x) added inside forward(): no single kernel to precondition; a ValueError says what to do."""
+
+    class TwoCalls(gpytorch.models.ExactGP):
+        def __init__(self, x, y):
+            super().__init__(x, y, gpytorch.likelihoods.GaussianLikelihood())
+            self.k1, self.k2 = gpytorch.kernels.RBFKernel(), gpytorch.kernels.MaternKernel()
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(torch.zeros_like(x[:, 0]), self.k1(x) + self.k2(x))
+
+    X = torch.rand(200, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    m = TwoCalls(X, X.sum(1)).double()
+    m.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(m.likelihood, m)
+    with pytest.raises(ValueError, match="one kernel object"), use_preconditioner(m, "afn", k=50, w=10):
+        (-mll(m(X), X.sum(1))).backward()

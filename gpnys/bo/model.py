@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from typing import Any, Iterator
 
 import gpytorch
@@ -49,7 +50,7 @@ from gpytorch.means import Mean
 from gpytorch.module import Module
 
 from gpnys.gp.hook import EstimatorSettings, PreconditionerHook
-from gpnys.precond.base import validate_positive
+from gpnys.precond.base import NumericalWarning, validate_positive
 from gpnys.precond.strategy import PRECONDITIONERS
 from gpnys.solvers.pcg import pcg
 
@@ -165,8 +166,17 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         limit = self._gpnys_config["max_cholesky_size"]
         limit = gpytorch.settings.max_cholesky_size.value() if limit is None else limit
         X = self.train_inputs[0]
-        return (X.dim() == 2 and self.train_targets.dim() == 1 and X.shape[0] > limit
-                and type(self.likelihood) is GaussianLikelihood)
+        if X.shape[-2] <= limit:
+            return False
+        if X.dim() == 2 and self.train_targets.dim() == 1 and type(self.likelihood) is GaussianLikelihood:
+            return True
+        if not getattr(self, "_gpnys_warned", False):  # above the threshold, but not a case gpnys handles: say so
+            self._gpnys_warned = True
+            warnings.warn(f"PreconditionedSingleTaskGP: {X.shape[-2]} training points exceed max_cholesky_size="
+                          f"{limit}, but batched / multi-output data and per-point noise (train_Yvar) are not "
+                          "preconditioned yet: this model runs SingleTaskGP's Cholesky path", NumericalWarning,
+                          stacklevel=2)
+        return False
 
     def _kernel_inputs(self) -> torch.Tensor:
         """Training inputs as the kernel sees them (input transform applied), ``(n, d)``."""
