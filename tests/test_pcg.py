@@ -156,3 +156,22 @@ def test_pcg_kernel_system_with_preconditioner(dtype):
     assert pre.iterations < plain.iterations
     assert pre.x.dtype == dtype
     assert float(pre.rel_residual[0]) < 2e-4
+
+
+def test_mixed_dtypes_are_promoted_as_gpytorch_does():
+    """float32 points with a float64 kernel, or a float32 right-hand side for a float64 system: solved in float64
+    (issue 20: raw dtype errors), equal to the all-float64 solve."""
+    import gpytorch
+
+    from gpnys import pcg
+    from gpnys.solvers import kernel_system
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(120, 2, generator=g, dtype=torch.float64)
+    B = torch.randn(120, 2, generator=g, dtype=torch.float64)
+    k = gpytorch.kernels.RBFKernel().double()
+    ref = pcg(kernel_system(X, k, 0.1), B, tol=1e-10).x
+    for system, rhs in ((kernel_system(X.float(), k, 0.1), B), (kernel_system(X, k, 0.1), B.float())):
+        x = pcg(system, rhs, tol=1e-10).x
+        assert x.dtype == torch.float64
+        assert float((x - ref).abs().max()) <= 1e-5 * float(ref.abs().max())  # float32 inputs: rounded points

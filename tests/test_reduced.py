@@ -334,3 +334,12 @@ def test_from_exact_finds_the_kernel_under_any_name():
         torch.testing.assert_close(r(Z).mean, exact_mean, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="transforms the inputs"):
         ReducedGP.from_exact(Renamed(X, Y, scale=20.0).double())
+
+
+def test_reduced_posterior_takes_mixed_dtypes():
+    """float32 points with float64 targets and kernel: promoted to float64, as GPyTorch does (issue 20)."""
+    post = reduced_posterior("lla", kernel(), X.float(), Y, NOISE, m=40, landmarks="fps")
+    ref = reduced_posterior("lla", kernel(), X.float().double(), Y, NOISE, m=40, landmarks="fps")
+    mean = post.mean(Z.float())
+    assert mean.dtype == torch.float64
+    torch.testing.assert_close(mean, ref.mean(Z.float().double()))

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any, Union
 
@@ -64,6 +65,11 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(X, torch.Tensor) and isinstance(y, torch.Tensor) and X.is_floating_point():
+        # mixed dtypes as GPyTorch takes them: data promoted with each other and the kernel's parameters
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in kernel.parameters() if p.is_floating_point()],
+                                 torch.promote_types(X.dtype, y.dtype) if y.is_floating_point() else X.dtype)
+        X, y = X.to(dtype), y.to(dtype)
     if method == "rff" and landmarks is not None:
         raise ValueError(f"landmarks: method 'rff' draws random features and takes no landmarks, got {landmarks!r}"
                          if not isinstance(landmarks, torch.Tensor) else

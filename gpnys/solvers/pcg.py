@@ -24,6 +24,7 @@ iteration count. :func:`pcg` does exactly this, column-wise independently (each 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -128,6 +129,9 @@ def pcg(
         raise ValueError(f"maxiter must be a non-negative integer, got {maxiter!r}")
     if not torch.isfinite(B).all():
         raise ValueError("B contains NaN or inf")
+    system_dtype = getattr(matmul, "dtype", None)  # e.g. KernelSystem: solve in the promoted dtype, as GPyTorch
+    if isinstance(system_dtype, torch.dtype) and system_dtype != B.dtype:
+        B = B.to(torch.promote_types(B.dtype, system_dtype))
     apply_m = _as_precond(precond)
     vec = B.dim() == 1
     Bm = B[:, None] if vec else B
@@ -235,6 +239,11 @@ class KernelSystem:
     ) -> None:
         validate_points(X)
         self.mu = validate_mu(mu)
+        # GPyTorch's computation dtype: the inputs promoted with the kernel's parameters (float32 X, float64 kernel
+        # -> float64); products take any floating V and answer in it
+        self.dtype = functools.reduce(torch.promote_types,
+                                      [p.dtype for p in kernel.parameters() if p.is_floating_point()], X.dtype)
+        X = X.to(self.dtype)
         self.entries = KernelEntries(X, kernel)
         self.n = X.shape[0]
         limit = dense_limit_bytes_budget(X.device) if dense_limit_bytes is None else int(dense_limit_bytes)
@@ -256,7 +265,7 @@ class KernelSystem:
 
     def __call__(self, V: torch.Tensor) -> torch.Tensor:
         vec = V.dim() == 1
-        Vm = V[:, None] if vec else V
+        Vm = (V[:, None] if vec else V).to(self.dtype)
         if self._K is not None:
             KV = thin_matmul(self._K, Vm)
         elif self._op is not None:
