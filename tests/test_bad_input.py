@@ -1,0 +1,103 @@
+"""A bad-input matrix over the public entry points: each bad input raises a ValueError whose message names the
+argument (issue 20). The CLI's one-line exit-2 errors are in tests/test_fit_cli.py."""
+
+import gpytorch
+import pytest
+import torch
+
+import gpnys
+from gpnys import datasets
+from gpnys.gp.exact import ExactGPModel, fit
+from gpnys.kernels.operator import StationaryKernelOperator
+from gpnys.precond import (
+    AFNPreconditioner,
+    FSAIPreconditioner,
+    NystromPreconditioner,
+    PivotedCholeskyPreconditioner,
+    make_preconditioner,
+)
+from gpnys.reduced import ReducedGP, reduced_posterior
+from gpnys.solvers import kernel_system
+
+N, D = 40, 2
+
+
+def X_good():
+    return torch.rand(N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+
+def y_good():
+    return torch.rand(N, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def rbf():
+    return gpytorch.kernels.RBFKernel().double()
+
+
+def nan_X():
+    X = X_good()
+    X[3, 1] = float("nan")
+    return X
+
+
+def inf_y():
+    y = y_good()
+    y[5] = float("inf")
+    return y
+
+
+def model(X, y):
+    return ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood().double(), kernel="rbf").double()
+
+
+CASES = {
+    # preconditioners: X, mu, sizes
+    "afn nan X": (lambda: AFNPreconditioner(nan_X(), rbf(), 0.1, k=5, w=3), "X"),
+    "afn mu 0": (lambda: AFNPreconditioner(X_good(), rbf(), 0.0, k=5, w=3), "mu"),
+    "afn k > n": (lambda: AFNPreconditioner(X_good(), rbf(), 0.1, k=N + 1, w=3), "k"),
+    "afn w > n": (lambda: AFNPreconditioner(X_good(), rbf(), 0.1, k=5, w=N + 1), "w"),
+    "afn empty": (lambda: AFNPreconditioner(X_good()[:0], rbf(), 0.1, k=5, w=3), "X"),
+    "nystrom rank > n": (lambda: NystromPreconditioner(X_good(), rbf(), 0.1, N + 1), "k"),
+    "nystrom 1-D X": (lambda: NystromPreconditioner(X_good()[:, 0], rbf(), 0.1, 5), "X"),
+    "fsai mu negative": (lambda: FSAIPreconditioner(X_good(), rbf(), -1.0, w=3), "mu"),
+    "pivchol rank 0": (lambda: PivotedCholeskyPreconditioner(X_good(), rbf(), 0.1, rank=0), "rank"),
+    "make unknown": (lambda: make_preconditioner("bogus", X_good(), rbf(), 0.1), "preconditioner"),
+    # solvers
+    "kernel_system nan X": (lambda: kernel_system(nan_X(), rbf(), 0.1), "X"),
+    "kernel_system mu 0": (lambda: kernel_system(X_good(), rbf(), 0.0), "mu"),
+    "pcg nan B": (lambda: gpnys.pcg(kernel_system(X_good(), rbf(), 0.1), y_good() * float("nan")), "B"),
+    "pcg tol 0": (lambda: gpnys.pcg(kernel_system(X_good(), rbf(), 0.1), y_good(), tol=0.0), "tol"),
+    # kernel operator
+    "operator prune_tol < 0": (lambda: StationaryKernelOperator(
+        X_good(), torch.tensor(1.0, dtype=torch.float64), rbf().lengthscale, base=rbf(), cache={}, prune_tol=-1.0),
+        "prune_tol"),
+    "operator bad backend": (lambda: StationaryKernelOperator(
+        X_good(), torch.tensor(1.0, dtype=torch.float64), rbf().lengthscale, base=rbf(), cache={}, backend="gpu"),
+        "backend"),
+    # training
+    "hook nan X": (lambda: gpnys.use_preconditioner(model(nan_X(), y_good())).__enter__(), "train_inputs"),
+    "hook inf y": (lambda: gpnys.use_preconditioner(model(X_good(), inf_y())).__enter__(), "train_targets"),
+    "hook k > n": (lambda: gpnys.use_preconditioner(model(X_good(), y_good()), "afn", k=N + 5).__enter__(), "k"),
+    "hook method": (lambda: gpnys.use_preconditioner(model(X_good(), y_good()), "bogus").__enter__(), "method"),
+    "fit inf y": (lambda: fit(model(X_good(), inf_y()), iters=1, progress=False), "train_targets"),
+    "fit lr 0": (lambda: fit(model(X_good(), y_good()), iters=1, lr=0.0, progress=False), "lr"),
+    # reduced
+    "reduced nan X": (lambda: reduced_posterior("lla", rbf(), nan_X(), y_good(), 0.1, m=5), "X"),
+    "reduced noise 0": (lambda: reduced_posterior("lla", rbf(), X_good(), y_good(), 0.0, m=5), "noise"),
+    "reduced m > n": (lambda: reduced_posterior("lla", rbf(), X_good(), y_good(), 0.1, m=N + 1), "m"),
+    "reduced method": (lambda: reduced_posterior("bogus", rbf(), X_good(), y_good(), 0.1, m=5), "method"),
+    "reduced y shape": (lambda: reduced_posterior("lla", rbf(), X_good(), y_good()[:-1], 0.1, m=5), "y"),
+    "ReducedGP fit nan": (lambda: ReducedGP(X_good(), inf_y(), gpytorch.likelihoods.GaussianLikelihood().double(),
+                                            gpytorch.kernels.ScaleKernel(rbf()).double(), m=5).fit(iters=1), "train_y"),
+    # data and budget
+    "datasets unknown": (lambda: datasets.load("no-such-data"), "data"),
+    "budget negative": (lambda: gpnys.memory_budget(dense_bytes=-1).__enter__(), "dense_bytes"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_raises_a_value_error_naming_the_argument(name):
+    call, argument = CASES[name]
+    with pytest.raises(ValueError) as info:
+        call()
+    assert argument in str(info.value), f"{name}: {info.value}"
