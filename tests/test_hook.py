@@ -459,3 +459,48 @@ def test_a_covariance_of_two_kernel_calls_is_a_clear_error():
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(m.likelihood, m)
     with pytest.raises(ValueError, match="one kernel object"), use_preconditioner(m, "afn", k=50, w=10):
         (-mll(m(X), X.sum(1))).backward()
+
+
+@pytest.mark.parametrize("variance_method", ["cholesky", "pcg"])
+def test_known_per_point_noise(variance_method):
+    """FixedNoiseGaussianLikelihood (K + D, D known and heteroscedastic): the preconditioner is built for
+    K + mean(D) I and CG / SLQ run on K + D, so loss, gradients and the posterior are the exact GP's (issue 20)."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(500, 2, generator=g, dtype=torch.float64) * 3
+    D = 0.01 + 0.2 * torch.rand(500, generator=g, dtype=torch.float64)
+    y = torch.sin(2 * X).sum(1) + D.sqrt() * torch.randn(500, generator=g, dtype=torch.float64)
+    lik = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(noise=D).double()
+    m = ExactGPModel(X, y, lik, kernel="matern32").double()
+    m.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, m)
+    with gpytorch.settings.max_cholesky_size(10**6):
+        exact = -mll(m(X), y)
+        exact.backward()
+    ref = {k: p.grad.clone() for k, p in m.named_parameters()}
+    m.zero_grad()
+    T = torch.rand(30, 2, generator=g, dtype=torch.float64) * 3
+    torch.manual_seed(0)  # the probes
+    settings = EstimatorSettings(variance_method=variance_method, variance_tolerance=1e-6, num_probes=64)
+    with use_preconditioner(m, "auto", k=100, settings=settings) as hook:
+        loss = -mll(m(X), y)
+        loss.backward()
+        mean, var = hook.predict(T)
+    assert abs(float(loss) - float(exact)) <= 1e-2 * abs(float(exact))
+    for k, p in m.named_parameters():
+        assert float((p.grad - ref[k]).abs().max()) <= 0.05 * float(ref[k].abs().max()), k
+    m.eval()
+    with torch.no_grad(), gpytorch.settings.max_cholesky_size(10**6):
+        post = m(T)  # the latent posterior: GPyTorch adds no noise at new points of a fixed-noise model either
+    assert float((mean - post.mean).abs().max()) <= 1e-4 * float(post.mean.abs().max())
+    assert float(((var - post.variance) / post.variance).abs().max()) <= 3e-3
+    assert hook.variance_method_used == variance_method
+
+
+def test_per_point_noise_must_match_the_data():
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(50, 2, generator=g, dtype=torch.float64)
+    for noise, match in ((torch.full((49,), 0.1, dtype=torch.float64), "per training point"),):
+        lik = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(noise=noise).double()
+        m = ExactGPModel(X, X.sum(1), lik, kernel="rbf").double()
+        with pytest.raises(ValueError, match=match), use_preconditioner(m, "afn", k=10, w=5):
+            pass

@@ -252,8 +252,10 @@ class PreconditionerHook:
     ) -> None:
         if not isinstance(model, gpytorch.models.ExactGP):
             raise ValueError(f"model must be a gpytorch.models.ExactGP, got {type(model).__name__}")
-        if not isinstance(model.likelihood, gpytorch.likelihoods.GaussianLikelihood):
-            raise ValueError("model.likelihood must be a GaussianLikelihood (homoskedastic noise)")
+        if not isinstance(model.likelihood, (gpytorch.likelihoods.GaussianLikelihood,
+                                             gpytorch.likelihoods.FixedNoiseGaussianLikelihood)):
+            raise ValueError("model.likelihood must be a GaussianLikelihood or a FixedNoiseGaussianLikelihood, got "
+                             f"{type(model.likelihood).__name__}")
         if isinstance(method, str) and method not in PRECONDITIONERS:
             raise ValueError(f"method must be one of {PRECONDITIONERS} or a Preconditioner class, got {method!r}")
         if isinstance(method, str) and method == "none":
@@ -269,6 +271,12 @@ class PreconditionerHook:
         if X.dim() != 2 or X.shape[0] != model.train_inputs[0].shape[-2]:
             raise ValueError(f"train inputs must be (n, d) (batched models are not supported), got {tuple(X.shape)}")
         validate_training_data(X, model.train_targets, ("train_inputs", "train_targets"))
+        noise = model.likelihood.noise.detach()
+        if noise.numel() not in (1, X.shape[0]):
+            raise ValueError(f"likelihood.noise must be one variance or one per training point ({X.shape[0]}), got "
+                             f"shape {tuple(noise.shape)}")
+        if not bool((torch.isfinite(noise) & (noise > 0)).all()):
+            raise ValueError("likelihood.noise must be positive and finite")
         for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
             if options.get(key) is not None:
                 validate_count(options[key], key, 1, X.shape[0])
@@ -322,7 +330,7 @@ class PreconditionerHook:
         kernel = self.kernel
         base, _ = split_outputscale(kernel)
         s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
-        noise = self.model.likelihood.noise.reshape(-1)[0]
+        noise = self._noise_level()
         Z = self.last_probes
         self.last_probes = None
         mu = noise / s2 if s2 is not None else noise
@@ -346,6 +354,19 @@ class PreconditionerHook:
         if self._seen is None:
             self._seen = training_kernel(self.model)
         return self._seen[0]
+
+    def _noise(self) -> torch.Tensor:
+        """The training noise variances: 0-dim for a ``GaussianLikelihood``, ``(n,)`` for known per-point noise
+        (``FixedNoiseGaussianLikelihood``). Carries autograd."""
+        noise = self.model.likelihood.noise
+        return noise.reshape(-1)[0] if noise.numel() == 1 else noise.reshape(-1)
+
+    def _noise_level(self) -> torch.Tensor:
+        """The scalar noise the preconditioner is built for (``K + noise I``): the noise itself, or the mean of
+        per-point noise. ``P`` only preconditions: CG and SLQ run on the true ``K + D``, so the answer stays exact
+        and only the iteration count depends on how well the mean represents ``D``."""
+        noise = self._noise()
+        return noise if noise.dim() == 0 else noise.mean()
 
     def _inputs(self) -> torch.Tensor:
         """The points the kernel sees: the training inputs, or what ``forward`` made of them (e.g. ``20 * x``),
@@ -400,7 +421,7 @@ class PreconditionerHook:
         slot = None if opts == self.options else tuple(sorted(opts.items()))
         with torch.no_grad():
             _, s2f = split_outputscale(kernel)
-            noise = float(model.likelihood.noise.detach().reshape(-1)[0])
+            noise = float(self._noise_level().detach())
             mu = noise / s2f
             key = self._hyper_key(kernel, mu, s2f)
             cached = (self._key, self._current) if slot is None else self._others.get(slot, (None, None))
@@ -473,7 +494,8 @@ class PreconditionerHook:
         ``M(R) = P̂⁻¹ R``, both ``(n, t) -> (n, t)``, for :func:`gpnys.solvers.pcg.pcg` (no autograd).
         ``options``: preconditioner options for ``M`` (see :meth:`preconditioner`)."""
         P, s2 = self.preconditioner(options)
-        noise = self.model.likelihood.noise.detach().reshape(-1)[0]
+        noise = self._noise().detach()
+        noise = noise if noise.dim() == 0 else noise[:, None]  # K + D for per-point noise
         op = self.stationary_operator(X)
         if op is not None:
             kmm = op._matmul
@@ -537,7 +559,7 @@ class PreconditionerHook:
                 pred = lik(model(test_x))
                 return pred.mean, pred.variance
             kernel = self.kernel
-            noise = lik.noise.reshape(-1)[0]
+            noise = self._noise().detach()
             n, m = X.shape[0], test_x.shape[0]
             alpha = self._mean_weights(X)
             # test-point blocks: (n, b) kernel columns within the memory budget (GPyTorch holds a few copies)
@@ -557,7 +579,9 @@ class PreconditionerHook:
                 Kxt = kernel(X, T).to_dense()  # (n, b)
                 means.append(model.forward(T).mean + Kxt.mT @ alpha)
                 out.append((kernel(T, diag=True) - solve(Kxt)).clamp_min(0.0))
-        return torch.cat(means), torch.cat(out) + noise
+        # y's variance adds the noise; per-point training noise says nothing about new points, and GPyTorch's
+        # FixedNoiseGaussianLikelihood then returns the latent variance: so does this
+        return torch.cat(means), torch.cat(out) + (noise if noise.dim() == 0 else 0.0)
 
     def _mean_weights(self, X: torch.Tensor) -> torch.Tensor:
         """``alpha = K̂^{-1} (y - m(X))`` (``(n,)``) by PCG with this preconditioner: the predictive mean is
