@@ -401,6 +401,18 @@ def test_kernel_under_any_name_and_inputs_transformed_in_forward(concrete, scale
     assert m.cov.base_kernel.raw_lengthscale.grad is not None
 
 
+def cholesky_reference(m, X, y):
+    """``(mll, -MLL/n, {name: gradient})`` of ``m`` in training mode by GPyTorch's Cholesky; gradients zeroed after."""
+    m.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(m.likelihood, m)
+    with gpytorch.settings.max_cholesky_size(10**6):
+        exact = -mll(m(X), y)
+        exact.backward()
+    ref = {k: p.grad.clone() for k, p in m.named_parameters()}
+    m.zero_grad()
+    return mll, exact, ref
+
+
 COMPOSITE = {
     "sum": lambda: (gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
                     + gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5))),
@@ -422,13 +434,7 @@ def test_sum_product_and_linear_kernels_train_under_the_hook(name, method):
     m = ExactGPModel(X, y, lik, kernel="rbf").double()
     m.covar_module = COMPOSITE[name]().double()
     lik.noise = 0.05
-    m.train()
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, m)
-    with gpytorch.settings.max_cholesky_size(10**6):
-        exact = -mll(m(X), y)
-        exact.backward()
-    ref = {k: p.grad.clone() for k, p in m.named_parameters()}
-    m.zero_grad()
+    mll, exact, ref = cholesky_reference(m, X, y)
     with warnings.catch_warnings():
         warnings.simplefilter("error", NumericalWarning)  # no fallback to pivoted Cholesky
         with use_preconditioner(m, method, k=200, settings=EstimatorSettings(num_probes=64)) as hook:
@@ -471,13 +477,7 @@ def test_known_per_point_noise(variance_method):
     y = torch.sin(2 * X).sum(1) + D.sqrt() * torch.randn(500, generator=g, dtype=torch.float64)
     lik = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(noise=D).double()
     m = ExactGPModel(X, y, lik, kernel="matern32").double()
-    m.train()
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, m)
-    with gpytorch.settings.max_cholesky_size(10**6):
-        exact = -mll(m(X), y)
-        exact.backward()
-    ref = {k: p.grad.clone() for k, p in m.named_parameters()}
-    m.zero_grad()
+    mll, exact, ref = cholesky_reference(m, X, y)
     T = torch.rand(30, 2, generator=g, dtype=torch.float64) * 3
     torch.manual_seed(0)  # the probes
     settings = EstimatorSettings(variance_method=variance_method, variance_tolerance=1e-6, num_probes=64)
