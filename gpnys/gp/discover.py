@@ -12,7 +12,13 @@ import gpytorch
 import torch
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 
-__all__ = ["training_kernel"]
+__all__ = ["training_kernel", "same_points"]
+
+
+def same_points(A: torch.Tensor, B: torch.Tensor) -> bool:
+    """Whether two point sets are the same tensor or equal in shape and value (``forward`` may rebuild its
+    inputs, e.g. ``1.0 * x``, so identity alone would miss equal inputs)."""
+    return A is B or (A.shape == B.shape and torch.equal(A, B))
 
 
 def training_kernel(model: gpytorch.models.ExactGP) -> tuple[gpytorch.kernels.Kernel, torch.Tensor]:

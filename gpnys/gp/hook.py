@@ -28,7 +28,6 @@ inside the context; see :class:`EstimatorSettings`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import warnings
 from dataclasses import dataclass
@@ -40,8 +39,8 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
 from gpnys.budget import block_rows
-from gpnys.gp.discover import training_kernel
-from gpnys.kernels.entries import KernelEntries, split_outputscale
+from gpnys.gp.discover import same_points, training_kernel
+from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import (
@@ -281,9 +280,7 @@ class PreconditionerHook:
             if options.get(key) is not None:
                 validate_count(options[key], key, 1, X.shape[0])
         self._promotion: tuple | None = None
-        params = [p.dtype for p in model.parameters() if p.is_floating_point()]
-        dtype = functools.reduce(torch.promote_types, params, X.dtype)  # GPyTorch's computation dtype
-        self.train_x = X.detach().to(dtype)
+        self.train_x = X.detach().to(computation_dtype(model, X))
         self.cache = PointCache(self.train_x)
         self.builds = 0
         self.applications = 0
@@ -374,9 +371,9 @@ class PreconditionerHook:
         X = self.train_x
         if self._seen is not None:
             seen = self._promoted(self._seen[1], X.dtype)
-            if not (seen is X or (seen.shape == X.shape and torch.equal(seen, X))):
+            if not same_points(seen, X):
                 X = seen
-        if not (self.cache.X is X or (self.cache.X.shape == X.shape and torch.equal(self.cache.X, X))):
+        if not same_points(self.cache.X, X):
             self.cache = PointCache(X.detach())
         return self.cache.X
 
@@ -414,7 +411,6 @@ class PreconditionerHook:
         ``options`` (e.g. ``{"k": 2000, "w": 60}``) override the hook's preconditioner options for this request;
         such a preconditioner is cached separately from the training one (both rebuilt when the hyperparameters
         change), so posterior solves can use a stronger preconditioner than the many MLL evaluations."""
-        model = self.model
         X = self._inputs()
         kernel = self.kernel
         opts = self.options if not options else {**self.options, **options}
@@ -550,7 +546,7 @@ class PreconditionerHook:
             X = model.train_inputs[0]
             kx = self._kernel_x
             op = self.stationary_operator(X) if kx is not None else None
-            if op is None or not (kx is X or (kx.shape == X.shape and torch.equal(kx, X))):
+            if op is None or not same_points(kx, X):
                 # GPyTorch's own path: a forward that transforms x, or a kernel without gpnys's operator
                 if not variance:
                     with gpytorch.settings.skip_posterior_variances(True):

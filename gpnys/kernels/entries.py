@@ -7,13 +7,23 @@ outputscale is stripped off and reported) without autograd, in the dtype and dev
 
 from __future__ import annotations
 
+import functools
+
 import gpytorch
 import torch
 
 from gpnys.budget import block_rows
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 
-__all__ = ["KernelEntries", "split_outputscale", "evaluate"]
+__all__ = ["KernelEntries", "split_outputscale", "evaluate", "computation_dtype"]
+
+
+def computation_dtype(module: torch.nn.Module, *tensors: torch.Tensor) -> torch.dtype:
+    """The dtype GPyTorch computes in: the floating ``tensors``' dtypes promoted with ``module``'s floating
+    parameters' (float32 inputs in a float64 model give float64)."""
+    dtypes = [t.dtype for t in tensors if t.is_floating_point()]
+    dtypes += [p.dtype for p in module.parameters() if p.is_floating_point()]
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 def split_outputscale(kernel: gpytorch.kernels.Kernel) -> tuple[gpytorch.kernels.Kernel, float]:

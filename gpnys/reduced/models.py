@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from typing import Any, Union
 
@@ -20,7 +19,8 @@ import gpytorch
 import torch
 from linear_operator.operators import DiagLinearOperator
 
-from gpnys.gp.discover import training_kernel
+from gpnys.gp.discover import same_points, training_kernel
+from gpnys.kernels.entries import computation_dtype
 from gpnys.precond.base import safe_cholesky, validate_training_data
 from gpnys.reduced.features import feature_nll
 from gpnys.reduced.gsa import GSAPosterior
@@ -67,8 +67,7 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if isinstance(X, torch.Tensor) and isinstance(y, torch.Tensor) and X.is_floating_point():
         # mixed dtypes as GPyTorch takes them: data promoted with each other and the kernel's parameters
-        dtype = functools.reduce(torch.promote_types, [p.dtype for p in kernel.parameters() if p.is_floating_point()],
-                                 torch.promote_types(X.dtype, y.dtype) if y.is_floating_point() else X.dtype)
+        dtype = computation_dtype(kernel, X, y)
         X, y = X.to(dtype), y.to(dtype)
     if method == "rff" and landmarks is not None:
         raise ValueError(f"landmarks: method 'rff' draws random features and takes no landmarks, got {landmarks!r}"
@@ -131,7 +130,7 @@ class ReducedGP(gpytorch.models.GP):
         mean is ``model.mean_module``."""
         kernel, seen = training_kernel(model)
         X = model.train_inputs[0]
-        if not (seen is X or (seen.shape == X.shape and torch.equal(seen, X))):
+        if not same_points(seen, X):
             raise ValueError("model: its forward() transforms the inputs before the kernel; build ReducedGP on the "
                              "transformed inputs instead")
         mean = getattr(model, "mean_module", None)

@@ -24,7 +24,6 @@ iteration count. :func:`pcg` does exactly this, column-wise independently (each 
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -33,8 +32,8 @@ from typing import Callable, Union
 import gpytorch
 import torch
 
-from gpnys.budget import block_rows, dense_limit_bytes as dense_limit_bytes_budget
-from gpnys.kernels.entries import KernelEntries
+from gpnys.budget import dense_limit_bytes as dense_limit_bytes_budget
+from gpnys.kernels.entries import KernelEntries, computation_dtype
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.linalg import thin_matmul
 from gpnys.precond.base import (
@@ -241,8 +240,7 @@ class KernelSystem:
         self.mu = validate_mu(mu)
         # GPyTorch's computation dtype: the inputs promoted with the kernel's parameters (float32 X, float64 kernel
         # -> float64); products take any floating V and answer in it
-        self.dtype = functools.reduce(torch.promote_types,
-                                      [p.dtype for p in kernel.parameters() if p.is_floating_point()], X.dtype)
+        self.dtype = computation_dtype(kernel, X)
         X = X.to(self.dtype)
         self.entries = KernelEntries(X, kernel)
         self.n = X.shape[0]
@@ -250,12 +248,7 @@ class KernelSystem:
         self.dense = self.n * self.n * X.element_size() < limit
         self._K: torch.Tensor | None = None
         if self.dense:
-            n = self.n
-            K = torch.empty(n, n, dtype=X.dtype, device=X.device)
-            block = block_rows(n, cap=n, device=X.device)
-            for i in range(0, n, block):
-                K[i : i + block] = self.entries(slice(i, i + block), slice(None))
-            self._K = K
+            self._K = self.entries(slice(None), slice(None))  # built in row blocks of the budget
         self._op: StationaryKernelOperator | None = None
         base = self.entries.kernel
         if not self.dense and supported(base):

@@ -11,7 +11,7 @@ Triton build without it), :class:`TritonBackend` warns once and answers with the
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -60,40 +60,31 @@ class TritonBackend(KernelBackend):
             return False, dummy, dummy, nblocks
         if plan.leaf != BLOCK:
             raise ValueError(f"the Triton backend needs a cutoff plan with leaf {BLOCK}, got {plan.leaf}")
-        ptr = getattr(plan, "near_ptr_t", None)
-        if ptr is None:
-            ptr = torch.tensor(plan.near_ptr, dtype=torch.int64, device=Z.device)
-        return True, ptr.to(Z.device), plan.near_idx.to(device=Z.device, dtype=torch.int64), nblocks
+        return True, plan.near_ptr_t.to(Z.device), plan.near_idx.to(device=Z.device, dtype=torch.int64), nblocks
 
     def _key(self, Z: torch.Tensor) -> tuple[str, torch.dtype, bool]:
         return Z.device.type, Z.dtype, self.tf32 and Z.dtype == torch.float32
 
-    def _fallback(self, Z: torch.Tensor, err: Exception):
-        from gpnys.kernels.backends.torch_tiles import TorchTiles
-
+    def _guarded(self, fused: Callable[..., Any], name: str, Z: torch.Tensor, *args: Any) -> Any:
+        """``fused(Z, *args)``, or the torch tiles' pass ``name`` once a kernel failed for this key (one warning)."""
         key = self._key(Z)
         if key not in _FAILED:
-            _FAILED.add(key)
-            warnings.warn(f"Triton kernel failed for {Z.dtype} on {Z.device.type} ({type(err).__name__}: {err}); "
-                          "using the torch tiles instead", RuntimeWarning, stacklevel=4)
-        return TorchTiles(self.formula, self.tf32)
+            try:
+                return fused(Z, *args)
+            except Exception as err:  # compile / launch errors surface as many types (CompilationError, ...)
+                _FAILED.add(key)
+                warnings.warn(f"Triton kernel failed for {Z.dtype} on {Z.device.type} ({type(err).__name__}: "
+                              f"{err}); using the torch tiles instead", RuntimeWarning, stacklevel=4)
+        from gpnys.kernels.backends.torch_tiles import TorchTiles
+
+        return getattr(TorchTiles(self.formula, self.tf32), name)(Z, *args)
 
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
-        if self._key(Z) in _FAILED:
-            return self._fallback(Z, RuntimeError("earlier failure")).matmul(Z, R, plan)
-        try:
-            return self._matmul(Z, R, plan)
-        except Exception as err:  # compile / launch errors surface as many types (CompilationError, ...)
-            return self._fallback(Z, err).matmul(Z, R, plan)
+        return self._guarded(self._matmul, "matmul", Z, R, plan)
 
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
                         plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._key(Z) in _FAILED:
-            return self._fallback(Z, RuntimeError("earlier failure")).derivative_sums(Z, U, V, plan)
-        try:
-            return self._derivative_sums(Z, U, V, plan)
-        except Exception as err:
-            return self._fallback(Z, err).derivative_sums(Z, U, V, plan)
+        return self._guarded(self._derivative_sums, "derivative_sums", Z, U, V, plan)
 
     def _matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
         from gpnys.kernels.backends.triton_kernels import kv_kernel
