@@ -94,18 +94,17 @@ def fps(X: torch.Tensor, k: int, start: int | None = None) -> FPSResult:
         raise ValueError(f"start must be in [0, {n}), got {start}")
     indices = torch.empty(k, dtype=torch.long, device=X.device)
     fill = torch.empty(k, dtype=X.dtype, device=X.device)
+    # running min squared distance to the selected set; selected points hold -1 (below any distance, and kept by
+    # the minimum), so duplicates (distance 0) are never re-picked. The loop never reads a value back to the host:
+    # on a GPU its k steps are queued without a synchronisation each.
     mind = torch.full((n,), float("inf"), dtype=X.dtype, device=X.device)
-    selected = torch.zeros(n, dtype=torch.bool, device=X.device)
-    last = start
+    last = torch.full((1,), start, dtype=torch.long, device=X.device)
     for i in range(k):
-        indices[i] = last
-        selected[last] = True
-        mind = torch.minimum(mind, _sqdist_to_point(X, X[last], block))
-        # Exclude chosen points so that duplicates (distance 0) never make us re-pick one.
-        cand = mind.masked_fill(selected, -1.0)
-        nxt = torch.argmax(cand)
-        fill[i] = cand[nxt]  # = max(mind): chosen points have mind = 0 <= any candidate's
-        last = int(nxt)
+        indices[i : i + 1] = last
+        torch.minimum(mind, _sqdist_to_point(X, X.index_select(0, last), block), out=mind)
+        mind.index_fill_(0, last, -1.0)
+        last = torch.argmax(mind).reshape(1)
+        fill[i : i + 1] = mind.index_select(0, last)  # = max(mind) over the unselected points
     return FPSResult(indices=indices, fill_distances=fill.clamp_min(0).sqrt())
 
 

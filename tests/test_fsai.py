@@ -73,6 +73,55 @@ def test_causal_knn_tree_path_matches_brute_force(n, w, d, dtype, monkeypatch):
     assert torch.equal(again[0], idx)
 
 
+def _clustered(n, d, dtype, seed):
+    """Three tight clusters, a sparse halo and exact duplicates: cells from empty to crowded."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.rand(3, d, generator=g, dtype=F64) * 10
+    X = centres[torch.randint(0, 3, (n,), generator=g)] + 0.05 * torch.randn(n, d, generator=g, dtype=F64)
+    halo = torch.rand(n // 10, d, generator=g, dtype=F64) * 10
+    X = torch.cat([X, halo])[torch.randperm(n + n // 10, generator=g)]
+    X[n // 2 : n // 2 + 40] = X[n // 3]  # 40 copies of one point: distance ties broken by the lowest index
+    return X.to(dtype)
+
+
+@pytest.mark.parametrize("case,n,w,d", [("uniform", 5000, 30, 3), ("uniform", 3000, 8, 1), ("uniform", 3000, 12, 4),
+                                        ("uniform", 2100, 30, 2), ("clustered", 4000, 20, 3)])
+def test_causal_knn_grid_path_matches_brute_force(case, n, w, d, dtype, monkeypatch):
+    """The grid path (doubling chunks, 3^d cells per row, rows it cannot prove sent to the brute force) gives the
+    pattern of an explicit-difference brute force in the data's own dtype, ties included, and is deterministic."""
+    monkeypatch.setattr(knn, "GRID_FIRST", 256)
+    X = points(n, d, dtype=dtype, seed=n + d) if case == "uniform" else _clustered(n, d, dtype, seed=3)
+    brute = []
+    monkeypatch.setattr(knn, "_brute_rows", lambda X_, rows, *a, f=knn._brute_rows, **kw: (brute.append(rows.numel()),
+                                                                                       f(X_, rows, *a, **kw)))
+    idx, valid = causal_knn(X, w, grid=True)
+    # reference: squared distances by explicit differences in X's dtype, ordered by (distance, index)
+    D = (X[:, None, :] - X[None, :, :]).square().sum(-1)
+    D.masked_fill_(torch.ones(len(X), len(X), dtype=torch.bool).triu(), float("inf"))
+    o = torch.sort(D, dim=1, stable=True).indices[:, : w - 1]
+    ok = torch.isfinite(D.gather(1, o))
+    rows = torch.arange(len(X))[:, None]
+    assert torch.equal(valid[:, :-1], ok) and bool(valid[:, -1].all())
+    assert torch.equal(idx[:, :-1], torch.where(ok, o, rows)) and torch.equal(idx[:, -1], rows[:, 0])
+    # the grid answered most rows past the first 256 itself
+    assert sum(brute) - 255 < 0.2 * (len(X) - 256)
+    again = causal_knn(X, w, grid=True)
+    assert torch.equal(again[0], idx) and torch.equal(again[1], valid)
+
+
+def test_causal_knn_grid_path_choice_and_errors(monkeypatch):
+    calls = []
+    monkeypatch.setattr(knn, "_grid_knn", lambda *a: calls.append(a))
+    monkeypatch.setattr(knn, "GRID_MIN_N", 50)
+    monkeypatch.setattr(knn, "GRID_FIRST", 20)
+    causal_knn(points(60, 3, dtype=F64, seed=0), 4)  # the CPU never chooses the grid by itself
+    assert calls == []
+    causal_knn(points(60, 3, dtype=F64, seed=0), 4, grid=True)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="tree and grid"):
+        causal_knn(points(60, 3, dtype=F64, seed=0), 4, tree=True, grid=True)
+
+
 def test_causal_knn_chooses_the_tree_path_by_size(monkeypatch):
     calls = []
     monkeypatch.setattr(knn, "_tree_knn", lambda *a: calls.append(a))

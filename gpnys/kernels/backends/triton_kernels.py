@@ -85,7 +85,11 @@ def _column_block(idx, p, offs, n, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
     return cols, cols < n
 
 
-@triton.jit
+#: runtime sizes are not specialised: a new n (divisible by 16 or not) must not trigger a ~1 s recompile mid-training
+_SIZES = ["n", "d", "t", "nblocks"]
+
+
+@triton.jit(do_not_specialize=_SIZES)
 def kv_kernel(Z, V, OUT, n, d, t, ptr, idx, nblocks,
               SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
               RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
@@ -107,11 +111,11 @@ def kv_kernel(Z, V, OUT, n, d, t, ptr, idx, nblocks,
         k, _ = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         k = tl.where(cmask[None, :], k, 0.0)
         v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=cmask[:, None] & tmask[None, :], other=0.0)
-        acc = tl.dot(k, v, acc, input_precision=PREC)
+        acc = tl.dot(k, v, acc, input_precision=PREC, out_dtype=DT)
     tl.store(OUT + rows[:, None] * t + tcol[None, :], acc, mask=rmask[:, None] & tmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def derivative_kernel(Z, U, V, S_OUT, G_OUT, n, d, t, ptr, idx, nblocks,
                       SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, DP: tl.constexpr,
                       DT: tl.constexpr, PREC: tl.constexpr,
@@ -137,7 +141,7 @@ def derivative_kernel(Z, U, V, S_OUT, G_OUT, n, d, t, ptr, idx, nblocks,
             tmask = tcol < t
             u = tl.load(U + rows[:, None] * t + tcol[None, :], mask=rmask[:, None] & tmask[None, :], other=0.0)
             vt = tl.load(V + cols[None, :] * t + tcol[:, None], mask=cmask[None, :] & tmask[:, None], other=0.0)
-            w = tl.dot(u, vt, w, input_precision=PREC)
+            w = tl.dot(u, vt, w, input_precision=PREC, out_dtype=DT)
         r2 = _sq_dist(Z, rows, cols, rmask, cmask, d, BLOCK, DT)
         k, h = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         s_acc += tl.sum(w * k, axis=1).to(tl.float64)  # masked rows/cols have w = 0
