@@ -12,7 +12,8 @@ size comes from here. Two numbers:
   above, every product recomputes the kernel on the fly.
 
 The CPU defaults suit a workstation's RAM; a GPU has less memory per flop and far more bandwidth, so its defaults
-come from ``torch.cuda.mem_get_info`` of the device the data lives on (pass ``device=``). A value set with
+come from the free memory of the device the data lives on (pass ``device=``): ``torch.cuda.mem_get_info`` plus
+what torch's caching allocator holds unused. A value set with
 :func:`memory_budget` applies to every device.
 
 Set them for a block of code with :func:`memory_budget` (a context manager, like ``gpytorch.settings``)::
@@ -76,7 +77,10 @@ def _cuda_free(device: torch.device | str | None) -> int | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return int(torch.cuda.mem_get_info(device)[0])
+    # the driver's free memory plus what torch's caching allocator holds unused (it hands that out first): the
+    # budget must not shrink because an earlier pass left blocks in the cache
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(torch.cuda.mem_get_info(device)[0]) + int(cached)
 
 
 def block_bytes(device: torch.device | str | None = None) -> int:

@@ -15,6 +15,7 @@ blocked, device-agnostic version that also returns the fill distances.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,10 @@ def fps(X: torch.Tensor, k: int, start: int | None = None) -> FPSResult:
         start = int(torch.argmin(_sqdist_to_point(X, X.mean(dim=0), block)))
     elif not 0 <= start < n:
         raise ValueError(f"start must be in [0, {n}), got {start}")
+    if X.is_cuda and n <= FPS_TRITON_MAX_N and X.shape[1] <= FPS_TRITON_MAX_D:
+        out = _fps_triton(X, k, start)
+        if out is not None:
+            return out
     indices = torch.empty(k, dtype=torch.long, device=X.device)
     fill = torch.empty(k, dtype=X.dtype, device=X.device)
     # running min squared distance to the selected set; selected points hold -1 (below any distance, and kept by
@@ -106,6 +111,40 @@ def fps(X: torch.Tensor, k: int, start: int | None = None) -> FPSResult:
         last = torch.argmax(mind).reshape(1)
         fill[i : i + 1] = mind.index_select(0, last)  # = max(mind) over the unselected points
     return FPSResult(indices=indices, fill_distances=fill.clamp_min(0).sqrt())
+
+
+#: on CUDA, FPS of at most this many points runs as one Triton program (:func:`_fps_triton`); larger sets keep the
+#: torch loop, whose k steps each fill the whole GPU
+FPS_TRITON_MAX_N = 1 << 17
+#: ... of at most this many dimensions (a chunk of points lives in registers)
+FPS_TRITON_MAX_D = 64
+_FPS_FAILED: set[tuple[str, torch.dtype]] = set()
+
+
+def _fps_triton(X: torch.Tensor, k: int, start: int) -> FPSResult | None:
+    """:func:`fps` by :func:`gpnys.kernels.backends.triton_kernels.fps_kernel` (the same steps, ties and fill
+    distances), or ``None`` when Triton is missing or its kernel failed for this device and dtype (one warning)."""
+    from gpnys.kernels.backends import triton_available
+
+    key = (X.device.type, X.dtype)
+    if not triton_available() or key in _FPS_FAILED:
+        return None
+    n, d = X.shape
+    dp = 1 << max(0, (d - 1).bit_length())
+    try:
+        from gpnys.kernels.backends.triton_kernels import fps_kernel
+
+        X = X.contiguous()
+        mind = torch.full((n,), float("inf"), dtype=X.dtype, device=X.device)
+        idx = torch.empty(k, dtype=torch.int64, device=X.device)
+        fill = torch.empty(k, dtype=X.dtype, device=X.device)
+        fps_kernel[(1,)](X, mind, idx, fill, n, d, k, int(start), BLOCK=max(32, min(1024, 4096 // dp)), DP=dp)
+    except Exception as err:  # noqa: BLE001 - compile / launch errors surface as many types
+        _FPS_FAILED.add(key)
+        warnings.warn(f"Triton FPS kernel failed for {X.dtype} on {X.device.type} ({type(err).__name__}: {err}); "
+                      "using the torch loop instead", RuntimeWarning, stacklevel=3)
+        return None
+    return FPSResult(indices=idx, fill_distances=fill.clamp_min(0).sqrt())
 
 
 def uniform(n: int, k: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:

@@ -227,11 +227,31 @@ def test_tf32_is_opt_in():
         assert float((op.matmul(V) - ref).abs().max()) <= 1e-2 * float(ref.abs().max())
 
 
+def test_triton_skips_the_dense_cache_when_the_cutoff_plan_is_small(dtype):
+    """With the fused backend a plan computing <= FUSED_SHARE of the entries wins over a stored K (the torch tiles keep
+    the cache); both give the dense kernel's product."""
+    X, _, V, kern = setup("matern32", dtype, False, n=2000, spread=150.0)
+    ref = kern(X).to_dense() @ V
+    got = {}
+    for backend in ("triton", "torch"):
+        op = StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel,
+                                      cache={}, backend=backend, dense_limit_bytes=1 << 30)
+        assert op.plan() is not None and op.plan().fraction <= op.FUSED_SHARE
+        got[backend] = (op._dense() is None, op.matmul(V))
+    assert got["triton"][0] and not got["torch"][0]
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    for _, KV in got.values():
+        assert float((KV - ref).norm() / ref.norm()) < tol
+
+
 def test_budget_is_device_aware(monkeypatch):
     from gpnys import budget
 
     assert budget.dense_limit_bytes("cpu") == budget.DEFAULT_DENSE_BYTES == budget.dense_limit_bytes()
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (38 << 30, 80 << 30))
+    # torch's allocator holds 3 GiB of which 1 GiB is in use: the 2 GiB it caches count as free
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)
     assert budget.dense_limit_bytes("cuda") == int((40 << 30) * budget.CUDA_DENSE_SHARE)
     assert budget.block_bytes("cuda") == min(budget.CUDA_MAX_BLOCK_BYTES, int((40 << 30) * budget.CUDA_BLOCK_SHARE))
     with memory_budget(dense_bytes=123, block_bytes=800):  # an explicit budget applies to every device

@@ -122,3 +122,33 @@ def test_select_dispatch():
     assert idx is None and pts.shape == (5, 3)
     with pytest.raises(ValueError, match="method"):
         landmarks.select(X, 5, "random")
+
+
+@pytest.mark.parametrize("n,d,k", [(1, 2, 1), (37, 1, 37), (300, 3, 60), (2500, 9, 40), (1100, 70, 5)])
+def test_fps_triton_kernel_matches_the_torch_loop(n, d, k, dtype):
+    """The one-program Triton FPS (run here by Triton's interpreter; compiled on CUDA) picks the torch loop's points,
+    with its fill distances: chunks of the pass (n > BLOCK), k = n, ties between duplicates, d past a power of 2."""
+    g = torch.Generator().manual_seed(n + d)
+    X = torch.rand(n, d, generator=g, dtype=torch.float64)
+    if n > 100:
+        X[n // 2 : n // 2 + 30] = X[3]  # duplicates: distance-0 ties, never re-picked
+    X = X.to(dtype)
+    ref = landmarks.fps(X, k, start=n // 3)  # CPU tensors: the torch loop
+    got = landmarks._fps_triton(X, k, n // 3)
+    assert got is not None
+    assert got.indices.tolist() == ref.indices.tolist()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(got.fill_distances, ref.fill_distances, rtol=tol, atol=tol)
+    again = landmarks._fps_triton(X, k, n // 3)
+    assert torch.equal(again.indices, got.indices) and torch.equal(again.fill_distances, got.fill_distances)
+
+
+@pytest.mark.cuda
+def test_fps_on_cuda_uses_the_kernel_and_matches_the_cpu(cuda_device, dtype):
+    X = torch.rand(3000, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dtype)
+    ref = landmarks.fps(X, 200)
+    got = landmarks.fps(X.to(cuda_device), 200)
+    assert not landmarks._FPS_FAILED
+    assert got.indices.device.type == cuda_device.type
+    assert got.indices.cpu().tolist() == ref.indices.tolist()
+    assert torch.allclose(got.fill_distances.cpu(), ref.fill_distances, rtol=1e-5)
