@@ -436,6 +436,11 @@ class Warmups:
         if on_the_fly:  # exercise the recomputed path (and its Triton kernels) at the small size too
             settings = dataclasses.replace(settings or EstimatorSettings(), dense_limit_bytes=0)
         guarded(lambda: mll_eval(X[:w], y[:w], method, self.args.hypers, self.args.seed, settings), X.device)
+        if method.startswith("gpnys") and n > w:
+            # and the block-sparse kernels: a cutoff plan needs more points than a cube of a few length-scales
+            w2 = min(n, 5 * self.args.warmup_n)
+            s2 = dataclasses.replace(settings or EstimatorSettings(), dense_limit_bytes=0)
+            guarded(lambda: mll_eval(X[:w2], y[:w2], method, self.args.hypers, self.args.seed, s2), X.device)
 
 
 def mll_points(args) -> list[tuple[str, int | None]]:
