@@ -1,7 +1,8 @@
-"""Issue 19: gpnys on a GPU — kernel-product throughput, one MLL value + gradient, and a short fit.
+"""Issue 19: gpnys on a GPU — kernel products, one MLL value + gradient, a short fit and every other path.
 
-Three parts (``--parts product,mll,fit``), every timing synchronised (``torch.cuda.synchronize``) on CUDA and every
-peak memory read with ``torch.cuda.max_memory_allocated`` after a reset (``None`` on the CPU):
+Four parts (``--parts``: default ``product,mll,fit``; ``paths`` on request), every timing synchronised
+(``torch.cuda.synchronize``) on CUDA and every peak memory read with ``torch.cuda.max_memory_allocated`` after a
+reset (``None`` on the CPU):
 
 1. product: one unit Matérn-3/2 product ``K V`` (``V``: 32 columns, ``--product-dtype`` float32) on ``synthetic3d``
    (unit density, l = 1) with no cutoff (``prune_tol=0``, ``dense_limit_bytes=0``: every entry recomputed), for
@@ -27,17 +28,34 @@ peak memory read with ``torch.cuda.max_memory_allocated`` after a reset (``None`
    200k; ``--fit-1e6`` adds synthetic 1e6 with gpnys and ``--fit-1e6-steps`` (50) steps: the issue's "50-step Adam
    fit on 10^6 points within one hour". Wall time (steps only), final loss and hyperparameters; the ETA is printed
    after the first step. A fit whose ETA exceeds ``--fit-max-seconds`` stops there (``stopped``; not the 1e6 fit).
+4. paths: every other public path once on ``synthetic3d`` at ``--paths-n`` (1e6) points, ``--dtype``,
+   ScaleKernel(Matérn-3/2) at ``--lengthscale``, ``--outputscale``, ``--noise``: FPS (500 landmarks), the causal kNN
+   pattern (w = 30), the kernel operator's cutoff plan (its share of the entries), the builds of ``afn`` (k = 500,
+   w = 30), ``nystrom`` and ``pivchol`` (rank 500), ``fsai`` (w = 30) and ``auto`` (the hook's defaults) by
+   ``make_preconditioner`` (rank, finite log det), one PCG solve ``K̂ x = y`` with the hook's system (iterations,
+   true relative residual), one -MLL + gradient under the hook, ``hook.predict`` with variances at
+   ``--paths-test`` (2000) test points after one training evaluation, a ``ReducedGP`` (LLA, 1000 FPS landmarks)
+   with the exact model's hyperparameters, ``PreconditionedSingleTaskGP(max_cholesky_size=0).posterior`` at 256
+   test points (hyperparameters loaded, no fit) and the CLI (``python -m gpnys.cli.main mll --method auto
+   --device ...`` in a child process: exit code, last line). One row per path: status, seconds (``time_s`` the
+   path's own call, ``wall_s`` with its setup, e.g. the preconditioner before PCG or the training evaluation
+   before a prediction), peak memory, ``finite`` (and ``positive_variance`` for predictions; ``not finite`` is a
+   failed row). Quick: 600 points, 50 test points (10 for BoTorch). Importing BoTorch rewrites GPyTorch's global
+   defaults, so this part runs last.
 
 Every size that raises (OOM, ...) is recorded with its error text and the run goes on. A measurement whose time,
 projected from the previous size of the same method (x n^2, x n for gpnys with its cutoff), exceeds
 ``--max-seconds`` is skipped, and so is every measurement (but the ``--fit-1e6`` fit) that would start after
-``--budget-s`` (1800) of the run. Untimed warm-ups at <= 4096 points come first (Triton / KeOps compilation, cuBLAS
-start-up). The JSON is rewritten after every row, so an interrupted run keeps what it measured.
+``--budget-s`` (1800) of the run. Untimed warm-ups come first (Triton / KeOps compilation, cuBLAS start-up): at
+about 4096 points and, for gpnys, 20 480 points on the fly (a cutoff plan's block-sparse kernels), each congruent to
+n mod 1024 so that Triton's size specialisation compiles the variants the timed call runs. The JSON is rewritten
+after every row, so an interrupted run keeps what it measured.
 
-Run:  python benchmarks/gpu.py                                  (CUDA: all parts, default sizes; sized for < 25 min on an
-                                                               H100, not yet measured)
+Run:  python benchmarks/gpu.py                                  (CUDA: all parts, default sizes; the parts took 1 to 4
+                                                               minutes each on an H100, see RESULTS.md)
       python benchmarks/gpu.py --parts product --keops          (+ KeOps products in a child process)
       python benchmarks/gpu.py --parts fit --fit-1e6 --real-sizes "" --fit-synthetic-sizes ""   (the 1e6 fit only)
+      python benchmarks/gpu.py --parts paths                    (every other public path at 1e6 points, one row each)
       python benchmarks/gpu.py --quick                          (CPU, tiny sizes, Triton interpreted; run by the tests)
 """
 
@@ -68,6 +86,7 @@ import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -80,10 +99,16 @@ import gpytorch  # noqa: E402
 
 from gpnys import datasets  # noqa: E402
 from gpnys.gp.exact import ExactGPModel, cholesky_loss, fit, hyperparameters  # noqa: E402
-from gpnys.gp.hook import EstimatorSettings, use_preconditioner  # noqa: E402
+from gpnys.gp.hook import GP_DEFAULTS, EstimatorSettings, use_preconditioner  # noqa: E402
 from gpnys.gp.mll import grad_errors  # noqa: E402
 from gpnys.kernels.backends import select_backend, triton_available  # noqa: E402
 from gpnys.kernels.operator import StationaryKernelOperator, caches_dense  # noqa: E402
+from gpnys.landmarks import fps  # noqa: E402
+from gpnys.precond.cache import PointCache  # noqa: E402
+from gpnys.precond.knn import causal_knn  # noqa: E402
+from gpnys.precond.strategy import make_preconditioner  # noqa: E402
+from gpnys.reduced import ReducedGP  # noqa: E402
+from gpnys.solvers.pcg import pcg  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -226,18 +251,28 @@ def child_main(spec: dict) -> None:
 
 
 # -- part 1: products -----------------------------------------------------------------------------------------
+def unit_matern(X: torch.Tensor, lengthscale: float) -> gpytorch.kernels.MaternKernel:
+    """A unit-variance Matérn-3/2 kernel with ``lengthscale`` in ``X``'s dtype, on its device."""
+    base = gpytorch.kernels.MaternKernel(nu=1.5).to(X)
+    base.lengthscale = lengthscale
+    return base
+
+
+def unit_operator(X: torch.Tensor, base: gpytorch.kernels.Kernel, **kw: Any) -> StationaryKernelOperator:
+    """``base(X, X)`` (outputscale 1) as gpnys's kernel operator; ``kw``: its backend / cutoff / memory options."""
+    return StationaryKernelOperator(X, torch.ones((), dtype=X.dtype, device=X.device), base.lengthscale.detach(),
+                                    base=base, cache={}, **kw)
+
+
 def product_run(backend: str, n: int, dtype: torch.dtype, device: torch.device, seed: int, repeats: int,
                 tf32: bool = False, keep: bool = False, ref_torch: bool = False) -> dict:
     """One ``K V`` timed: median of ``repeats`` after a warm-up. ``keep``: return the product under ``"_out"``;
     ``ref_torch``: also the relative error against the torch tiles (the KeOps child)."""
     X, _ = load_data("synthetic3d", n, dtype, device, seed)
-    base = gpytorch.kernels.MaternKernel(nu=1.5).to(device=device, dtype=dtype)
-    base.lengthscale = 1.0
+    base = unit_matern(X, 1.0)
 
     def operator(name: str, tf: bool) -> StationaryKernelOperator:
-        return StationaryKernelOperator(X, torch.ones((), dtype=dtype, device=device), base.lengthscale.detach(),
-                                        base=base, cache={}, backend=name, prune_tol=0.0, dense_limit_bytes=0,
-                                        tf32=tf)
+        return unit_operator(X, base, backend=name, prune_tol=0.0, dense_limit_bytes=0, tf32=tf)
 
     op = operator(backend, tf32)
     V = torch.randn(X.shape[0], PRODUCT_COLUMNS, generator=torch.Generator().manual_seed(seed),
@@ -336,10 +371,14 @@ def make_model(X, y, hypers: dict | None, keops: bool = False, mean: str = "zero
     else:
         lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-6))
     model = ExactGPModel(X, y, lik, kernel=kernel, mean=mean).to(X)
-    if hypers is not None:
-        model.covar_module.base_kernel.lengthscale = hypers["lengthscale"]
-        model.covar_module.outputscale = hypers["outputscale"]
-        lik.noise = hypers["noise"]
+    return model if hypers is None else load_hypers(model, hypers)
+
+
+def load_hypers(model, hypers: dict):
+    """``model`` (ScaleKernel ``covar_module``, Gaussian likelihood) with ``hypers`` loaded."""
+    model.covar_module.base_kernel.lengthscale = hypers["lengthscale"]
+    model.covar_module.outputscale = hypers["outputscale"]
+    model.likelihood.noise = hypers["noise"]
     return model
 
 
@@ -432,13 +471,15 @@ class Warmups:
         if key in self.done or method == "gpytorch_keops":
             return
         self.done.add(key)
-        w = min(n, self.args.warmup_n)
+        # sizes congruent to n mod 1024: Triton specialises on n % 16 and (n / 64) % 16, so these compile the very
+        # variants the timed call runs
+        w = min(n, self.args.warmup_n + n % 1024)
         if on_the_fly:  # exercise the recomputed path (and its Triton kernels) at the small size too
             settings = dataclasses.replace(settings or EstimatorSettings(), dense_limit_bytes=0)
         guarded(lambda: mll_eval(X[:w], y[:w], method, self.args.hypers, self.args.seed, settings), X.device)
         if method.startswith("gpnys") and n > w:
             # and the block-sparse kernels: a cutoff plan needs more points than a cube of a few length-scales
-            w2 = min(n, 5 * self.args.warmup_n)
+            w2 = min(n, 5 * self.args.warmup_n + n % 1024)
             s2 = dataclasses.replace(settings or EstimatorSettings(), dense_limit_bytes=0)
             guarded(lambda: mll_eval(X[:w2], y[:w2], method, self.args.hypers, self.args.seed, s2), X.device)
 
@@ -613,6 +654,168 @@ def part_fit(args, bench) -> None:
             cleanup(args.device)
 
 
+# -- part 4: every other public path at one size --------------------------------------------------------------
+PATH_PRECONDS = {"afn": {"k": 500, "w": 30}, "nystrom": {"rank": 500}, "fsai": {"w": 30}, "pivchol": {"rank": 500},
+                 "auto": GP_DEFAULTS["auto"]}
+PATH_COMMON = {"path", "n", "dtype", "status", "time_s", "wall_s", "peak_mem_mib", "finite", "error"}
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def predictive(mean: torch.Tensor, var: torch.Tensor) -> dict:
+    return {"m": mean.numel(), "finite": all_finite(mean, var), "positive_variance": bool((var > 0).all())}
+
+
+def path_row(fn: Callable[[], dict], device: torch.device) -> dict:
+    """``fn()`` (a record) timed (synchronised) with its peak memory and distinct warnings: ``wall_s`` is the whole
+    call, ``time_s`` the record's own where it timed its core call itself; a record with ``finite`` false has
+    status ``not finite``."""
+    def go() -> dict:
+        reset_peak(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wall, rec = timed(fn, device)
+        rec.setdefault("time_s", wall)
+        rec.update(wall_s=wall, peak_mem_mib=peak_mib(device))
+        msgs = sorted({f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught})
+        if msgs:
+            rec["warnings"] = msgs[:8]
+        if rec.get("finite") is False:
+            rec.setdefault("status", "not finite")
+        return rec
+
+    return guarded(go, device)
+
+
+def path_runs(X, y, T, args) -> dict[str, Callable[[], dict]]:
+    """One callable per path (a record each) on the training points ``X, y`` and test points ``T``."""
+    n, device, h, seed = X.shape[0], X.device, args.hypers, args.seed
+    base, mu = unit_matern(X, h["lengthscale"]), h["noise"] / h["outputscale"]
+    settings = gpnys_settings(args, False)
+
+    def landmarks() -> dict:
+        r = fps(X, min(500, n))
+        return {"k": r.indices.numel(), "finite": all_finite(r.fill_distances),
+                "fill_distance": float(r.fill_distances[-1])}
+
+    def knn() -> dict:
+        idx, valid = causal_knn(X, min(30, n))
+        return {"w": idx.shape[1], "finite": bool(torch.equal(idx[:, -1], torch.arange(n, device=device))),
+                "valid_share": float(valid.float().mean())}
+
+    def cutoff_plan() -> dict:
+        op = unit_operator(X, base, backend=args.gpnys_backend)
+        plan = op.plan()
+        return {"backend": op.backend.name, "fraction": None if plan is None else plan.fraction,
+                "finite": plan is None or 0 < plan.fraction <= 1}
+
+    def precond(name: str) -> Callable[[], dict]:
+        def build() -> dict:
+            P = make_preconditioner(name, X, base, mu, cache=PointCache(X), seed=seed, **PATH_PRECONDS[name])
+            return {"rank": int(P.rank), "choice": getattr(P, "choice", name), "finite": all_finite(P.logdet())}
+        return build
+
+    def solve() -> dict:
+        model = make_model(X, y, h)
+        with use_preconditioner(model, "auto", settings=settings, seed=seed) as hook:
+            A, M = hook.system(X)
+            b = y[:, None]
+            t, res = timed(lambda: pcg(A, b, precond=M, x0=M(b), tol=1e-5), device)
+            rel = float((A(res.x) - b).norm() / b.norm())
+        return {"time_s": t, "precond": hook.history[-1].kind, "rank": hook.history[-1].rank,
+                "iterations": res.iterations, "rel_residual": rel, "finite": math.isfinite(rel)}
+
+    def hook_mll() -> dict:
+        rec = mll_eval(X, y, "gpnys", h, seed, settings)
+        grads = [v for g in rec["grad"].values() for v in (g if isinstance(g, list) else [g])]
+        return {**rec, "finite": all(map(math.isfinite, [rec["loss"], *grads])), "precond": rec["extra"]["precond"],
+                "cg_iterations": rec["extra"]["cg_iterations"]}
+
+    def predict() -> dict:
+        model = make_model(X, y, h)
+        with use_preconditioner(model, "auto", settings=settings, seed=seed) as hook:
+            mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+            with torch.no_grad():
+                mll_s, _ = timed(lambda: mll(model(X), y), device)  # training evaluation: the hook's kernel operator
+            t, (mean, var) = timed(lambda: hook.predict(T, variance=True), device)
+        return {"time_s": t, "mll_s": mll_s, "variance_method": hook.variance_method_used,
+                "variance_iterations": hook.variance_iterations, **predictive(mean, var)}
+
+    def reduced() -> dict:
+        model = ReducedGP.from_exact(make_model(X, y, h), method="lla", m=min(1000, n)).eval()
+        dist = model(T)
+        return {"method": "lla", "landmarks": min(1000, n), **predictive(dist.mean, dist.variance)}
+
+    def bo() -> dict:
+        if importlib.util.find_spec("botorch") is None:
+            return {"status": "skipped (botorch is not installed)"}
+        from gpnys.bo import PreconditionedSingleTaskGP  # (importing BoTorch changes GPyTorch's global defaults)
+
+        covar = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
+        model = PreconditionedSingleTaskGP(X, y[:, None], covar_module=covar, outcome_transform=None,
+                                           max_cholesky_size=0, seed=seed)
+        load_hypers(model, h)
+        model.mean_module.constant = 0.0
+        model.eval()
+        with torch.no_grad():
+            post = model.posterior(T[:args.paths_q])
+            mean, var = post.mean, post.variance
+        return {"preconditioned": model.uses_preconditioner(), "precond": model.hook().history[-1].kind,
+                "posterior_iterations": model.posterior_iterations, **predictive(mean, var)}
+
+    def cli() -> dict:
+        cmd = [sys.executable, "-m", "gpnys.cli.main", "mll", "--data", "synthetic3d", "--no-standardize", "--n",
+               str(n), "--device", str(device), "--dtype", str(X.dtype).replace("torch.", ""), "--method", "auto",
+               "--seed", str(seed)] + [f"--{k}={v}" for k, v in h.items()]
+        cmd += ["--kernel-backend", args.gpnys_backend] if args.gpnys_backend else []
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * args.max_seconds + 600)
+        last = (proc.stdout.strip().splitlines() or [""])[-1]
+        loss = re.search(r"loss (\S+)", last)
+        rec = {"exit_code": proc.returncode, "last_line": last,
+               "finite": proc.returncode == 0 and loss is not None and math.isfinite(float(loss.group(1)))}
+        if proc.returncode:
+            rec.update(status="error", error=f"exit code {proc.returncode}: {proc.stderr[-1500:]}")
+        return rec
+
+    return {"fps": landmarks, "knn": knn, "cutoff_plan": cutoff_plan,
+            **{name: precond(name) for name in PATH_PRECONDS},
+            "pcg": solve, "hook_mll": hook_mll, "predict": predict, "reduced": reduced, "botorch": bo, "cli": cli}
+
+
+def part_paths(args, bench) -> None:
+    device, n_req = args.device, args.paths_n
+    h = args.hypers
+    bench.header("paths", f"every other public path on synthetic3d, n = {n_req}, ScaleKernel(Matern-3/2), l = "
+                 f"{h['lengthscale']}, outputscale {h['outputscale']}, noise {h['noise']}, {args.dtype}, "
+                 f"{args.paths_test} test points",
+                 f"{'path':>11} {'n':>8} {'status':>16} {'time s':>8} {'wall s':>8} {'peak MiB':>9} {'finite':>6}  "
+                 "details")
+    try:
+        ds = datasets.load("synthetic3d", n=n_req, seed=args.seed, standardize=False, dtype=DTYPES[args.dtype],
+                           device=device, n_test=args.paths_test)
+    except Exception as err:  # noqa: BLE001
+        bench.add("paths", {"path": "data", "n": n_req, "status": classify(err),
+                            "error": f"{type(err).__name__}: {err}"})
+        print(f"{'data':>11} {n_req:>8} loading failed: {err}", flush=True)
+        return
+    X, y, T = ds.train_x, ds.train_y, ds.test_x
+    n = X.shape[0]
+    Warmups(args)("synthetic3d", X, y, "gpnys", gpnys_settings(args, False))  # untimed: Triton compilation
+    for name, fn in path_runs(X, y, T, args).items():
+        row: dict[str, Any] = {"path": name, "n": n, "dtype": args.dtype}
+        skip = bench.projected_skip("paths", "synthetic3d", name, n, 1, 1)
+        row.update({"status": "skipped", "error": skip} if skip else path_row(fn, device))
+        bench.add("paths", row)
+        details = ", ".join(f"{k} {format(v, '.3g') if isinstance(v, float) else str(v)[:90]}"
+                            for k, v in row.items() if k not in PATH_COMMON and not isinstance(v, (dict, list)))
+        print(f"{name:>11} {n:>8} {row['status']:>16} {fmt(row.get('time_s'), '8.3f')} "
+              f"{fmt(row.get('wall_s'), '8.3f')} {fmt(row.get('peak_mem_mib'), '9.0f')} "
+              f"{str(row.get('finite', '-')):>6}  {details}" + note(row), flush=True)
+        cleanup(device)
+
+
 # -- bookkeeping ----------------------------------------------------------------------------------------------
 def fmt(v: Any, spec: str) -> str:
     width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
@@ -630,7 +833,7 @@ class Bench:
 
     def __init__(self, args, meta: dict):
         self.args, self.out = args, args.out
-        self.res: dict[str, Any] = {"meta": meta, "products": [], "mll": [], "fit": []}
+        self.res: dict[str, Any] = {"meta": meta, "products": [], "mll": [], "fit": [], "paths": []}
         self.times: dict[tuple, tuple[int, float]] = {}
         self.start = time.perf_counter()
 
@@ -742,6 +945,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="skip a measurement whose time projected from the previous size exceeds this")
     ap.add_argument("--budget-s", type=float, default=1800.0,
                     help="skip every measurement (but the --fit-1e6 fit) that would start after this many seconds")
+    ap.add_argument("--paths-n", type=int, default=None, help="paths part: synthetic3d points (default 1e6; quick 600)")
+    ap.add_argument("--paths-test", type=int, default=None, help="paths part: test points (default 2000; quick 50)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu[_quick].json)")
     ap.add_argument("--png", default=None, help="PNG path (default: the JSON's with .png)")
     args = ap.parse_args(argv)
@@ -760,10 +965,13 @@ def main(argv: list[str] | None = None) -> dict:
     args.fit_synthetic_sizes = sizes(args.fit_synthetic_sizes if args.fit_synthetic_sizes is not None
                                      else ("" if q else "200000"))
     args.fit_steps = args.fit_steps or (3 if q else 20)
+    args.paths_n = args.paths_n or (600 if q else 1_000_000)
+    args.paths_test = args.paths_test or (50 if q else 2000)
+    args.paths_q = 10 if q else 256  # BoTorch posterior batch
     args.hypers = {"lengthscale": args.lengthscale, "outputscale": args.outputscale, "noise": args.noise}
     parts = [p for p in args.parts.split(",") if p]
-    if set(parts) - {"product", "mll", "fit"}:
-        ap.error(f"--parts takes product, mll, fit; got {args.parts!r}")
+    if set(parts) - {"product", "mll", "fit", "paths"}:
+        ap.error(f"--parts takes product, mll, fit, paths; got {args.parts!r}")
     args.out = Path(args.out) if args.out else RESULTS / ("gpu_quick.json" if q else "gpu.json")
     png = Path(args.png) if args.png else args.out.with_suffix(".png")
     threads = torch.get_num_threads()
@@ -774,7 +982,7 @@ def main(argv: list[str] | None = None) -> dict:
             "command": "python benchmarks/gpu.py " + shlex.join(argv), "quick": q, "parts": parts,
             "dtype": args.dtype, "product_dtype": args.product_dtype, "threads": torch.get_num_threads(),
             "hyperparameters": args.hypers, "seed": args.seed, "repeats": args.repeats, "warmup_n": args.warmup_n,
-            "fit_steps": args.fit_steps,
+            "fit_steps": args.fit_steps, "paths_n": args.paths_n, "paths_test": args.paths_test,
             "lr": args.lr, "gpnys_backend": args.gpnys_backend, "keops": args.keops,
             "triton_available": triton_available(), "triton_interpret": os.environ.get("TRITON_INTERPRET"),
             "max_seconds": args.max_seconds, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -789,7 +997,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{meta['versions']['triton']}, gpytorch {meta['versions']['gpytorch']}, {meta['threads']} threads")
     t0 = time.perf_counter()
     try:
-        for part, fn in (("product", part_products), ("mll", part_mll), ("fit", part_fit)):
+        for part, fn in (("product", part_products), ("mll", part_mll), ("fit", part_fit), ("paths", part_paths)):
             if part in parts:
                 fn(args, bench)
     finally:

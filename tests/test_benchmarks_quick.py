@@ -125,3 +125,24 @@ def test_gpu_quick(tmp_path):
     for r in fits.values():
         assert r["status"] == "ok" and len(r["loss_trace"]) == 3 and math.isfinite(r["final_loss"]), r
         assert r["wall_s"] > 0 and r["hyperparameters"]["noise"] > 0
+
+
+def test_gpu_paths_quick(tmp_path):
+    """The GPU benchmark's ``paths`` part on the CPU: every other public path once (builds, PCG, hook, prediction,
+    reduced posterior, BoTorch model, CLI subprocess), each an ``ok`` row with finite results."""
+    out = tmp_path / "gpu_paths.json"
+    load("gpu").main(["--quick", "--parts", "paths", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["products"] == data["mll"] == data["fit"] == []
+    rows = {r["path"]: r for r in data["paths"]}
+    assert list(rows) == ["fps", "knn", "cutoff_plan", "afn", "nystrom", "fsai", "pivchol", "auto", "pcg",
+                          "hook_mll", "predict", "reduced", "botorch", "cli"]
+    for name, r in rows.items():
+        assert r["status"] == "ok" and r["n"] == 600 and r["finite"] is True, r
+        assert math.isfinite(r["time_s"]) and 0 <= r["time_s"] <= r["wall_s"], r
+    for name in ("predict", "reduced", "botorch"):
+        assert rows[name]["positive_variance"] is True and rows[name]["m"] == (10 if name == "botorch" else 50)
+    assert rows["fps"]["k"] == 500 and rows["knn"]["w"] == 30
+    assert all(rows[name]["rank"] == 500 for name in ("afn", "nystrom", "pivchol"))
+    assert rows["pcg"]["rel_residual"] < 1e-4 and rows["pcg"]["iterations"] > 0
+    assert rows["botorch"]["preconditioned"] and rows["cli"]["exit_code"] == 0
