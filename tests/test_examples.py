@@ -68,3 +68,13 @@ def test_gpu_training_example_runs_on_the_cpu():
     assert res["backend"] == "torch" and len(res["losses"]) == 2
     assert res["mean"].shape == (50,) and bool((res["var"] > 0).all())
     assert abs(res["losses"][0] - initial_cholesky_loss(mod, 600)) <= 1e-2 * abs(res["losses"][0])
+
+
+def test_known_noise_example():
+    """AFN on K + D itself needs a fraction of the PCG iterations of AFN on K + mean(D) I, and training with
+    FixedNoiseGaussianLikelihood under the hook ends where Cholesky ends."""
+    res = load("known_noise").main(["--n", "500", "--iters", "2"])
+    its = res["pcg_iterations"]
+    assert its["per-point (diag=D)"] * 3 <= its["mean(D) I"]
+    assert abs(res["gpnys"]["loss"] - res["cholesky"]["loss"]) <= 1e-3 * abs(res["cholesky"]["loss"])
+    assert abs(res["gpnys"]["lengthscale"] - res["cholesky"]["lengthscale"]) <= 1e-2 * res["cholesky"]["lengthscale"]

@@ -26,8 +26,10 @@ unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(
   ``K̂⁻¹`` above GPyTorch's own ``max_cholesky_size``, never from an ``n x n`` Cholesky there, and the batched
   fantasy model predicts through GPyTorch.
 
-Only single-output models with homoskedastic noise (``train_Yvar=None``) and non-batched inputs take the
-preconditioned path; anything else stays on BoTorch's path.
+Single-output models on non-batched inputs take the preconditioned path, with a learnt noise (``train_Yvar=None``,
+``GaussianLikelihood``) or known per-point noise (``train_Yvar``, ``FixedNoiseGaussianLikelihood``: ``K̂ = K + D``,
+the preconditioner built for ``K + mean(D) I``; see :class:`gpnys.gp.hook.PreconditionerHook`). Batched and
+multi-output models stay on BoTorch's path, with a warning above the threshold.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
 from botorch.utils.types import DEFAULT
 from gpytorch.distributions import MultivariateNormal
-from gpytorch.likelihoods import GaussianLikelihood, Likelihood
+from gpytorch.likelihoods import FixedNoiseGaussianLikelihood, GaussianLikelihood, Likelihood
 from gpytorch.means import Mean
 from gpytorch.module import Module
 
@@ -160,22 +162,27 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_warm: tuple[torch.Tensor, torch.Tensor] | None = None
         self.posterior_iterations = 0
 
+    def _known_noise(self) -> bool:
+        """Whether the likelihood holds known per-point noise (``train_Yvar``): one variance per training point."""
+        lik = self.likelihood
+        return type(lik) is FixedNoiseGaussianLikelihood and lik.noise.shape == self.train_targets.shape
+
     def uses_preconditioner(self) -> bool:
-        """Whether the preconditioned path applies: one output, homoskedastic ``GaussianLikelihood``,
-        non-batched data, and more than ``max_cholesky_size`` training points."""
+        """Whether the preconditioned path applies: one output, non-batched data, a ``GaussianLikelihood`` or known
+        per-point noise (``train_Yvar``), and more than ``max_cholesky_size`` training points."""
         limit = self._gpnys_config["max_cholesky_size"]
         limit = gpytorch.settings.max_cholesky_size.value() if limit is None else limit
         X = self.train_inputs[0]
         if X.shape[-2] <= limit:
             return False
-        if X.dim() == 2 and self.train_targets.dim() == 1 and type(self.likelihood) is GaussianLikelihood:
+        if X.dim() == 2 and self.train_targets.dim() == 1 and (type(self.likelihood) is GaussianLikelihood
+                                                               or self._known_noise()):
             return True
         if not getattr(self, "_gpnys_warned", False):  # above the threshold, but not a case gpnys handles: say so
             self._gpnys_warned = True
             warnings.warn(f"PreconditionedSingleTaskGP: {X.shape[-2]} training points exceed max_cholesky_size="
-                          f"{limit}, but batched / multi-output data and per-point noise (train_Yvar) are not "
-                          "preconditioned yet: this model runs SingleTaskGP's Cholesky path", NumericalWarning,
-                          stacklevel=2)
+                          f"{limit}, but batched / multi-output models are not preconditioned yet: this model runs "
+                          "SingleTaskGP's Cholesky path", NumericalWarning, stacklevel=2)
         return False
 
     def _kernel_inputs(self) -> torch.Tensor:
@@ -244,6 +251,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         g = torch.Generator().manual_seed(self._gpnys_config["seed"])
         idx = torch.randperm(n, generator=g)[:m].sort().values.to(self.train_targets.device)
         sub.set_train_data(sub.train_inputs[0][idx], sub.train_targets[idx], strict=False)
+        if self._known_noise():  # the subset's own known noise (a FixedNoiseGaussianLikelihood has no state to copy)
+            sub.likelihood.noise = self.likelihood.noise[idx]
         sub._gpnys_config = {**sub._gpnys_config, "max_cholesky_size": m}
         _fit_fallback(gpytorch.mlls.ExactMarginalLogLikelihood(sub.likelihood, sub), **kwargs)
         for name in ("covar_module", "mean_module", "likelihood"):
@@ -304,7 +313,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def condition_on_observations(self, X: torch.Tensor, Y: torch.Tensor, **kwargs: Any) -> "SingleTaskGP":
         """BoTorch's ``condition_on_observations``: a new model with ``(X (q, d), Y (q, 1))`` appended
         (module docstring). Batched ``X``/``Y`` (fantasies) use GPyTorch's fantasy strategy."""
-        if not self.uses_preconditioner() or X.dim() != 2 or Y.dim() != 2 or kwargs:
+        # known noise needs the new points' noise (BoTorch's ``noise=``): BoTorch's own path appends both
+        if not self.uses_preconditioner() or X.dim() != 2 or Y.dim() != 2 or kwargs or self._known_noise():
             with self._without_caches():  # GPyTorch deep-copies the model (sparse CSR factors cannot be copied)
                 if self.prediction_strategy is None:  # its fantasy update needs its caches (CG / Lanczos here)
                     with torch.no_grad():

@@ -52,7 +52,8 @@ from gpnys.precond.base import (
 )
 from gpnys.precond.cache import PointCache
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
-from gpnys.precond.strategy import PRECONDITIONERS, make_preconditioner
+from gpnys.precond.fsai import FSAIPreconditioner
+from gpnys.precond.strategy import DIAG_PRECONDITIONERS, PRECONDITIONERS, AutoPreconditioner, make_preconditioner
 from gpnys.solvers.pcg import pcg
 
 __all__ = ["use_preconditioner", "PreconditionerHook", "EstimatorSettings", "PreconditionerOperator",
@@ -327,7 +328,7 @@ class PreconditionerHook:
         kernel = self.kernel
         base, _ = split_outputscale(kernel)
         s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
-        noise = self._noise_level()
+        noise = self._noise() if P.diag is not None else self._noise_level()  # the family P was built in
         Z = self.last_probes
         self.last_probes = None
         mu = noise / s2 if s2 is not None else noise
@@ -359,11 +360,20 @@ class PreconditionerHook:
         return noise.reshape(-1)[0] if noise.numel() == 1 else noise.reshape(-1)
 
     def _noise_level(self) -> torch.Tensor:
-        """The scalar noise the preconditioner is built for (``K + noise I``): the noise itself, or the mean of
-        per-point noise. ``P`` only preconditions: CG and SLQ run on the true ``K + D``, so the answer stays exact
-        and only the iteration count depends on how well the mean represents ``D``."""
+        """The scalar noise that labels the preconditioner (``K + noise I``): the noise itself, or the mean of
+        per-point noise. AFN, FSAI and auto's AFN take per-point noise on their diagonal themselves
+        (:meth:`_diag`); Nyström and pivoted Cholesky are built for the mean. Either way ``P`` only preconditions:
+        CG and SLQ run on the true ``K + D``, so the answer stays exact."""
         noise = self._noise()
         return noise if noise.dim() == 0 else noise.mean()
+
+    def _diag(self, s2: float | torch.Tensor) -> torch.Tensor | None:
+        """Per-point shifts ``D / s^2`` ``(n,)`` for a preconditioner that takes them (``diag=``), else ``None``."""
+        noise = self._noise().detach()
+        method = self.method
+        takes = (method in DIAG_PRECONDITIONERS if isinstance(method, str)
+                 else issubclass(method, (AFNPreconditioner, FSAIPreconditioner, AutoPreconditioner)))
+        return noise / s2 if noise.dim() == 1 and takes else None
 
     def _inputs(self) -> torch.Tensor:
         """The points the kernel sees: the training inputs, or what ``forward`` made of them (e.g. ``20 * x``),
@@ -382,17 +392,21 @@ class PreconditionerHook:
         base, _ = split_outputscale(kernel)
         ls = getattr(base, "lengthscale", None)
         ls_key = tuple(ls.detach().reshape(-1).tolist()) if ls is not None else ()
-        return (ls_key, mu, s2)
+        noise = self._noise()
+        per_point = (noise.data_ptr(), noise._version) if noise.dim() == 1 else ()  # known noise replaced in place
+        return (ls_key, mu, s2, per_point)
 
     def _build(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float,
-               options: dict[str, Any]) -> tuple[Preconditioner, bool]:
+               options: dict[str, Any], diag: torch.Tensor | None = None) -> tuple[Preconditioner, bool]:
+        extra = {} if diag is None else {"diag": diag}
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("default", NumericalWarning)
                 if isinstance(self.method, str):
-                    P = make_preconditioner(self.method, X, kernel, mu, cache=self.cache, seed=self.seed, **options)
+                    P = make_preconditioner(self.method, X, kernel, mu, cache=self.cache, seed=self.seed, **options,
+                                            **extra)
                 else:
-                    P = self.method(X, kernel, mu, **options)
+                    P = self.method(X, kernel, mu, **options, **extra)
             if not torch.isfinite(P.logdet()):
                 raise RuntimeError("non-finite log det")
             return P, False
@@ -423,7 +437,7 @@ class PreconditionerHook:
             cached = (self._key, self._current) if slot is None else self._others.get(slot, (None, None))
             if key != cached[0] or cached[1] is None:
                 t0 = time.perf_counter()
-                P, fallback = self._build(X.detach(), kernel, mu, opts)
+                P, fallback = self._build(X.detach(), kernel, mu, opts, self._diag(s2f))
                 self.builds += 1
                 s2 = torch.as_tensor(s2f, dtype=X.dtype, device=X.device)
                 cached = (key, (P, s2))

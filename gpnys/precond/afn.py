@@ -27,7 +27,7 @@ import torch
 from gpnys.budget import block_rows
 from gpnys.kernels.entries import evaluate
 from gpnys.linalg import thin_matmul
-from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
+from gpnys.precond.base import Preconditioner, add_diag, safe_cholesky, validate_count
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_inputs
 
@@ -35,6 +35,11 @@ __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
 
 LANDMARK_RULES = ("auto", "fps", "uniform")
 _CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
+
+
+def _at(shift: float | torch.Tensor, index: torch.Tensor) -> float | torch.Tensor:
+    """A scalar shift, or per-point shifts at ``index``."""
+    return shift if not isinstance(shift, torch.Tensor) or shift.dim() == 0 else shift[index]
 
 
 def _gather_rows(V: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
@@ -59,6 +64,9 @@ class AFNPreconditioner(Preconditioner):
         landmarks: ``"auto"`` (FPS if ``d <= 10`` else uniform, as in the paper), ``"fps"`` or ``"uniform"``.
         seed: seed of uniform landmark draws.
         cache: optional :class:`PointCache` for ``X`` (FPS order, uniform draws and kNN patterns reused).
+        diag: optional per-point shifts ``mu_i > 0`` ``(n,)`` (known per-point noise over the outputscale): ``M ~ K +
+            diag(mu_i)``, with ``L = chol(K11 + D1)`` and the Schur complement ``K22 + D2 - V V^T``; ``mu`` then only
+            labels the preconditioner. ``solve``, ``logdet`` and ``sample`` stay exact for this ``M``.
 
     Attributes:
         landmark_idx: ``(k,)`` landmark rows of X; rest_idx: ``(n-k,)`` the others in data order;
@@ -78,9 +86,10 @@ class AFNPreconditioner(Preconditioner):
         landmarks: str = "auto",
         seed: int = 0,
         cache: PointCache | None = None,
+        diag: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        t0 = self._start(X, mu)
+        t0 = self._start(X, mu, diag)
         n, d = X.shape
         if n < 2:
             raise ValueError(f"X must have at least 2 points for AFN, got n={n}")
@@ -109,10 +118,10 @@ class AFNPreconditioner(Preconditioner):
         rest = keep.nonzero().squeeze(1)
         self.landmark_idx, self.rest_idx = lm, rest
         self.perm = torch.cat([lm, rest])
-        eye_k = torch.eye(self.k, dtype=X.dtype, device=X.device)
 
-        # Step 3: L = chol(K11 + mu I), shifted (with a NumericalWarning) only if not numerically SPD.
-        self.L = safe_cholesky(ke(lm, lm) + self.mu * eye_k, "AFN: K11 + mu I", self.shifts)
+        # Step 3: L = chol(K11 + mu I) (+ D1 for per-point shifts), shifted (with a NumericalWarning) only if not
+        # numerically SPD.
+        self.L = safe_cholesky(add_diag(ke(lm, lm), self._shift(lm)), "AFN: K11 + mu I", self.shifts)
 
         # Step 4 and V = K12^T L^{-T} ((n-k, k)), one block of K12's columns at a time.
         m = n - self.k
@@ -122,14 +131,15 @@ class AFNPreconditioner(Preconditioner):
             K12 = ke(lm, rest[c : c + cb])
             self.V[c : c + cb] = torch.linalg.solve_triangular(self.L, K12, upper=False).T
 
-        # Step 5: FSAI of S = K22 + mu I - V V^T on the causal kNN pattern of X_r (in X_r's order).
+        # Step 5: FSAI of S = K22 + mu I - V V^T (+ D2 for per-point shifts) on the causal kNN pattern of X_r (in
+        # X_r's order).
         idx, valid = cache.knn(order_key, rest, self.w, scale)
         self.X, self.pattern = X, (idx, valid)
-        V, mu_ = self.V, self.mu
+        V, mu_r = self.V, self._shift(rest)
 
         def schur_blocks(I: torch.Tensor) -> torch.Tensor:  # S[s, s] for I: (b, w) -> (b, w, w)
             Vs = _gather_rows(V, I)
-            Kb = ke.batched(rest[I]) + mu_ * torch.eye(I.shape[1], dtype=X.dtype, device=X.device)
+            Kb = add_diag(ke.batched(rest[I]), _at(mu_r, I))
             return torch.baddbmm(Kb, Vs, Vs.mT, alpha=-1.0)
 
         # gathered V rows per batch: half a block (16 MiB by default); the gather is memory-bound, and a buffer
@@ -202,7 +212,8 @@ class AFNPreconditioner(Preconditioner):
 
         Args:
             kernel: unit-variance GPyTorch kernel with the current (differentiable) hyperparameters.
-            mu: 0-dim tensor, ``noise / outputscale``.
+            mu: 0-dim tensor, ``noise / outputscale``, or ``(n,)`` per-point shifts when the preconditioner was
+                built with ``diag`` (the same family: ``K11 + D1`` and the Schur complement with ``D2``).
             Z: ``(n, t)`` fixed probe vectors.
             schur: ``"full"`` (rebuild the FSAI rows), ``"diag"`` (diagonal-scaled FSAI, see above), ``"frozen"``
                 (``diag`` with the landmark part of the Schur diagonal held) or ``"auto"``:
@@ -218,8 +229,7 @@ class AFNPreconditioner(Preconditioner):
             raise ValueError(f"schur must be 'auto', 'full', 'diag' or 'frozen', got {schur!r}")
         if schur == "auto":
             schur = "full" if (self.n - self.k) * self.w**2 * self.k <= _CV_FULL_BUDGET else "diag"
-        eye_k = torch.eye(self.k, dtype=X.dtype, device=X.device)
-        L = torch.linalg.cholesky(evaluate(kernel, X[lm], X[lm]) + mu * eye_k)
+        L = torch.linalg.cholesky(add_diag(evaluate(kernel, X[lm], X[lm]), _at(mu, lm)))
         Zp = Z[self.perm]
         w1 = torch.linalg.solve_triangular(L, Zp[: self.k], upper=False)
         if schur == "frozen":
@@ -231,7 +241,7 @@ class AFNPreconditioner(Preconditioner):
             x = Zp[self.k :] - V @ w1
         if schur in ("diag", "frozen"):
             Vd = self.V if schur == "frozen" else V  # frozen: |V_i|^2 held at its value
-            d = evaluate(kernel, X[rest], X[rest], diag=True) + mu - Vd.square().sum(1)
+            d = evaluate(kernel, X[rest], X[rest], diag=True) + _at(mu, rest) - Vd.square().sum(1)
             scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
             quad = w1.square().sum() + self.factor.mm(scale[:, None] * x).square().sum()
             logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() - 2.0 * scale.log().sum()
@@ -243,7 +253,7 @@ class AFNPreconditioner(Preconditioner):
         def rows(I: torch.Tensor, M: torch.Tensor, V: torch.Tensor, x: torch.Tensor, mu: torch.Tensor):
             P = X[rest[I]]
             Vs = _gather_rows(V, I)
-            S = evaluate(kernel, P, P) + mu * eye_w - Vs @ Vs.mT
+            S = add_diag(evaluate(kernel, P, P), _at(mu, I)) - Vs @ Vs.mT
             S = torch.where(M[:, :, None] & M[:, None, :], S, eye_w)
             Lb = torch.linalg.cholesky(S)
             e = torch.zeros(S.shape[0], w, 1, dtype=S.dtype, device=S.device)
@@ -256,7 +266,8 @@ class AFNPreconditioner(Preconditioner):
         logg = X.new_zeros(())
         quad = w1.square().sum()
         for a in range(0, idx.shape[0], batch):
-            lg, q = checkpoint(rows, idx[a : a + batch], valid[a : a + batch], V, x, mu, use_reentrant=False)
+            lg, q = checkpoint(rows, idx[a : a + batch], valid[a : a + batch], V, x, _at(mu, rest),
+                               use_reentrant=False)
             logg = logg + lg
             quad = quad + q
         return 2.0 * L.diagonal().log().sum() - 2.0 * logg, quad

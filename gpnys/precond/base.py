@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Preconditioner", "NumericalWarning", "validate_points", "validate_mu", "safe_cholesky"]
+__all__ = ["Preconditioner", "NumericalWarning", "validate_points", "validate_mu", "safe_cholesky", "add_diag"]
 
 
 class NumericalWarning(RuntimeWarning):
@@ -66,6 +66,13 @@ def validate_positive(value: float, name: str) -> float:
 def validate_mu(mu: float) -> float:
     """Return ``mu`` as a float; raise ``ValueError`` unless it is positive and finite."""
     return validate_positive(mu, "mu")
+
+
+def add_diag(M: torch.Tensor, shift: float | torch.Tensor) -> torch.Tensor:
+    """``M + diag(shift)`` over the last two dimensions (out of place, autograd-safe): ``shift`` is a number or a
+    0-dim tensor (times the identity) or per-row shifts ``(..., m)`` for ``M (..., m, m)``."""
+    s = torch.as_tensor(shift, dtype=M.dtype, device=M.device)
+    return M + torch.diag_embed(s.expand(M.shape[:-1]))
 
 
 def validate_count(value: int, name: str, low: int = 1, high: int | None = None, high_name: str = "n") -> int:
@@ -141,17 +148,32 @@ class Preconditioner(abc.ABC):
     rank: int
     mu: float
     setup_s: float = 0.0
+    #: per-point shifts ``mu_i`` ``(n,)`` on the diagonal instead of ``mu`` (``P ~ K + diag(mu_i)``: known per-point
+    #: noise), for the preconditioners that take ``diag=``; ``None``: ``mu`` everywhere
+    diag: torch.Tensor | None = None
 
     def __init__(self) -> None:
         self.shifts: list[float] = []
 
-    def _start(self, X: torch.Tensor, mu: float) -> float:
-        """Validate ``X (n, d)`` and ``mu``; record ``n``, ``dtype``, ``device``, ``mu``; return the setup start time."""
+    def _start(self, X: torch.Tensor, mu: float, diag: torch.Tensor | None = None) -> float:
+        """Validate ``X (n, d)``, ``mu`` and ``diag``; record ``n``, ``dtype``, ``device``, ``mu``, ``diag``; return the
+        setup start time."""
         t0 = time.perf_counter()
         validate_points(X)
         self.mu = validate_mu(mu)
         self.n, self.dtype, self.device = X.shape[0], X.dtype, X.device
+        if diag is not None:
+            if not isinstance(diag, torch.Tensor) or diag.shape != (self.n,):
+                raise ValueError(f"diag must be a tensor of {self.n} per-point shifts, got "
+                                 f"{tuple(getattr(diag, 'shape', ())) or type(diag).__name__}")
+            if not bool((torch.isfinite(diag) & (diag > 0)).all()):
+                raise ValueError("diag must be positive and finite")
+            self.diag = diag.detach().to(dtype=X.dtype, device=X.device)
         return t0
+
+    def _shift(self, index: torch.Tensor) -> float | torch.Tensor:
+        """The diagonal shift of the rows ``index``: ``mu``, or ``diag[index]`` (same shape as ``index``)."""
+        return self.mu if self.diag is None else self.diag[index]
 
     @abc.abstractmethod
     def _solve(self, R: torch.Tensor) -> torch.Tensor:

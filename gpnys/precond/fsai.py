@@ -22,6 +22,7 @@ from gpnys.kernels.entries import KernelEntries
 from gpnys.precond.base import (
     NumericalWarning,
     Preconditioner,
+    add_diag,
     safe_cholesky,
     validate_count,
 )
@@ -206,6 +207,7 @@ class FSAIPreconditioner(Preconditioner):
     Args:
         X: ``(n, d)`` points; kernel: a GPyTorch kernel (a ``ScaleKernel``'s outputscale is stripped);
         mu: ``> 0``; w: nonzeros per row of ``G`` (``1 <= w <= n``); cache: optional :class:`PointCache`.
+        diag: optional per-point shifts ``(n,)`` on the diagonal instead of ``mu`` (``A = K + diag(mu_i)``).
     """
 
     kind = "fsai"
@@ -218,19 +220,20 @@ class FSAIPreconditioner(Preconditioner):
         mu: float,
         w: int = 400,
         cache: PointCache | None = None,
+        diag: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        t0 = self._start(X, mu)
+        t0 = self._start(X, mu, diag)
         self.w = validate_count(w, "w", 1, self.n)
         self.rank = 0
         ke, cache, scale = resolve_pattern_inputs(X, kernel, cache)
         hits0 = cache.hits
         idx, valid = cache.knn("data", None, self.w, scale)
         self.cache_hits = cache.hits - hits0
-        mu_ = self.mu
+        shift = self._shift
 
-        def blocks(I: torch.Tensor) -> torch.Tensor:  # A[s, s] = K[s, s] + mu I, (b, w, w)
-            return ke.batched(I) + mu_ * torch.eye(I.shape[1], dtype=X.dtype, device=X.device)
+        def blocks(I: torch.Tensor) -> torch.Tensor:  # A[s, s] = K[s, s] + mu I (or + diag(mu_s)), (b, w, w)
+            return add_diag(ke.batched(I), shift(I))
 
         self.factor = SparseTriangular(fsai_factor(blocks, idx, valid, shifts=self.shifts, what="FSAI(K + mu I)"))
         self.setup_s = time.perf_counter() - t0

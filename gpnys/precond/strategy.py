@@ -25,10 +25,12 @@ from gpnys.precond.nystrom import NystromPreconditioner
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.precond.rank import RankEstimate, estimate_rank
 
-__all__ = ["AutoPreconditioner", "make_preconditioner", "PRECONDITIONERS"]
+__all__ = ["AutoPreconditioner", "make_preconditioner", "PRECONDITIONERS", "DIAG_PRECONDITIONERS"]
 
 #: names accepted by :func:`make_preconditioner` (``"none"`` gives ``None``: plain CG)
 PRECONDITIONERS = ("none", "pivchol", "nystrom", "ran", "sketch", "fsai", "afn", "auto")
+#: the names that take per-point diagonal shifts (``diag=``, known per-point noise); the others use the scalar ``mu``
+DIAG_PRECONDITIONERS = ("fsai", "afn", "auto")
 
 
 class AutoPreconditioner(Preconditioner):
@@ -44,6 +46,8 @@ class AutoPreconditioner(Preconditioner):
         reps: rank-estimation repetitions (the authors' code uses 3).
         seed: seeds the rank-estimation subsamples and uniform landmarks.
         cache: reuse FPS order / kNN patterns across hyperparameter steps on the same X.
+        diag: optional per-point shifts ``(n,)`` (known per-point noise): AFN takes them on its diagonal; the rank
+            estimate and Nyström use ``mu`` (pass their mean).
 
     Attributes:
         estimate: the :class:`RankEstimate`; inner: the chosen preconditioner; choice: ``"nystrom"``/``"afn"``.
@@ -62,9 +66,10 @@ class AutoPreconditioner(Preconditioner):
         reps: int = 3,
         seed: int = 0,
         cache: PointCache | None = None,
+        diag: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        t0 = self._start(X, mu)
+        t0 = self._start(X, mu, diag)
         max_k = validate_count(max_k, "max_k", 1)
         cache = cache if cache is not None else PointCache(X)
         t_rank = time.perf_counter()
@@ -79,7 +84,8 @@ class AutoPreconditioner(Preconditioner):
             )
         else:
             self.choice = "afn"
-            self.inner = AFNPreconditioner(X, kernel, self.mu, k=min(max_k, self.n), w=w, seed=seed, cache=cache)
+            self.inner = AFNPreconditioner(X, kernel, self.mu, k=min(max_k, self.n), w=w, seed=seed, cache=cache,
+                                           diag=self.diag)
         self.rank = self.inner.rank
         self.shifts = self.inner.shifts
         self.setup_s = time.perf_counter() - t0
@@ -124,8 +130,10 @@ def make_preconditioner(
     rank: int | None = None,
     k: int = 2000,
     w: int | None = None,
+    diag: torch.Tensor | None = None,
 ) -> Preconditioner | None:
-    """Build a preconditioner of ``K + mu I`` by name.
+    """Build a preconditioner of ``K + mu I`` by name (of ``K + diag(mu_i)`` with per-point shifts ``diag (n,)``, for
+    the names in :data:`DIAG_PRECONDITIONERS`; ``mu`` is then their mean).
 
     ``none`` -> ``None`` (plain CG); ``pivchol`` -> GPyTorch's pivoted Cholesky (``rank``, default 15);
     ``nystrom`` -> column Nyström, FPS landmarks, eq. (8), rank = ``rank`` or the Algorithm 4 estimate;
@@ -136,6 +144,8 @@ def make_preconditioner(
     """
     if name not in PRECONDITIONERS:
         raise ValueError(f"preconditioner must be one of {PRECONDITIONERS}, got {name!r}")
+    if diag is not None and name not in DIAG_PRECONDITIONERS:
+        raise ValueError(f"diag (per-point shifts) is taken by {DIAG_PRECONDITIONERS}, not by {name!r}")
     n = X.shape[0]
     if name == "none":
         return None
@@ -153,8 +163,8 @@ def make_preconditioner(
             return NystromPreconditioner(X, kernel, mu, r, landmarks="uniform", scaling="ran", seed=seed)
         return NystromPreconditioner(X, kernel, mu, r, sampling="sketch", scaling="ran", seed=seed)
     if name == "fsai":
-        return FSAIPreconditioner(X, kernel, mu, w=min(_default(w, 400), n), cache=cache)
+        return FSAIPreconditioner(X, kernel, mu, w=min(_default(w, 400), n), cache=cache, diag=diag)
     wd = min(100, n) if w is None else w  # a default never exceeds n; an explicit w is validated
     if name == "afn":
-        return AFNPreconditioner(X, kernel, mu, k=min(k, n), w=wd, seed=seed, cache=cache)
-    return AutoPreconditioner(X, kernel, mu, max_k=k, w=wd, seed=seed, cache=cache)
+        return AFNPreconditioner(X, kernel, mu, k=min(k, n), w=wd, seed=seed, cache=cache, diag=diag)
+    return AutoPreconditioner(X, kernel, mu, max_k=k, w=wd, seed=seed, cache=cache, diag=diag)
