@@ -1,7 +1,8 @@
 """Property tests (Hypothesis) of the preconditioner invariants over random shapes, kernels (plain, ARD, sums,
-products, ``active_dims``), noise levels mu, dtypes and duplicated points (issue 20).
+products, ``active_dims``), noise levels mu, per-point noise, dtypes and duplicated points (issue 20).
 
-For every drawn case and every preconditioner ``P`` of ``K + mu I``:
+For every drawn case and every preconditioner ``P`` of ``K + mu I`` (of ``K + diag(mu_i)`` for the preconditioners
+that take per-point shifts, when the case draws them):
 
 * ``P.solve(P.matmul(V)) = V`` (the two applies are inverse to each other);
 * ``P.logdet()`` equals ``slogdet`` of the dense ``P`` (built by applying ``P`` to the identity);
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from gpnys.kernels.entries import split_outputscale
 from gpnys.precond import make_preconditioner
+from gpnys.precond.strategy import DIAG_PRECONDITIONERS
 
 KERNELS = {
     "rbf": lambda d: gpytorch.kernels.RBFKernel(),
@@ -42,19 +44,23 @@ def cases(draw, kernels=tuple(sorted(KERNELS))):
         X[n // 2] = X[0]
     kernel = KERNELS[draw(st.sampled_from(kernels))](d).double()
     mu = draw(st.sampled_from([1e-3, 1e-2, 0.1, 1.0]))
-    return X, kernel, mu, draw(st.sampled_from(METHODS)), seed
+    method = draw(st.sampled_from(METHODS))
+    diag = None
+    if method in DIAG_PRECONDITIONERS and draw(st.booleans()):  # per-point shifts: mu times 0.1 .. 10
+        diag = mu * 100.0 ** (torch.rand(n, generator=g, dtype=torch.float64) - 0.5)
+    return X, kernel, mu, method, seed, diag
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(cases())
 def test_preconditioner_invariants(case):
-    X, kernel, mu, method, seed = case
+    X, kernel, mu, method, seed, diag = case
     n = X.shape[0]
     opts = {"k": max(1, n // 3), "w": min(5, n)} if method in ("afn", "auto") else {}
     if method == "fsai":
         opts = {"w": min(5, n)}
     with torch.no_grad():
-        P = make_preconditioner(method, X, kernel, mu, seed=seed, **opts)
+        P = make_preconditioner(method, X, kernel, mu, seed=seed, diag=diag, **opts)
     eye = torch.eye(n, dtype=X.dtype)
     Pd = P.matmul(eye)
     scale = float(Pd.abs().max())
@@ -70,15 +76,17 @@ def test_preconditioner_invariants(case):
     assert abs(float(P.logdet()) - float(logdet)) <= 1e-8 * max(1.0, abs(float(logdet))) + 1e-10 * n * cond
 
 
-@pytest.mark.parametrize("method", ["afn", "nystrom", "fsai"])
+@pytest.mark.parametrize("method", ["afn", "nystrom", "fsai", "afn-diag", "nystrom-diag"])
 def test_sample_covariance_is_P(method):
     """``sample`` draws ``R e`` with ``R R^T = P``: the empirical covariance of many draws approaches ``P``."""
     g = torch.Generator().manual_seed(0)
     X = torch.rand(30, 2, generator=g, dtype=torch.float64) * 3
     kernel = (gpytorch.kernels.RBFKernel() + gpytorch.kernels.MaternKernel(nu=1.5)).double()
-    opts = {"k": 10, "w": 5} if method == "afn" else ({"w": 5} if method == "fsai" else {})
+    opts = {"k": 10, "w": 5} if method.startswith("afn") else ({"w": 5} if method == "fsai" else {})
+    if method.endswith("-diag"):  # per-point shifts 0.01 .. 1
+        opts["diag"] = 10.0 ** (-2 * torch.rand(30, generator=g, dtype=torch.float64))
     with torch.no_grad():
-        P = make_preconditioner(method, X, kernel, 0.1, **opts)
+        P = make_preconditioner(method.removesuffix("-diag"), X, kernel, 0.1, **opts)
     Pd = P.matmul(torch.eye(30, dtype=X.dtype))
     S = P.sample(40000, generator=torch.Generator().manual_seed(1), distribution="rademacher")
     emp = S @ S.mT / S.shape[1]
@@ -89,14 +97,15 @@ def test_sample_covariance_is_P(method):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(data=st.data())
 def test_afn_with_every_point_a_landmark_is_the_kernel(name, data):
-    """AFN with k = n reproduces ``K + mu I`` (GPyTorch's own evaluation of the unit-variance kernel,
+    """AFN with k = n reproduces ``K + mu I`` or ``K + diag(mu_i)`` (GPyTorch's own evaluation of the unit-variance kernel,
     ``active_dims`` included): the preconditioners see the kernel the model uses."""
-    X, kernel, mu, _, seed = data.draw(cases(kernels=(name,)))
+    X, kernel, mu, _, seed, diag = data.draw(cases(kernels=(name,)))
     n = X.shape[0]
+    shift = mu * torch.ones(n, dtype=X.dtype) if diag is None else diag
     with torch.no_grad():
-        P = make_preconditioner("afn", X, kernel, mu, seed=seed, k=n, w=min(5, n))
+        P = make_preconditioner("afn", X, kernel, mu, seed=seed, k=n, w=min(5, n), diag=diag)
         unit, _ = split_outputscale(kernel)  # preconditioners take the unit-variance kernel (mu = noise / s^2)
-        A = unit(X).to_dense() + mu * torch.eye(n, dtype=X.dtype)
+        A = unit(X).to_dense() + torch.diag(shift)
     Pd = P.matmul(torch.eye(n, dtype=X.dtype))
     # GPyTorch's distances are expanded forms centred on each block's mean: at duplicated points r ~ sqrt(eps) |x|,
     # which Matérn-1/2 (k = 1 - r + ...) turns into ~1e-7 differences between two blocks' evaluations

@@ -51,9 +51,14 @@ from gpnys.precond.base import (
     validate_training_data,
 )
 from gpnys.precond.cache import PointCache
-from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.precond.fsai import FSAIPreconditioner
-from gpnys.precond.strategy import DIAG_PRECONDITIONERS, PRECONDITIONERS, AutoPreconditioner, make_preconditioner
+from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
+from gpnys.precond.strategy import (
+    HOOK_DIAG_PRECONDITIONERS,
+    PRECONDITIONERS,
+    AutoPreconditioner,
+    make_preconditioner,
+)
 from gpnys.solvers.pcg import pcg
 
 __all__ = ["use_preconditioner", "PreconditionerHook", "EstimatorSettings", "PreconditionerOperator",
@@ -361,8 +366,8 @@ class PreconditionerHook:
 
     def _noise_level(self) -> torch.Tensor:
         """The scalar noise that labels the preconditioner (``K + noise I``): the noise itself, or the mean of
-        per-point noise. AFN, FSAI and auto's AFN take per-point noise on their diagonal themselves
-        (:meth:`_diag`); Nyström and pivoted Cholesky are built for the mean. Either way ``P`` only preconditions:
+        per-point noise. AFN, FSAI and auto's AFN take per-point noise themselves (:meth:`_diag`); Nyström, pivoted
+        Cholesky and the RAN / sketch variants are built for the mean. Either way ``P`` only preconditions:
         CG and SLQ run on the true ``K + D``, so the answer stays exact."""
         noise = self._noise()
         return noise if noise.dim() == 0 else noise.mean()
@@ -371,7 +376,7 @@ class PreconditionerHook:
         """Per-point shifts ``D / s^2`` ``(n,)`` for a preconditioner that takes them (``diag=``), else ``None``."""
         noise = self._noise().detach()
         method = self.method
-        takes = (method in DIAG_PRECONDITIONERS if isinstance(method, str)
+        takes = (method in HOOK_DIAG_PRECONDITIONERS if isinstance(method, str)
                  else issubclass(method, (AFNPreconditioner, FSAIPreconditioner, AutoPreconditioner)))
         return noise / s2 if noise.dim() == 1 and takes else None
 

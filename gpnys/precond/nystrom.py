@@ -87,6 +87,9 @@ class NystromPreconditioner(Preconditioner):
         sampling: ``"column"`` (sampled kernel columns) or ``"sketch"`` (Gaussian test matrix).
         scaling: ``"stable"`` (eq. 8, ``P = K_nys + mu I``) or ``"ran"`` (RAN scaling of Sec. 5).
         seed: seed for uniform landmarks and for the Gaussian sketch (a ``torch.Generator`` on X's device).
+        diag: optional per-point shifts ``(n,)`` (known per-point noise; stable scaling only): the construction runs on
+            ``S K S`` with ``S = D^{-1/2}`` and shift 1, so ``P = S^{-1} (U Lam U^T + I) S^{-1}`` approximates
+            ``K + D``; ``mu`` then only labels the preconditioner.
         landmark_indices: optional ``(m,)`` integer tensor, ``m >= k``, of distinct row indices of ``X``
             (e.g. a cached FPS order); the first ``k`` are used. Only with ``sampling="column"``.
 
@@ -112,9 +115,10 @@ class NystromPreconditioner(Preconditioner):
         scaling: str = "stable",
         seed: int = 0,
         landmark_indices: torch.Tensor | None = None,
+        diag: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        self._start(X, mu)
+        self._start(X, mu, diag)
         n = self.n
         self.k = validate_count(k, "k", low=1, high=n, high_name="n")
         self.sampling = _check_option(sampling, "sampling", SAMPLINGS)
@@ -124,6 +128,10 @@ class NystromPreconditioner(Preconditioner):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if landmark_indices is not None and self.sampling != "column":
             raise ValueError("landmark_indices can only be given with sampling='column'")
+        if self.diag is not None and self.scaling != "stable":
+            raise ValueError("diag (per-point shifts) needs scaling='stable'")
+        #: ``D^{-1/2}`` ``(n,)`` with per-point shifts: the factors are those of ``D^{-1/2} K D^{-1/2} + I``
+        self.s = None if self.diag is None else self.diag.rsqrt()
         self.seed = seed
         self.rank = self.k
 
@@ -152,7 +160,10 @@ class NystromPreconditioner(Preconditioner):
         self.nu = nu
         self.lam_min = float(lam[-1])
         self.lam_max = float(lam[0])
-        if self.scaling == "stable":  # eq. (8): P = U (Lam + mu) U^T + mu (I - U U^T)
+        if self.s is not None:  # P = D^{1/2} (U Lam U^T + I) D^{1/2}: eq. (8) for the scaled kernel, mu = 1
+            self.range_eigs = lam + 1.0
+            self.complement_eig = 1.0
+        elif self.scaling == "stable":  # eq. (8): P = U (Lam + mu) U^T + mu (I - U U^T)
             self.range_eigs = lam + self.mu
             self.complement_eig = self.mu
         else:  # RAN: P = U (Lam + mu)/(lam_k + mu) U^T + (I - U U^T)
@@ -180,14 +191,21 @@ class NystromPreconditioner(Preconditioner):
         X, idx = self.X, self.landmark_indices
         ar = torch.arange(self.k, device=X.device)
         Y = evaluate(kernel, X, X[idx])
+        per_point = mu.dim() > 0  # (n,) shifts: the same family on S K S + I, S = D^{-1/2}, P = S^{-1} (.) S^{-1}
+        if per_point:
+            sv = mu.rsqrt()
+            Y, Z = sv[:, None] * Y * sv[idx], sv[:, None] * Z
+        m = torch.ones((), dtype=X.dtype, device=X.device) if per_point else mu
         Y = Y.index_put((idx, ar), Y[idx, ar] + self.nu)
         C = torch.linalg.cholesky(0.5 * (Y[idx] + Y[idx].mT))
         B = torch.linalg.solve_triangular(C.mT, Y, upper=True, left=False)
         eye = torch.eye(self.k, dtype=X.dtype, device=X.device)
-        Lm = torch.linalg.cholesky(mu * eye + B.mT @ B)
-        logdet = (self.n - self.k) * torch.log(mu) + 2.0 * Lm.diagonal().log().sum()
+        Lm = torch.linalg.cholesky(m * eye + B.mT @ B)
+        logdet = (self.n - self.k) * torch.log(m) + 2.0 * Lm.diagonal().log().sum()
+        if per_point:
+            logdet = logdet + mu.log().sum()
         proj = torch.linalg.solve_triangular(Lm, B.mT @ Z, upper=False)
-        quad = (Z.square().sum() - proj.square().sum()) / mu
+        quad = (Z.square().sum() - proj.square().sum()) / m
         return logdet, quad
 
     # ----------------------------------------------------------------------------------------- building
@@ -237,6 +255,8 @@ class NystromPreconditioner(Preconditioner):
     def _build_column(self, entries: KernelEntries, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Column Nyström: ``Omega = I[:, idx]``, ``Y = K(X, X_k)``. Returns ``U (n, k)``, ``lam (k,)``, ``nu``."""
         Y = entries(slice(None), idx)  # (n, k) = K1
+        if self.s is not None:  # columns of D^{-1/2} K D^{-1/2}
+            Y = self.s[:, None] * Y * self.s[idx]
         nu = self._nu(Y)
         ar = torch.arange(self.k, device=Y.device)
         if Y._is_view():  # never write into a kernel's cached storage
@@ -251,7 +271,7 @@ class NystromPreconditioner(Preconditioner):
         gen = torch.Generator(device=self.device).manual_seed(int(seed))
         Omega = torch.randn(self.n, self.k, dtype=self.dtype, device=self.device, generator=gen)
         Omega, _ = torch.linalg.qr(Omega)
-        Y = entries.matmul(Omega)
+        Y = entries.matmul(Omega) if self.s is None else self.s[:, None] * entries.matmul(self.s[:, None] * Omega)
         nu = self._nu(Y)
         Y = Y + nu * Omega
         core = Omega.mT @ Y
@@ -264,22 +284,30 @@ class NystromPreconditioner(Preconditioner):
         UtR = thin_matmul(self.U.mT, R)
         return thin_matmul(self.U, (range_vals - comp_val)[:, None] * UtR) + comp_val * R
 
+    def _scaled(self, R: torch.Tensor, power: float) -> torch.Tensor:
+        """``D^{power/2} R``: the per-point scaling around the eigen-form (``R`` unchanged without ``diag``)."""
+        return R if self.s is None else self.s[:, None] ** -power * R
+
     def _solve(self, R: torch.Tensor) -> torch.Tensor:
-        """``P^{-1} R``: stable ``U (Lam+mu)^{-1} U^T R + (1/mu)(I - U U^T) R`` (eq. 8) or the RAN form. ``(n, t)``"""
-        return self._eigen_apply(R, 1.0 / self.range_eigs, 1.0 / self.complement_eig)
+        """``P^{-1} R``: stable ``U (Lam+mu)^{-1} U^T R + (1/mu)(I - U U^T) R`` (eq. 8) or the RAN form; with per-point
+        shifts ``D^{-1/2}`` on both sides. ``(n, t)``"""
+        inner = self._eigen_apply(self._scaled(R, -1), 1.0 / self.range_eigs, 1.0 / self.complement_eig)
+        return self._scaled(inner, -1)
 
     def _matmul(self, R: torch.Tensor) -> torch.Tensor:
-        """``P R`` (stable: ``U Lam U^T R + mu R``). ``(n, t)``"""
-        return self._eigen_apply(R, self.range_eigs, self.complement_eig)
+        """``P R`` (stable: ``U Lam U^T R + mu R``; with per-point shifts ``D^{1/2}`` on both sides). ``(n, t)``"""
+        return self._scaled(self._eigen_apply(self._scaled(R, 1), self.range_eigs, self.complement_eig), 1)
 
     def _sample(self, Z: torch.Tensor) -> torch.Tensor:
-        """``P^{1/2} Z = U (sqrt(d) - sqrt(c)) U^T Z + sqrt(c) Z`` (symmetric square root). ``(n, num)``"""
-        return self._eigen_apply(Z, self.range_eigs.sqrt(), math.sqrt(self.complement_eig))
+        """``F Z`` with ``F F^T = P``: the symmetric square root ``U (sqrt(d) - sqrt(c)) U^T Z + sqrt(c) Z``, with
+        per-point shifts after ``D^{1/2}``. ``(n, num)``"""
+        return self._scaled(self._eigen_apply(Z, self.range_eigs.sqrt(), math.sqrt(self.complement_eig)), 1)
 
     def logdet(self) -> torch.Tensor:
-        """``log det P = sum_i log d_i + (n - k) log c`` exactly (0-dim tensor)."""
+        """``log det P = sum_i log d_i + (n - k) log c`` exactly (``+ sum log D_i`` with per-point shifts; 0-dim)."""
         comp = torch.tensor(self.complement_eig, dtype=self.dtype, device=self.device)
-        return self.range_eigs.log().sum() + (self.n - self.k) * comp.log()
+        out = self.range_eigs.log().sum() + (self.n - self.k) * comp.log()
+        return out if self.diag is None else out + self.diag.log().sum()
 
     def summary(self) -> dict[str, Any]:
         """Base facts plus ``sampling``, ``landmarks``, ``scaling``, ``lam_max``, ``lam_min``, ``nu``, ``seed``."""
