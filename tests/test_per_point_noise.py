@@ -176,3 +176,21 @@ def test_differentiable_terms_with_per_point_shifts_equal_P(name, schur):
     torch.testing.assert_close(quad.detach(), (Z * P.solve(Z)).sum(), rtol=1e-8, atol=1e-8)
     (g,) = torch.autograd.grad(logdet + quad, s2)
     assert torch.isfinite(g) and float(g) != 0.0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["afn", "fsai", "nystrom"])
+def test_per_point_shifts_on_the_device(cuda_device, name, dtype):
+    """The same preconditioners on the cuda suite's device: exact with full patterns, against the CPU dense K + D."""
+    n = 120
+    X = points(n, 3, seed=2)
+    D = shifts(n)
+    A = dense_KD(X, make_kernel("matern32", 0.3, F64), D)
+    Xd, Dd = X.to(cuda_device, dtype), D.to(cuda_device, dtype)
+    P = make_preconditioner(name, Xd, make_kernel("matern32", 0.3, dtype).to(cuda_device), float(D.mean()),
+                            diag=Dd, **OPTIONS_FULL[name](n))
+    Pd = dense_P(P).to("cpu", F64)
+    assert P.diag.device.type == cuda_device.type and Pd.dtype == F64
+    tol = 1e-9 if dtype == F64 else 2e-3
+    assert float((Pd - A).norm() / A.norm()) < tol
+    assert abs(float(P.logdet()) - float(torch.logdet(A))) < tol * n
