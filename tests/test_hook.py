@@ -269,6 +269,28 @@ def test_predict_matches_cholesky(concrete, ard, method, dtype):
     assert (hook.variance_iterations > 0) == (hook.variance_method_used == "pcg")
 
 
+@pytest.mark.parametrize("transform", [False, True])
+def test_predict_without_training_under_the_hook(concrete, transform):
+    """A model fitted elsewhere and only predicted under the hook: gpnys's own paths (no dense GPyTorch cache) with
+    the exact posterior; a forward that rescales x still takes GPyTorch's path."""
+    from gpnys.gp.exact import predict
+
+    class Scaled(ExactGPModel):
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(2.0 * x))
+
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(torch.float64)
+    m = (Scaled if transform else ExactGPModel)(concrete.train_x, concrete.train_y, lik, kernel="matern32")
+    m = m.to(torch.float64)
+    lik.noise = 0.05
+    mean_ref, var_ref = predict(m, concrete.test_x)
+    with use_preconditioner(m, "afn", k=200, w=20, settings=EstimatorSettings(variance_method="pcg")) as hook:
+        mean, var = hook.predict(concrete.test_x)
+    assert hook.variance_method_used == ("gpytorch" if transform else "pcg")
+    assert float(((var - var_ref) / var_ref).abs().max()) < 3e-3
+    assert float((mean - mean_ref).abs().max() / mean_ref.abs().max()) < 1e-4
+
+
 def test_predict_falls_back_when_forward_transforms_inputs(concrete):
     """A forward that rescales x: the fast variance path (kernel on raw X) would be wrong, GPyTorch's is used."""
     from gpnys.gp.exact import predict

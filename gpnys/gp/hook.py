@@ -563,7 +563,7 @@ class PreconditionerHook:
         lik.eval()
         with torch.no_grad(), self.settings.context():
             X = model.train_inputs[0]
-            kx = self._kernel_x
+            kx = self._kernel_x if self._kernel_x is not None else self._discovered_inputs(X)
             op = self.stationary_operator(X) if kx is not None else None
             if op is None or not same_points(kx, X):
                 # GPyTorch's own path: a forward that transforms x, or a kernel without gpnys's operator
@@ -597,6 +597,17 @@ class PreconditionerHook:
         # y's variance adds the noise; per-point training noise says nothing about new points, and GPyTorch's
         # FixedNoiseGaussianLikelihood then returns the latent variance: so does this
         return torch.cat(means), torch.cat(out) + (noise if noise.dim() == 0 else 0.0)
+
+    def _discovered_inputs(self, X: torch.Tensor) -> torch.Tensor | None:
+        """The inputs the kernel sees, read from the covariance ``forward`` builds
+        (:func:`~gpnys.gp.discover.training_kernel`), for a model that was not trained under this hook (a fitted model
+        loaded for prediction): without them :meth:`predict` would take GPyTorch's path, which forms the dense
+        ``n x n`` kernel. ``None`` when the covariance is not one kernel call (GPyTorch's path then)."""
+        try:
+            self._seen = training_kernel(self.model)
+        except ValueError:
+            return None
+        return self._seen[1]
 
     def _mean_weights(self, X: torch.Tensor) -> torch.Tensor:
         """``alpha = K̂^{-1} (y - m(X))`` (``(n,)``) by PCG with this preconditioner: the predictive mean is
