@@ -28,7 +28,7 @@ unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(
 
 Single-output models on non-batched inputs take the preconditioned path, with a learnt noise (``train_Yvar=None``,
 ``GaussianLikelihood``) or known per-point noise (``train_Yvar``, ``FixedNoiseGaussianLikelihood``: ``K̂ = K + D``,
-the preconditioner built for ``K + mean(D) I``; see :class:`gpnys.gp.hook.PreconditionerHook`). Batched and
+AFN built on ``K + D / s²`` itself; see :class:`gpnys.gp.hook.PreconditionerHook`). Batched and
 multi-output models stay on BoTorch's path, with a warning above the threshold.
 """
 

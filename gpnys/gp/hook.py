@@ -38,18 +38,14 @@ import torch
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
-from gpnys.budget import block_rows
 from gpnys.gp.discover import same_points, training_kernel
+from gpnys.gp.operators import PreconditionedAddedDiag, PreconditionedMVN, PreconditionerOperator
+from gpnys.gp.prediction import HookPrediction
+from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import (
-    NumericalWarning,
-    Preconditioner,
-    safe_cholesky,
-    validate_count,
-    validate_training_data,
-)
+from gpnys.precond.base import NumericalWarning, Preconditioner, validate_count, validate_training_data
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
@@ -59,164 +55,10 @@ from gpnys.precond.strategy import (
     AutoPreconditioner,
     make_preconditioner,
 )
-from gpnys.solvers.pcg import pcg
 
-__all__ = ["use_preconditioner", "PreconditionerHook", "EstimatorSettings", "PreconditionerOperator",
-           "PreconditionedAddedDiag"]
-
-
-@dataclass
-class EstimatorSettings:
-    """Accuracy knobs of GPyTorch's CG + SLQ estimator, applied inside :func:`use_preconditioner`.
-
-    Attributes:
-        cg_tolerance: mean relative residual at which GPyTorch's CG stops (its training default is 1.0, a large
-            part of its error). With a gpnys preconditioner 3e-2 already puts the solve error far below the
-            probe noise: at elevators n = 10000 (RBF, noise 0.1, 5 seeds) tolerances 3e-2, 1e-2 and 1e-3 gave the
-            same median loss and gradient errors (l = 1: 2.1e-4 / 2.0e-4 / 3e-4, every component <= 0.7 %;
-            l = 3: 7.5e-4 / 7.2e-4, <= 0.9 %) in 17 / 23 / 33 CG iterations.
-        max_cg_iterations: CG iteration cap.
-        num_probes: Hutchinson / SLQ probe vectors (``num_trace_samples``).
-        lanczos_steps: Lanczos steps kept for the quadrature (``max_lanczos_quadrature_iterations``). GPyTorch
-            runs CG for at least this many iterations, so it also sets the minimum cost; the preconditioned
-            spectrum is clustered enough that 10 steps matched 30 and 80 in the measured errors.
-        variance_reduction: add the preconditioner control variate to the log-det gradient
-            (:meth:`PreconditionerHook.control_variate`) when the preconditioner supports it.
-        probes: ``"rademacher"`` (``z = R e`` with random signs ``e``) or ``"gaussian"`` (``z ~ N(0, P)``); both
-            have covariance ``P``, the Rademacher one never has a larger trace-estimator variance.
-        kernel_operator: during training, replace GPyTorch's autograd-tracked dense kernel by
-            :class:`~gpnys.kernels.operator.StationaryKernelOperator` (RBF/Matérn under a ``ScaleKernel``): same
-            values, closed-form derivative, no ``n x n`` autograd temporaries.
-        dense_limit_bytes: that operator caches the dense kernel up to this size, else recomputes row blocks;
-            ``None``: the memory budget's (:func:`gpnys.budget.memory_budget`, 4 GiB by default).
-        kernel_prune_tol: on the recomputed path the operator skips blocks of entries all ``<= kernel_prune_tol``
-            times the outputscale (:mod:`gpnys.kernels.cutoff`); ``None``: machine epsilon of the data's dtype,
-            ``0``: compute every entry.
-        kernel_backend: the backend of that operator's recomputed products (:mod:`gpnys.kernels.backends`):
-            ``None`` picks fused Triton kernels on CUDA and torch tiles on CPU; ``"torch"``, ``"triton"``,
-            ``"keops"`` force one. ``kernel_keops=True`` is ``kernel_backend="keops"`` (KeOps is never chosen
-            by itself). ``kernel_tf32``: let float32 Triton tile products use TF32 (about 1e-3 relative error).
-        probe_seed: when set, every MLL evaluation draws its probes from this seed (common random numbers), so
-            the estimate is a deterministic function of the hyperparameters — what a quasi-Newton optimiser such as
-            BoTorch's L-BFGS-B needs; the global RNG is left untouched. ``None``: fresh probes per call (for Adam).
-        variance_method: ``"auto"``, ``"pcg"`` or ``"cholesky"`` for the predictive variances; variance_tolerance,
-            variance_block: their PCG tolerance and test-point block size (:meth:`PreconditionerHook.predict`).
-        control_variate: for AFN, ``"diag"`` (cheap, ``O(nk(k + t))``), ``"full"`` (rebuild the FSAI rows with
-            autograd, ``O(n w^2 k)``: removes more variance — on concrete, n = 927, l = 2, the worst gradient
-            component fell from 5.6 % to 0.3 % — but took 7 s at n = 10000, twice the CG solve), ``"frozen"``
-            (``diag`` without rebuilding the ``(n - k) x k`` block ``V``, ``O(k^2 (k + t) + n k t)``: the same
-            gradient errors as ``diag`` to within 0.1 points on elevators n = 10000, l = 1, k = 500 (3 seeds; 6.5 s
-            instead of 6.8 s per value + gradient) and to within 0.5 points at Hartmann-6, n = 5000, noise 1.55e-4,
-            k = 1500 (2.28 s instead of 2.68 s)) or ``"auto"`` (full while ``(n - k) w^2 k <= 2e9``, else diag);
-            see :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms`.
-    """
-
-    cg_tolerance: float = 3e-2
-    max_cg_iterations: int = 1000
-    num_probes: int = 16
-    lanczos_steps: int = 10
-    variance_reduction: bool = True
-    probes: str = "rademacher"
-    control_variate: str = "auto"
-    kernel_operator: bool = True
-    dense_limit_bytes: int | None = None
-    kernel_prune_tol: float | None = None
-    kernel_backend: str | None = None
-    kernel_keops: bool | None = None
-    kernel_tf32: bool = False
-    variance_method: str = "auto"
-    variance_tolerance: float = 1e-3
-    variance_block: int = 1024
-    probe_seed: int | None = None
-
-    def context(self) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        # importing BoTorch turns GPyTorch's fast (CG/SLQ) log_prob and solves off globally; they are the point here
-        fast = gpytorch.settings.fast_computations
-        stack.enter_context(fast(covar_root_decomposition=fast.covar_root_decomposition.on(), log_prob=True,
-                                 solves=True))
-        stack.enter_context(gpytorch.settings.max_cholesky_size(0))
-        stack.enter_context(gpytorch.settings.cg_tolerance(self.cg_tolerance))
-        stack.enter_context(gpytorch.settings.eval_cg_tolerance(min(self.cg_tolerance, 1e-4)))
-        stack.enter_context(gpytorch.settings.max_cg_iterations(self.max_cg_iterations))
-        stack.enter_context(gpytorch.settings.num_trace_samples(self.num_probes))
-        stack.enter_context(gpytorch.settings.max_lanczos_quadrature_iterations(self.lanczos_steps))
-        return stack
-
-
-class PreconditionerOperator(LinearOperator):
-    """``scale * P`` as a symmetric ``LinearOperator`` (``(n, n)``), for GPyTorch's probe sampling.
-
-    ``zero_mean_mvn_samples(num)`` draws ``sqrt(scale) R z`` (``P = R R^T``, ``z`` Gaussian or Rademacher, both
-    with covariance ``scale P``) through the preconditioner's factor and passes the draws ``(n, num)`` to
-    ``on_sample`` when given.
-    """
-
-    def __init__(
-        self,
-        scale: torch.Tensor,
-        precond: Preconditioner,
-        on_sample: Callable[[torch.Tensor], None] | None = None,
-        distribution: str = "gaussian",
-    ) -> None:
-        super().__init__(scale, precond=precond, on_sample=on_sample, distribution=distribution)
-        self.scale = scale
-        self.precond = precond
-        self.on_sample = on_sample
-        self.distribution = distribution
-
-    def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
-        return self.scale * self.precond.matmul(rhs)
-
-    def _size(self) -> torch.Size:
-        return torch.Size([self.precond.n, self.precond.n])
-
-    def _transpose_nonbatch(self) -> "PreconditionerOperator":
-        return self
-
-    def zero_mean_mvn_samples(self, num_samples: int) -> torch.Tensor:
-        Z = self.scale.sqrt() * self.precond.sample(num_samples, distribution=self.distribution)  # (n, num)
-        if self.on_sample is not None:
-            self.on_sample(Z)
-        return Z.mT
-
-
-class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
-    """The marginal ``N(m, K̂)`` whose ``log_prob`` adds the preconditioner control variate to the gradient.
-
-    ``log_prob = GPyTorch's log_prob − ½ (C − stop_grad(C))``: the value is unchanged, the gradient of the
-    log-determinant term becomes the variance-reduced estimator (see :meth:`PreconditionerHook.control_variate`).
-    """
-
-    _gpnys_hook: "PreconditionerHook | None" = None
-
-    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        hook = self._gpnys_hook
-        if hook is not None:
-            hook.last_probes = None
-        seed = None if hook is None else hook.settings.probe_seed
-        if seed is None:
-            res = super().log_prob(value)
-        else:
-            with torch.random.fork_rng(devices=[value.device] if value.device.type == "cuda" else []):
-                torch.manual_seed(seed)
-                res = super().log_prob(value)
-        if hook is not None and hook.variance_reduction and torch.is_grad_enabled():
-            C = hook.control_variate()
-            if C is not None:
-                res = res - 0.5 * (C - C.detach())
-        return res
-
-
-class PreconditionedAddedDiag(AddedDiagLinearOperator):
-    """An ``AddedDiagLinearOperator`` whose ``preconditioner_override`` survives ``evaluate_kernel()``."""
-
-    def evaluate_kernel(self) -> "PreconditionedAddedDiag":
-        evaluated = super().evaluate_kernel()
-        return PreconditionedAddedDiag(
-            evaluated._linear_op, evaluated._diag_tensor, preconditioner_override=self.preconditioner_override
-        )
-
+# EstimatorSettings (gp/settings.py), the GPyTorch glue (gp/operators.py) and HookPrediction (gp/prediction.py) live
+# beside this module; their names stay importable from here
+__all__ = ["use_preconditioner", "PreconditionerHook", "StepRecord", "GP_DEFAULTS"]
 
 @dataclass
 class StepRecord:
@@ -238,7 +80,7 @@ class StepRecord:
 GP_DEFAULTS: dict[str, dict[str, int]] = {"afn": {"k": 500, "w": 30}, "auto": {"k": 500, "w": 30}}
 
 
-class PreconditionerHook:
+class PreconditionerHook(HookPrediction):
     """Builds and serves gpnys preconditioners for one ``ExactGP`` (see :func:`use_preconditioner`).
 
     Attributes:
@@ -535,112 +377,6 @@ class PreconditionerHook:
         if so is not None:
             self._kernel_x = op.x1
         return op if so is None else so
-
-    # -- prediction ------------------------------------------------------------------------------------
-    def predict(self, test_x: torch.Tensor, variance: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Predictive mean and variance of ``y`` (noise included) at ``test_x (m, d)``: ``((m,), (m,))``.
-
-        The mean is ``m(x) + k_x^T K̂^{-1} (y - m(X))``, one PCG solve with this preconditioner (relative
-        residual 1e-6 in float64, 1e-5 in float32; GPyTorch's own prediction cache would form the dense
-        ``n x n`` kernel), then test points in blocks of the memory budget. The variance
-        ``k(x, x) - k_x^T K̂^{-1} k_x + noise`` is exact up to a tolerance, by the cheaper of two exact methods
-        (``settings.variance_method = "auto"``; the choice is kept in ``variance_method_used``):
-
-        * ``"pcg"``: the ``m`` systems ``K̂ B = K(X, test_x)`` by :func:`gpnys.solvers.pcg.pcg` with this
-          preconditioner (warm start ``P̂^{-1} k_x``, tolerance ``settings.variance_tolerance``, column blocks of
-          ``settings.variance_block``). The variational form ``2 b^T x - x^T K̂ x = b^T K̂^{-1} b - ||e||^2_K̂`` is
-          second order in the error. Cost ``~ 2 n^2 m`` per iteration.
-        * ``"cholesky"``: one Cholesky of ``K̂``, ``n^3/3 + n^2 m`` flops — cheaper than PCG as soon as
-          ``m > n / (3 (2 iters - 1))`` (m > ~130 at n = 15 000 and 20 iterations), and only offered when the
-          dense kernel is already cached (it needs one more ``n x n`` buffer). Training never uses it.
-
-        A model whose ``forward`` transforms x gets GPyTorch's own predictive variances (the fast paths evaluate
-        ``kernel(X, test_x)`` on the raw inputs). GPyTorch's LOVE was 10 % off in NLL on elevators, so it is
-        not used.
-        """
-        model, lik = self.model, self.model.likelihood
-        model.eval()
-        lik.eval()
-        with torch.no_grad(), self.settings.context():
-            X = model.train_inputs[0]
-            kx = self._kernel_x if self._kernel_x is not None else self._discovered_inputs(X)
-            op = self.stationary_operator(X) if kx is not None else None
-            if op is None or not same_points(kx, X):
-                # GPyTorch's own path: a forward that transforms x, or a kernel without gpnys's operator
-                if not variance:
-                    with gpytorch.settings.skip_posterior_variances(True):
-                        return lik(model(test_x)).mean, None
-                self.variance_method_used = "gpytorch"
-                pred = lik(model(test_x))
-                return pred.mean, pred.variance
-            kernel = self.kernel
-            noise = self._noise().detach()
-            n, m = X.shape[0], test_x.shape[0]
-            alpha = self._mean_weights(X)
-            # test-point blocks: (n, b) kernel columns within the memory budget (GPyTorch holds a few copies)
-            block = min(self.settings.variance_block, max(64, block_rows(n, parts=4, device=X.device)))
-            if not variance:
-                mean = torch.cat([model.forward(T).mean + kernel(T, X) @ alpha for T in test_x.split(block)])
-                return mean, None
-            iters = max(10.0, self.applications / max(1, self.builds))  # CG iterations per training solve
-            method = self.settings.variance_method
-            if method == "auto":
-                cheap = n / 3 + m < 2 * iters * m
-                method = "cholesky" if cheap and op is not None and op._dense() is not None else "pcg"
-            self.variance_method_used = method
-            solve = self._cholesky_quad(op, noise) if method == "cholesky" else self._pcg_quad(X)
-            means, out = [], []
-            for T in test_x.split(block):
-                Kxt = kernel(X, T).to_dense()  # (n, b)
-                means.append(model.forward(T).mean + Kxt.mT @ alpha)
-                out.append((kernel(T, diag=True) - solve(Kxt)).clamp_min(0.0))
-        # y's variance adds the noise; per-point training noise says nothing about new points, and GPyTorch's
-        # FixedNoiseGaussianLikelihood then returns the latent variance: so does this
-        return torch.cat(means), torch.cat(out) + (noise if noise.dim() == 0 else 0.0)
-
-    def _discovered_inputs(self, X: torch.Tensor) -> torch.Tensor | None:
-        """The inputs the kernel sees, read from the covariance ``forward`` builds
-        (:func:`~gpnys.gp.discover.training_kernel`), for a model that was not trained under this hook (a fitted model
-        loaded for prediction): without them :meth:`predict` would take GPyTorch's path, which forms the dense
-        ``n x n`` kernel. ``None`` when the covariance is not one kernel call (GPyTorch's path then)."""
-        try:
-            self._seen = training_kernel(self.model)
-        except ValueError:
-            return None
-        return self._seen[1]
-
-    def _mean_weights(self, X: torch.Tensor) -> torch.Tensor:
-        """``alpha = K̂^{-1} (y - m(X))`` (``(n,)``) by PCG with this preconditioner: the predictive mean is
-        ``m(x) + k_x^T alpha``. Not GPyTorch's prediction cache, which evaluates the dense ``n x n`` kernel."""
-        A, M = self.system(X)
-        r = (self.model.train_targets - self.model.forward(X).mean)[:, None]
-        tol = 1e-6 if X.dtype == torch.float64 else 1e-5
-        res = pcg(A, r, precond=M, x0=M(r), tol=tol, maxiter=self.settings.max_cg_iterations)
-        return res.x[:, 0]
-
-    def _pcg_quad(self, X: torch.Tensor) -> Callable:
-        """``B -> diag(B^T K̂^{-1} B)`` by PCG (see :meth:`predict`)."""
-        A, M = self.system(X)
-
-        def quad(B: torch.Tensor) -> torch.Tensor:
-            res = pcg(A, B, precond=M, x0=M(B),
-                      tol=self.settings.variance_tolerance, maxiter=self.settings.max_cg_iterations)
-            self.variance_iterations = res.iterations
-            return (B * res.x).sum(0) + (res.x * (B - A(res.x))).sum(0)  # 2 b'x - x'Ax
-
-        return quad
-
-    def _cholesky_quad(self, op: StationaryKernelOperator, noise: torch.Tensor) -> Callable:
-        """``B -> diag(B^T K̂^{-1} B)`` through one Cholesky of the cached dense ``K̂`` (see :meth:`predict`)."""
-        K = op._dense()[0] * op.outputscale.detach()
-        K.diagonal().add_(noise)
-        L = safe_cholesky(K, "predictive covariance K + noise I")
-        del K
-
-        def quad(B: torch.Tensor) -> torch.Tensor:
-            return torch.linalg.solve_triangular(L, B, upper=False).square().sum(0)
-
-        return quad
 
     # -- context ---------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -1,0 +1,92 @@
+"""The GPyTorch objects the training hook hands to GPyTorch: the preconditioner as a ``LinearOperator`` for probe
+sampling, the marginal whose ``log_prob`` adds the control variate, and the covariance whose override survives
+``evaluate_kernel()`` (see :mod:`gpnys.gp.hook`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import gpytorch
+import torch
+from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
+
+from gpnys.precond.base import Preconditioner
+
+if TYPE_CHECKING:
+    from gpnys.gp.hook import PreconditionerHook
+
+__all__ = ["PreconditionerOperator", "PreconditionedMVN", "PreconditionedAddedDiag"]
+
+
+class PreconditionerOperator(LinearOperator):
+    """``scale * P`` as a symmetric ``LinearOperator`` (``(n, n)``), for GPyTorch's probe sampling.
+
+    ``zero_mean_mvn_samples(num)`` draws ``sqrt(scale) R z`` (``P = R R^T``, ``z`` Gaussian or Rademacher, both
+    with covariance ``scale P``) through the preconditioner's factor and passes the draws ``(n, num)`` to
+    ``on_sample`` when given.
+    """
+
+    def __init__(
+        self,
+        scale: torch.Tensor,
+        precond: Preconditioner,
+        on_sample: Callable[[torch.Tensor], None] | None = None,
+        distribution: str = "gaussian",
+    ) -> None:
+        super().__init__(scale, precond=precond, on_sample=on_sample, distribution=distribution)
+        self.scale = scale
+        self.precond = precond
+        self.on_sample = on_sample
+        self.distribution = distribution
+
+    def _matmul(self, rhs: torch.Tensor) -> torch.Tensor:
+        return self.scale * self.precond.matmul(rhs)
+
+    def _size(self) -> torch.Size:
+        return torch.Size([self.precond.n, self.precond.n])
+
+    def _transpose_nonbatch(self) -> "PreconditionerOperator":
+        return self
+
+    def zero_mean_mvn_samples(self, num_samples: int) -> torch.Tensor:
+        Z = self.scale.sqrt() * self.precond.sample(num_samples, distribution=self.distribution)  # (n, num)
+        if self.on_sample is not None:
+            self.on_sample(Z)
+        return Z.mT
+
+
+class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
+    """The marginal ``N(m, K̂)`` whose ``log_prob`` adds the preconditioner control variate to the gradient.
+
+    ``log_prob = GPyTorch's log_prob − ½ (C − stop_grad(C))``: the value is unchanged, the gradient of the
+    log-determinant term becomes the variance-reduced estimator (see :meth:`PreconditionerHook.control_variate`).
+    """
+
+    _gpnys_hook: "PreconditionerHook | None" = None
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        hook = self._gpnys_hook
+        if hook is not None:
+            hook.last_probes = None
+        seed = None if hook is None else hook.settings.probe_seed
+        if seed is None:
+            res = super().log_prob(value)
+        else:
+            with torch.random.fork_rng(devices=[value.device] if value.device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                res = super().log_prob(value)
+        if hook is not None and hook.variance_reduction and torch.is_grad_enabled():
+            C = hook.control_variate()
+            if C is not None:
+                res = res - 0.5 * (C - C.detach())
+        return res
+
+
+class PreconditionedAddedDiag(AddedDiagLinearOperator):
+    """An ``AddedDiagLinearOperator`` whose ``preconditioner_override`` survives ``evaluate_kernel()``."""
+
+    def evaluate_kernel(self) -> "PreconditionedAddedDiag":
+        evaluated = super().evaluate_kernel()
+        return PreconditionedAddedDiag(
+            evaluated._linear_op, evaluated._diag_tensor, preconditioner_override=self.preconditioner_override
+        )
