@@ -349,3 +349,19 @@ def test_fsai_is_deterministic():
         a = FSAIPreconditioner(X, kern, 1e-2, w=20)
     b = FSAIPreconditioner(X, kern, 1e-2, w=20)
     assert torch.equal(a.G.to_dense(), b.G.to_dense())
+
+
+@pytest.mark.cuda
+def test_causal_knn_grid_path_on_the_device(cuda_device, monkeypatch):
+    """On a GPU the grid path is the default from GRID_MIN_N points (lowered here) and gives the CPU grid path's
+    pattern (explicit differences on both; float64, so no rounding ties between the two devices' sums)."""
+    monkeypatch.setattr(knn, "GRID_MIN_N", 1000)
+    monkeypatch.setattr(knn, "GRID_FIRST", 256)
+    X = points(6000, 3, dtype=F64, seed=12)
+    calls = []
+    monkeypatch.setattr(knn, "_grid_knn", lambda *a, f=knn._grid_knn: (calls.append(1), f(*a))[1])
+    on_gpu = cuda_device.type == "cuda"
+    idx, valid = causal_knn(X.to(cuda_device), 30, grid=None if on_gpu else True)  # the CPU's default is the tree
+    assert calls == [1]
+    ref_idx, ref_valid = causal_knn(X, 30, grid=True)
+    assert torch.equal(idx.cpu(), ref_idx) and torch.equal(valid.cpu(), ref_valid)
