@@ -19,7 +19,9 @@ one index per prefix. Three exact paths:
   ``w - 1`` of the ``s`` earlier points per cell, each row's candidates the earlier points of the ``3^d`` cells
   around its own, sorted by (distance, index). A row's answer is kept only when its ``(w - 1)``-th distance is
   below the distance to the edge of those cells (so no point outside can be nearer); the rest go to the brute
-  force. Distances are explicit differences. ``O(n 3^d w)`` work instead of ``O(n^2 d / 2)``.
+  force. Distances are explicit differences. ``O(n 3^d w)`` work instead of ``O(n^2 d / 2)``: at n = 10^6, d = 3
+  (w = 30) 1.07 s on an H100 instead of 20.4 s. ``grid=True`` runs it on any device (the CPU keeps the tree by
+  default: 52 s against 15 s at n = 200 000 on 2 cores).
 """
 
 from __future__ import annotations
