@@ -291,24 +291,21 @@ def product_run(backend: str, n: int, dtype: torch.dtype, device: torch.device, 
             ref = operator("torch", False).matmul(V)
             rec["rel_error_vs_torch"] = rel_error(out, ref)
     msgs = [str(w.message) for w in caught if "Triton kernel failed" in str(w.message)]
-    if backend == "triton" and (msgs or triton_failed(device, dtype)):
+    if backend == "triton" and (msgs or triton_failed(device, dtype, tf32)):
+        # (a TF32 failure is recorded under its own key: the FP32 rows keep their Triton kernels)
         rec.update(status="fallback", error="the Triton kernels failed; the torch tiles answered: "
                    + ("; ".join(msgs) or "earlier failure"))
-        if tf32 and msgs:  # a TF32-only failure must not send the other Triton rows to the torch tiles too
-            from gpnys.kernels.backends import triton_fused
-
-            triton_fused._FAILED.discard((device.type, dtype))
     rec.update(time_s=statistics.median(times), times_s=times, entries_per_s=X.shape[0] ** 2 / statistics.median(times))
     if keep:
         rec["_out"] = out
     return rec
 
 
-def triton_failed(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether gpnys's Triton kernels failed for ``(device, dtype)`` and its torch tiles answer instead."""
+def triton_failed(device: torch.device, dtype: torch.dtype, tf32: bool = False) -> bool:
+    """Whether gpnys's Triton kernels failed for ``(device, dtype, tf32)`` and its torch tiles answer instead."""
     from gpnys.kernels.backends import triton_fused
 
-    return (device.type, dtype) in triton_fused._FAILED
+    return triton_fused.failed("kernel", device, dtype, tf32)
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -15,7 +15,6 @@ blocked, device-agnostic version that also returns the fill distances.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -118,33 +117,32 @@ def fps(X: torch.Tensor, k: int, start: int | None = None) -> FPSResult:
 FPS_TRITON_MAX_N = 1 << 17
 #: ... of at most this many dimensions (a chunk of points lives in registers)
 FPS_TRITON_MAX_D = 64
-_FPS_FAILED: set[tuple[str, torch.dtype]] = set()
 
 
 def _fps_triton(X: torch.Tensor, k: int, start: int) -> FPSResult | None:
     """:func:`fps` by :func:`gpnys.kernels.backends.triton_kernels.fps_kernel` (the same steps, ties and fill
-    distances), or ``None`` when Triton is missing or its kernel failed for this device and dtype (one warning)."""
+    distances), or ``None`` when Triton is missing or its kernel failed for this device and dtype (one warning:
+    :func:`gpnys.kernels.backends.triton_fused.guarded_launch`)."""
     from gpnys.kernels.backends import triton_available
 
-    key = (X.device.type, X.dtype)
-    if not triton_available() or key in _FPS_FAILED:
+    if not triton_available():
         return None
+    from gpnys.kernels.backends.triton_fused import guarded_launch
+
     n, d = X.shape
     dp = 1 << max(0, (d - 1).bit_length())
-    try:
+
+    def launch() -> FPSResult:
         from gpnys.kernels.backends.triton_kernels import fps_kernel
 
-        X = X.contiguous()
+        Xc = X.contiguous()
         mind = torch.full((n,), float("inf"), dtype=X.dtype, device=X.device)
         idx = torch.empty(k, dtype=torch.int64, device=X.device)
         fill = torch.empty(k, dtype=X.dtype, device=X.device)
-        fps_kernel[(1,)](X, mind, idx, fill, n, d, k, int(start), BLOCK=max(32, min(1024, 4096 // dp)), DP=dp)
-    except Exception as err:  # noqa: BLE001 - compile / launch errors surface as many types
-        _FPS_FAILED.add(key)
-        warnings.warn(f"Triton FPS kernel failed for {X.dtype} on {X.device.type} ({type(err).__name__}: {err}); "
-                      "using the torch loop instead", RuntimeWarning, stacklevel=3)
-        return None
-    return FPSResult(indices=idx, fill_distances=fill.clamp_min(0).sqrt())
+        fps_kernel[(1,)](Xc, mind, idx, fill, n, d, k, int(start), BLOCK=max(32, min(1024, 4096 // dp)), DP=dp)
+        return FPSResult(indices=idx, fill_distances=fill.clamp_min(0).sqrt())
+
+    return guarded_launch("fps", X.device, X.dtype, False, launch, lambda: None, "the torch loop")
 
 
 def uniform(n: int, k: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:

@@ -18,13 +18,38 @@ import torch
 from gpnys.kernels.backends import KernelBackend
 from gpnys.kernels.cutoff import LeafPlan
 
-__all__ = ["TritonBackend", "BLOCK"]
+__all__ = ["TritonBackend", "BLOCK", "guarded_launch", "failed"]
 
 #: points per tile side (= :attr:`StationaryKernelOperator.LEAF`, the cutoff plan's leaf)
 BLOCK = 64
 
-#: (device type, dtype, tf32) whose kernels failed: answered by the torch tiles from then on (one warning each)
-_FAILED: set[tuple[str, torch.dtype, bool]] = set()
+#: (kernels, device type, dtype, tf32) whose Triton launch failed: answered by the fallback from then on (one warning)
+_FAILED: set[tuple[str, str, torch.dtype, bool]] = set()
+
+
+def _failure_key(kernels: str, device: torch.device, dtype: torch.dtype, tf32: bool) -> tuple:
+    return kernels, device.type, dtype, bool(tf32) and dtype == torch.float32
+
+
+def failed(kernels: str, device: torch.device, dtype: torch.dtype, tf32: bool = False) -> bool:
+    """Whether the Triton ``kernels`` (``"kernel"``: the product and derivative; ``"fps"``) failed for this device,
+    dtype and TF32 setting, so that their fallback answers."""
+    return _failure_key(kernels, device, dtype, tf32) in _FAILED
+
+
+def guarded_launch(kernels: str, device: torch.device, dtype: torch.dtype, tf32: bool, launch: Callable[[], Any],
+                   fallback: Callable[[], Any], fallback_name: str) -> Any:
+    """``launch()``, or ``fallback()`` once a Triton launch of ``kernels`` failed for this key: the first failure is
+    recorded and warned about (``RuntimeWarning``), so an answer is never silently from another path."""
+    key = _failure_key(kernels, device, dtype, tf32)
+    if key not in _FAILED:
+        try:
+            return launch()
+        except Exception as err:  # noqa: BLE001 - compile / launch errors surface as many types (CompilationError, ...)
+            _FAILED.add(key)
+            warnings.warn(f"Triton kernel failed ({kernels}) for {dtype} on {device.type} ({type(err).__name__}: "
+                          f"{err}); using {fallback_name} instead", RuntimeWarning, stacklevel=5)
+    return fallback()
 
 
 def _pow2(x: int, lo: int, hi: int) -> int:
@@ -62,22 +87,12 @@ class TritonBackend(KernelBackend):
             raise ValueError(f"the Triton backend needs a cutoff plan with leaf {BLOCK}, got {plan.leaf}")
         return True, plan.near_ptr_t.to(Z.device), plan.near_idx.to(device=Z.device, dtype=torch.int64), nblocks
 
-    def _key(self, Z: torch.Tensor) -> tuple[str, torch.dtype, bool]:
-        return Z.device.type, Z.dtype, self.tf32 and Z.dtype == torch.float32
-
     def _guarded(self, fused: Callable[..., Any], name: str, Z: torch.Tensor, *args: Any) -> Any:
         """``fused(Z, *args)``, or the torch tiles' pass ``name`` once a kernel failed for this key (one warning)."""
-        key = self._key(Z)
-        if key not in _FAILED:
-            try:
-                return fused(Z, *args)
-            except Exception as err:  # compile / launch errors surface as many types (CompilationError, ...)
-                _FAILED.add(key)
-                warnings.warn(f"Triton kernel failed for {Z.dtype} on {Z.device.type} ({type(err).__name__}: "
-                              f"{err}); using the torch tiles instead", RuntimeWarning, stacklevel=4)
         from gpnys.kernels.backends.torch_tiles import TorchTiles
 
-        return getattr(TorchTiles(self.formula, self.tf32), name)(Z, *args)
+        return guarded_launch("kernel", Z.device, Z.dtype, self.tf32, lambda: fused(Z, *args),
+                              lambda: getattr(TorchTiles(self.formula, self.tf32), name)(Z, *args), "the torch tiles")
 
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
         return self._guarded(self._matmul, "matmul", Z, R, plan)
