@@ -27,7 +27,7 @@ import torch
 from gpnys.budget import block_rows
 from gpnys.kernels.entries import evaluate
 from gpnys.linalg import thin_matmul
-from gpnys.precond.base import Preconditioner, add_diag, safe_cholesky, validate_count
+from gpnys.precond.base import Preconditioner, add_diag, safe_cholesky, shift_at, validate_count
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_inputs
 
@@ -35,11 +35,6 @@ __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
 
 LANDMARK_RULES = ("auto", "fps", "uniform")
 _CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
-
-
-def _at(shift: float | torch.Tensor, index: torch.Tensor) -> float | torch.Tensor:
-    """A scalar shift, or per-point shifts at ``index``."""
-    return shift if not isinstance(shift, torch.Tensor) or shift.dim() == 0 else shift[index]
 
 
 def _gather_rows(V: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
@@ -139,7 +134,7 @@ class AFNPreconditioner(Preconditioner):
 
         def schur_blocks(I: torch.Tensor) -> torch.Tensor:  # S[s, s] for I: (b, w) -> (b, w, w)
             Vs = _gather_rows(V, I)
-            Kb = add_diag(ke.batched(rest[I]), _at(mu_r, I))
+            Kb = add_diag(ke.batched(rest[I]), shift_at(mu_r, I))
             return torch.baddbmm(Kb, Vs, Vs.mT, alpha=-1.0)
 
         # gathered V rows per batch: half a block (16 MiB by default); the gather is memory-bound, and a buffer
@@ -229,7 +224,7 @@ class AFNPreconditioner(Preconditioner):
             raise ValueError(f"schur must be 'auto', 'full', 'diag' or 'frozen', got {schur!r}")
         if schur == "auto":
             schur = "full" if (self.n - self.k) * self.w**2 * self.k <= _CV_FULL_BUDGET else "diag"
-        L = torch.linalg.cholesky(add_diag(evaluate(kernel, X[lm], X[lm]), _at(mu, lm)))
+        L = torch.linalg.cholesky(add_diag(evaluate(kernel, X[lm], X[lm]), shift_at(mu, lm)))
         Zp = Z[self.perm]
         w1 = torch.linalg.solve_triangular(L, Zp[: self.k], upper=False)
         if schur == "frozen":
@@ -241,7 +236,7 @@ class AFNPreconditioner(Preconditioner):
             x = Zp[self.k :] - V @ w1
         if schur in ("diag", "frozen"):
             Vd = self.V if schur == "frozen" else V  # frozen: |V_i|^2 held at its value
-            d = evaluate(kernel, X[rest], X[rest], diag=True) + _at(mu, rest) - Vd.square().sum(1)
+            d = evaluate(kernel, X[rest], X[rest], diag=True) + shift_at(mu, rest) - Vd.square().sum(1)
             scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
             quad = w1.square().sum() + self.factor.mm(scale[:, None] * x).square().sum()
             logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() - 2.0 * scale.log().sum()
@@ -253,7 +248,7 @@ class AFNPreconditioner(Preconditioner):
         def rows(I: torch.Tensor, M: torch.Tensor, V: torch.Tensor, x: torch.Tensor, mu: torch.Tensor):
             P = X[rest[I]]
             Vs = _gather_rows(V, I)
-            S = add_diag(evaluate(kernel, P, P), _at(mu, I)) - Vs @ Vs.mT
+            S = add_diag(evaluate(kernel, P, P), shift_at(mu, I)) - Vs @ Vs.mT
             S = torch.where(M[:, :, None] & M[:, None, :], S, eye_w)
             Lb = torch.linalg.cholesky(S)
             e = torch.zeros(S.shape[0], w, 1, dtype=S.dtype, device=S.device)
@@ -266,7 +261,7 @@ class AFNPreconditioner(Preconditioner):
         logg = X.new_zeros(())
         quad = w1.square().sum()
         for a in range(0, idx.shape[0], batch):
-            lg, q = checkpoint(rows, idx[a : a + batch], valid[a : a + batch], V, x, _at(mu, rest),
+            lg, q = checkpoint(rows, idx[a : a + batch], valid[a : a + batch], V, x, shift_at(mu, rest),
                                use_reentrant=False)
             logg = logg + lg
             quad = quad + q

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Preconditioner", "NumericalWarning", "validate_points", "validate_mu", "safe_cholesky", "add_diag"]
+__all__ = ["Preconditioner", "NumericalWarning", "validate_points", "validate_mu", "safe_cholesky", "add_diag",
+           "shift_at"]
 
 
 class NumericalWarning(RuntimeWarning):
@@ -66,6 +67,12 @@ def validate_positive(value: float, name: str) -> float:
 def validate_mu(mu: float) -> float:
     """Return ``mu`` as a float; raise ``ValueError`` unless it is positive and finite."""
     return validate_positive(mu, "mu")
+
+
+def shift_at(shift: float | torch.Tensor, index: torch.Tensor) -> float | torch.Tensor:
+    """A diagonal shift at the rows ``index``: a scalar (number or 0-dim tensor) as it is, per-point shifts
+    ``(n,)`` indexed (same shape as ``index``)."""
+    return shift if not isinstance(shift, torch.Tensor) or shift.dim() == 0 else shift[index]
 
 
 def add_diag(M: torch.Tensor, shift: float | torch.Tensor) -> torch.Tensor:
@@ -173,7 +180,7 @@ class Preconditioner(abc.ABC):
 
     def _shift(self, index: torch.Tensor) -> float | torch.Tensor:
         """The diagonal shift of the rows ``index``: ``mu``, or ``diag[index]`` (same shape as ``index``)."""
-        return self.mu if self.diag is None else self.diag[index]
+        return shift_at(self.mu if self.diag is None else self.diag, index)
 
     @abc.abstractmethod
     def _solve(self, R: torch.Tensor) -> torch.Tensor:

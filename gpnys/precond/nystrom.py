@@ -286,7 +286,9 @@ class NystromPreconditioner(Preconditioner):
 
     def _scaled(self, R: torch.Tensor, power: float) -> torch.Tensor:
         """``D^{power/2} R``: the per-point scaling around the eigen-form (``R`` unchanged without ``diag``)."""
-        return R if self.s is None else self.s[:, None] ** -power * R
+        if self.s is None:
+            return R
+        return R / self.s[:, None] if power > 0 else R * self.s[:, None]  # s = D^{-1/2}
 
     def _solve(self, R: torch.Tensor) -> torch.Tensor:
         """``P^{-1} R``: stable ``U (Lam+mu)^{-1} U^T R + (1/mu)(I - U U^T) R`` (eq. 8) or the RAN form; with per-point
