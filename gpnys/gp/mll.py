@@ -79,7 +79,9 @@ def evaluate(
 
     Returns:
         ``{"method", "loss", "grad": {"raw_lengthscale": float | list, "raw_outputscale", "raw_noise"},
-        "time_s", "extra"}``.
+        "time_s", "extra"}``, plus ``"loss_std_error"`` and ``"grad_std_error"`` (keyed like ``grad``): the
+        standard errors of the estimate (:mod:`gpnys.gp.estimator`; 0 for ``exact``; absent for ``gpytorch`` and
+        with ``settings.error_bars=False``).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -113,12 +115,23 @@ def evaluate(
         v = p.grad.detach().reshape(-1)
         return v.tolist() if v.numel() > 1 else float(v)
 
-    grad = {
-        "raw_lengthscale": g(model.covar_module.base_kernel.raw_lengthscale),
-        "raw_outputscale": g(model.covar_module.raw_outputscale),
-        "raw_noise": g(model.likelihood.noise_covar.raw_noise),
+    raw = {
+        "raw_lengthscale": model.covar_module.base_kernel.raw_lengthscale,
+        "raw_outputscale": model.covar_module.raw_outputscale,
+        "raw_noise": model.likelihood.noise_covar.raw_noise,
     }
-    return {"method": method, "loss": float(loss.detach()), "grad": grad, "time_s": elapsed, "extra": extra}
+    grad = {key: g(p) for key, p in raw.items()}
+    out = {"method": method, "loss": float(loss.detach()), "grad": grad, "time_s": elapsed, "extra": extra}
+    if method == "exact":  # the reference: no estimation error
+        out["loss_std_error"] = 0.0
+        out["grad_std_error"] = {key: (0.0 if not isinstance(v, list) else [0.0] * len(v)) for key, v in grad.items()}
+    elif method != "gpytorch" and hook.last_estimate is not None:
+        est = hook.last_estimate.per_point()
+        names = {id(p): name for name, p in model.named_parameters()}
+        out["loss_std_error"] = est["loss_std_error"]
+        out["grad_std_error"] = {key: est["grad_std_error"][names[id(p)]] for key, p in raw.items()}
+        extra.update(probes=est["probes"], cg_iterations_max=est["cg_iterations"])
+    return out
 
 
 def grad_errors(grad: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:

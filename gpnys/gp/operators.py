@@ -10,6 +10,7 @@ import gpytorch
 import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
+from gpnys.gp import estimator
 from gpnys.precond.base import Preconditioner
 
 if TYPE_CHECKING:
@@ -56,7 +57,8 @@ class PreconditionerOperator(LinearOperator):
 
 
 class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
-    """The marginal ``N(m, K̂)`` whose ``log_prob`` adds the preconditioner control variate to the gradient.
+    """The marginal ``N(m, K̂)`` whose ``log_prob`` is gpnys's estimate with error bars
+    (:func:`gpnys.gp.estimator.log_prob`, with ``settings.error_bars``), else GPyTorch's with the control variate.
 
     ``log_prob = GPyTorch's log_prob − ½ (C − stop_grad(C))``: the value is unchanged, the gradient of the
     log-determinant term becomes the variance-reduced estimator (see :meth:`PreconditionerHook.control_variate`).
@@ -68,6 +70,8 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         hook = self._gpnys_hook
         if hook is not None:
             hook.last_probes = None
+            if hook.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
+                return estimator.log_prob(hook, self, value)  # per-probe terms: error bars, requested accuracy
         seed = None if hook is None else hook.settings.probe_seed
         if seed is None:
             res = super().log_prob(value)

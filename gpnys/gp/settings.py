@@ -54,6 +54,13 @@ class EstimatorSettings:
             instead of 6.8 s per value + gradient) and to within 0.5 points at Hartmann-6, n = 5000, noise 1.55e-4,
             k = 1500 (2.28 s instead of 2.68 s)) or ``"auto"`` (full while ``(n - k) w^2 k <= 2e9``, else diag);
             see :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms`.
+        error_bars: estimate the MLL with gpnys's own PCG + SLQ (:mod:`gpnys.gp.estimator`), which gives every
+            value and gradient component a standard error (``hook.last_estimate``) and honours
+            ``target_rel_error``; ``False``: GPyTorch's ``InvQuadLogdet`` with the same preconditioner (no error bars).
+        target_rel_error: keep adding batches of ``num_probes`` probes (reusing the preconditioner and the solve
+            with ``y``; CG and Lanczos tightened where they dominate) until the standard errors of the loss and of
+            each gradient component are below this share of the loss and of ``max(|g_p|, 0.1 ||g||)``; ``None``: one
+            batch. max_probes: the cap on probes per evaluation.
     """
 
     cg_tolerance: float = 3e-2
@@ -73,6 +80,17 @@ class EstimatorSettings:
     variance_tolerance: float = 1e-3
     variance_block: int = 1024
     probe_seed: int | None = None
+    error_bars: bool = True
+    target_rel_error: float | None = None
+    max_probes: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.target_rel_error is not None and not (0 < float(self.target_rel_error) < 1):
+            raise ValueError(f"target_rel_error must be in (0, 1) or None, got {self.target_rel_error!r}")
+        if isinstance(self.max_probes, bool) or int(self.max_probes) != self.max_probes or self.max_probes < 2:
+            raise ValueError(f"max_probes must be an integer >= 2, got {self.max_probes!r}")
+        if isinstance(self.num_probes, bool) or int(self.num_probes) != self.num_probes or self.num_probes < 1:
+            raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
 
     def context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()

@@ -265,6 +265,32 @@ class StationaryKernelOperator(LinearOperator):
             U, V = U[perm], V[perm]
         return (None, *self._finish(*self.backend.derivative_sums(Z, U, V, plan), Z.dtype))
 
+    def column_derivatives(self, U: torch.Tensor, V: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+        """Per column ``j``: ``d/d(outputscale, lengthscale) u_j^T K v_j`` for ``U, V: (n, t)``, as
+        :meth:`_bilinear_derivative` would give for each column alone: ``(None, (t, *outputscale.shape),
+        (t, *lengthscale.shape))``. One pass on the torch tiles (:meth:`TorchTiles.column_sums`); another backend
+        answers column by column. The per-probe terms of the trace estimator, for its standard error."""
+        U, V = U.detach(), V.detach()
+        if self._dense() is not None:
+            _, Z, tiles = self._pass()
+            s, g = TorchTiles.column_sums(Z, tiles, U, V)
+        else:
+            perm, Z, plan = self._working()
+            if perm is not None:
+                U, V = U[perm], V[perm]
+            if isinstance(self.backend, TorchTiles):
+                s, g = TorchTiles.column_sums(Z, self.tiles.tiles(Z, plan), U, V)
+            else:
+                pairs = [self.backend.derivative_sums(Z, U[:, j : j + 1], V[:, j : j + 1], plan)
+                         for j in range(U.shape[1])]
+                s, g = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        ls = self.lengthscale.detach()
+        d_s2 = s.to(Z.dtype).reshape(-1, *self.outputscale.shape)
+        d_ls = -self.outputscale.detach() * g.to(Z.dtype) / ls.reshape(1, -1)
+        if ls.numel() == 1:
+            d_ls = d_ls.sum(1)
+        return None, d_s2, d_ls.reshape(-1, *ls.shape)
+
     def weighted_derivative(self, weight: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``d/d(outputscale, lengthscale) sum_ij W_ij (s^2 K)_ij`` for a weight matrix ``W`` (``(n, n)``) given
         by tiles: ``weight(rows, cols)`` returns ``W[rows][:, cols]`` (``rows``, ``cols``: slices or index

@@ -175,7 +175,7 @@ class NystromPreconditioner(Preconditioner):
     def differentiable_terms(
         self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor, Z: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``log det P(theta)`` and ``sum_j z_j^T P(theta)^{-1} z_j`` with autograd (column sampling, stable scaling).
+        """``log det P(theta)`` and the per-probe ``z_j^T P(theta)^{-1} z_j`` (``(t,)``) with autograd (column sampling, stable scaling).
 
         Same landmarks and shift ``nu`` as this preconditioner, rebuilt from the differentiable ``kernel`` and
         ``mu``: ``B = Y_nu C^{-T}`` with ``C = chol(K11 + nu I)``, ``P = B B^T + mu I`` (equal to the eq. (8)
@@ -205,7 +205,7 @@ class NystromPreconditioner(Preconditioner):
         if per_point:
             logdet = logdet + mu.log().sum()
         proj = torch.linalg.solve_triangular(Lm, B.mT @ Z, upper=False)
-        quad = (Z.square().sum() - proj.square().sum()) / m
+        quad = (Z.square().sum(0) - proj.square().sum(0)) / m
         return logdet, quad
 
     # ----------------------------------------------------------------------------------------- building

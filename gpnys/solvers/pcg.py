@@ -69,6 +69,11 @@ class PCGResult:
             ``record_history=True`` (frozen columns repeat their last value), else ``None``.
         breakdown: ``(t,)`` bool, the column stopped because ``p^T A p <= 0`` or ``r^T M^{-1} r <= 0``
             (matrix or preconditioner not numerically SPD, or an exact solution was hit).
+        residual: the true residual ``B - A X`` (shape of ``B``).
+        tridiagonal: with ``lanczos=True``, ``(diag, offdiag)`` of shapes ``(iterations, t)`` and
+            ``(iterations - 1, t)``: column ``j``'s first ``iterations_per_column[j]`` (resp. one fewer) entries are
+            the Lanczos tridiagonal of ``M^{-1/2} A M^{-1/2}`` started at ``M^{-1/2} b_j`` (Saad 2003, Sec. 6.7.3);
+            the rest is padding. Only meaningful with ``x0 = None``.
     """
 
     x: torch.Tensor
@@ -78,6 +83,8 @@ class PCGResult:
     converged: torch.Tensor
     residual_history: torch.Tensor | None = None
     breakdown: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    tridiagonal: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _as_precond(precond: PrecondLike) -> Matmul | None:
@@ -98,6 +105,8 @@ def pcg(
     maxiter: int = 500,
     x0: torch.Tensor | None = None,
     record_history: bool = False,
+    lanczos: bool = False,
+    miniter: int = 0,
 ) -> PCGResult:
     """Solve ``A X = B`` (``A`` SPD, given by ``matmul``) by preconditioned CG, column by column.
 
@@ -116,6 +125,10 @@ def pcg(
         maxiter: maximum iterations per column (>= 0).
         x0: optional initial guess, same shape as ``B`` (default 0).
         record_history: store the per-iteration recursive relative residuals.
+        lanczos: record the Lanczos tridiagonals of the CG coefficients (``PCGResult.tridiagonal``), for
+            stochastic Lanczos quadrature.
+        miniter: no column stops before this many iterations (unless it breaks down): a floor on the Lanczos
+            steps of a quadrature.
 
     Returns:
         :class:`PCGResult`.
@@ -126,6 +139,8 @@ def pcg(
         raise ValueError(f"tol must be positive and finite, got {tol!r}")
     if isinstance(maxiter, bool) or int(maxiter) != maxiter or maxiter < 0:
         raise ValueError(f"maxiter must be a non-negative integer, got {maxiter!r}")
+    if isinstance(miniter, bool) or int(miniter) != miniter or miniter < 0:
+        raise ValueError(f"miniter must be a non-negative integer, got {miniter!r}")
     if not torch.isfinite(B).all():
         raise ValueError("B contains NaN or inf")
     system_dtype = getattr(matmul, "dtype", None)  # e.g. KernelSystem: solve in the promoted dtype, as GPyTorch
@@ -156,9 +171,15 @@ def pcg(
     Z = apply_m(R) if apply_m is not None else R.clone()
     P = Z.clone()
     rz = (R * Z).sum(0)
+    # Lanczos coefficients (alpha_k, beta_k) per iteration and column; NaN where a column was inactive
+    alphas: list[torch.Tensor] = []
+    betas: list[torch.Tensor] = []
+    floor = int(miniter)
+    if floor > 0:
+        converged = converged & (rel == 0)
 
     active = ~converged
-    for _ in range(int(maxiter)):
+    for step in range(int(maxiter)):
         idx = torch.nonzero(active).flatten()
         if idx.numel() == 0:
             break
@@ -174,8 +195,11 @@ def pcg(
         its[idx] += (~bad).long()
         rel_a = torch.linalg.vector_norm(Ra, dim=0) / denom[idx]
         rel[idx] = rel_a
-        conv_a = rel_a <= tol
+        conv_a = (rel_a <= tol) & ((step + 1 >= floor) | (rel_a == 0))
         converged[idx] = conv_a
+        if lanczos:
+            alphas.append(torch.full_like(rz, math.nan).index_put((idx,), alpha))
+            betas.append(torch.full_like(rz, math.nan))
         breakdown[idx] = bad & ~conv_a
         still = ~conv_a & ~bad
         active[idx] = still
@@ -189,10 +213,13 @@ def pcg(
         Zk = apply_m(Rk) if apply_m is not None else Rk
         rz_new = (Rk * Zk).sum(0)
         beta = rz_new / rz[keep]
+        if lanczos:
+            betas[-1][keep] = beta
         P[:, keep] = Zk + beta * P[:, keep]
         rz[keep] = rz_new
 
-    true_res = torch.linalg.vector_norm(Bm - matmul(X), dim=0) / denom
+    residual = Bm - matmul(X)
+    true_res = torch.linalg.vector_norm(residual, dim=0) / denom
     if not bool(converged.all()):
         bad_cols = int((~converged).sum())
         warnings.warn(
@@ -217,7 +244,24 @@ def pcg(
         converged=converged,
         residual_history=torch.stack(history) if record_history else None,
         breakdown=breakdown,
+        residual=residual[:, 0] if vec else residual,
+        tridiagonal=_tridiagonal(alphas, betas, Bm) if lanczos else None,
     )
+
+
+def _tridiagonal(alphas: list[torch.Tensor], betas: list[torch.Tensor],
+                 B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lanczos ``T`` from CG's coefficients: ``T_kk = 1/alpha_k + beta_{k-1}/alpha_{k-1}``,
+    ``T_{k,k+1} = sqrt(beta_k) / alpha_k`` (Saad 2003, eq. 6.103), padded with NaN past a column's end."""
+    if not alphas:
+        empty = B.new_zeros(0, B.shape[1])
+        return empty, empty
+    a = torch.stack(alphas)  # (m, t)
+    b = torch.stack(betas)
+    diag = 1.0 / a
+    diag[1:] += b[:-1] / a[:-1]
+    off = b[:-1].sqrt() / a[:-1]
+    return diag, off
 
 
 class KernelSystem:

@@ -1,0 +1,293 @@
+"""The marginal likelihood with error bars: ``-log p(y)`` and its gradient by PCG + stochastic Lanczos quadrature, each
+with a standard error, and as many probes as a requested accuracy needs.
+
+For ``L = ½ (rᵀK̂⁻¹r + log det K̂ + n log 2π)``, ``r = y - m``, with probes ``z_j ~ N(0, P̂)`` (``j = 1..t``):
+
+* ``rᵀK̂⁻¹r`` by PCG in the variational form ``2 rᵀa - aᵀK̂a = rᵀK̂⁻¹r - ||a - K̂⁻¹r||²_K̂``, whose error lies in
+  ``[0, ||ρ||² / λ_min]`` (``ρ`` the true residual, ``λ_min ≥`` the smallest noise variance);
+* ``log det K̂ = log det P̂ + (1/t) Σ_j ℓ_j`` with ``ℓ_j = n e₁ᵀ log(T_j) e₁`` from the Lanczos tridiagonal ``T_j`` of
+  the CG run on ``z_j`` (Gardner et al. 2018, Sec. 4; Ubaru et al. 2017, eq. 6), and the quadrature's change from
+  its second-last step as its truncation error;
+* the gradient ``∂L = ½ (-aᵀ∂K̂a + (1/t) Σ_j g_j) - aᵀ∂m`` with the per-probe terms
+  ``g_j = (K̂⁻¹z_j)ᵀ ∂K̂ P̂⁻¹z_j + ∂ log det P̂ - (P̂⁻¹z_j)ᵀ ∂P̂ P̂⁻¹z_j`` (the control variate of Wenger et al.
+  2022, eq. 9, when the preconditioner is differentiable).
+
+The ``ℓ_j`` and the ``g_j`` are i.i.d. over ``j``, so the standard errors are their sample deviations over ``√t``
+(the loss adds the CG bound and the Lanczos estimate in quadrature). The per-probe ``g_j`` come from one pass of
+:meth:`~gpnys.kernels.operator.StationaryKernelOperator.column_derivatives` (any other kernel: one derivative per
+probe) mapped to the raw parameters by a batched vector-Jacobian product.
+
+Written by hand because GPyTorch's ``InvQuadLogdet`` (linear_operator 0.6.1) returns only the probe averages: it
+has no per-probe terms, so no error bar, and no way to add probes to an estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import gpytorch
+import torch
+from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
+
+from gpnys.precond.base import NumericalWarning
+from gpnys.solvers.pcg import pcg
+
+if TYPE_CHECKING:
+    from gpnys.gp.hook import PreconditionerHook
+
+__all__ = ["Estimate", "log_prob", "slq_terms"]
+
+
+@dataclass
+class Estimate:
+    """One evaluation of ``L = -log p(y)`` (a sum over the ``n`` points; ``ExactMarginalLogLikelihood`` divides by n).
+
+    Attributes:
+        value: the estimate of ``L``.
+        std_error: its standard error (probe spread, CG bound and Lanczos estimate in quadrature).
+        grad_std_error: ``{parameter name: tensor}`` the standard error of each gradient component.
+        n: training points; probes: probe vectors used; batches: probe batches drawn;
+        cg_iterations: CG iterations of the solve with ``r`` plus the largest over probes;
+        residual_bound: ``||ρ||² / (2 λ_min)``, the bound on the inverse quadratic's error (in ``L``);
+        lanczos_error: the quadrature's truncation estimate (in ``L``).
+    """
+
+    value: float
+    std_error: float
+    grad_std_error: dict[str, torch.Tensor] = field(default_factory=dict)
+    n: int = 0
+    probes: int = 0
+    batches: int = 0
+    cg_iterations: int = 0
+    residual_bound: float = 0.0
+    lanczos_error: float = 0.0
+
+    def per_point(self) -> dict[str, Any]:
+        """The loss ``L / n`` (GPyTorch's ``-ExactMarginalLogLikelihood``), its standard errors (per parameter
+        name) and the work, as plain numbers."""
+        n = max(self.n, 1)
+
+        def plain(v: torch.Tensor) -> float | list[float]:
+            v = (v / n).reshape(-1)
+            return v.tolist() if v.numel() > 1 else float(v)
+
+        return {"loss": self.value / n, "loss_std_error": self.std_error / n,
+                "grad_std_error": {k: plain(v) for k, v in self.grad_std_error.items()},
+                "probes": self.probes, "cg_iterations": self.cg_iterations}
+
+
+def slq_terms(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor,
+              n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-probe ``ℓ_j = n e₁ᵀ log(T_j) e₁`` and ``|ℓ_j - ℓ_j^{(m_j - 1)}|`` (``(t,)`` each) from the padded
+    tridiagonals of :func:`gpnys.solvers.pcg.pcg` and each column's step count ``m_j``. Columns are padded with
+    decoupled unit diagonals (``log 1 = 0``), so one batched ``eigh`` serves all."""
+    diag, off = tridiagonal
+    m, t = diag.shape
+    out = []
+    for drop in (0, 1):  # the full quadrature, and the one a step shorter
+        k = (steps - drop).clamp_min(1)
+        rows = torch.arange(m, device=diag.device)[:, None]
+        d = torch.where(rows < k[None, :], diag, torch.ones_like(diag))
+        o = torch.where(rows[:-1] < (k[None, :] - 1), off, torch.zeros_like(off)) if m > 1 else off
+        T = torch.diag_embed(d.mT) + torch.diag_embed(o.mT, 1) + torch.diag_embed(o.mT, -1)
+        evals, evecs = torch.linalg.eigh(T)
+        floor = torch.finfo(T.dtype).tiny
+        if bool((evals <= 0).any()):
+            warnings.warn("gpnys: a Lanczos tridiagonal had non-positive eigenvalues (rounding); clamped",
+                          NumericalWarning, stacklevel=3)
+        out.append(n * (evecs[:, 0, :].square() * evals.clamp_min(floor).log()).sum(-1))
+    return out[0], (out[0] - out[1]).abs()
+
+
+def _parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+class _Bilinear(torch.autograd.Function):
+    """``θ -> 0`` whose gradient is ``Σ_c l_cᵀ ∂K̂(θ) r_c`` (``LinearOperator._bilinear_derivative``): the surrogate
+    that carries the estimator's gradient, with no product in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, tree, left, right, *reps):  # type: ignore[override]
+        ctx.tree, ctx.left, ctx.right = tree, left, right
+        ctx.save_for_backward(*reps)
+        return left.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        op = ctx.tree(*ctx.saved_tensors)
+        return (None, None, None, *op._bilinear_derivative(ctx.left * grad, ctx.right))
+
+
+def _column_rep_grads(op: LinearOperator, U: torch.Tensor, V: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per column ``j``, ``op._bilinear_derivative(u_j, v_j)`` stacked: one entry ``(t, *shape)`` per tensor of
+    ``op.representation()`` (``None`` where it has none)."""
+    if isinstance(op, AddedDiagLinearOperator):
+        return [*_column_rep_grads(op._linear_op, U, V), *_column_rep_grads(op._diag_tensor, U, V)]
+    if hasattr(op, "column_derivatives"):
+        return list(op.column_derivatives(U, V))
+    per = [op._bilinear_derivative(U[:, j : j + 1], V[:, j : j + 1]) for j in range(U.shape[1])]
+    return [None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(len(per[0]))]
+
+
+def _jacobian(outputs: list[torch.Tensor], grads: list[torch.Tensor], params: list[torch.Tensor],
+              t: int) -> torch.Tensor:
+    """Rows ``j``: ``Σ_o grads[o][j] · ∂outputs[o]/∂params``, flattened over the parameters: ``(t, p)``."""
+    width = sum(p.numel() for p in params)
+    if not outputs:
+        return params[0].new_zeros(t, width) if params else torch.zeros(t, 0)
+    try:
+        rows = torch.autograd.grad(outputs, params, grad_outputs=grads, retain_graph=True, allow_unused=True,
+                                   is_grads_batched=True)
+    except (RuntimeError, NotImplementedError):  # an op without a batching rule: one row at a time
+        per = [torch.autograd.grad(outputs, params, grad_outputs=[g[j] for g in grads], retain_graph=True,
+                                   allow_unused=True) for j in range(t)]
+        rows = tuple(None if per[0][i] is None else torch.stack([r[i] for r in per]) for i in range(len(params)))
+    return torch.cat([p.new_zeros(t, p.numel()) if g is None else g.reshape(t, -1)
+                      for g, p in zip(rows, params)], dim=1)
+
+
+def _split(vec: torch.Tensor, params: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    out, at = {}, 0
+    for name, p in params:
+        out[name] = vec[at : at + p.numel()].reshape(p.shape).detach()
+        at += p.numel()
+    return out
+
+
+def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.MultivariateNormal,
+             value: torch.Tensor) -> torch.Tensor:
+    """``log p(value)`` under the training marginal ``mvn`` (``(n,)`` mean, ``K̂`` with the hook's preconditioner),
+    estimated as in the module docstring; the :class:`Estimate` goes to ``hook.last_estimate``. Returns a 0-dim
+    tensor whose value is the estimate and whose gradient is the (control-variate) estimator's."""
+    settings = hook.settings
+    cov = mvn.lazy_covariance_matrix.evaluate_kernel()
+    n = cov.shape[-1]
+    P, s2 = hook.preconditioner()
+
+    def M(R: torch.Tensor) -> torch.Tensor:
+        hook.applications += 1
+        return P.solve(R) / s2
+
+    def A(V: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return cov._matmul(V)
+
+    mean = mvn.mean
+    r = (value - mean).detach()
+    lam_min = float(hook._noise().detach().min())
+    maxiter = settings.max_cg_iterations
+    target = settings.target_rel_error
+    # the inverse quadratic: one column, warm-started, tolerance tightened when its bound dominates
+    tol = settings.cg_tolerance if target is None else min(settings.cg_tolerance, target)
+    res = pcg(A, r[:, None], M, tol=tol, maxiter=maxiter, x0=M(r[:, None]))
+    a, rho = res.x[:, 0], res.residual[:, 0]
+    inv_quad = float(r @ a + a @ rho)
+    bound = float(rho @ rho) / lam_min
+    iterations = res.iterations
+    logdet_p = float(P.logdet() + n * torch.log(s2))
+
+    params = _parameters(hook.model)
+    tensors = [p for _, p in params]
+    reps = list(cov.representation())
+    generator = None
+    if settings.probe_seed is not None:
+        generator = torch.Generator(device=r.device).manual_seed(int(settings.probe_seed))
+    ell, lerr, jac, Us, Bs, cv = [], [], [], [], [], []
+    cv_logdet = None
+    probe_tol, floor = settings.cg_tolerance, settings.lanczos_steps
+    batch = settings.num_probes
+    common_grad: torch.Tensor | None = None
+    batches = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=NumericalWarning)  # CG's own warnings: the error bars say it
+        while True:
+            Z = s2.sqrt() * P.sample(batch, generator=generator, distribution=settings.probes)
+            hook.samples += batch
+            sol = pcg(A, Z, M, tol=probe_tol, maxiter=maxiter, lanczos=True, miniter=floor)
+            iterations = max(iterations, sol.iterations)
+            l_j, e_j = slq_terms(sol.tridiagonal, sol.iterations_per_column, n)
+            U, B = sol.x, M(Z)
+            kernel_rows = _column_rep_grads(cov, U, B)
+            outs = [(rep, g) for rep, g in zip(reps, kernel_rows)
+                    if g is not None and isinstance(rep, torch.Tensor) and rep.requires_grad]
+            J = _jacobian([o for o, _ in outs], [g for _, g in outs], tensors, batch) if tensors else None
+            if hook.variance_reduction:
+                hook.last_probes = Z
+                terms = hook.control_variate_terms()
+                if terms is not None:
+                    cv_logdet = terms[0] if cv_logdet is None else cv_logdet
+                    cv.append(terms[1])
+                    if tensors:
+                        J = J + _jacobian([terms[1]], [torch.eye(batch, dtype=Z.dtype, device=Z.device)], tensors,
+                                          batch)
+            ell.append(l_j)
+            lerr.append(e_j)
+            Us.append(U)
+            Bs.append(B)
+            if J is not None:
+                jac.append(0.5 * J)
+            batches += 1
+            t = sum(x.shape[0] for x in ell)
+            l_all = torch.cat(ell)
+            se_ld = float(l_all.std() / math.sqrt(t)) if t > 1 else math.inf
+            lanczos = float(torch.cat(lerr).mean())
+            se = 0.5 * math.sqrt(se_ld**2 + lanczos**2 + bound**2)
+            value_est = 0.5 * (inv_quad + logdet_p + float(l_all.mean()) + n * math.log(2 * math.pi))
+            J_all = torch.cat(jac) if jac else None
+            if target is None or t >= settings.max_probes:
+                break
+            if common_grad is None and tensors:
+                common_grad = _common_gradient(cov, reps, a, mean, value, cv_logdet, tensors)
+            grad = (common_grad + J_all.mean(0)) if J_all is not None else None
+            g_se = J_all.std(0) / math.sqrt(t) if J_all is not None else None
+            need = _probes_needed(t, se, value_est, grad, g_se, target)
+            if need <= t:
+                break
+            if 0.5 * lanczos > target * abs(value_est):  # the quadrature dominates: longer Lanczos runs
+                probe_tol, floor = probe_tol / 10, 2 * floor
+            batch = int(min(max(need - t, settings.num_probes), settings.max_probes - t))
+    hook.last_probes = None
+    t = sum(x.shape[0] for x in ell)
+    U, B = torch.cat(Us, 1), torch.cat(Bs, 1)
+    # the surrogate: value 0, gradient = the estimator's (module docstring)
+    surrogate = 0.5 * _Bilinear.apply(cov.representation_tree(), torch.cat([-a[:, None], U / t], 1),
+                                      torch.cat([a[:, None], B], 1), *reps)
+    surrogate = surrogate - (a * mean).sum() + (a * value).sum()
+    if cv:
+        surrogate = surrogate + 0.5 * (cv_logdet + torch.cat(cv).mean())
+    grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
+    hook.last_estimate = Estimate(
+        value=value_est, std_error=se, n=n, probes=t, batches=batches, cg_iterations=iterations,
+        residual_bound=0.5 * bound, lanczos_error=0.5 * lanczos,
+        grad_std_error=_split(grad_se, params) if grad_se is not None else {},
+    )
+    hook.estimates += 1
+    total = -(value_est + surrogate - surrogate.detach())
+    return total
+
+
+def _common_gradient(cov: LinearOperator, reps: list[Any], a: torch.Tensor, mean: torch.Tensor,
+                     value: torch.Tensor, cv_logdet: torch.Tensor | None,
+                     params: list[torch.Tensor]) -> torch.Tensor:
+    """The probe-free part of ``∂L`` (``-½ aᵀ∂K̂a - aᵀ∂m + ½ ∂ log det P̂``), flattened like :func:`_jacobian`'s rows."""
+    s = -0.5 * _Bilinear.apply(cov.representation_tree(), a[:, None], a[:, None], *reps)
+    s = s - (a * mean).sum() + (a * value).sum()
+    if cv_logdet is not None:
+        s = s + 0.5 * cv_logdet
+    g = torch.autograd.grad(s, params, retain_graph=True, allow_unused=True)
+    return torch.cat([p.new_zeros(p.numel()) if x is None else x.reshape(-1) for x, p in zip(g, params)])
+
+
+def _probes_needed(t: int, se: float, value: float, grad: torch.Tensor | None, g_se: torch.Tensor | None,
+                   target: float) -> int:
+    """Probes for every standard error to reach ``target`` relative (the loss against ``|L|``, each gradient
+    component against ``max(|g_p|, 0.1 ||g||)``, the scale of :func:`gpnys.gp.mll.grad_errors`), from SE ∝ 1/√t."""
+    ratio = se / max(target * abs(value), 1e-300)
+    if grad is not None and g_se is not None and grad.numel():
+        scale = torch.clamp(grad.abs(), min=0.1 * float(grad.norm()))
+        ratio = max(ratio, float((g_se / (target * scale).clamp_min(1e-300)).max()))
+    return t if ratio <= 1.0 else int(math.ceil(t * ratio**2 * 1.1))
