@@ -96,6 +96,13 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
                         "only on request")
     p.add_argument("--tf32", action="store_true",
                    help="let float32 Triton tile products use TF32 tensor cores (about 1e-3 relative error)")
+    p.add_argument("--accuracy", type=float, default=None, metavar="REL",
+                   help="add probes in batches until the standard errors of the loss and of every gradient component "
+                        "are below REL relative (e.g. 1e-3); default: one batch of --probes")
+    p.add_argument("--max-probes", type=int, default=EstimatorSettings.max_probes,
+                   help="cap on probes per evaluation with --accuracy")
+    p.add_argument("--no-error-bars", action="store_true",
+                   help="GPyTorch's CG/SLQ estimator with the gpnys preconditioner, without standard errors")
     p.add_argument("--prune-tol", type=float, default=None,
                    help="skip kernel blocks whose entries are all below this (times the outputscale) when the kernel "
                         "is recomputed on the fly (default: machine epsilon; 0: compute every entry)")
@@ -108,8 +115,15 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.prune_tol is not None and not args.prune_tol >= 0:
         raise ValueError(f"--prune-tol must be >= 0, got {args.prune_tol}")
+    if args.accuracy is not None and not 0 < args.accuracy < 1:
+        raise ValueError(f"--accuracy must be in (0, 1), got {args.accuracy}")
+    if args.max_probes < 2:
+        raise ValueError(f"--max-probes must be >= 2, got {args.max_probes}")
+    if args.accuracy is not None and args.no_error_bars:
+        raise ValueError("--accuracy needs the error bars; drop --no-error-bars")
     cv = args.control_variate
-    settings = EstimatorSettings(cg_tolerance=args.cg_tol, num_probes=args.probes, lanczos_steps=args.lanczos_steps,
+    settings = EstimatorSettings(error_bars=not args.no_error_bars, target_rel_error=args.accuracy,
+                                 max_probes=args.max_probes,cg_tolerance=args.cg_tol, num_probes=args.probes, lanczos_steps=args.lanczos_steps,
                                  probes=args.probe_dist, variance_reduction=cv != "none",
                                  control_variate="auto" if cv == "none" else cv, kernel_prune_tol=args.prune_tol,
                                  kernel_backend=None if args.kernel_backend == "auto" else args.kernel_backend,

@@ -26,6 +26,7 @@ from gpnys.gp.exact import (
     hyperparameters,
     predict,
 )
+from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import use_preconditioner
 from gpnys.precond.strategy import PRECONDITIONERS
 
@@ -46,6 +47,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="none = exact Cholesky; otherwise GPyTorch CG + SLQ with this gpnys preconditioner "
                         "(default auto: AFN paper Algorithm 5)")
     add_estimator_args(p)
+    p.add_argument("--no-stop-at-noise", action="store_true",
+                   help="run all --iters even when the gradient is within 2 standard errors of zero (default: stop)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,16 +79,24 @@ def run(args: argparse.Namespace) -> int:
         predict_s = time.perf_counter() - t_pred
     else:
         settings, opts = estimator_from_args(args)
+        if args.optimizer == "lbfgs":  # common random numbers: a deterministic objective for the line search
+            settings.probe_seed = args.seed
         with use_preconditioner(model, args.precond, settings=settings, seed=args.seed, **opts) as hook:
             last = {"apps": 0}
 
             def on_step(t: int, loss: float) -> dict:
                 rec = hook.history[-1]
                 apps, last["apps"] = hook.applications - last["apps"], hook.applications
-                return {"precond": rec.kind, "rank": rec.rank, "cg_iters": apps}
+                out = {"precond": rec.kind, "rank": rec.rank, "cg_iters": apps}
+                est = hook.last_estimate
+                if est is not None:
+                    out.update(loss_se=est.std_error / est.n, probes=est.probes)
+                return out
 
+            stop = None if args.no_stop_at_noise or not settings.error_bars else (
+                lambda: gradient_at_noise(model, hook.last_estimate))
             res = fit(model, iters=args.iters, lr=args.lr, optimizer=args.optimizer, progress=not args.json,
-                      seed=args.seed, settings=lambda n: contextlib.nullcontext(), on_step=on_step)
+                      seed=args.seed, settings=lambda n: contextlib.nullcontext(), on_step=on_step, stop=stop)
             t_pred = time.perf_counter()
             mean, var = hook.predict(ds.test_x)
             predict_s = time.perf_counter() - t_pred
@@ -112,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         "variance_method": "cholesky" if args.precond == "none" else hook.variance_method_used,
         "loss_trace": res.loss_trace,
         "steps": res.steps,
+        "iterations": res.iterations,
+        "stopped": res.stopped,
     }
     if args.json:
         emit_json(out)
@@ -123,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"final loss (-MLL / n): {res.loss_trace[-1] if res.loss_trace else float('nan'):.4f}")
     print(f"test RMSE: {out['test_rmse']:.5g} (standardised {out['test_rmse_standardized']:.4f})")
     print(f"test NLL:  {out['test_nll']:.4f} (standardised {out['test_nll_standardized']:.4f})")
-    print(f"train time: {res.train_time_s:.1f} s for {args.iters} {args.optimizer} iterations; "
+    if res.stopped:
+        print(f"stopped after {res.iterations} of {args.iters} iterations: {res.stopped}")
+    print(f"train time: {res.train_time_s:.1f} s for {res.iterations} {args.optimizer} iterations; "
           f"prediction (mean and variance at {out['n_test']} points, variances by {out['variance_method']}): "
           f"{predict_s:.1f} s")
     return 0

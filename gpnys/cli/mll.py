@@ -98,5 +98,9 @@ def run(args: argparse.Namespace) -> int:
                     f"os {e['raw_outputscale']:.1%} noise {e['raw_noise']:.1%}")
         frac = rec.get("extra", {}).get("kernel_fraction")
         cut = f"  kernel entries computed {frac:.1%}" if frac is not None and frac < 1.0 else ""
-        print(f"{rec['method']:9s} seed {rec['seed']}: loss {rec['loss']:.6f}  time {rec['time_s']:.2f}s{errs}{cut}")
+        se = f" ± {rec['loss_std_error']:.1e}" if rec.get("loss_std_error") else ""
+        if rec.get("grad_std_error") and rec["method"] != "exact":
+            worst = max(max(v) if isinstance(v, list) else v for v in rec["grad_std_error"].values())
+            se += f" (grad SE <= {worst:.1e}, {rec['extra'].get('probes', 0)} probes)"
+        print(f"{rec['method']:9s} seed {rec['seed']}: loss {rec['loss']:.6f}{se}  time {rec['time_s']:.2f}s{errs}{cut}")
     return 0

@@ -38,7 +38,7 @@ from gpnys.solvers.pcg import pcg
 if TYPE_CHECKING:
     from gpnys.gp.hook import PreconditionerHook
 
-__all__ = ["Estimate", "log_prob", "slq_terms"]
+__all__ = ["Estimate", "log_prob", "slq_terms", "gradient_at_noise"]
 
 
 @dataclass
@@ -190,7 +190,8 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     iterations = res.iterations
     logdet_p = float(P.logdet() + n * torch.log(s2))
 
-    params = _parameters(hook.model)
+    # the gradient's terms only where autograd will ask for them
+    params = _parameters(hook.model) if torch.is_grad_enabled() else []
     tensors = [p for _, p in params]
     reps = list(cov.representation())
     generator = None
@@ -211,17 +212,19 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             iterations = max(iterations, sol.iterations)
             l_j, e_j = slq_terms(sol.tridiagonal, sol.iterations_per_column, n)
             U, B = sol.x, M(Z)
-            kernel_rows = _column_rep_grads(cov, U, B)
-            outs = [(rep, g) for rep, g in zip(reps, kernel_rows)
-                    if g is not None and isinstance(rep, torch.Tensor) and rep.requires_grad]
-            J = _jacobian([o for o, _ in outs], [g for _, g in outs], tensors, batch) if tensors else None
-            if hook.variance_reduction:
+            J = None
+            if tensors:
+                kernel_rows = _column_rep_grads(cov, U, B)
+                outs = [(rep, g) for rep, g in zip(reps, kernel_rows)
+                        if g is not None and isinstance(rep, torch.Tensor) and rep.requires_grad]
+                J = _jacobian([o for o, _ in outs], [g for _, g in outs], tensors, batch)
+            if hook.variance_reduction and tensors:
                 hook.last_probes = Z
                 terms = hook.control_variate_terms()
                 if terms is not None:
                     cv_logdet = terms[0] if cv_logdet is None else cv_logdet
                     cv.append(terms[1])
-                    if tensors:
+                    if J is not None:
                         J = J + _jacobian([terms[1]], [torch.eye(batch, dtype=Z.dtype, device=Z.device)], tensors,
                                           batch)
             ell.append(l_j)
@@ -252,13 +255,6 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             batch = int(min(max(need - t, settings.num_probes), settings.max_probes - t))
     hook.last_probes = None
     t = sum(x.shape[0] for x in ell)
-    U, B = torch.cat(Us, 1), torch.cat(Bs, 1)
-    # the surrogate: value 0, gradient = the estimator's (module docstring)
-    surrogate = 0.5 * _Bilinear.apply(cov.representation_tree(), torch.cat([-a[:, None], U / t], 1),
-                                      torch.cat([a[:, None], B], 1), *reps)
-    surrogate = surrogate - (a * mean).sum() + (a * value).sum()
-    if cv:
-        surrogate = surrogate + 0.5 * (cv_logdet + torch.cat(cv).mean())
     grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
     hook.last_estimate = Estimate(
         value=value_est, std_error=se, n=n, probes=t, batches=batches, cg_iterations=iterations,
@@ -266,8 +262,16 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
         grad_std_error=_split(grad_se, params) if grad_se is not None else {},
     )
     hook.estimates += 1
-    total = -(value_est + surrogate - surrogate.detach())
-    return total
+    if not tensors:
+        return torch.as_tensor(-value_est, dtype=r.dtype, device=r.device)
+    U, B = torch.cat(Us, 1), torch.cat(Bs, 1)
+    # the surrogate: value 0, gradient = the estimator's (module docstring)
+    surrogate = 0.5 * _Bilinear.apply(cov.representation_tree(), torch.cat([-a[:, None], U / t], 1),
+                                      torch.cat([a[:, None], B], 1), *reps)
+    surrogate = surrogate - (a * mean).sum() + (a * value).sum()
+    if cv:
+        surrogate = surrogate + 0.5 * (cv_logdet + torch.cat(cv).mean())
+    return -(value_est + surrogate - surrogate.detach())
 
 
 def _common_gradient(cov: LinearOperator, reps: list[Any], a: torch.Tensor, mean: torch.Tensor,
@@ -291,3 +295,25 @@ def _probes_needed(t: int, se: float, value: float, grad: torch.Tensor | None, g
         scale = torch.clamp(grad.abs(), min=0.1 * float(grad.norm()))
         ratio = max(ratio, float((g_se / (target * scale).clamp_min(1e-300)).max()))
     return t if ratio <= 1.0 else int(math.ceil(t * ratio**2 * 1.1))
+
+
+def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, z: float = 2.0) -> bool:
+    """Whether the last gradient (the parameters' ``.grad``, of ``L / n`` as ``ExactMarginalLogLikelihood`` gives)
+    is indistinguishable from zero: every component that has a probe term lies within ``z`` of its standard
+    errors of zero. Components without one (a constant mean: exact up to CG) are not tested. ``False`` without
+    an estimate."""
+    if estimate is None or not estimate.grad_std_error:
+        return False
+    named = dict(model.named_parameters())
+    tested = False
+    for name, se in estimate.grad_std_error.items():
+        p = named.get(name)
+        if p is None or p.grad is None:
+            continue
+        has = se > 0
+        if not bool(has.any()):
+            continue
+        tested = True
+        if bool((p.grad.detach().abs() * estimate.n > z * se)[has].any()):
+            return False
+    return tested

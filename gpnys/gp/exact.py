@@ -136,6 +136,8 @@ class FitResult:
     steps: list[dict[str, Any]] = field(default_factory=list)
     train_time_s: float = 0.0
     iterations: int = 0
+    #: why training ended before ``iters``: ``"gradient at noise level"`` or ``"line search failed"``; else None
+    stopped: str | None = None
 
 
 @contextlib.contextmanager
@@ -154,6 +156,7 @@ def fit(
     settings: Callable[[int], contextlib.AbstractContextManager] | None = None,
     on_step: Callable[[int, float], dict[str, Any] | None] | None = None,
     loss: Callable[[gpytorch.models.ExactGP], torch.Tensor] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> FitResult:
     """Maximise the exact marginal likelihood of ``model`` (its likelihood attached) by Adam or L-BFGS.
 
@@ -170,6 +173,14 @@ def fit(
             and appended to ``FitResult.steps``.
         loss: ``loss(model)`` returning ``-MLL / n`` to minimise instead of GPyTorch's
             ``-ExactMarginalLogLikelihood`` (e.g. :func:`cholesky_loss`); evaluated inside ``settings``.
+        stop: called after every step (the parameters' ``.grad`` hold the last evaluation's gradient); ``True``
+            ends training with ``FitResult.stopped = "gradient at noise level"`` (e.g.
+            :func:`gpnys.gp.estimator.gradient_at_noise`).
+
+    L-BFGS stops cleanly at the first step whose line search finds no decrease (the loss at the next step's start
+    exceeds this step's): the parameters go back to the best point, ``stopped = "line search failed"``. A
+    stochastic estimate under common random numbers is deterministic but its gradient is not the derivative of
+    its value, so a line search may fail near the optimum instead of converging.
 
     Returns:
         :class:`FitResult`.
@@ -204,15 +215,27 @@ def fit(
     result = FitResult()
     start = time.perf_counter()
     bar = tqdm(range(iters), desc="fit", disable=not progress, leave=True)
+    starts: list[list[torch.Tensor]] = []  # L-BFGS: where the last two steps started
     for _ in bar:
-        value = float(opt.step(closure).detach())
+        if optimizer == "lbfgs":
+            starts = starts[-1:] + [[p.detach().clone() for p in params]]
+        value = float(opt.step(closure).detach())  # the loss where this step started
+        if optimizer == "lbfgs" and result.loss_trace and value > result.loss_trace[-1]:
+            with torch.no_grad():  # the previous step went uphill: back to where it started
+                for p, b in zip(params, starts[0]):
+                    p.copy_(b)
+            result.stopped = "line search failed"
+            break
         result.loss_trace.append(value)
         extra = on_step(len(result.loss_trace) - 1, value) if on_step is not None else None
         if extra:
             result.steps.append(extra)
         bar.set_postfix(loss=f"{value:.4f}", **(extra or {}))
+        if stop is not None and stop():
+            result.stopped = "gradient at noise level"
+            break
     result.train_time_s = time.perf_counter() - start
-    result.iterations = iters
+    result.iterations = len(result.loss_trace)
     return result
 
 

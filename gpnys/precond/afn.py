@@ -238,7 +238,13 @@ class AFNPreconditioner(Preconditioner):
             Vd = self.V if schur == "frozen" else V  # frozen: |V_i|^2 held at its value
             d = evaluate(kernel, X[rest], X[rest], diag=True) + shift_at(mu, rest) - Vd.square().sum(1)
             scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
-            quad = w1.square().sum(0) + self.factor.mm(scale[:, None] * x).square().sum(0)
+            # ||G s x||^2 with the fixed sparse G out of the graph: value ||y||^2, derivative 2 (G^T y)^T d(s x)
+            # (a sparse product has no batching rule, so it would stop the per-probe Jacobian's vmap)
+            sx = scale[:, None] * x
+            with torch.no_grad():
+                y = self.factor.mm(sx)
+                gty = self.factor.tmm(y)
+            quad = w1.square().sum(0) + y.square().sum(0) + 2.0 * (gty * (sx - sx.detach())).sum(0)
             logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() - 2.0 * scale.log().sum()
             return logdet, quad
         idx, valid = self.pattern
