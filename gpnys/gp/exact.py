@@ -177,8 +177,8 @@ def fit(
             ends training with ``FitResult.stopped = "gradient at noise level"`` (e.g.
             :func:`gpnys.gp.estimator.gradient_at_noise`).
 
-    L-BFGS stops cleanly at the first step whose line search finds no decrease (the loss at the next step's start
-    exceeds this step's): the parameters go back to the best point, ``stopped = "line search failed"``. A
+    L-BFGS stops cleanly at the first step whose line search makes no progress (the loss at the next step's start
+    is not below this step's): the parameters go back to the best point, ``stopped = "line search failed"``. A
     stochastic estimate under common random numbers is deterministic but its gradient is not the derivative of
     its value, so a line search may fail near the optimum instead of converging.
 
@@ -220,7 +220,7 @@ def fit(
         if optimizer == "lbfgs":
             starts = starts[-1:] + [[p.detach().clone() for p in params]]
         value = float(opt.step(closure).detach())  # the loss where this step started
-        if optimizer == "lbfgs" and result.loss_trace and value > result.loss_trace[-1]:
+        if optimizer == "lbfgs" and result.loss_trace and value >= result.loss_trace[-1]:
             with torch.no_grad():  # the previous step went uphill: back to where it started
                 for p, b in zip(params, starts[0]):
                     p.copy_(b)

@@ -45,7 +45,7 @@ from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
-from gpnys.precond.afn import AFNPreconditioner
+from gpnys.precond.afn import CV_FULL_BUDGET, AFNPreconditioner
 from gpnys.precond.base import NumericalWarning, Preconditioner, validate_count, validate_training_data
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner
@@ -192,10 +192,13 @@ class PreconditionerHook(HookPrediction):
         mu = noise / s2 if s2 is not None else noise
         try:
             schur = self.settings.control_variate
-            if schur == "auto" and self.settings.error_bars:
-                # error bars need the per-probe Jacobian of the control variate (a batched backward pass): through
-                # "full"'s rebuilt FSAI rows it cost 11 s at n = 1500 (d = 3), through "frozen" 0.55 s
-                schur = "frozen"
+            if schur == "auto" and self.settings.error_bars and isinstance(P, AFNPreconditioner):
+                # error bars need the per-probe Jacobian of the control variate (a batched backward pass, t times
+                # one): through "full"'s rebuilt FSAI rows it cost 11 s at n = 1500 (d = 3), through "frozen"
+                # 0.55 s; "full" stays while t times its work is within the budget of "auto" without error bars.
+                # One family per evaluation: its log det and its quads only cancel in expectation together
+                full = (P.n - P.k) * P.w**2 * P.k * self.settings.num_probes <= CV_FULL_BUDGET
+                schur = "full" if full else "frozen"
             kw = {"schur": schur} if isinstance(P, AFNPreconditioner) else {}
             logdet, quad = P.differentiable_terms(base, mu, Z, **kw)
         except (NotImplementedError, torch.linalg.LinAlgError):  # e.g. RAN scaling, or K11 too ill-conditioned

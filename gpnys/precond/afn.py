@@ -34,7 +34,7 @@ from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_in
 __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
 
 LANDMARK_RULES = ("auto", "fps", "uniform")
-_CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
+CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
 
 
 def _gather_rows(V: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
@@ -223,7 +223,7 @@ class AFNPreconditioner(Preconditioner):
         if schur not in ("auto", "full", "diag", "frozen"):
             raise ValueError(f"schur must be 'auto', 'full', 'diag' or 'frozen', got {schur!r}")
         if schur == "auto":
-            schur = "full" if (self.n - self.k) * self.w**2 * self.k <= _CV_FULL_BUDGET else "diag"
+            schur = "full" if (self.n - self.k) * self.w**2 * self.k <= CV_FULL_BUDGET else "diag"
         L = torch.linalg.cholesky(add_diag(evaluate(kernel, X[lm], X[lm]), shift_at(mu, lm)))
         Zp = Z[self.perm]
         w1 = torch.linalg.solve_triangular(L, Zp[: self.k], upper=False)

@@ -101,7 +101,7 @@ def pcg(
     matmul: Matmul,
     B: torch.Tensor,
     precond: PrecondLike = None,
-    tol: float = 1e-4,
+    tol: float | torch.Tensor = 1e-4,
     maxiter: int = 500,
     x0: torch.Tensor | None = None,
     record_history: bool = False,
@@ -121,7 +121,7 @@ def pcg(
         B: right-hand sides, ``(n,)`` or ``(n, t)``.
         precond: ``M^{-1}``: a gpnys :class:`~gpnys.precond.base.Preconditioner` (its ``solve`` is used),
             a callable ``R (n, s) -> M^{-1} R (n, s)``, or ``None`` (plain CG).
-        tol: relative residual tolerance (> 0).
+        tol: relative residual tolerance (> 0): one for all columns, or a ``(t,)`` tensor of one per column.
         maxiter: maximum iterations per column (>= 0).
         x0: optional initial guess, same shape as ``B`` (default 0).
         record_history: store the per-iteration recursive relative residuals.
@@ -135,7 +135,8 @@ def pcg(
     """
     if not isinstance(B, torch.Tensor) or B.dim() not in (1, 2) or not B.is_floating_point():
         raise ValueError(f"B must be a floating (n,) or (n, t) tensor, got {getattr(B, 'shape', type(B))}")
-    if not (float(tol) > 0 and math.isfinite(float(tol))):
+    tols = torch.as_tensor(tol, dtype=torch.float64).reshape(-1)
+    if tols.numel() == 0 or not bool(((tols > 0) & torch.isfinite(tols)).all()):
         raise ValueError(f"tol must be positive and finite, got {tol!r}")
     if isinstance(maxiter, bool) or int(maxiter) != maxiter or maxiter < 0:
         raise ValueError(f"maxiter must be a non-negative integer, got {maxiter!r}")
@@ -163,7 +164,11 @@ def pcg(
     bnorm = torch.linalg.vector_norm(Bm, dim=0)
     denom = torch.where(bnorm > 0, bnorm, torch.ones_like(bnorm))
     rel = torch.linalg.vector_norm(R, dim=0) / denom
-    converged = rel <= tol
+    if tols.numel() not in (1, t):
+        raise ValueError(f"tol must be a number or one per column ({t}), got {tols.numel()} values")
+    tol_col = tols.to(device=Bm.device, dtype=rel.dtype).expand(t)
+    tol = float(tols.max())  # for the messages
+    converged = rel <= tol_col
     breakdown = torch.zeros(t, dtype=torch.bool, device=B.device)
     its = torch.zeros(t, dtype=torch.long, device=B.device)
     history = [rel.clone()] if record_history else None
@@ -195,7 +200,7 @@ def pcg(
         its[idx] += (~bad).long()
         rel_a = torch.linalg.vector_norm(Ra, dim=0) / denom[idx]
         rel[idx] = rel_a
-        conv_a = (rel_a <= tol) & ((step + 1 >= floor) | (rel_a == 0))
+        conv_a = (rel_a <= tol_col[idx]) & ((step + 1 >= floor) | (rel_a == 0))
         converged[idx] = conv_a
         if lanczos:
             alphas.append(torch.full_like(rz, math.nan).index_put((idx,), alpha))
@@ -229,7 +234,7 @@ def pcg(
             ConvergenceWarning,
             stacklevel=2,
         )
-    elif bool((true_res > 10 * tol).any()):
+    elif bool((true_res > 10 * tol_col).any()):
         warnings.warn(
             f"PCG: recursive residuals met tol={tol:g} but the true rel. residual is up to "
             f"{float(true_res.max()):.3g} (loss of accuracy; try float64 or a smaller tol)",

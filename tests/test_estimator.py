@@ -1,0 +1,256 @@
+"""The MLL estimator with error bars (gpnys.gp.estimator): PCG's Lanczos tridiagonals, per-probe derivatives,
+standard errors against Cholesky, a requested accuracy, and the optimiser's stopping rules."""
+
+import json
+import math
+
+import gpytorch
+import pytest
+import torch
+from helpers import points
+
+from gpnys.cli.main import main
+from gpnys.gp.estimator import gradient_at_noise, slq_terms
+from gpnys.gp.exact import ExactGPModel, fit
+from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.gp.mll import evaluate
+from gpnys.kernels.operator import StationaryKernelOperator
+from gpnys.solvers.pcg import pcg
+
+F64 = torch.float64
+KW = dict(kernel="matern32", lengthscale=0.8, noise=0.05, ard=True)
+
+
+def data(n=400, d=3, dtype=F64, seed=0):
+    X = points(n, d, dtype=dtype, seed=seed, scale=2.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    y = torch.sin(2 * X).sum(1) + 0.2 * torch.randn(n, generator=g, dtype=F64).to(dtype)
+    return X, y
+
+
+def spd(n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=F64))
+    return Q @ torch.diag(torch.logspace(-2, 1, n, dtype=F64)) @ Q.T
+
+
+@pytest.mark.parametrize("precond", [False, True])
+def test_pcg_tridiagonal_gives_the_exact_quadrature_after_n_steps(precond):
+    A = spd()
+    n = A.shape[0]
+    m = torch.linspace(0.5, 2.0, n, dtype=F64)  # M = diag(m)
+    B = torch.randn(n, 3, generator=torch.Generator().manual_seed(1), dtype=F64)
+    res = pcg(lambda V: A @ V, B, precond=(lambda R: R / m[:, None]) if precond else None, tol=1e-13,
+              maxiter=3 * n, lanczos=True)
+    ell, _ = slq_terms(res.tridiagonal, res.iterations_per_column, n)
+    S = (m.rsqrt()[:, None] * A * m.rsqrt()[None, :]) if precond else A  # M^{-1/2} A M^{-1/2}
+    evals, evecs = torch.linalg.eigh(S)
+    W = (m.rsqrt()[:, None] * B) if precond else B  # Lanczos starts at M^{-1/2} b
+    W = W / W.norm(dim=0)
+    ref = n * ((evecs.T @ W).square() * evals.log()[:, None]).sum(0)
+    torch.testing.assert_close(ell, ref, rtol=1e-8, atol=1e-8)
+
+
+def test_pcg_miniter_and_bad_input():
+    A = spd()
+    b = torch.ones(A.shape[0], dtype=F64)
+    assert pcg(lambda V: A @ V, b, tol=0.9, miniter=12).iterations >= 12
+    with pytest.raises(ValueError, match="miniter"):
+        pcg(lambda V: A @ V, b, miniter=-1)
+
+
+def test_slq_terms_pad_columns_of_different_lengths():
+    A = spd(30)
+    B = torch.randn(30, 2, generator=torch.Generator().manual_seed(2), dtype=F64)
+    one = [pcg(lambda V: A @ V, B[:, j], tol=tol, lanczos=True) for j, tol in enumerate((1e-12, 1e-2))]
+    both = pcg(lambda V: A @ V, B, tol=1e-12, lanczos=True)
+    assert one[1].iterations < both.iterations
+    ell, err = slq_terms(one[1].tridiagonal, one[1].iterations_per_column, 30)
+    # the short column alone, and inside a padded batch with a longer one, give the same quadrature
+    diag = torch.full((both.iterations, 2), float("nan"), dtype=F64)
+    off = torch.full((both.iterations - 1, 2), float("nan"), dtype=F64)
+    for j, r in enumerate((one[0], one[1])):
+        d, o = r.tridiagonal
+        diag[: d.shape[0], j], off[: o.shape[0], j] = d[:, 0], o[:, 0]
+    steps = torch.stack([one[0].iterations_per_column[0], one[1].iterations_per_column[0]])
+    ell2, err2 = slq_terms((diag, off), steps, 30)
+    torch.testing.assert_close(ell2[1], ell[0])
+    assert float(err2[1]) > float(err2[0])  # the truncated run has the larger quadrature change
+
+
+@pytest.mark.parametrize("nu", [None, 1.5])
+@pytest.mark.parametrize("dense", [True, False])
+def test_column_derivatives_equal_one_bilinear_derivative_per_column(nu, dense):
+    X = points(200, 3, seed=3)
+    base = (gpytorch.kernels.RBFKernel(ard_num_dims=3) if nu is None
+            else gpytorch.kernels.MaternKernel(nu, ard_num_dims=3)).double()
+    base.lengthscale = torch.tensor([0.5, 1.0, 2.0], dtype=F64)
+    s2 = torch.tensor(1.7, dtype=F64)
+    op = StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache={},
+                                  dense_limit_bytes=1 << 40 if dense else 0, prune_tol=0)
+    g = torch.Generator().manual_seed(4)
+    U, V = torch.randn(200, 5, generator=g, dtype=F64), torch.randn(200, 5, generator=g, dtype=F64)
+    _, ds, dl = op.column_derivatives(U, V)
+    for j in range(5):
+        _, rs, rl = op._bilinear_derivative(U[:, j : j + 1], V[:, j : j + 1])
+        torch.testing.assert_close(ds[j], rs, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(dl[j], rl, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("method", ["afn", "nystrom"])
+def test_estimate_is_within_its_error_bars_of_cholesky(method, dtype):
+    X, y = data(dtype=dtype)
+    ref = evaluate(X.double(), y.double(), "exact", **KW)
+    out = evaluate(X, y, method, seed=0, k=100, **KW)
+    se = out["loss_std_error"]
+    assert 0 < se < 1e-2
+    tol = 1e-4 if dtype == F64 else 3e-3  # rounding of float32 CG on top of the probe noise
+    assert abs(out["loss"] - ref["loss"]) <= 4 * se + tol
+    for key, r in ref["grad"].items():
+        g = torch.as_tensor(out["grad"][key], dtype=F64).reshape(-1)
+        s = torch.as_tensor(out["grad_std_error"][key], dtype=F64).reshape(-1)
+        assert bool((s > 0).all()), key
+        assert bool(((g - torch.as_tensor(r, dtype=F64).reshape(-1)).abs() <= 4 * s + 10 * tol).all()), key
+
+
+def test_standard_errors_cover_the_true_error():
+    """Over 12 seeds at least 9 loss errors lie within 2 SE (about 11 expected): fails when the SE is too small."""
+    X, y = data(300)
+    ref = evaluate(X, y, "exact", **KW)
+    inside, spread = 0, []
+    for seed in range(12):
+        out = evaluate(X, y, "afn", seed=seed, k=60, w=10, **KW)
+        inside += abs(out["loss"] - ref["loss"]) <= 2 * out["loss_std_error"]
+        spread.append(out["loss"])
+    assert inside >= 9
+    # and it is not vacuous: the reported SE is within a factor 3 of the seeds' actual spread
+    actual = float(torch.tensor(spread).std())
+    assert actual / 3 <= out["loss_std_error"] <= 3 * actual
+
+
+def test_same_seed_same_estimate_and_probe_seed_fixes_the_probes():
+    X, y = data(250)
+    a, b = (evaluate(X, y, "afn", seed=3, k=50, **KW) for _ in range(2))
+    assert a["loss"] == b["loss"] and a["loss_std_error"] == b["loss_std_error"]
+    assert a["grad_std_error"] == b["grad_std_error"]
+    s = EstimatorSettings(probe_seed=11)
+    c, d = (evaluate(X, y, "afn", seed=seed, k=50, settings=s, **KW) for seed in (1, 2))
+    assert c["loss"] == d["loss"]  # common random numbers: the global seed no longer matters
+
+
+def test_requested_accuracy_adds_probes_until_the_errors_are_small():
+    X, y = data(300)
+    ref = evaluate(X, y, "exact", **KW)
+    target = 2e-3
+    out = evaluate(X, y, "afn", seed=0, k=60, settings=EstimatorSettings(target_rel_error=target, num_probes=8),
+                   **KW)
+    assert out["extra"]["probes"] > 8
+    assert out["loss_std_error"] <= target * abs(out["loss"]) * 1.05
+    assert abs(out["loss"] - ref["loss"]) <= 4 * out["loss_std_error"] + 1e-5
+    g = torch.cat([torch.as_tensor(v, dtype=F64).reshape(-1) for v in out["grad"].values()])
+    s = torch.cat([torch.as_tensor(v, dtype=F64).reshape(-1) for v in out["grad_std_error"].values()])
+    assert bool((s <= 1.3 * target * torch.clamp(g.abs(), min=0.1 * float(g.norm()))).all())
+
+
+def test_generic_kernel_gets_error_bars_too():
+    """A sum kernel has no closed-form operator: per-probe derivatives one probe at a time, same answer."""
+    X, y = data(200)
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()) + gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.MaternKernel(0.5))
+    model = ExactGPModel(X, y, lik, kernel=kernel.double(), mean="zero")
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
+    model.train()
+    with gpytorch.settings.max_cholesky_size(10**6):
+        exact = -mll(model(X), y)
+        ref = torch.autograd.grad(exact, list(model.parameters()))
+    torch.manual_seed(0)
+    with use_preconditioner(model, "afn", k=50, w=10) as hook:
+        loss = -mll(model(X), y)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    est = hook.last_estimate
+    assert abs(float(loss) - float(exact)) <= 4 * est.std_error / 200 + 1e-6
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref):
+        s = est.grad_std_error[name] / 200
+        assert bool(((g - r).abs() <= 4 * s + 1e-6).all()), name
+
+
+def test_no_grad_evaluation_and_settings_bad_input():
+    X, y = data(150)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood().double(), mean="zero")
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    model.train()
+    with use_preconditioner(model, "afn", k=30, w=8) as hook, torch.no_grad():
+        value = mll(model(X), y)
+    assert math.isfinite(float(value)) and hook.last_estimate.grad_std_error == {}
+    for bad in ({"target_rel_error": 0.0}, {"target_rel_error": 1.5}, {"max_probes": 1}, {"num_probes": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EstimatorSettings(**bad)
+
+
+def test_gradient_at_noise():
+    X, y = data(150)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood().double(), mean="constant")
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    model.train()
+    with use_preconditioner(model, "afn", k=30, w=8) as hook:
+        (-mll(model(X), y)).backward()
+    est = hook.last_estimate
+    assert not gradient_at_noise(model, None)
+    assert not gradient_at_noise(model, est)  # far from the optimum: the gradient stands out of the noise
+    for name, p in model.named_parameters():
+        p.grad = 0.5 * est.grad_std_error[name] / est.n  # within one SE of zero
+    assert gradient_at_noise(model, est)
+
+
+def test_fit_stops_at_noise_and_at_the_first_failed_line_search():
+    X, y = data(120)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood().double())
+    res = fit(model, iters=5, progress=False, stop=lambda: True)
+    assert res.iterations == 1 and res.stopped == "gradient at noise level"
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def inconsistent(m):  # the value of one function, the gradient pointing uphill
+        v = sum((p - 1.0).square().sum() for p in m.parameters())
+        return v.detach() - sum(((p - 1.0).detach() * 2.0 * (p - p.detach())).sum() for p in m.parameters())
+
+    res = fit(model, iters=6, optimizer="lbfgs", progress=False, loss=inconsistent)
+    assert res.stopped == "line search failed" and res.iterations < 6
+    value = float(sum((p - 1.0).square().sum() for p in model.parameters()))
+    assert value <= float(sum((p - 1.0).square().sum() for p in start)) + 1e-12
+
+
+def test_cli_mll_and_fit_report_error_bars(capsys):
+    assert main(["mll", "--data", "concrete", "--n", "200", "--method", "exact,afn", "--k", "40", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    afn = rows[1]
+    assert afn["loss_std_error"] > 0 and set(afn["grad_std_error"]) == set(afn["grad"])
+    assert len(afn["grad_std_error"]["raw_lengthscale"] if isinstance(afn["grad"]["raw_lengthscale"], list)
+               else [afn["grad_std_error"]["raw_lengthscale"]]) >= 1
+    assert main(["mll", "--data", "concrete", "--n", "200", "--method", "afn", "--k", "40", "--accuracy", "5e-3",
+                 "--json"]) == 0
+    acc = json.loads(capsys.readouterr().out)[0]
+    assert acc["loss_std_error"] <= 5e-3 * abs(acc["loss"]) * 1.05
+    assert main(["mll", "--data", "concrete", "--n", "200", "--method", "afn", "--k", "40"]) == 0
+    assert "±" in capsys.readouterr().out
+    assert main(["fit", "--data", "concrete", "--n", "150", "--iters", "3", "--k", "30", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"][0]["loss_se"] > 0 and out["iterations"] <= 3 and "stopped" in out
+
+
+@pytest.mark.parametrize("argv, flag", [(["--accuracy", "2"], "--accuracy"), (["--max-probes", "1"], "--max-probes"),
+                                        (["--accuracy", "1e-2", "--no-error-bars"], "--accuracy")])
+def test_cli_bad_accuracy_flags(argv, flag, capsys):
+    assert main(["mll", "--data", "concrete", "--n", "100", "--method", "afn", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0]
+
+
+@pytest.mark.cuda
+def test_error_bars_on_the_device(cuda_device):
+    X, y = data(400)
+    ref = evaluate(X, y, "exact", **KW)
+    out = evaluate(X.to(cuda_device), y.to(cuda_device), "afn", seed=0, k=100, **KW)
+    assert abs(out["loss"] - ref["loss"]) <= 4 * out["loss_std_error"] + 1e-4
+    assert all(torch.as_tensor(v).gt(0).all() for v in out["grad_std_error"].values())
