@@ -178,7 +178,7 @@ def test_generic_kernel_gets_error_bars_too():
 
 def test_no_grad_evaluation_and_settings_bad_input():
     X, y = data(150)
-    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood().double(), mean="zero")
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), mean="zero").double()
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
     model.train()
     with use_preconditioner(model, "afn", k=30, w=8) as hook, torch.no_grad():
@@ -191,7 +191,7 @@ def test_no_grad_evaluation_and_settings_bad_input():
 
 def test_gradient_at_noise():
     X, y = data(150)
-    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood().double(), mean="constant")
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), mean="constant").double()
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
     model.train()
     with use_preconditioner(model, "afn", k=30, w=8) as hook:
@@ -206,7 +206,7 @@ def test_gradient_at_noise():
 
 def test_fit_stops_at_noise_and_at_the_first_failed_line_search():
     X, y = data(120)
-    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood().double())
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
     res = fit(model, iters=5, progress=False, stop=lambda: True)
     assert res.iterations == 1 and res.stopped == "gradient at noise level"
     start = [p.detach().clone() for p in model.parameters()]
@@ -242,7 +242,9 @@ def test_cli_mll_and_fit_report_error_bars(capsys):
 @pytest.mark.parametrize("argv, flag", [(["--accuracy", "2"], "--accuracy"), (["--max-probes", "1"], "--max-probes"),
                                         (["--accuracy", "1e-2", "--no-error-bars"], "--accuracy")])
 def test_cli_bad_accuracy_flags(argv, flag, capsys):
-    assert main(["mll", "--data", "concrete", "--n", "100", "--method", "afn", *argv]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["mll", "--data", "concrete", "--n", "100", "--method", "afn", *argv])
+    assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and flag in err[0]
 
