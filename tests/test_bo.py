@@ -640,9 +640,10 @@ def test_bo_gradient_quick(tmp_path):
         assert r["trace_inv"] > 0 and r["alpha_sq"] > 0
         assert r["loss_rel_err"] < 1e-2, r["loss_rel_err"]  # n = 300, k = 150 landmarks: a good preconditioner
         assert max(r["grad_err"]) < 0.25, r["grad_err"]
-    # common random numbers: the diag and frozen families share the probes, so their losses agree exactly
+    # common random numbers: the diag and frozen families share the probes, so their losses agree (to rounding:
+    # the threaded BLAS may sum in another order)
     by = {(r["noise"], r["seed"], r["control_variate"]): r["loss"] for r in rows}
-    assert all(by[(nz, s, "diag")] == by[(nz, s, "frozen")] for nz, s, _ in by)
+    assert all(abs(by[(nz, s, "diag")] - by[(nz, s, "frozen")]) <= 1e-12 for nz, s, _ in by)
 
 
 @pytest.mark.parametrize("n", [3, 10, 25])
