@@ -146,3 +146,12 @@ def test_gpu_paths_quick(tmp_path):
     assert all(rows[name]["rank"] == 500 for name in ("afn", "nystrom", "pivchol"))
     assert rows["pcg"]["rel_residual"] < 1e-4 and rows["pcg"]["iterations"] > 0
     assert rows["botorch"]["preconditioned"] and rows["cli"]["exit_code"] == 0
+
+
+def test_error_bars_quick(tmp_path):
+    out = load("error_bars").main(["--quick", "--out", str(tmp_path / "eb.json")])
+    cov = out["coverage"]
+    assert len(cov["z_loss"]) == out["seeds"] == 6 and all(abs(z) < 10 for z in cov["z_loss"])
+    assert cov["loss"] >= 0.5 and min(cov["grad"].values()) >= 0.5  # a loose floor at 6 seeds; RESULTS has 20
+    assert out["accuracy"]["median_probes"] >= 16 and out["accuracy"]["share_within"] >= 0.5
+    assert (tmp_path / "eb.png").exists() and len(out["hand_tuned"]) == 2

@@ -150,7 +150,7 @@ def test_requested_accuracy_adds_probes_until_the_errors_are_small():
     assert abs(out["loss"] - ref["loss"]) <= 4 * out["loss_std_error"] + 1e-5
     g = torch.cat([torch.as_tensor(v, dtype=F64).reshape(-1) for v in out["grad"].values()])
     s = torch.cat([torch.as_tensor(v, dtype=F64).reshape(-1) for v in out["grad_std_error"].values()])
-    assert bool((s <= 1.3 * target * torch.clamp(g.abs(), min=0.1 * float(g.norm()))).all())
+    assert float(s.norm()) <= 1.3 * target * float(g.norm())
 
 
 def test_generic_kernel_gets_error_bars_too():

@@ -78,3 +78,9 @@ def test_known_noise_example():
     assert its["per-point (diag=D)"] * 3 <= its["mean(D) I"]
     assert abs(res["gpnys"]["loss"] - res["cholesky"]["loss"]) <= 1e-3 * abs(res["cholesky"]["loss"])
     assert abs(res["gpnys"]["lengthscale"] - res["cholesky"]["lengthscale"]) <= 1e-2 * res["cholesky"]["lengthscale"]
+
+
+def test_error_bars_example(capsys):
+    load("error_bars").main(["--n", "300", "--accuracy", "1e-2", "--iters", "4"])
+    out = capsys.readouterr().out
+    assert "±" in out and "probes to reach it" in out and "Adam:" in out

@@ -97,8 +97,8 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tf32", action="store_true",
                    help="let float32 Triton tile products use TF32 tensor cores (about 1e-3 relative error)")
     p.add_argument("--accuracy", type=float, default=None, metavar="REL",
-                   help="add probes in batches until the standard errors of the loss and of every gradient component "
-                        "are below REL relative (e.g. 1e-3); default: one batch of --probes")
+                   help="add probes in batches until the standard errors of the loss and of the gradient (norm) are "
+                        "below REL relative (e.g. 1e-3); default: one batch of --probes")
     p.add_argument("--max-probes", type=int, default=EstimatorSettings.max_probes,
                    help="cap on probes per evaluation with --accuracy")
     p.add_argument("--no-error-bars", action="store_true",

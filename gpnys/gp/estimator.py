@@ -134,20 +134,27 @@ def _column_rep_grads(op: LinearOperator, U: torch.Tensor, V: torch.Tensor) -> l
 
 
 def _jacobian(outputs: list[torch.Tensor], grads: list[torch.Tensor], params: list[torch.Tensor],
-              t: int) -> torch.Tensor:
-    """Rows ``j``: ``Σ_o grads[o][j] · ∂outputs[o]/∂params``, flattened over the parameters: ``(t, p)``."""
+              t: int, chunk: int = 16) -> torch.Tensor:
+    """Rows ``j``: ``Σ_o grads[o][j] · ∂outputs[o]/∂params``, flattened over the parameters: ``(t, p)``. Batched
+    backward passes of ``chunk`` rows each (a batch holds ``chunk`` copies of the graph's buffers)."""
     width = sum(p.numel() for p in params)
     if not outputs:
         return params[0].new_zeros(t, width) if params else torch.zeros(t, 0)
-    try:
-        rows = torch.autograd.grad(outputs, params, grad_outputs=grads, retain_graph=True, allow_unused=True,
-                                   is_grads_batched=True)
-    except (RuntimeError, NotImplementedError):  # an op without a batching rule: one row at a time
-        per = [torch.autograd.grad(outputs, params, grad_outputs=[g[j] for g in grads], retain_graph=True,
-                                   allow_unused=True) for j in range(t)]
-        rows = tuple(None if per[0][i] is None else torch.stack([r[i] for r in per]) for i in range(len(params)))
-    return torch.cat([p.new_zeros(t, p.numel()) if g is None else g.reshape(t, -1)
-                      for g, p in zip(rows, params)], dim=1)
+    out = []
+    for a in range(0, t, chunk):
+        gs = [g[a : a + chunk] for g in grads]
+        m = gs[0].shape[0]
+        try:
+            rows = torch.autograd.grad(outputs, params, grad_outputs=gs, retain_graph=True, allow_unused=True,
+                                       is_grads_batched=True)
+        except (RuntimeError, NotImplementedError):  # an op without a batching rule: one row at a time
+            per = [torch.autograd.grad(outputs, params, grad_outputs=[g[j] for g in gs], retain_graph=True,
+                                       allow_unused=True) for j in range(m)]
+            rows = tuple(None if per[0][i] is None else torch.stack([r[i] for r in per])
+                         for i in range(len(params)))
+        out.append(torch.cat([p.new_zeros(m, p.numel()) if g is None else g.reshape(m, -1)
+                              for g, p in zip(rows, params)], dim=1))
+    return torch.cat(out)
 
 
 def _split(vec: torch.Tensor, params: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -300,32 +307,9 @@ def _common_gradient(cov: LinearOperator, reps: list[Any], a: torch.Tensor, mean
 
 def _probes_needed(t: int, se: float, value: float, grad: torch.Tensor | None, g_se: torch.Tensor | None,
                    target: float) -> int:
-    """Probes for every standard error to reach ``target`` relative (the loss against ``|L|``, each gradient
-    component against ``max(|g_p|, 0.1 ||g||)``, the scale of :func:`gpnys.gp.mll.grad_errors`), from SE ∝ 1/√t."""
+    """Probes for the standard errors to reach ``target`` relative, from SE ∝ 1/√t: the loss's against ``|L|``,
+    the gradient's (the norm of its components' SEs, the expected norm of its error) against ``||g||``."""
     ratio = se / max(target * abs(value), 1e-300)
     if grad is not None and g_se is not None and grad.numel():
-        scale = torch.clamp(grad.abs(), min=0.1 * float(grad.norm()))
-        ratio = max(ratio, float((g_se / (target * scale).clamp_min(1e-300)).max()))
+        ratio = max(ratio, float(g_se.norm()) / max(target * float(grad.norm()), 1e-300))
     return t if ratio <= 1.0 else int(math.ceil(t * ratio**2 * 1.1))
-
-
-def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, z: float = 2.0) -> bool:
-    """Whether the last gradient (the parameters' ``.grad``, of ``L / n`` as ``ExactMarginalLogLikelihood`` gives)
-    is indistinguishable from zero: every component that has a probe term lies within ``z`` of its standard
-    errors of zero. Components without one (a constant mean: exact up to CG) are not tested. ``False`` without
-    an estimate."""
-    if estimate is None or not estimate.grad_std_error:
-        return False
-    named = dict(model.named_parameters())
-    tested = False
-    for name, se in estimate.grad_std_error.items():
-        p = named.get(name)
-        if p is None or p.grad is None:
-            continue
-        has = se > 0
-        if not bool(has.any()):
-            continue
-        tested = True
-        if bool((p.grad.detach().abs() * estimate.n > z * se)[has].any()):
-            return False
-    return tested

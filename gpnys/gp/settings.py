@@ -58,9 +58,9 @@ class EstimatorSettings:
             value and gradient component a standard error (``hook.last_estimate``) and honours
             ``target_rel_error``; ``False``: GPyTorch's ``InvQuadLogdet`` with the same preconditioner (no error bars).
         target_rel_error: keep adding batches of ``num_probes`` probes (reusing the preconditioner and the solve
-            with ``y``; CG and Lanczos tightened where they dominate) until the standard errors of the loss and of
-            each gradient component are below this share of the loss and of ``max(|g_p|, 0.1 ||g||)``; ``None``: one
-            batch. max_probes: the cap on probes per evaluation.
+            with ``y``; CG and Lanczos tightened where they dominate) until the loss's standard error is below this
+            share of ``|loss|`` and the gradient's (the norm of its components' standard errors) below this share of
+            ``||gradient||``; ``None``: one batch. max_probes: the cap on probes per evaluation.
     """
 
     cg_tolerance: float = 3e-2
