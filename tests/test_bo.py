@@ -371,6 +371,21 @@ def test_fit_subset_start():
     assert model.train_inputs[0].shape[0] == n  # the subset stage worked on a copy
 
 
+def test_fit_stops_at_the_noise_level():
+    """On the preconditioned path L-BFGS-B ends once the gradient is within 2 standard errors of zero (a clean
+    stop, no retries), at a full-data optimum; a user's callback still runs."""
+    n, d = 300, 3
+    X, Y = data(n, d, seed=5, noise_std=0.05)
+    best = exact_mll(fit(SingleTaskGP(X, Y)))
+    steps = []
+    model = fit(PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, k=100, w=15),
+                optimizer_kwargs={"callback": lambda params, result: steps.append(result.step)})
+    assert model.fit_stopped == "gradient at noise level" and steps
+    ref = SingleTaskGP(X, Y)
+    ref.load_state_dict(model.state_dict())
+    assert exact_mll(ref) >= best - 1e-3 * abs(best), (exact_mll(ref), best)
+
+
 # -- 5. acquisition ------------------------------------------------------------------------------------------
 def test_acquisition_optimisation():
     n, d = 200, 4

@@ -51,6 +51,7 @@ from gpytorch.likelihoods import FixedNoiseGaussianLikelihood, GaussianLikelihoo
 from gpytorch.means import Mean
 from gpytorch.module import Module
 
+from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import EstimatorSettings, PreconditionerHook
 from gpnys.precond.base import NumericalWarning, validate_positive
 from gpnys.precond.strategy import PRECONDITIONERS
@@ -148,6 +149,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             raise ValueError(f"fit_subset must be a positive int or None, got {fit_subset!r}")
         super().__init__(train_X, train_Y, train_Yvar, likelihood, covar_module, mean_module, outcome_transform,
                          input_transform)
+        #: why the last fit on the preconditioned path ended early ("gradient at noise level"), else None
+        self.fit_stopped: str | None = None
         self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
                               "settings": settings or EstimatorSettings(probe_seed=seed), "seed": seed,
                               "posterior_tolerance": float(posterior_tolerance),
@@ -231,12 +234,28 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         # The estimated objective is deterministic (fixed probes) but only as smooth as the CG tolerance allows, so
         # L-BFGS-B can end in an "ABNORMAL" line search at the optimum; BoTorch would discard that fit and
         # restart from prior samples, so it is accepted here like BoTorch's own accepted warnings.
-        kwargs.setdefault("warning_handler", lambda w: DEFAULT_WARNING_HANDLER(w) or "ABNORMAL" in str(w.message))
+        # The same for the stop at the noise level below (a StopIteration from the callback reads as a failure)
+        kwargs.setdefault("warning_handler", lambda w: DEFAULT_WARNING_HANDLER(w) or "ABNORMAL" in str(w.message)
+                          or "StopIteration" in str(w.message))
+        self.fit_stopped = None
         if not self.uses_preconditioner():
             return _fit_fallback(mll, **kwargs)
         if kwargs.get("closure") is None:
             self._fit_on_subset(mll, kwargs)
-        with self.preconditioned():
+        with self.preconditioned() as hook:
+            options = dict(kwargs.get("optimizer_kwargs") or {})
+            user = options.get("callback")
+
+            def at_noise(parameters: dict[str, torch.Tensor], result: Any) -> None:
+                # L-BFGS-B ends once the gradient is within 2 standard errors of zero: past that it only chases
+                # the estimator's noise (and fails line searches doing so)
+                if user is not None:
+                    user(parameters, result)
+                if gradient_at_noise(self, hook.last_estimate):
+                    self.fit_stopped = "gradient at noise level"
+                    raise StopIteration
+
+            kwargs["optimizer_kwargs"] = {**options, "callback": at_noise}
             return _fit_fallback(mll, **kwargs)
 
     def _fit_on_subset(self, mll: gpytorch.mlls.MarginalLogLikelihood, kwargs: dict[str, Any]) -> None:

@@ -32,13 +32,18 @@ import gpytorch
 import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
+from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import NumericalWarning
 from gpnys.solvers.pcg import pcg
 
 if TYPE_CHECKING:
     from gpnys.gp.hook import PreconditionerHook
 
-__all__ = ["Estimate", "log_prob", "slq_terms", "gradient_at_noise"]
+__all__ = ["Estimate", "log_prob", "slq_terms", "gradient_at_noise", "PROXY_ABOVE"]
+
+#: AFN's per-probe control-variate Jacobian goes through the family itself while ``(n - k) w^2 k t`` is at most this,
+#: else through the cheaper "frozen" family (a conservative standard error; :func:`log_prob`)
+PROXY_ABOVE = 5e8
 
 
 @dataclass
@@ -208,7 +213,6 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     cv_logdet = None
     probe_tol, floor = settings.cg_tolerance, settings.lanczos_steps
     batch = settings.num_probes
-    common_grad: torch.Tensor | None = None
     batches = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", category=NumericalWarning)  # CG's own warnings: the error bars say it
@@ -243,9 +247,19 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 if terms is not None:
                     cv_logdet = terms[0] if cv_logdet is None else cv_logdet
                     cv.append(terms[1])
-                    if J is not None:
-                        J = J + _jacobian([terms[1]], [torch.eye(batch, dtype=Z.dtype, device=Z.device)], tensors,
-                                          batch)
+                    spread = terms[1]
+                    inner = getattr(P, "inner", P)
+                    if (isinstance(inner, AFNPreconditioner) and settings.control_variate != "frozen"
+                            and (inner.n - inner.k) * inner.w**2 * inner.k * settings.num_probes > PROXY_ABOVE):
+                        # the per-probe Jacobian through AFN's "frozen" family instead (one batched backward pass of
+                        # O(k^2 (k + t) + n k t)): t backward passes through the "full" family's rebuilt FSAI rows
+                        # cost twice the whole evaluation at concrete (n = 927: 4.4 s against 2.2 s). The families
+                        # differ only in how much variance they remove, "frozen" the least, so the standard error
+                        # is overstated, not understated (by 5-10x at n = 300, k = 60, where "full" is cheap enough)
+                        hook.last_probes = Z
+                        frozen = hook.control_variate_terms(schur="frozen")
+                        spread = spread if frozen is None else frozen[1]
+                    J = J + _jacobian([spread], [torch.eye(batch, dtype=Z.dtype, device=Z.device)], tensors, batch)
             ell.append(l_j)
             lerr.append(e_j)
             Us.append(U)
@@ -262,9 +276,11 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             J_all = torch.cat(jac) if jac else None
             if target is None or t >= settings.max_probes:
                 break
-            if common_grad is None and tensors:
-                common_grad = _common_gradient(cov, reps, a, mean, value, cv_logdet, tensors)
-            grad = (common_grad + J_all.mean(0)) if J_all is not None else None
+            grad = None
+            if tensors:  # the estimate's gradient so far (the rows' mean may use a proxy control variate)
+                g = torch.autograd.grad(_surrogate(cov, reps, a, mean, value, Us, Bs, cv_logdet, cv), tensors,
+                                        retain_graph=True, allow_unused=True)
+                grad = torch.cat([p.new_zeros(p.numel()) if x is None else x.reshape(-1) for x, p in zip(g, tensors)])
             g_se = J_all.std(0) / math.sqrt(t) if J_all is not None else None
             need = _probes_needed(t, se, value_est, grad, g_se, target)
             if need <= t:
@@ -283,26 +299,22 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     hook.estimates += 1
     if not tensors:
         return torch.as_tensor(-value_est, dtype=r.dtype, device=r.device)
-    U, B = torch.cat(Us, 1), torch.cat(Bs, 1)
-    # the surrogate: value 0, gradient = the estimator's (module docstring)
-    surrogate = 0.5 * _Bilinear.apply(cov.representation_tree(), torch.cat([-a[:, None], U / t], 1),
-                                      torch.cat([a[:, None], B], 1), *reps)
-    surrogate = surrogate - (a * mean).sum() + (a * value).sum()
-    if cv:
-        surrogate = surrogate + 0.5 * (cv_logdet + torch.cat(cv).mean())
+    surrogate = _surrogate(cov, reps, a, mean, value, Us, Bs, cv_logdet, cv)
     return -(value_est + surrogate - surrogate.detach())
 
 
-def _common_gradient(cov: LinearOperator, reps: list[Any], a: torch.Tensor, mean: torch.Tensor,
-                     value: torch.Tensor, cv_logdet: torch.Tensor | None,
-                     params: list[torch.Tensor]) -> torch.Tensor:
-    """The probe-free part of ``∂L`` (``-½ aᵀ∂K̂a - aᵀ∂m + ½ ∂ log det P̂``), flattened like :func:`_jacobian`'s rows."""
-    s = -0.5 * _Bilinear.apply(cov.representation_tree(), a[:, None], a[:, None], *reps)
+def _surrogate(cov: LinearOperator, reps: list[Any], a: torch.Tensor, mean: torch.Tensor, value: torch.Tensor,
+               Us: list[torch.Tensor], Bs: list[torch.Tensor], cv_logdet: torch.Tensor | None,
+               cv: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim tensor whose gradient is the estimator's ``∂L`` (module docstring) over the probes so far."""
+    U, B = torch.cat(Us, 1), torch.cat(Bs, 1)
+    t = U.shape[1]
+    s = 0.5 * _Bilinear.apply(cov.representation_tree(), torch.cat([-a[:, None], U / t], 1),
+                              torch.cat([a[:, None], B], 1), *reps)
     s = s - (a * mean).sum() + (a * value).sum()
-    if cv_logdet is not None:
-        s = s + 0.5 * cv_logdet
-    g = torch.autograd.grad(s, params, retain_graph=True, allow_unused=True)
-    return torch.cat([p.new_zeros(p.numel()) if x is None else x.reshape(-1) for x, p in zip(g, params)])
+    if cv:
+        s = s + 0.5 * (cv_logdet + torch.cat(cv).mean())
+    return s
 
 
 def _probes_needed(t: int, se: float, value: float, grad: torch.Tensor | None, g_se: torch.Tensor | None,
@@ -313,3 +325,25 @@ def _probes_needed(t: int, se: float, value: float, grad: torch.Tensor | None, g
     if grad is not None and g_se is not None and grad.numel():
         ratio = max(ratio, float(g_se.norm()) / max(target * float(grad.norm()), 1e-300))
     return t if ratio <= 1.0 else int(math.ceil(t * ratio**2 * 1.1))
+
+
+def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, z: float = 2.0) -> bool:
+    """Whether the last gradient (the parameters' ``.grad``, of ``L / n`` as ``ExactMarginalLogLikelihood`` gives)
+    is indistinguishable from zero: every component that has a probe term lies within ``z`` of its standard
+    errors of zero. Components without one (a constant mean: exact up to CG) are not tested. ``False`` without
+    an estimate."""
+    if estimate is None or not estimate.grad_std_error:
+        return False
+    named = dict(model.named_parameters())
+    tested = False
+    for name, se in estimate.grad_std_error.items():
+        p = named.get(name)
+        if p is None or p.grad is None:
+            continue
+        has = se > 0
+        if not bool(has.any()):
+            continue
+        tested = True
+        if bool((p.grad.detach().abs() * estimate.n > z * se)[has].any()):
+            return False
+    return tested

@@ -80,9 +80,6 @@ class StepRecord:
 #: error <= 0.2 %; k = 2000, w = 100: ~16 s with errors < 0.05 %; Cholesky 5 s.
 GP_DEFAULTS: dict[str, dict[str, int]] = {"afn": {"k": 500, "w": 30}, "auto": {"k": 500, "w": 30}}
 
-#: with error bars, ``control_variate="auto"`` rebuilds AFN's FSAI rows ("full") while ``(n - k) w^2 k t`` is at
-#: most this (its per-probe Jacobian costs t backward passes), else holds them ("frozen")
-CV_JACOBIAN_BUDGET = 3e9
 
 
 class PreconditionerHook(HookPrediction):
@@ -178,9 +175,10 @@ class PreconditionerHook(HookPrediction):
         terms = self.control_variate_terms()
         return None if terms is None else terms[0] + terms[1].mean()
 
-    def control_variate_terms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def control_variate_terms(self, schur: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(log det P̂(θ), [z_jᵀ P̂(θ)⁻¹ z_j]_j)`` (0-dim and ``(t,)``, with autograd) on the last probes, the parts
-        of :meth:`control_variate`; consumes the probes. ``None`` as there."""
+        of :meth:`control_variate`; consumes the probes. ``None`` as there. ``schur``: AFN's family (default
+        ``settings.control_variate``)."""
         if self._current is None or self.last_probes is None:
             return None
         P, _ = self._current
@@ -195,16 +193,7 @@ class PreconditionerHook(HookPrediction):
         noise = self._noise() if P.diag is not None else self._noise_level()  # the family P was built in
         mu = noise / s2 if s2 is not None else noise
         try:
-            schur = self.settings.control_variate
-            if schur == "auto" and self.settings.error_bars and isinstance(P, AFNPreconditioner):
-                # error bars need the per-probe Jacobian of the control variate (t backward passes, batched):
-                # through "full"'s rebuilt FSAI rows it cost 11 s at n = 1500 (d = 3), through "frozen" 0.55 s.
-                # "full" stays while t times its work is within CV_JACOBIAN_BUDGET: concrete (n = 927, k = 300,
-                # w = 30, 16 probes) keeps it, 4.4 s and a worst gradient error of 0.8 % against 0.36 s and 2.7 %
-                # for "frozen"; at elevators n = 3000 "full" took 19 s, "frozen" 1.35 s, errors alike.
-                # One family per evaluation: its log det and its quads only cancel in expectation together
-                full = (P.n - P.k) * P.w**2 * P.k * self.settings.num_probes <= CV_JACOBIAN_BUDGET
-                schur = "full" if full else "frozen"
+            schur = self.settings.control_variate if schur is None else schur
             kw = {"schur": schur} if isinstance(P, AFNPreconditioner) else {}
             logdet, quad = P.differentiable_terms(base, mu, Z, **kw)
         except (NotImplementedError, torch.linalg.LinAlgError):  # e.g. RAN scaling, or K11 too ill-conditioned
@@ -212,7 +201,7 @@ class PreconditionerHook(HookPrediction):
         if s2 is not None:
             logdet = logdet + Z.shape[0] * torch.log(s2)
             quad = quad / s2
-        self.control_variates += 1
+        self.control_variates += schur is None  # the estimate's own family, not a proxy for its error bars
         return logdet, quad
 
     # -- the kernel and its inputs ----------------------------------------------------------------------
