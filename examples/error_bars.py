@@ -2,7 +2,7 @@
 
 1. one value + gradient of -MLL/n with gpnys, its standard errors, and Cholesky's answer beside it;
 2. the same with ``target_rel_error`` (``--accuracy`` on the command line): more probes, smaller errors;
-3. Adam under the one-line switch until the gradient is within 2 standard errors of zero.
+3. Adam under the one-line switch until the gradient is within its noise (the RMS of g / SE at most 1).
 
 Run: python examples/error_bars.py [--n 1500] [--accuracy 3e-3]
 """

@@ -200,7 +200,7 @@ def test_gradient_at_noise():
     assert not gradient_at_noise(model, None)
     assert not gradient_at_noise(model, est)  # far from the optimum: the gradient stands out of the noise
     for name, p in model.named_parameters():
-        p.grad = 0.5 * est.grad_std_error[name] / est.n  # within one SE of zero
+        p.grad = 0.5 * est.grad_std_error[name] / est.n  # half a standard error: pure noise would give more
     assert gradient_at_noise(model, est)
 
 

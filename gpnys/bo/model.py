@@ -247,7 +247,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             user = options.get("callback")
 
             def at_noise(parameters: dict[str, torch.Tensor], result: Any) -> None:
-                # L-BFGS-B ends once the gradient is within 2 standard errors of zero: past that it only chases
+                # L-BFGS-B ends once the gradient is within its noise (RMS of g/SE <= 1): past that it only chases
                 # the estimator's noise (and fails line searches doing so)
                 if user is not None:
                     user(parameters, result)

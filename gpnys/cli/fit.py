@@ -48,7 +48,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "(default auto: AFN paper Algorithm 5)")
     add_estimator_args(p)
     p.add_argument("--no-stop-at-noise", action="store_true",
-                   help="run all --iters even when the gradient is within 2 standard errors of zero (default: stop)")
+                   help="run all --iters even when the gradient is within its noise, RMS of g/SE <= 1 (default: stop)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -327,23 +327,20 @@ def _probes_needed(t: int, se: float, value: float, grad: torch.Tensor | None, g
     return t if ratio <= 1.0 else int(math.ceil(t * ratio**2 * 1.1))
 
 
-def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, z: float = 2.0) -> bool:
+def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, z: float = 1.0) -> bool:
     """Whether the last gradient (the parameters' ``.grad``, of ``L / n`` as ``ExactMarginalLogLikelihood`` gives)
-    is indistinguishable from zero: every component that has a probe term lies within ``z`` of its standard
-    errors of zero. Components without one (a constant mean: exact up to CG) are not tested. ``False`` without
-    an estimate."""
+    is indistinguishable from its noise: the mean of ``(g_p / SE_p)^2`` over the components is at most ``z^2`` (at
+    ``z = 1``, what pure noise gives on average: a chi-square with one degree of freedom per component, divided by
+    their number). A component without a probe term (a constant mean: exact up to CG) is measured against the
+    smallest standard error of the others, so it must be about converged too. ``False`` without an estimate."""
     if estimate is None or not estimate.grad_std_error:
         return False
     named = dict(model.named_parameters())
-    tested = False
-    for name, se in estimate.grad_std_error.items():
-        p = named.get(name)
-        if p is None or p.grad is None:
-            continue
-        has = se > 0
-        if not bool(has.any()):
-            continue
-        tested = True
-        if bool((p.grad.detach().abs() * estimate.n > z * se)[has].any()):
-            return False
-    return tested
+    pairs = [(named[name].grad.detach().reshape(-1), se.reshape(-1)) for name, se in estimate.grad_std_error.items()
+             if name in named and named[name].grad is not None]
+    positive = [se[se > 0] for _, se in pairs]
+    if not pairs or sum(p.numel() for p in positive) == 0:
+        return False
+    floor = float(torch.cat(positive).min())
+    stat = torch.cat([(g.to(se.dtype) * estimate.n / se.clamp_min(floor)).square() for g, se in pairs])
+    return bool(stat.mean() <= z * z)

@@ -193,7 +193,8 @@ class PreconditionerHook(HookPrediction):
         noise = self._noise() if P.diag is not None else self._noise_level()  # the family P was built in
         mu = noise / s2 if s2 is not None else noise
         try:
-            schur = self.settings.control_variate if schur is None else schur
+            own = schur is None  # the estimate's own family, not a proxy for its error bars
+            schur = self.settings.control_variate if own else schur
             kw = {"schur": schur} if isinstance(P, AFNPreconditioner) else {}
             logdet, quad = P.differentiable_terms(base, mu, Z, **kw)
         except (NotImplementedError, torch.linalg.LinAlgError):  # e.g. RAN scaling, or K11 too ill-conditioned
@@ -201,7 +202,7 @@ class PreconditionerHook(HookPrediction):
         if s2 is not None:
             logdet = logdet + Z.shape[0] * torch.log(s2)
             quad = quad / s2
-        self.control_variates += schur is None  # the estimate's own family, not a proxy for its error bars
+        self.control_variates += own
         return logdet, quad
 
     # -- the kernel and its inputs ----------------------------------------------------------------------
