@@ -21,8 +21,10 @@ re-estimating the rank; FPS order and kNN patterns are reused through one
 * ``log det P̂ = n log s² + log det P`` exactly, so ``log det K̂ = log det P̂ + SLQ(P̂^{-1/2} K̂ P̂^{-1/2})``,
 * probes ``z ~ N(0, P̂)`` drawn through the preconditioner's factor (:class:`PreconditionerOperator`).
 
-Estimator settings (CG tolerance, probe count, Lanczos steps) are applied through ``gpytorch.settings``
-inside the context; see :class:`EstimatorSettings`.
+By default the marginal's ``log_prob`` is not GPyTorch's ``InvQuadLogdet`` but gpnys's estimator with the same
+``P̂`` (:mod:`gpnys.gp.estimator`): per-probe terms give every value and gradient a standard error
+(``hook.last_estimate``). Estimator settings (CG tolerance, probe count, Lanczos steps, requested accuracy) are
+applied inside the context; see :class:`EstimatorSettings`.
 """
 
 from __future__ import annotations
