@@ -236,7 +236,8 @@ def test_cli_mll_and_fit_report_error_bars(capsys):
     assert "±" in capsys.readouterr().out
     assert main(["fit", "--data", "concrete", "--n", "150", "--iters", "3", "--k", "30", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["steps"][0]["loss_se"] > 0 and out["iterations"] <= 3 and "stopped" in out
+    assert out["steps"][0]["loss_se"] > 0 and out["steps"][0]["grad_se"] > 0
+    assert out["iterations"] <= 3 and "stopped" in out
 
 
 @pytest.mark.parametrize("argv, flag", [(["--accuracy", "2"], "--accuracy"), (["--max-probes", "1"], "--max-probes"),

@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                 out = {"precond": rec.kind, "rank": rec.rank, "cg_iters": apps}
                 est = hook.last_estimate
                 if est is not None:
-                    out.update(loss_se=est.std_error / est.n, probes=est.probes)
+                    worst = max((float(v.max()) for v in est.grad_std_error.values() if v.numel()), default=0.0)
+                    out.update(loss_se=est.std_error / est.n, grad_se=worst / est.n, probes=est.probes)
                 return out
 
             stop = None if args.no_stop_at_noise or not settings.error_bars else (
