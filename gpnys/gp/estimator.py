@@ -157,9 +157,16 @@ def _jacobian(outputs: list[torch.Tensor], grads: list[torch.Tensor], params: li
                                        allow_unused=True) for j in range(m)]
             rows = tuple(None if per[0][i] is None else torch.stack([r[i] for r in per])
                          for i in range(len(params)))
-        out.append(torch.cat([p.new_zeros(m, p.numel()) if g is None else g.reshape(m, -1)
-                              for g, p in zip(rows, params)], dim=1))
+        out.append(_flatten(rows, params, m))
     return torch.cat(out)
+
+
+def _flatten(grads: tuple[torch.Tensor | None, ...], params: list[torch.Tensor],
+             rows: int | None = None) -> torch.Tensor:
+    """Gradients per parameter (``None``: unused, zero) as one vector, or ``(rows, p)`` for batched ones."""
+    lead = () if rows is None else (rows,)
+    return torch.cat([p.new_zeros(*lead, p.numel()) if g is None else g.reshape(*lead, -1)
+                      for g, p in zip(grads, params)], dim=-1)
 
 
 def _split(vec: torch.Tensor, params: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -195,8 +202,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     target = settings.target_rel_error
     # the inverse quadratic's column rides along with the first probes (same kernel passes), at a tighter
     # tolerance: its gradient -a^T dK a is first order in the solve's error (3e-2 left a 7 % bias in dL/dnoise)
-    tol = settings.cg_tolerance if target is None else min(settings.cg_tolerance, target)
-    tol_r = min(tol, 1e-2 * settings.cg_tolerance)
+    tol_r = 1e-2 * settings.cg_tolerance if target is None else min(target, 1e-2 * settings.cg_tolerance)
     bound = 0.0
     iterations = 0
     a = inv_quad = None
@@ -280,7 +286,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             if tensors:  # the estimate's gradient so far (the rows' mean may use a proxy control variate)
                 g = torch.autograd.grad(_surrogate(cov, reps, a, mean, value, Us, Bs, cv_logdet, cv), tensors,
                                         retain_graph=True, allow_unused=True)
-                grad = torch.cat([p.new_zeros(p.numel()) if x is None else x.reshape(-1) for x, p in zip(g, tensors)])
+                grad = _flatten(g, tensors)
             g_se = J_all.std(0) / math.sqrt(t) if J_all is not None else None
             need = _probes_needed(t, se, value_est, grad, g_se, target)
             if need <= t:
