@@ -152,6 +152,7 @@ class PreconditionerHook(HookPrediction):
         self._seen: tuple[gpytorch.kernels.Kernel, torch.Tensor] | None = None
         self.variance_iterations = 0
         self.variance_method_used: str | None = None
+        self.variance_bound: torch.Tensor | None = None  # (m,) error bound of the latest predict's variances
         #: the last MLL evaluation's :class:`~gpnys.gp.estimator.Estimate` (value and standard errors), and how many
         #: evaluations gave one (``settings.error_bars``)
         self.last_estimate: Estimate | None = None

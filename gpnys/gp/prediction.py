@@ -1,5 +1,5 @@
-"""Predictions of a model under the training hook: the PCG predictive mean and exact-to-tolerance variances
-(:meth:`HookPrediction.predict`), without GPyTorch's dense ``n x n`` prediction cache."""
+"""Predictions of a model under the training hook: the PCG predictive mean and variances with a per-point error
+bound (:meth:`HookPrediction.predict`), without GPyTorch's dense ``n x n`` prediction cache."""
 
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ import torch
 
 from gpnys.budget import block_rows
 from gpnys.gp.discover import same_points, training_kernel
+from gpnys.gp.variance import LocalVariance
 from gpnys.kernels.operator import StationaryKernelOperator
+from gpnys.landmarks import select
 from gpnys.precond.base import safe_cholesky
-from gpnys.solvers.pcg import pcg
+from gpnys.solvers.pcg import PCGResult, pcg
+
+#: landmarks of :class:`~gpnys.gp.variance.LocalVariance` when the preconditioner has none (FSAI, pivoted Cholesky,
+#: a sketched Nyström): the AFN default's k.
+VARIANCE_LANDMARKS = 500
 
 __all__ = ["HookPrediction"]
 
@@ -27,24 +33,30 @@ class HookPrediction:
         The mean is ``m(x) + k_x^T K̂^{-1} (y - m(X))``, one PCG solve with this preconditioner (relative
         residual 1e-6 in float64, 1e-5 in float32; GPyTorch's own prediction cache would form the dense
         ``n x n`` kernel), then test points in blocks of the memory budget. The variance
-        ``k(x, x) - k_x^T K̂^{-1} k_x + noise`` is exact up to a tolerance, by the cheaper of two exact methods
-        (``settings.variance_method = "auto"``; the choice is kept in ``variance_method_used``):
+        ``k(x, x) - k_x^T K̂^{-1} k_x + noise`` comes with a per-point error bound, ``variance_bound`` ``(m,)``,
+        by one of (``settings.variance_method``; the choice is kept in ``variance_method_used``):
 
         * ``"pcg"``: the ``m`` systems ``K̂ B = K(X, test_x)`` by :func:`gpnys.solvers.pcg.pcg` with this
           preconditioner (warm start ``P̂^{-1} k_x``, tolerance ``settings.variance_tolerance``, column blocks of
           ``settings.variance_block``). The variational form ``2 b^T x - x^T K̂ x = b^T K̂^{-1} b - ||e||^2_K̂`` is
-          second order in the error. Cost ``~ 2 n^2 m`` per iteration.
-        * ``"cholesky"``: one Cholesky of ``K̂``, ``n^3/3 + n^2 m`` flops — cheaper than PCG as soon as
-          ``m > n / (3 (2 iters - 1))`` (m > ~130 at n = 15 000 and 20 iterations), and only offered when the
-          dense kernel is already cached (it needs one more ``n x n`` buffer). Training never uses it.
+          second order in the error, bounded by ``||r||² / min σ²``. Cost ``~ 2 n^2 m`` per iteration.
+        * ``"cholesky"``: one Cholesky of ``K̂``, ``n^3/3 + n^2 m`` flops; only offered when the dense kernel is
+          already cached (it needs one more ``n x n`` buffer). Bound 0 (round-off).
+        * ``"cached"``: :class:`gpnys.gp.variance.LocalVariance`, a landmark root built once plus a local
+          correction per point, ``O(n k^2)`` once and ``O(n k)`` per point; approximate, with the bound of that
+          class. With ``settings.variance_rel_error`` set, points whose bound exceeds that share of their variance
+          are recomputed by ``"pcg"``.
+        * ``"auto"``: ``"cached"`` when it costs under a tenth of the cheaper exact method (:func:`_choose`), else
+          that exact method.
 
         A model whose ``forward`` transforms x gets GPyTorch's own predictive variances (the fast paths evaluate
-        ``kernel(X, test_x)`` on the raw inputs). GPyTorch's LOVE was 10 % off in NLL on elevators, so it is
-        not used.
+        ``kernel(X, test_x)`` on the raw inputs; no bound). GPyTorch's LOVE was 10 % off in NLL on elevators, so
+        it is not used.
         """
         model, lik = self.model, self.model.likelihood
         model.eval()
         lik.eval()
+        self.variance_bound = None
         with torch.no_grad(), self.settings.context():
             X = model.train_inputs[0]
             kx = self._kernel_x if self._kernel_x is not None else self._discovered_inputs()
@@ -60,24 +72,44 @@ class HookPrediction:
             kernel = self.kernel
             noise = self._noise().detach()
             n, m = X.shape[0], test_x.shape[0]
-            alpha = self._mean_weights(X)
+            alpha, ritz_min, iters = self._mean_weights(X)
             # test-point blocks: (n, b) kernel columns within the memory budget (GPyTorch holds a few copies)
             block = min(self.settings.variance_block, max(64, block_rows(n, parts=4, device=X.device)))
             if not variance:
                 mean = torch.cat([model.forward(T).mean + kernel(T, X) @ alpha for T in test_x.split(block)])
                 return mean, None
-            iters = max(10.0, self.applications / max(1, self.builds))  # CG iterations per training solve
             method = self.settings.variance_method
-            if method == "auto":
-                cheap = n / 3 + m < 2 * iters * m
-                method = "cholesky" if cheap and op is not None and op._dense() is not None else "pcg"
+            if method in ("auto", "cached"):
+                Z = self._variance_landmarks(op)
+                if method == "auto":
+                    cached = LocalVariance.flops(n, Z.numel(), X.shape[1], m, self.settings.variance_neighbours)
+                    method = _choose(n, m, iters, op._dense() is not None, cached)
+                if method == "cached":
+                    P, s2 = self.preconditioner()
+                    cache = LocalVariance(op.X, kernel, noise, Z, lambda R: P.solve(R) / s2, ritz_min,
+                                          self.settings.variance_neighbours)
             self.variance_method_used = method
-            solve = self._cholesky_quad(op, noise) if method == "cholesky" else self._pcg_quad(X)
-            means, out = [], []
+            solve = self._cholesky_quad(op, noise) if method == "cholesky" else self._pcg_quad(X, noise)
+            means, out, bounds = [], [], []
             for T in test_x.split(block):
                 Kxt = kernel(X, T).to_dense()  # (n, b)
                 means.append(model.forward(T).mean + Kxt.mT @ alpha)
-                out.append((kernel(T, diag=True) - solve(Kxt)).clamp_min(0.0))
+                kxx = kernel(T, diag=True)
+                if method == "cached":
+                    est = cache(T, kxx)
+                    var, bound = est.variance, est.bound
+                    tol = self.settings.variance_rel_error
+                    redo = (bound > tol * var) if tol is not None else torch.zeros_like(var, dtype=torch.bool)
+                    if bool(redo.any()):
+                        q, b = solve(Kxt[:, redo])
+                        var, bound = var.clone(), bound.clone()
+                        var[redo], bound[redo] = (kxx[redo] - q).clamp_min(0.0), b
+                else:
+                    q, bound = solve(Kxt)
+                    var = (kxx - q).clamp_min(0.0)
+                out.append(var)
+                bounds.append(bound)
+        self.variance_bound = torch.cat(bounds)
         # y's variance adds the noise; per-point training noise says nothing about new points, and GPyTorch's
         # FixedNoiseGaussianLikelihood then returns the latent variance: so does this
         return torch.cat(means), torch.cat(out) + (noise if noise.dim() == 0 else 0.0)
@@ -93,35 +125,74 @@ class HookPrediction:
             return None
         return self._seen[1]
 
-    def _mean_weights(self, X: torch.Tensor) -> torch.Tensor:
+    def _mean_weights(self, X: torch.Tensor) -> tuple[torch.Tensor, float, int]:
         """``alpha = K̂^{-1} (y - m(X))`` (``(n,)``) by PCG with this preconditioner: the predictive mean is
-        ``m(x) + k_x^T alpha``. Not GPyTorch's prediction cache, which evaluates the dense ``n x n`` kernel."""
+        ``m(x) + k_x^T alpha``. Not GPyTorch's prediction cache, which evaluates the dense ``n x n`` kernel. Also
+        the smallest Ritz value of ``P̂^{-1} K̂`` from the same run's Lanczos tridiagonal (an estimate of its
+        smallest eigenvalue, for :class:`~gpnys.gp.variance.LocalVariance`) and the iteration count."""
         A, M = self.system(X)
         r = (self.model.train_targets - self.model.forward(X).mean)[:, None]
         tol = 1e-6 if X.dtype == torch.float64 else 1e-5
-        res = pcg(A, r, precond=M, x0=M(r), tol=tol, maxiter=self.settings.max_cg_iterations)
-        return res.x[:, 0]
+        res = pcg(A, r, precond=M, tol=tol, maxiter=self.settings.max_cg_iterations, lanczos=True, miniter=10)
+        return res.x[:, 0], ritz_min(res), res.iterations
 
-    def _pcg_quad(self, X: torch.Tensor) -> Callable:
-        """``B -> diag(B^T K̂^{-1} B)`` by PCG (see :meth:`predict`)."""
+    def _variance_landmarks(self, op: StationaryKernelOperator) -> torch.Tensor:
+        """``(k,)`` landmark rows for :class:`~gpnys.gp.variance.LocalVariance`: the preconditioner's (AFN, column
+        Nyström), else :data:`VARIANCE_LANDMARKS` chosen by AFN's rule (FPS for d <= 10, else uniform)."""
+        P, _ = self.preconditioner()
+        inner = getattr(P, "inner", P)
+        Z = getattr(inner, "landmark_idx", None)
+        Z = getattr(inner, "landmark_indices", None) if Z is None else Z
+        if Z is None:
+            X = op.X
+            k = min(VARIANCE_LANDMARKS, X.shape[0] // 2)
+            Z = select(X / op.lengthscale.detach().reshape(-1), k, "fps" if X.shape[1] <= 10 else "uniform")[1]
+        return Z
+
+    def _pcg_quad(self, X: torch.Tensor, noise: torch.Tensor) -> Callable:
+        """``B -> (diag(B^T K̂^{-1} B), bound)`` by PCG (see :meth:`predict`), each ``(b,)``."""
         A, M = self.system(X)
+        floor = noise.min()
 
-        def quad(B: torch.Tensor) -> torch.Tensor:
+        def quad(B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             res = pcg(A, B, precond=M, x0=M(B),
                       tol=self.settings.variance_tolerance, maxiter=self.settings.max_cg_iterations)
             self.variance_iterations = res.iterations
-            return (B * res.x).sum(0) + (res.x * (B - A(res.x))).sum(0)  # 2 b'x - x'Ax
+            # 2 b'x - x'Ax = b'K̂⁻¹b - r'K̂⁻¹r, and r'K̂⁻¹r <= ||r||² / λ_min(K̂) <= ||r||² / min σ²
+            return (B * res.x).sum(0) + (res.x * res.residual).sum(0), res.residual.square().sum(0) / floor
 
         return quad
 
     def _cholesky_quad(self, op: StationaryKernelOperator, noise: torch.Tensor) -> Callable:
-        """``B -> diag(B^T K̂^{-1} B)`` through one Cholesky of the cached dense ``K̂`` (see :meth:`predict`)."""
+        """``B -> (diag(B^T K̂^{-1} B), 0)`` through one Cholesky of the cached dense ``K̂`` (see :meth:`predict`)."""
         K = op._dense()[0] * op.outputscale.detach()
         K.diagonal().add_(noise)
         L = safe_cholesky(K, "predictive covariance K + noise I")
         del K
 
-        def quad(B: torch.Tensor) -> torch.Tensor:
-            return torch.linalg.solve_triangular(L, B, upper=False).square().sum(0)
+        def quad(B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q = torch.linalg.solve_triangular(L, B, upper=False).square().sum(0)
+            return q, torch.zeros_like(q)
 
         return quad
+
+
+def ritz_min(res: PCGResult) -> float:
+    """Smallest Ritz value of the first column's Lanczos tridiagonal in a ``pcg(..., lanczos=True)`` result
+    (the smallest eigenvalue of ``M^{-1/2} A M^{-1/2}`` is at most this and usually close once CG has run)."""
+    it = int(res.iterations_per_column[0])
+    if it == 0:
+        return 1.0
+    d, e = res.tridiagonal
+    T = torch.diag(d[:it, 0]) + torch.diag(e[:it - 1, 0], 1) + torch.diag(e[:it - 1, 0], -1)
+    return float(torch.linalg.eigvalsh(T)[0])
+
+
+def _choose(n: int, m: int, iters: int, dense: bool, cached: float) -> str:
+    """``"auto"``: flop counts of the exact methods (Cholesky only with the dense kernel cached; PCG at the mean
+    solve's iterations, at least 10) against ``cached`` (:meth:`LocalVariance.flops`); ``"cached"`` below a tenth."""
+    pcg_flops = 2.0 * max(10, iters) * n * n * m
+    exact = min(pcg_flops, n ** 3 / 3 + n * n * m) if dense else pcg_flops
+    if cached * 10 < exact:
+        return "cached"
+    return "cholesky" if dense and n ** 3 / 3 + n * n * m < pcg_flops else "pcg"

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 import gpytorch
 
-__all__ = ["EstimatorSettings"]
+from gpnys.gp.variance import VARIANCE_NEIGHBOURS
+
+__all__ = ["EstimatorSettings", "VARIANCE_METHODS"]
+
+#: predictive variance methods of :meth:`gpnys.gp.hook.PreconditionerHook.predict`
+VARIANCE_METHODS = ("auto", "pcg", "cholesky", "cached")
 
 
 @dataclass
@@ -44,8 +49,11 @@ class EstimatorSettings:
         probe_seed: when set, every MLL evaluation draws its probes from this seed (common random numbers), so
             the estimate is a deterministic function of the hyperparameters — what a quasi-Newton optimiser such as
             BoTorch's L-BFGS-B needs; the global RNG is left untouched. ``None``: fresh probes per call (for Adam).
-        variance_method: ``"auto"``, ``"pcg"`` or ``"cholesky"`` for the predictive variances; variance_tolerance,
-            variance_block: their PCG tolerance and test-point block size (:meth:`PreconditionerHook.predict`).
+        variance_method: ``"auto"``, ``"pcg"``, ``"cholesky"`` or ``"cached"`` for the predictive variances;
+            variance_tolerance, variance_block: their PCG tolerance and test-point block size
+            (:meth:`PreconditionerHook.predict`). variance_neighbours: ``(w, w2)`` of the cached method
+            (:class:`gpnys.gp.variance.LocalVariance`); variance_rel_error: recompute by PCG the cached variances
+            whose error bound exceeds this share of the variance (``None``: keep them, with their bound).
         control_variate: for AFN, ``"diag"`` (cheap, ``O(nk(k + t))``), ``"full"`` (rebuild the FSAI rows with
             autograd, ``O(n w^2 k)``: removes more variance — on concrete, n = 927, l = 2, the worst gradient
             component fell from 5.6 % to 0.3 % — but took 7 s at n = 10000, twice the CG solve), ``"frozen"``
@@ -79,6 +87,8 @@ class EstimatorSettings:
     variance_method: str = "auto"
     variance_tolerance: float = 1e-3
     variance_block: int = 1024
+    variance_neighbours: tuple[int, int] = VARIANCE_NEIGHBOURS
+    variance_rel_error: float | None = None
     probe_seed: int | None = None
     error_bars: bool = True
     target_rel_error: float | None = None
@@ -89,6 +99,10 @@ class EstimatorSettings:
             raise ValueError(f"target_rel_error must be in (0, 1) or None, got {self.target_rel_error!r}")
         if isinstance(self.max_probes, bool) or int(self.max_probes) != self.max_probes or self.max_probes < 2:
             raise ValueError(f"max_probes must be an integer >= 2, got {self.max_probes!r}")
+        if self.variance_method not in VARIANCE_METHODS:
+            raise ValueError(f"variance_method must be one of {VARIANCE_METHODS}, got {self.variance_method!r}")
+        if self.variance_rel_error is not None and not float(self.variance_rel_error) > 0:
+            raise ValueError(f"variance_rel_error must be positive or None, got {self.variance_rel_error!r}")
         if isinstance(self.num_probes, bool) or int(self.num_probes) != self.num_probes or self.num_probes < 1:
             raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
 

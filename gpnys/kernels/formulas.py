@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Formula", "FORMULAS", "formula", "unit_kernel", "k_and_h"]
+__all__ = ["Formula", "FORMULAS", "formula", "unit_kernel", "k_and_h", "k_of_r2"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +112,12 @@ def k_and_h(r2: Any, nu: float | None, tiny: float = 1e-30) -> tuple[Any, Any]:
     if f.singular:
         return k, (c2 * f.q[0]) * e / (a + tiny)
     return k, c2 * (_horner(f.q, a) * e if len(f.q) > 1 else f.q[0] * e)
+
+
+def k_of_r2(r2: Any, nu: float | None) -> Any:
+    """``k`` alone from squared distances ``r2`` (torch tensors): :func:`k_and_h` without the derivative factor."""
+    f = formula(nu)
+    if f.rbf:
+        return (-0.5 * r2).exp()
+    a = f.c * r2.sqrt()
+    return _horner(f.p, a) * (-a).exp() if len(f.p) > 1 else (-a).exp()
