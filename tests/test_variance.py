@@ -1,0 +1,160 @@
+"""Cached predictive variances with per-point error bounds (gpnys.gp.variance, issue 21 part 4)."""
+
+import copy
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys.gp.exact import ExactGPModel, predict
+from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.gp.variance import LocalVariance
+from gpnys.precond.afn import AFNPreconditioner
+
+
+def _model(n=600, d=4, ard=True, dtype=torch.float64, noise=0.05, seed=0, kernel="matern32", fixed=False):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(n, d, generator=g, dtype=torch.float64) * 4
+    y = torch.sin(X).sum(1) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    if fixed:
+        D = noise * (0.5 + torch.rand(n, generator=g, dtype=torch.float64))
+        lik = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(noise=D.to(dtype))
+    else:
+        lik = gpytorch.likelihoods.GaussianLikelihood()
+    m = ExactGPModel(X.to(dtype), y.to(dtype), lik.to(dtype), kernel=kernel, ard=ard).to(dtype)
+    m.covar_module.base_kernel.lengthscale = torch.linspace(0.8, 1.6, d) if ard else 1.2
+    m.covar_module.outputscale = 0.7
+    if not fixed:
+        lik.noise = noise
+    T = torch.rand(200, d, generator=g, dtype=torch.float64).to(dtype) * 4
+    return m, T
+
+
+def _exact_latent(m, T):
+    """The latent posterior variance by a dense Cholesky (float64)."""
+    m64 = copy.deepcopy(m).double()
+    m64.set_train_data(m64.train_inputs[0].double(), m64.train_targets.double(), strict=False)
+    mean, var = predict(m64, T.double())
+    noise = m64.likelihood.noise.detach()
+    return var - (noise if noise.numel() == 1 else 0.0)
+
+
+def _cache(m, k=80, w=(30, 120), lam=None):
+    X = m.train_inputs[0]
+    s2 = m.covar_module.outputscale.detach()
+    noise = m.likelihood.noise.detach()
+    noise = noise[0] if noise.numel() == 1 else noise
+    mu = float(noise.mean() / s2)
+    P = AFNPreconditioner(X, m.covar_module.base_kernel, mu, k=k, w=20)
+    if lam is None:  # the exact smallest eigenvalue of P̂⁻¹ K̂ (the hook estimates it by Lanczos)
+        K = m.covar_module(X).to_dense().detach() + torch.diag(noise.expand(X.shape[0]))
+        Pinv = P.solve(torch.eye(X.shape[0], dtype=X.dtype)) / s2
+        lam = float(torch.linalg.eigvals(Pinv @ K).real.min())
+    return LocalVariance(X, m.covar_module, noise, P.landmark_idx, lambda R: P.solve(R) / s2, lam, w)
+
+
+@pytest.mark.parametrize("kernel,ard", [("matern32", True), ("rbf", False), ("matern52", True), ("matern12", False)])
+def test_cached_variance_against_cholesky(kernel, ard, dtype):
+    """The Galerkin variance is a rigorous upper bound; the estimate is within its bound at every point."""
+    m, T = _model(kernel=kernel, ard=ard, dtype=dtype)
+    ref = _exact_latent(m, T).to(dtype)
+    est = _cache(m)(T)
+    slack = 1e-9 if dtype == torch.float64 else 1e-4
+    assert bool((est.upper >= ref * (1 - slack) - slack).all())
+    err = (est.variance - ref).abs()
+    assert bool((err <= est.bound + slack * ref.abs().max()).all())
+    rel = err / ref
+    # measured medians (n = 600, d = 4, AFN k = 80, w = 30): 0.3 % (3/2), 0.8 % (5/2), 0.06 % (1/2), 5.2 % (RBF)
+    assert float(rel.median()) < (0.1 if kernel == "rbf" else 0.02)
+    assert est.variance.dtype == dtype and est.bound.shape == (200,)
+
+
+def test_cached_variance_per_point_noise():
+    m, T = _model(fixed=True)
+    ref = _exact_latent(m, T)
+    est = _cache(m)(T)
+    assert bool((est.upper >= ref * (1 - 1e-9)).all())
+    assert bool(((est.variance - ref).abs() <= est.bound + 1e-12).all())
+
+
+def test_cached_variance_more_neighbours_is_more_accurate():
+    m, T = _model(n=800)
+    ref = _exact_latent(m, T)
+    errs = [float(((_cache(m, w=w)(T).variance - ref).abs() / ref).median()) for w in ((5, 20), (40, 160))]
+    assert errs[1] < errs[0]
+
+
+def test_cached_variance_is_deterministic():
+    m, T = _model()
+    a, b = _cache(m, lam=0.5)(T), _cache(m, lam=0.5)(T)
+    assert torch.equal(a.variance, b.variance) and torch.equal(a.bound, b.bound)
+
+
+def test_cached_variance_bad_input():
+    m, T = _model(n=200)
+    X = m.train_inputs[0]
+    noise = m.likelihood.noise.detach()[0]
+    Z = torch.arange(20)
+    M = lambda R: R  # noqa: E731
+    with pytest.raises(ValueError, match="neighbours"):
+        LocalVariance(X, m.covar_module, noise, Z, M, 0.5, (0, 10))
+    with pytest.raises(ValueError, match="neighbours"):
+        LocalVariance(X, m.covar_module, noise, Z, M, 0.5, (20, 10))
+    with pytest.raises(ValueError, match="lambda_min"):
+        LocalVariance(X, m.covar_module, noise, Z, M, 0.0)
+    with pytest.raises(ValueError, match="kernel"):
+        LocalVariance(X, gpytorch.kernels.ScaleKernel(gpytorch.kernels.LinearKernel()).double(), noise, Z, M, 0.5)
+    for bad in ({"variance_method": "love"}, {"variance_rel_error": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EstimatorSettings(**bad)
+
+
+def _hook_predict(m, T, **settings):
+    with use_preconditioner(m, "afn", k=100, w=20, settings=EstimatorSettings(**settings)) as hook:
+        mean, var = hook.predict(T)
+    return hook, mean, var
+
+
+def test_hook_cached_method_and_refinement():
+    """hook.predict(variance_method="cached"): bounds cover the error; variance_rel_error recomputes the points
+    whose bound is too wide by PCG, whose bound (||r||² / σ²) is rigorous."""
+    m, T = _model(n=800)
+    mean_ref, var_ref = predict(m, T)
+    hook, mean, var = _hook_predict(m, T, variance_method="cached")
+    assert hook.variance_method_used == "cached"
+    assert float((mean - mean_ref).abs().max()) < 1e-5
+    assert bool(((var - var_ref).abs() <= hook.variance_bound + 1e-10).all())
+    coarse = hook.variance_bound.clone()
+    hook, _, var2 = _hook_predict(m, T, variance_method="cached", variance_rel_error=1e-3, variance_tolerance=1e-8)
+    latent = var_ref - m.likelihood.noise.detach()
+    assert bool((hook.variance_bound <= 1e-3 * latent + 1e-12).all())
+    assert float(((var2 - var_ref) / latent).abs().max()) < 1e-3
+    assert float(hook.variance_bound.max()) < float(coarse.max())
+    hook, _, _ = _hook_predict(m, T, variance_method="pcg")
+    assert bool(((_hook_predict(m, T, variance_method="pcg")[2] - var_ref).abs() <= hook.variance_bound + 1e-9).all())
+
+
+def test_auto_choice():
+    """auto: the cached method where it costs under a tenth of the cheaper exact one (the demo's size), else exact."""
+    from gpnys.gp.prediction import _choose
+
+    def pick(n, m, dense=True):
+        return _choose(n, m, 20, dense, LocalVariance.flops(n, 500, 18, m))
+
+    assert pick(14940, 1659) == "cached"
+    assert pick(3000, 1500) == "cholesky"
+    assert pick(3000, 5, dense=False) == "pcg"
+    assert pick(200000, 1000, dense=False) == "cached"
+    m, T = _model(n=300)
+    hook, _, _ = _hook_predict(m, T[:5], variance_method="auto")
+    assert hook.variance_method_used in ("pcg", "cholesky")
+
+
+@pytest.mark.cuda
+def test_cached_variance_cuda(cuda_device):
+    m, T = _model(n=400)
+    ref = _exact_latent(m, T)
+    m, T = m.to(cuda_device), T.to(cuda_device)
+    est = _cache(m)(T)
+    assert est.variance.device.type == torch.device(cuda_device).type
+    assert bool(((est.variance.cpu() - ref).abs() <= est.bound.cpu() + 1e-10).all())
