@@ -84,3 +84,14 @@ def test_error_bars_example(capsys):
     load("error_bars").main(["--n", "300", "--accuracy", "1e-2", "--iters", "4"])
     out = capsys.readouterr().out
     assert "±" in out and "probes to reach it" in out and "Adam:" in out
+
+
+def test_predictive_variances_example(capsys):
+    """Cached variances: every error within its bound; with a requested accuracy every bound meets it."""
+    res = load("predictive_variances").main(["--n", "1200", "--test", "200", "--rel-error", "0.02"])
+    ref, noise = res.pop("reference"), res.pop("noise")
+    for name, r in res.items():
+        assert bool(((r["variance"] - ref).abs() <= r["bound"] + 1e-10).all()), name
+    refined = res["cached, refined"]
+    assert bool((refined["bound"] <= 0.02 * (refined["variance"] - noise) * (1 + 1e-9)).all())
+    assert "bound / variance" in capsys.readouterr().out

@@ -101,7 +101,10 @@ class HookPrediction:
                     tol = self.settings.variance_rel_error
                     redo = (bound > tol * var) if tol is not None else torch.zeros_like(var, dtype=torch.bool)
                     if bool(redo.any()):
-                        q, b = solve(Kxt[:, redo])
+                        # per-column PCG tolerance whose bound ||r||² / min σ² meets the request
+                        Bc = Kxt[:, redo]
+                        need = (tol * var[redo] * noise.min()).sqrt() / Bc.norm(dim=0).clamp_min(1e-300)
+                        q, b = solve(Bc, need.clamp_max(self.settings.variance_tolerance))
                         var, bound = var.clone(), bound.clone()
                         var[redo], bound[redo] = (kxx[redo] - q).clamp_min(0.0), b
                 else:
@@ -150,13 +153,14 @@ class HookPrediction:
         return Z
 
     def _pcg_quad(self, X: torch.Tensor, noise: torch.Tensor) -> Callable:
-        """``B -> (diag(B^T K̂^{-1} B), bound)`` by PCG (see :meth:`predict`), each ``(b,)``."""
+        """``B -> (diag(B^T K̂^{-1} B), bound)`` by PCG (see :meth:`predict`), each ``(b,)``; an optional per-column
+        relative tolerance ``(b,)`` replaces ``settings.variance_tolerance``."""
         A, M = self.system(X)
         floor = noise.min()
 
-        def quad(B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            res = pcg(A, B, precond=M, x0=M(B),
-                      tol=self.settings.variance_tolerance, maxiter=self.settings.max_cg_iterations)
+        def quad(B: torch.Tensor, tol: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            tol = self.settings.variance_tolerance if tol is None else tol
+            res = pcg(A, B, precond=M, x0=M(B), tol=tol, maxiter=self.settings.max_cg_iterations)
             self.variance_iterations = res.iterations
             # 2 b'x - x'Ax = b'K̂⁻¹b - r'K̂⁻¹r, and r'K̂⁻¹r <= ||r||² / λ_min(K̂) <= ||r||² / min σ²
             return (B * res.x).sum(0) + (res.x * res.residual).sum(0), res.residual.square().sum(0) / floor
