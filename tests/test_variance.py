@@ -158,3 +158,14 @@ def test_cached_variance_cuda(cuda_device):
     est = _cache(m)(T)
     assert est.variance.device.type == torch.device(cuda_device).type
     assert bool(((est.variance.cpu() - ref).abs() <= est.bound.cpu() + 1e-10).all())
+
+
+def test_afn_schur_quad_matches_solve(dtype):
+    """For r vanishing on the landmarks, r^T M^{-1} r = ||G r_2||^2 (the fast remainder of the cached method)."""
+    m, _ = _model(n=300, dtype=dtype)
+    X = m.train_inputs[0]
+    P = AFNPreconditioner(X, m.covar_module.base_kernel, 0.1, k=40, w=10)
+    R = torch.randn(300, 5, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    R[P.landmark_idx] = 0
+    ref = (R * P.solve(R)).sum(0)
+    assert torch.allclose(P.schur_quad(R[P.rest_idx]), ref, rtol=1e-10 if dtype == torch.float64 else 1e-4)

@@ -13,6 +13,7 @@ from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.variance import LocalVariance
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.landmarks import select
+from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import safe_cholesky
 from gpnys.solvers.pcg import PCGResult, pcg
 
@@ -86,8 +87,11 @@ class HookPrediction:
                     method = _choose(n, m, iters, op._dense() is not None, cached)
                 if method == "cached":
                     P, s2 = self.preconditioner()
+                    inner = getattr(P, "inner", P)
+                    quad = ((lambda C: inner.schur_quad(C[inner.rest_idx]) / s2)
+                            if isinstance(inner, AFNPreconditioner) and Z is inner.landmark_idx else None)
                     cache = LocalVariance(op.X, kernel, noise, Z, lambda R: P.solve(R) / s2, ritz_min,
-                                          self.settings.variance_neighbours)
+                                          self.settings.variance_neighbours, quad)
             self.variance_method_used = method
             solve = self._cholesky_quad(op, noise) if method == "cholesky" else self._pcg_quad(X, noise)
             means, out, bounds = [], [], []

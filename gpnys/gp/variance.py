@@ -34,7 +34,8 @@ class VarianceEstimate:
 
     Attributes:
         variance: the estimate ``σ²_G − r̂`` (clamped at 0).
-        bound: per-point error bound ``|σ² − variance| <= bound`` (see :class:`LocalVariance`).
+        bound: per-point error bound ``|σ² − variance| <= bound`` (see :class:`LocalVariance`: rigorous on the upper
+            side, an estimate on the lower).
         upper: the Galerkin variance ``σ²_G >= σ²`` (a rigorous upper bound).
     """
 
@@ -55,9 +56,10 @@ class LocalVariance:
     ``x`` in the length-scale metric. The first term gives ``σ²_G(x) = k(x, x) − k_Sᵀ K̂_SS⁻¹ k_S``, the variance
     given the points ``S`` only, which is never below ``σ²(x)`` (a rigorous upper bound). The remainder
     ``r = cᵀ K̂⁻¹ c >= 0`` is estimated with the preconditioner, ``r̂ = c̃ᵀ P̂⁻¹ c̃``, with ``c`` restricted to the
-    ``w2`` nearest non-landmarks (``c`` decays away from ``x``). The estimate is ``σ²_G − r̂`` and the bound is
-    ``r̂ max(1, 1/λ − 1)``, with ``λ <= 1`` a lower estimate of the spectrum of ``P̂⁻¹ K̂`` (for a full ``c``,
-    ``cᵀ K̂⁻¹ c`` lies in ``[r̂ / λ_max, r̂ / λ_min]``; the Lanczos run of the mean solve gives ``λ_min``).
+    ``w2`` nearest non-landmarks (``c`` decays away from ``x``). The estimate is ``σ²_G − r̂``; the remainder is at
+    most ``r_max = min(r̂ / λ, ||c̃||² / min σ²)`` (for a full ``c``, ``cᵀ K̂⁻¹ c`` lies in ``[r̂ / λ_max, r̂ / λ_min]``
+    and below ``||c||² / λ_min(K̂)``; ``λ <= 1`` estimates ``λ_min(P̂⁻¹ K̂)``, from the mean solve's Lanczos run), and
+    the bound is ``max(r̂, r_max − r̂)``: rigorous above (``σ²_G``), an estimate below (``c̃`` for ``c``).
 
     Storage trick. The landmark root ``F = L_Z⁻¹ K̂_{Z,X}`` (``k x n``, ``L_Z L_Zᵀ = K̂_ZZ``) is built once
     (``k² n`` flops; LOVE-style, but from the landmarks instead of one Lanczos vector, which in measurements barely
@@ -71,13 +73,16 @@ class LocalVariance:
         noise: ``σ²`` (0-dim) or per-point ``(n,)``.
         landmarks: ``(k,)`` long, distinct rows of ``X``.
         precond: ``R -> P̂⁻¹ R`` for ``(n, t)`` blocks.
+        quad: optional ``C -> diag(Cᵀ P̂⁻¹ C)`` for ``C (n, t)`` that vanishes on the landmarks (cheaper than
+            ``precond`` for AFN: :meth:`~gpnys.precond.afn.AFNPreconditioner.schur_quad`).
         lambda_min: lower estimate of the smallest eigenvalue of ``P̂⁻¹ K̂`` (values above 1 count as 1).
         neighbours: ``(w, w2)``, ``1 <= w <= w2 <= n - k``; clipped to ``n - k``.
     """
 
     def __init__(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, noise: torch.Tensor,
                  landmarks: torch.Tensor, precond: Callable[[torch.Tensor], torch.Tensor], lambda_min: float,
-                 neighbours: tuple[int, int] = VARIANCE_NEIGHBOURS) -> None:
+                 neighbours: tuple[int, int] = VARIANCE_NEIGHBOURS,
+                 quad: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         n = X.shape[0]
         w, w2 = neighbours
         validate_count(w, "neighbours[0]", 1, n)
@@ -89,7 +94,8 @@ class LocalVariance:
         base, s2 = split_outputscale(kernel)
         if not supported(base):
             raise ValueError(f"kernel must be an RBF or Matérn kernel (under a ScaleKernel), got {type(base).__name__}")
-        self.X, self.precond, self.nu, self.s2 = X, precond, _nu(base), s2
+        self.X, self.nu, self.s2 = X, _nu(base), s2
+        self.quad = quad if quad is not None else (lambda C: (C * precond(C)).sum(0))
         self.ls = base.lengthscale.detach().reshape(-1).to(X.dtype)  # (1,) or (d,)
         self.Xs = X / self.ls  # (n, d) in length-scale units: the kernel's and the neighbours' metric
         self.noise = noise.expand(n) if noise.dim() == 0 else noise
@@ -99,7 +105,8 @@ class LocalVariance:
         self.rest = rest.nonzero().squeeze(1)
         self.w2 = min(w2, self.rest.numel())
         self.w = min(w, self.w2)
-        self.factor = max(1.0, 1.0 / min(float(lambda_min), 1.0) - 1.0)
+        self.lam = min(float(lambda_min), 1.0)
+        self.noise_min = float(self.noise.min())
         with torch.no_grad():
             Z = self.Xs[landmarks]
             Kzz = self._k(Z, Z)
@@ -132,10 +139,13 @@ class LocalVariance:
             parts = [self._block(T[i:i + b]) for i in range(0, T.shape[0], b)]
             upper = kxx - torch.cat([p[0] for p in parts])
             r = torch.cat([p[1] for p in parts]).clamp_min(0.0)
-        return VarianceEstimate((upper - r).clamp_min(0.0), r * self.factor, upper)
+            # cᵀK̂⁻¹c <= min(r̂ / λ_min, ||c||² / min σ²); the estimate is σ²_G − r̂ and σ²_G is an upper bound
+            r_max = torch.minimum(r / self.lam, torch.cat([p[2] for p in parts]) / self.noise_min)
+            bound = torch.maximum(r, r_max - r)
+        return VarianceEstimate((upper - r).clamp_min(0.0), bound, upper)
 
-    def _block(self, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_Sᵀ K̂_SS⁻¹ k_S, r̂)`` for a block of scaled points ``T (b, d)``, each ``(b,)``."""
+    def _block(self, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(k_Sᵀ K̂_SS⁻¹ k_S, r̂, ||c̃||²)`` for a block of scaled points ``T (b, d)``, each ``(b,)``."""
         X, F, w = self.Xs, self.F, self.w
         b, n = T.shape[0], X.shape[0]
         dist = torch.cdist(T, X[self.rest])
@@ -154,4 +164,4 @@ class LocalVariance:
         c = c0 - (S2 @ u)[..., 0]  # remainder on N2 (zero on N up to round-off)
         C = X.new_zeros(n, b)
         C.scatter_(0, N2.T, c.T)
-        return quad, (C * self.precond(C)).sum(0)
+        return quad, self.quad(C), c.square().sum(1)

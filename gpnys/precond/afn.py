@@ -166,6 +166,12 @@ class AFNPreconditioner(Preconditioner):
         s1 = torch.linalg.solve_triangular(self.L.mT, w1 - thin_matmul(self.V.mT, s2), upper=True)
         return self._merge(s1, s2)
 
+    def schur_quad(self, R2: torch.Tensor) -> torch.Tensor:
+        """``r^T M^{-1} r = ||G r_2||^2`` per column for ``r`` that vanishes on the landmarks, given by its
+        non-landmark rows ``R2 = R[rest_idx]`` (``(n-k, t)``): ``M^{-1}``'s lower-right block is ``G^T G``, so the
+        ``L`` and ``V`` parts of :meth:`solve` drop out. ``(t,)``"""
+        return self.factor.mm(R2).square().sum(0)
+
     def _matmul(self, R: torch.Tensor) -> torch.Tensor:
         r1, r2 = self._split(R)
         u1 = self.L.mT @ r1 + thin_matmul(self.V.mT, r2)  # R_f^T r
