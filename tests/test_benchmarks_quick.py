@@ -155,3 +155,18 @@ def test_error_bars_quick(tmp_path):
     assert cov["loss"] >= 0.5 and min(cov["grad"].values()) >= 0.5  # a loose floor at 6 seeds; RESULTS has 20
     assert out["accuracy"]["median_probes"] >= 16 and out["accuracy"]["share_within"] >= 0.5
     assert (tmp_path / "eb.png").exists() and len(out["hand_tuned"]) == 2
+
+
+def test_variances_quick(tmp_path):
+    res = load("variances").main(["--quick", "--out", str(tmp_path / "var.json")])
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["cached"]["covered"] == 1.0 and rows["cholesky"]["rel_err_max"] == 0.0
+    assert (tmp_path / "var.png").exists()
+
+
+def test_frontier_quick(tmp_path):
+    res = load("frontier").main(["--quick", "--out", str(tmp_path / "fr.json")])
+    case = res["cases"][0]
+    assert {r["method"] for r in case["rows"]} >= {"gpnys", "gpytorch"}
+    assert all("loss_rel_error" in r for r in case["rows"] if r["method"] == "gpnys")
+    assert set(case["checks"]) == {"loss_rel_error", "grad_rel_error"} and (tmp_path / "fr.png").exists()
