@@ -169,3 +169,19 @@ def test_afn_schur_quad_matches_solve(dtype):
     R[P.landmark_idx] = 0
     ref = (R * P.solve(R)).sum(0)
     assert torch.allclose(P.schur_quad(R[P.rest_idx]), ref, rtol=1e-10 if dtype == torch.float64 else 1e-4)
+
+
+def test_cli_fit_variance_flags(capsys):
+    import json
+
+    from gpnys.cli.main import main
+
+    argv = ["fit", "--data", "concrete", "--n", "200", "--iters", "2", "--k", "40", "--json"]
+    assert main([*argv, "--variance-method", "cached"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["variance_method"] == "cached" and 0 < out["variance_rel_bound_median"] <= out["variance_rel_bound_max"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--variance-rel-error", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--variance-rel-error" in err[0]
