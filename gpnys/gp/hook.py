@@ -153,6 +153,7 @@ class PreconditionerHook(HookPrediction):
         self.variance_iterations = 0
         self.variance_method_used: str | None = None
         self.variance_bound: torch.Tensor | None = None  # (m,) error bound of the latest predict's variances
+        self.prediction_time: dict[str, float] = {}  # seconds of the latest predict: total and variances alone
         #: the last MLL evaluation's :class:`~gpnys.gp.estimator.Estimate` (value and standard errors), and how many
         #: evaluations gave one (``settings.error_bars``)
         self.last_estimate: Estimate | None = None
