@@ -49,7 +49,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "(default auto: AFN paper Algorithm 5)")
     add_estimator_args(p)
     p.add_argument("--variance-method", choices=VARIANCE_METHODS, default="auto",
-                   help="predictive variances: cached (landmark root + local correction, with a per-point error bound), "
+                   help="predictive variances: cached (landmark root + local correction, per-point error bound), "
                         "pcg or cholesky (exact); auto: cached when it costs under a tenth of the cheaper exact one")
     p.add_argument("--variance-rel-error", type=float, default=None, metavar="REL",
                    help="recompute by PCG the cached variances whose error bound exceeds REL of the variance")

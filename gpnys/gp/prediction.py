@@ -54,8 +54,8 @@ class HookPrediction:
 
         A model whose ``forward`` transforms x gets GPyTorch's own predictive variances (the fast paths evaluate
         ``kernel(X, test_x)`` on the raw inputs; no bound). ``prediction_time``: ``{"total_s", "variance_s"}`` of
-        the latest call (the variances alone: cache, evaluation, solves). GPyTorch's LOVE was 10 % off in NLL on elevators, so
-        it is not used.
+        the latest call (the variances alone: cache, evaluation, solves). GPyTorch's LOVE was 10 % off in NLL on
+        elevators, so it is not used.
         """
         model, lik = self.model, self.model.likelihood
         model.eval()
