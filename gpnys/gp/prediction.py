@@ -77,7 +77,7 @@ class HookPrediction:
             kernel = self.kernel
             noise = self._noise().detach()
             n, m = X.shape[0], test_x.shape[0]
-            alpha, ritz_min, iters = self._mean_weights(X)
+            alpha, lam, iters = self._mean_weights(X)
             t_var = 0.0  # seconds spent on the variances alone (cache, evaluation, solves)
             # test-point blocks: (n, b) kernel columns within the memory budget (GPyTorch holds a few copies)
             block = min(self.settings.variance_block, max(64, block_rows(n, parts=4, device=X.device)))
@@ -96,7 +96,7 @@ class HookPrediction:
                     inner = getattr(P, "inner", P)
                     quad = ((lambda C: inner.schur_quad(C[inner.rest_idx]) / s2)
                             if isinstance(inner, AFNPreconditioner) and Z is inner.landmark_idx else None)
-                    cache = LocalVariance(op.X, kernel, noise, Z, lambda R: P.solve(R) / s2, ritz_min,
+                    cache = LocalVariance(op.X, kernel, noise, Z, lambda R: P.solve(R) / s2, lam,
                                           self.settings.variance_neighbours, quad)
             self.variance_method_used = method
             solve = self._cholesky_quad(op, noise) if method == "cholesky" else self._pcg_quad(X, noise)
