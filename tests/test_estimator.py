@@ -10,7 +10,7 @@ import torch
 from helpers import points
 
 from gpnys.cli.main import main
-from gpnys.gp.estimator import gradient_at_noise, slq_terms
+from gpnys.gp.estimator import _jacobian, _jacobian_by_columns, gradient_at_noise, slq_terms
 from gpnys.gp.exact import ExactGPModel, fit
 from gpnys.gp.hook import EstimatorSettings, use_preconditioner
 from gpnys.gp.mll import evaluate
@@ -78,13 +78,15 @@ def test_slq_terms_pad_columns_of_different_lengths():
     assert float(err2[1]) > float(err2[0])  # the truncated run has the larger quadrature change
 
 
+@pytest.mark.parametrize("ard", [True, False])
 @pytest.mark.parametrize("nu", [None, 1.5])
 @pytest.mark.parametrize("dense", [True, False])
-def test_column_derivatives_equal_one_bilinear_derivative_per_column(nu, dense):
+def test_column_derivatives_equal_one_bilinear_derivative_per_column(nu, dense, ard):
     X = points(200, 3, seed=3)
-    base = (gpytorch.kernels.RBFKernel(ard_num_dims=3) if nu is None
-            else gpytorch.kernels.MaternKernel(nu, ard_num_dims=3)).double()
-    base.lengthscale = torch.tensor([0.5, 1.0, 2.0], dtype=F64)
+    dims = 3 if ard else None  # isotropic: the (A o R^2) V fast path of TorchTiles.column_sums
+    base = (gpytorch.kernels.RBFKernel(ard_num_dims=dims) if nu is None
+            else gpytorch.kernels.MaternKernel(nu, ard_num_dims=dims)).double()
+    base.lengthscale = torch.tensor([0.5, 1.0, 2.0] if ard else [0.9], dtype=F64)
     s2 = torch.tensor(1.7, dtype=F64)
     op = StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache={},
                                   dense_limit_bytes=1 << 40 if dense else 0, prune_tol=0)
@@ -95,6 +97,53 @@ def test_column_derivatives_equal_one_bilinear_derivative_per_column(nu, dense):
         _, rs, rl = op._bilinear_derivative(U[:, j : j + 1], V[:, j : j + 1])
         torch.testing.assert_close(ds[j], rs, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(dl[j], rl, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_jacobian_by_columns_equals_rows_through_a_preconditioner_build(dtype):
+    """The reverse-over-reverse Jacobian (few parameters, many probes) against one backward pass per probe, on
+    the Nyström control variate's per-probe terms (a Cholesky, triangular solves and GPyTorch's RBF Function)."""
+    X = points(300, 3, dtype=dtype, seed=5)
+    kern = gpytorch.kernels.RBFKernel().to(dtype)
+    kern.lengthscale = 0.7
+    noise = torch.tensor(0.3, dtype=dtype, requires_grad=True)
+    idx = torch.randperm(300, generator=torch.Generator().manual_seed(6))[:40]
+    Y = kern(X, X[idx]).to_dense() + 1e-6 * torch.eye(300, 40, dtype=dtype)
+    C = torch.linalg.cholesky(0.5 * (Y[idx] + Y[idx].mT))
+    B = torch.linalg.solve_triangular(C.mT, Y, upper=True, left=False)
+    Z = torch.randn(300, 12, generator=torch.Generator().manual_seed(7), dtype=F64).to(dtype)
+    M = torch.linalg.cholesky(noise * torch.eye(40, dtype=dtype) + B.mT @ B)
+    quad = (Z.square().sum(0) - torch.linalg.solve_triangular(M, B.mT @ Z, upper=False).square().sum(0)) / noise
+    params = [kern.raw_lengthscale, noise]
+    eye = torch.eye(12, dtype=dtype)
+    J = _jacobian_by_columns([quad], [eye], params, 12)
+    rows = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(quad[j], params, retain_graph=True)])
+                        for j in range(12)])
+    tol = 1e-10 if dtype == F64 else 2e-4
+    torch.testing.assert_close(J, rows, rtol=tol, atol=tol * float(rows.abs().max()))
+    torch.testing.assert_close(_jacobian([quad], [eye], params, 12), J)  # the dispatcher picks it: 2 + 1 < 12
+
+
+class _CutsTheGraph(torch.autograd.Function):
+    """``x -> 2x`` whose backward hides its dependence on the incoming gradient from a second differentiation."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return 2 * grad.detach()
+
+
+def test_jacobian_falls_back_to_rows_when_a_backward_cuts_the_graph():
+    a = torch.tensor([1.0, 2.0], dtype=F64, requires_grad=True)
+    out = torch.stack([_CutsTheGraph.apply(a[0]) + a[1] ** 2, a[0] * a[1]] * 4)  # (8,), two parameters
+    eye = torch.eye(8, dtype=F64)
+    with pytest.raises(RuntimeError, match="sum to the gradient"):
+        _jacobian_by_columns([out], [eye], [a], 8)
+    ref = torch.tensor([[2.0, 4.0], [2.0, 1.0]] * 4, dtype=F64)
+    torch.testing.assert_close(_jacobian([out], [eye], [a], 8), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])

@@ -140,11 +140,22 @@ def _column_rep_grads(op: LinearOperator, U: torch.Tensor, V: torch.Tensor) -> l
 
 def _jacobian(outputs: list[torch.Tensor], grads: list[torch.Tensor], params: list[torch.Tensor],
               t: int, chunk: int = 16) -> torch.Tensor:
-    """Rows ``j``: ``Σ_o grads[o][j] · ∂outputs[o]/∂params``, flattened over the parameters: ``(t, p)``. Batched
-    backward passes of ``chunk`` rows each (a batch holds ``chunk`` copies of the graph's buffers)."""
+    """Rows ``j``: ``Σ_o grads[o][j] · ∂outputs[o]/∂params``, flattened over the parameters: ``(t, p)``.
+
+    With fewer parameter entries ``p`` than rows, by reverse-over-reverse: ``g(u) = Σ_j u_j rows_j`` is one
+    backward pass with ``create_graph``, linear in ``u``, and column ``c`` of the result is ``∂g_c/∂u`` — ``p + 1``
+    passes instead of ``t`` (the AFN / Nyström control variate's rows cost a backward through the ``n x k`` build
+    each: 12 s of a 23 s evaluation at n = 10 000, k = 245, t = 32). Otherwise (or where an op has no double
+    backward) batched backward passes of ``chunk`` rows each (a batch holds ``chunk`` copies of the graph's
+    buffers)."""
     width = sum(p.numel() for p in params)
     if not outputs:
         return params[0].new_zeros(t, width) if params else torch.zeros(t, 0)
+    if width + 1 < t:
+        try:
+            return _jacobian_by_columns(outputs, grads, params, t)
+        except (RuntimeError, NotImplementedError):
+            pass  # no double backward somewhere in the graph: by rows
     out = []
     for a in range(0, t, chunk):
         gs = [g[a : a + chunk] for g in grads]
@@ -159,6 +170,32 @@ def _jacobian(outputs: list[torch.Tensor], grads: list[torch.Tensor], params: li
                          for i in range(len(params)))
         out.append(_flatten(rows, params, m))
     return torch.cat(out)
+
+
+def _jacobian_by_columns(outputs: list[torch.Tensor], grads: list[torch.Tensor], params: list[torch.Tensor],
+                         t: int) -> torch.Tensor:
+    """:func:`_jacobian` a column at a time (reverse-over-reverse, its docstring). ``g`` is taken at ``u = 1``:
+    being linear, ``g(1)`` is the sum of the rows, which checks the columns (a custom backward that cuts the graph
+    to ``u`` would drop terms silently); a mismatch raises ``RuntimeError``."""
+    g0 = grads[0]
+    u = torch.ones(t, dtype=g0.dtype, device=g0.device, requires_grad=True)
+    weighted = [torch.tensordot(u.to(g.dtype), g, dims=1) for g in grads]  # Σ_j u_j grads[o][j]
+    g = torch.autograd.grad(outputs, params, grad_outputs=weighted, retain_graph=True, create_graph=True,
+                            allow_unused=True)
+    flat = _flatten(g, params)
+    zero = torch.zeros(t, dtype=flat.dtype, device=flat.device)
+    cols = []
+    for c in range(flat.numel()):
+        col = None
+        if flat[c].requires_grad:
+            (col,) = torch.autograd.grad(flat[c], u, retain_graph=True, allow_unused=True)
+        cols.append(zero if col is None else col.to(flat.dtype))
+    J = torch.stack(cols, 1).detach()
+    total = flat.detach()
+    rtol = max(1e-6, 1e3 * torch.finfo(total.dtype).eps)  # rounding of a t-term sum
+    if not torch.allclose(J.sum(0), total, rtol=rtol, atol=rtol * float(total.abs().max())):
+        raise RuntimeError("reverse-over-reverse Jacobian does not sum to the gradient")
+    return J
 
 
 def _flatten(grads: tuple[torch.Tensor | None, ...], params: list[torch.Tensor],

@@ -271,20 +271,21 @@ class StationaryKernelOperator(LinearOperator):
         (t, *lengthscale.shape))``. One pass on the torch tiles (:meth:`TorchTiles.column_sums`); another backend
         answers column by column. The per-probe terms of the trace estimator, for its standard error."""
         U, V = U.detach(), V.detach()
+        ls = self.lengthscale.detach()
+        iso = ls.numel() == 1
         if self._dense() is not None:
             _, Z, tiles = self._pass()
-            s, g = TorchTiles.column_sums(Z, tiles, U, V)
+            s, g = TorchTiles.column_sums(Z, tiles, U, V, iso)
         else:
             perm, Z, plan = self._working()
             if perm is not None:
                 U, V = U[perm], V[perm]
             if isinstance(self.backend, TorchTiles):
-                s, g = TorchTiles.column_sums(Z, self.tiles.tiles(Z, plan), U, V)
+                s, g = TorchTiles.column_sums(Z, self.tiles.tiles(Z, plan), U, V, iso)
             else:
                 pairs = [self.backend.derivative_sums(Z, U[:, j : j + 1], V[:, j : j + 1], plan)
                          for j in range(U.shape[1])]
                 s, g = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-        ls = self.lengthscale.detach()
         d_s2 = s.to(Z.dtype).reshape(-1, *self.outputscale.shape)
         d_ls = -self.outputscale.detach() * g.to(Z.dtype) / ls.reshape(1, -1)
         if ls.numel() == 1:

@@ -153,22 +153,27 @@ class TorchTiles(KernelBackend):
         return s, g
 
     @staticmethod
-    def column_sums(Z: torch.Tensor, tiles: Iterator[Tile], U: torch.Tensor,
-                    V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def column_sums(Z: torch.Tensor, tiles: Iterator[Tile], U: torch.Tensor, V: torch.Tensor,
+                    isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`weighted_sums` for each rank-one weight ``W_j = u_j v_j^T`` separately, in one pass:
         ``s_j = u_j^T K v_j`` (``(t,)``) and ``g_jd = sum_ik u_ij v_kj A_ik (z_id - z_kd)^2`` (``(t, d)``), from
         the products ``A V``, ``A^T U`` and ``A (z_d o V)`` (``O(n^2 t (d + 3))`` flops, no ``(b, n, t)``
-        temporary); in at least float64."""
+        temporary); in at least float64. ``isotropic``: only ``sum_d g_jd`` is needed (``(t, 1)``), from
+        ``(A o R^2) V`` with ``R^2`` the tile's squared distances: ``O(n^2 t)`` flops, ``d`` times fewer."""
         acc = torch.promote_types(Z.dtype, torch.float64)
         t, d = U.shape[1], Z.shape[1]
         s = Z.new_zeros(t, dtype=acc)
-        g = Z.new_zeros(t, d, dtype=acc)
+        g = Z.new_zeros(t, 1 if isotropic else d, dtype=acc)
         for rows, cols, Kt, Ht, Zr, Zc in tiles:
             Ur, Vc = U[rows].to(acc), V[cols].to(acc)
             Kt = Kt.to(acc)
             s += (Ur * (Kt @ Vc)).sum(0)
             A = -Kt if Ht is None else Ht.to(acc)  # RBF: H = -K
             Zr, Zc = Zr.to(acc), Zc.to(acc)
+            if isotropic:  # A o R^2, R^2 in the expanded form (accumulated in float64, as above)
+                R2 = torch.addmm(Zc.square().sum(1)[None, :], Zr, Zc.mT, alpha=-2.0).add_(Zr.square().sum(1)[:, None])
+                g[:, 0] += (Ur * ((A * R2.clamp_(min=0.0)) @ Vc)).sum(0)
+                continue
             AZV = (A @ (Zc[:, :, None] * Vc[:, None, :]).reshape(Zc.shape[0], d * t)).view(-1, d, t)
             g += ((Ur * (A @ Vc)).mT @ Zr.square() + (Vc * (A.mT @ Ur)).mT @ Zc.square()
                   - 2.0 * torch.einsum("it,id,idt->td", Ur, Zr, AZV))
