@@ -170,3 +170,11 @@ def test_frontier_quick(tmp_path):
     assert {r["method"] for r in case["rows"]} >= {"gpnys", "gpytorch"}
     assert all("loss_rel_error" in r for r in case["rows"] if r["method"] == "gpnys")
     assert set(case["checks"]) == {"loss_rel_error", "grad_rel_error"} and (tmp_path / "fr.png").exists()
+    # --refresh gpnys re-measures gpnys only: the peers' rows are the first run's, the case stays one case
+    again = load("frontier").main(["--quick", "--out", str(tmp_path / "fr.json"), "--refresh", "gpnys"])
+    assert len(again["cases"]) == 1
+    kept = [r for r in again["cases"][0]["rows"] if r["method"] != "gpnys"]
+    assert kept == [dict(r, command=r["command"]) for r in case["rows"] if r["method"] != "gpnys"]
+    fresh = [r for r in again["cases"][0]["rows"] if r["method"] == "gpnys"]
+    assert len(fresh) == len([r for r in case["rows"] if r["method"] == "gpnys"])
+    assert all("--refresh" in r["command"] for r in fresh)
