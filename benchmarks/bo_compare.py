@@ -10,7 +10,13 @@ Then the posterior check: the gpnys model takes SingleTaskGP's fitted hyperparam
 An untimed warm-up fit on 64 points runs first (torch imports its symbolic-shape machinery on the first
 broadcast, ~1-10 s, once per process).
 
+``--warm-from DIR`` times a *warm* iteration instead (issue 21's target): each model's campaign checkpoint of
+``examples/bo_large_n.py`` (data after its last iteration, hyperparameters from its last fit) starts the fit, as
+the next iteration of that loop would (gpnys without its subset start, as the loop does), for each seed of
+``--seeds``; JSON ``bo_compare_warm_n{n}.json``.
+
 Run:  python benchmarks/bo_compare.py --n 5000 --threads 2     (quiet machine)
+      python benchmarks/bo_compare.py --warm-from benchmarks/results/bo_loop_ckpt --seeds 0,1,2 --threads 2
       python benchmarks/bo_compare.py --quick                    (n = 150, gpnys forced on; the tests run it)
 """
 
@@ -61,6 +67,40 @@ def one_iteration(model, Y: torch.Tensor, args, timeout: float | None) -> dict:
     return rec
 
 
+def warm_iterations(args) -> dict:
+    """``--warm-from``: one warm iteration per model and seed from the loop's checkpoints (module docstring)."""
+    res: dict = {"n_init": args.n, "num_restarts": args.num_restarts, "raw_samples": args.raw_samples,
+                 "threads": torch.get_num_threads(), "machine": platform.platform(), "warm_from": args.warm_from,
+                 "seeds": {}}
+    for seed in [int(v) for v in args.seeds.split(",") if v]:
+        per = {}
+        for name in args.methods.split(","):
+            saved = torch.load(Path(args.warm_from) / f"{name}_n{args.n}_q1_seed{seed}.pt", weights_only=False)
+            X, Y = saved["X"], saved["Y"]
+            torch.manual_seed(seed)
+            model = (SingleTaskGP(X, Y) if name == "singletask" else
+                     PreconditionedSingleTaskGP(X, Y, max_cholesky_size=args.max_cholesky_size, fit_subset=None))
+            model.load_state_dict(saved["state"], strict=False)
+            per[name] = dict(one_iteration(model, Y, args, None), n=X.shape[0], start_iteration=len(saved["records"]))
+            r = per[name]
+            print(f"seed {seed} {name:>10}: n = {r['n']}, warm fit {r['fit_s']:7.2f} s, qLogEI {r['acq_s']:6.2f} s, "
+                  f"total {r['total_s']:7.2f} s", flush=True)
+        if {"singletask", "gpnys"} <= set(per):
+            per["time_ratio"] = per["gpnys"]["total_s"] / per["singletask"]["total_s"]
+            print(f"seed {seed}: gpnys / SingleTaskGP warm iteration {per['time_ratio']:.3f}", flush=True)
+        res["seeds"][str(seed)] = per
+    both = [v for v in res["seeds"].values() if "time_ratio" in v]
+    if both:
+        res["time_ratio_mean_iteration"] = (sum(v["gpnys"]["total_s"] for v in both)
+                                            / sum(v["singletask"]["total_s"] for v in both))
+        print(f"mean warm iteration, gpnys / SingleTaskGP: {res['time_ratio_mean_iteration']:.3f}")
+    path = Path(args.out) if args.out else RESULTS / f"bo_compare_warm_n{args.n}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}")
+    return res
+
+
 def posterior_check(ref: SingleTaskGP, model: PreconditionedSingleTaskGP, n_test: int, seed: int) -> dict:
     """Mean / variance of ``model`` with ``ref``'s hyperparameters vs ``ref`` at ``n_test`` random points."""
     model.load_state_dict(ref.state_dict())
@@ -106,7 +146,7 @@ def plot(res: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--n", type=int, default=None, help="training points (default 5000; --quick: 150)")
     ap.add_argument("--n-test", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default="singletask,gpnys")
@@ -116,10 +156,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--singletask-timeout", type=float, default=None,
                     help="stop SingleTaskGP's L-BFGS-B after this many seconds (its time is then a lower bound)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--warm-from", default=None, help="checkpoint directory of examples/bo_large_n.py: time a warm "
+                    "iteration from each model's last state")
+    ap.add_argument("--seeds", default="0,1,2", help="campaign seeds for --warm-from")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    args.n = args.n or (150 if args.quick else 5000)
     if args.quick:
-        args.n, args.n_test, args.num_restarts, args.raw_samples = 150, 100, 2, 16
+        args.n_test, args.num_restarts, args.raw_samples = 100, 2, 16
         args.max_cholesky_size = 0 if args.max_cholesky_size is None else args.max_cholesky_size
     threads = torch.get_num_threads()
     if args.threads:
@@ -127,6 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
     f = Hartmann(dim=6, negate=True)
     Xw = torch.rand(64, 6, dtype=torch.float64)
     fit_gpytorch_mll(ExactMarginalLogLikelihood(*(lambda m: (m.likelihood, m))(SingleTaskGP(Xw, f(Xw)[:, None]))))
+    if args.warm_from:
+        res = warm_iterations(args)
+        torch.set_num_threads(threads)
+        return res
     X = SobolEngine(6, scramble=True, seed=args.seed).draw(args.n, dtype=torch.float64)
     Y = f(X).unsqueeze(-1)
     models = {"singletask": lambda: SingleTaskGP(X, Y),

@@ -8,6 +8,7 @@ the preconditioner inexact so PCG really iterates.
 
 import math
 import warnings
+from pathlib import Path
 
 import gpytorch
 import pytest
@@ -32,7 +33,7 @@ from gpnys.bo import PreconditionedSingleTaskGP
 from helpers import load_script
 
 USES_BOTORCH = True  # conftest: run under BoTorch's global GPyTorch settings
-PRECOND = {"k": 40, "w": 10}  # k < n: an inexact preconditioner, so PCG iterates
+PRECOND = {"k": 40, "w": 10, "posterior_cholesky_size": 0}  # k < n: an inexact preconditioner, so PCG iterates
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
@@ -195,6 +196,42 @@ def test_posterior_gradient_matches_single_task_gp():
         grads.append(x.grad)
     assert model.posterior_iterations > 0 and model.hook().builds >= 1
     assert_rel(grads[1], grads[0], 1e-5, "d(mean + variance)/dX")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_posterior_cholesky_below_its_threshold(cholesky_shapes, dtype):
+    """Up to ``posterior_cholesky_size`` the posterior is BoTorch's exact path: one n x n factorisation for all the
+    calls at fixed hyperparameters, mean / variance / joint covariance / gradient as SingleTaskGP's; training
+    still forms none; above the threshold PCG again."""
+    n, d = 250, 4
+    X, Y = data(n, d, dtype=dtype, seed=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BoTorch's InputDataWarning about float32
+        ref, model = pair(X, Y, posterior_cholesky_size=n, precond="afn")  # auto: its rank estimate factors min(n, 500)
+    fit(model, maxiter=2)
+    assert not [s for s in cholesky_shapes if s[-1] >= n]  # training: no n x n Cholesky
+    model.load_state_dict(ref.state_dict())
+    Xt, Xq = points_at(40, d, dtype=dtype), points_at(3, d, batch=(2,), dtype=dtype, seed=2)
+    outs, factorisations = [], []
+    for m in (ref, model):
+        cholesky_shapes.clear()
+        m.eval()
+        x = Xt.clone().requires_grad_(True)
+        post = m.posterior(x)
+        (post.mean.sum() + post.variance.sum()).backward()
+        with torch.no_grad():
+            joint = m.posterior(Xq).distribution.covariance_matrix
+        outs.append((post.mean.detach(), post.variance.detach(), x.grad, joint))
+        factorisations.append(len([s for s in cholesky_shapes if s[-1] >= n]))
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    for a, b in zip(outs[1], outs[0]):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert model.posterior_iterations == 0  # no PCG
+    assert 1 <= factorisations[1] <= factorisations[0], factorisations  # GPyTorch's caches, as in SingleTaskGP
+    pcg_model = pair(X, Y, posterior_cholesky_size=n - 1)[1]
+    with torch.no_grad():
+        pcg_model.posterior(Xt)
+    assert pcg_model.posterior_iterations > 0
 
 
 # -- 2. no n x n Cholesky on the preconditioned path -------------------------------------------------------
@@ -538,6 +575,8 @@ def test_bad_data_behaves_like_single_task_gp(case):
     ({"max_cholesky_size": -1}, "max_cholesky_size"),
     ({"fit_subset": 0}, "fit_subset"),
     ({"fit_subset": 2.5}, "fit_subset"),
+    ({"posterior_cholesky_size": -1}, "posterior_cholesky_size"),
+    ({"posterior_cholesky_size": 1.5}, "posterior_cholesky_size"),
 ])
 def test_bad_arguments(kwargs, name):
     X, Y = data(20, 2)
@@ -645,6 +684,23 @@ def test_bo_compare_quick(tmp_path):
     assert res["methods"]["gpnys"]["builds"] >= 1
     chk = res["posterior_check"]
     assert chk["mean_rel_err_max"] < 1e-6 and chk["var_rel_err_max"] < 1e-4
+
+
+def test_bo_compare_warm_iteration_from_checkpoints(tmp_path):
+    """--warm-from: one iteration per model from the loop's checkpoints, each model from its own last state."""
+    ckpt = str(tmp_path / "ckpt")
+    load_script("examples", "bo_large_n").main(["--quick", "--iters", "1", "--checkpoint", ckpt,
+                                                 "--json", str(tmp_path / "loop.json")])
+    res = load_script("benchmarks", "bo_compare").main(["--quick", "--n", "120", "--warm-from", ckpt, "--seeds", "0",
+                                                        "--out", str(tmp_path / "warm.json")])
+    per = res["seeds"]["0"]
+    for name in ("singletask", "gpnys"):
+        saved = torch.load(Path(ckpt) / f"{name}_n120_q1_seed0.pt", weights_only=False)
+        assert per[name]["n"] == saved["X"].shape[0] == 121 and per[name]["start_iteration"] == 1
+        assert per[name]["total_s"] >= per[name]["fit_s"] > 0
+    assert per["gpnys"]["builds"] >= 1  # the preconditioned fit ran (quick: max_cholesky_size 0)
+    assert res["time_ratio_mean_iteration"] == pytest.approx(per["time_ratio"])
+    assert (tmp_path / "warm.json").exists()
 
 
 def test_bo_gradient_quick(tmp_path):

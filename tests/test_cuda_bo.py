@@ -26,7 +26,7 @@ pytestmark = pytest.mark.cuda
 F64 = torch.float64
 CPU = torch.device("cpu")
 N, D = 300, 4
-PRECOND = {"k": 40, "w": 10}  # k < n: an inexact preconditioner, so PCG iterates
+PRECOND = {"k": 40, "w": 10, "posterior_cholesky_size": 0}  # k < n: an inexact preconditioner, so PCG iterates
 
 
 def data(n=N, d=D, seed=0, noise_std=0.01):

@@ -10,7 +10,13 @@ unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(
   the gpnys preconditioner, the exact ``log det P`` and the preconditioner control variate (issue 4). Probes
   are drawn from a fixed seed at every evaluation (common random numbers,
   :attr:`gpnys.gp.hook.EstimatorSettings.probe_seed`), so BoTorch's L-BFGS-B sees a deterministic objective.
-* **posterior** at ``X* (*b, q, d)`` — mean ``m(X*) + K(X*, X) α`` with ``α = K̂⁻¹ (y − m(X))`` by PCG, cached
+* **posterior** up to ``posterior_cholesky_size`` points (default :data:`POSTERIOR_CHOLESKY_SIZE`): BoTorch's
+  exact path, one Cholesky of ``K̂`` per data and hyperparameters (GPyTorch's prediction caches), then triangular
+  solves per call. A fit needs a factorisation *and its backward pass* per evaluation, tens of them; an acquisition
+  optimisation needs one at fixed hyperparameters and then hundreds of solves, each of which PCG would pay in full:
+  Hartmann-6, n = 5000, one factorisation is ~0.7 s on 2 CPU cores against 14-27 s of PCG posteriors per
+  ``optimize_acqf`` (benchmarks/RESULTS.md, issue 6 target 2).
+* **posterior** above it at ``X* (*b, q, d)`` — mean ``m(X*) + K(X*, X) α`` with ``α = K̂⁻¹ (y − m(X))`` by PCG, cached
   while data and hyperparameters are unchanged; joint covariance in the variational form
 
   ``Σ = K(X*, X*) − (K*ᵀ B + Bᵀ K* − Bᵀ K̂ B)``,  ``B ≈ K̂⁻¹ K*`` (``K* = K(X, X*)``, ``n x q`` per batch),
@@ -57,7 +63,12 @@ from gpnys.precond.base import NumericalWarning, validate_positive
 from gpnys.precond.strategy import PRECONDITIONERS
 from gpnys.solvers.pcg import pcg
 
-__all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS", "BO_LANDMARK_CAP"]
+__all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS", "BO_LANDMARK_CAP", "POSTERIOR_CHOLESKY_SIZE"]
+
+#: training points up to which the posterior (fixed hyperparameters) factorises ``K̂`` once instead of solving by
+#: PCG per call: ``n³/3`` flops (10 000: ~5 s on 2 CPU cores, 0.8 GB in float64) against PCG solves per acquisition
+#: call (module docstring)
+POSTERIOR_CHOLESKY_SIZE = 10_000
 
 #: landmark / neighbour counts of ``afn`` and ``auto`` in :class:`PreconditionedSingleTaskGP` unless given (``k`` is
 #: capped at a fraction of ``n``, :data:`BO_LANDMARK_CAP`). BO data are often nearly noiseless (BoTorch's noise
@@ -109,6 +120,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             (which apply to both) and the defaults for ``afn`` / ``auto`` (``k=3500, w=90``, at most ``0.7 n``
             landmarks, :data:`BO_DEFAULTS`);
             built once per data and hyperparameters.
+        posterior_cholesky_size: above ``max_cholesky_size``, the posterior still takes BoTorch's exact Cholesky
+            path up to this many training points (one factorisation per data and hyperparameters, module
+            docstring); ``0``: always PCG.
         fit_subset: ``fit_gpytorch_mll`` on the preconditioned path first fits the hyperparameters on this many
             seeded random training points (BoTorch's Cholesky path; ``None``: off), then runs L-BFGS-B on all the
             data from there. The full-data objective is the same; only the starting point (and so the number
@@ -137,6 +151,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         seed: int = 0,
         posterior_tolerance: float = 1e-6,
         posterior_options: dict[str, Any] | None = None,
+        posterior_cholesky_size: int = POSTERIOR_CHOLESKY_SIZE,
         fit_subset: int | None = 1000,
         **precond_options: Any,
     ) -> None:
@@ -145,6 +160,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if max_cholesky_size is not None and (isinstance(max_cholesky_size, bool) or max_cholesky_size < 0):
             raise ValueError(f"max_cholesky_size must be a non-negative int or None, got {max_cholesky_size!r}")
         validate_positive(posterior_tolerance, "posterior_tolerance")
+        if (isinstance(posterior_cholesky_size, bool) or not isinstance(posterior_cholesky_size, int)
+                or posterior_cholesky_size < 0):
+            raise ValueError(f"posterior_cholesky_size must be a non-negative int, got {posterior_cholesky_size!r}")
         if fit_subset is not None and (isinstance(fit_subset, bool) or not isinstance(fit_subset, int) or fit_subset < 1):
             raise ValueError(f"fit_subset must be a positive int or None, got {fit_subset!r}")
         super().__init__(train_X, train_Y, train_Yvar, likelihood, covar_module, mean_module, outcome_transform,
@@ -154,6 +172,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
                               "settings": settings or EstimatorSettings(probe_seed=seed), "seed": seed,
                               "posterior_tolerance": float(posterior_tolerance),
+                              "posterior_cholesky_size": posterior_cholesky_size,
                               "options": precond_options, "posterior_options": dict(posterior_options or {}),
                               "fit_subset": fit_subset}
         self._clear_gpnys_caches()
@@ -282,6 +301,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if (self.training or len(args) != 1 or kwargs or gpytorch.settings.prior_mode.on()
                 or not self.uses_preconditioner() or args[0].dim() < 2):
             return super().__call__(*args, **kwargs)
+        n = self.train_inputs[0].shape[-2]
+        if n <= self._gpnys_config["posterior_cholesky_size"]:  # BoTorch's exact path (module docstring)
+            with gpytorch.settings.max_cholesky_size(n):
+                return super().__call__(*args, **kwargs)
         return self._preconditioned_posterior(args[0])
 
     def _tolerance(self, dtype: torch.dtype, power: int = 1) -> float:
