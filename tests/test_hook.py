@@ -527,3 +527,42 @@ def test_per_point_noise_must_match_the_data():
         m = ExactGPModel(X, X.sum(1), lik, kernel="rbf").double()
         with pytest.raises(ValueError, match=match), use_preconditioner(m, "afn", k=10, w=5):
             pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kernel, ard, per_point", [("rbf", False, False), ("matern12", True, False),
+                                                    ("matern32", True, True), ("matern52", False, True)])
+def test_frozen_derivatives_match_autograd_of_the_frozen_family(kernel, ard, per_point, dtype):
+    """AFN's closed-form per-probe derivatives of the "frozen" family (the estimator's error-bar rows) against one
+    backward pass per probe through :meth:`AFNPreconditioner.differentiable_terms` (``schur="frozen"``)."""
+    import gpytorch
+    from helpers import points
+
+    from gpnys.precond.afn import AFNPreconditioner
+
+    n, d, t = 240, 3, 5
+    X = points(n, d, dtype=dtype, scale=4.0, seed=2)
+    nu = {"rbf": None, "matern12": 0.5, "matern32": 1.5, "matern52": 2.5}[kernel]
+    dims = d if ard else None
+    kern = (gpytorch.kernels.RBFKernel(ard_num_dims=dims) if nu is None
+            else gpytorch.kernels.MaternKernel(nu, ard_num_dims=dims)).to(dtype)
+    kern.lengthscale = torch.tensor([0.8, 1.1, 1.5][: d if ard else 1], dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    mu0 = (1e-2 * (1 + torch.rand(n, generator=g, dtype=torch.float64))).to(dtype) if per_point else \
+        torch.tensor(2e-2, dtype=dtype)
+    P = AFNPreconditioner(X, kern, float(mu0.mean()) if per_point else float(mu0), k=50, w=8,
+                          diag=mu0 if per_point else None)
+    Z = torch.randn(n, t, generator=g, dtype=torch.float64).to(dtype)
+    mu = mu0.clone().requires_grad_(True)
+    _, quad = P.differentiable_terms(kern, mu, Z, schur="frozen")
+    q, d_ls, d_mu = P.frozen_derivatives(kern, mu, Z)
+    tol = 1e-7 if dtype == torch.float64 else 2e-3  # solves with K11 + mu (mu ~ 1e-2): rounding x cond
+    torch.testing.assert_close(q, quad.detach(), rtol=tol, atol=tol * float(quad.detach().abs().max()))
+    ls = kern.lengthscale  # dq/dl from dq/d raw: dl/d raw is elementwise
+    dl_draw = torch.autograd.grad(ls.sum(), kern.raw_lengthscale, retain_graph=True)[0].reshape(-1)
+    for j in range(t):
+        g_raw, g_mu = torch.autograd.grad(quad[j], [kern.raw_lengthscale, mu], retain_graph=True)
+        scale = float(g_raw.abs().max())
+        torch.testing.assert_close(d_ls[j] * dl_draw, g_raw.reshape(-1), rtol=tol, atol=tol * scale)
+        torch.testing.assert_close(d_mu[j], g_mu, rtol=tol, atol=tol * float(g_mu.abs().max()))
+    assert P.frozen_derivatives(gpytorch.kernels.PeriodicKernel().to(dtype), mu, Z) is None  # not in the table

@@ -296,8 +296,15 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                     cv.append(terms[1])
                     spread = terms[1]
                     inner = getattr(P, "inner", P)
-                    if (isinstance(inner, AFNPreconditioner) and settings.control_variate != "frozen"
-                            and (inner.n - inner.k) * inner.w**2 * inner.k * settings.num_probes > PROXY_ABOVE):
+                    proxy = (isinstance(inner, AFNPreconditioner) and settings.control_variate != "frozen"
+                             and (inner.n - inner.k) * inner.w**2 * inner.k * settings.num_probes > PROXY_ABOVE)
+                    frozen_terms = None
+                    if proxy or (isinstance(inner, AFNPreconditioner) and settings.control_variate == "frozen"):
+                        # the frozen family's rows in closed form: no backward pass per probe (or per parameter)
+                        frozen_terms = hook.frozen_jacobian_terms(Z)
+                    if frozen_terms is not None:
+                        J = J + _jacobian([o for o, _ in frozen_terms], [g for _, g in frozen_terms], tensors, batch)
+                    elif proxy:
                         # the per-probe Jacobian through AFN's "frozen" family instead (one batched backward pass of
                         # O(k^2 (k + t) + n k t)): t backward passes through the "full" family's rebuilt FSAI rows
                         # cost twice the whole evaluation at concrete (n = 927: 4.4 s against 2.2 s). The families
@@ -306,7 +313,9 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                         hook.last_probes = Z
                         frozen = hook.control_variate_terms(schur="frozen")
                         spread = spread if frozen is None else frozen[1]
-                    J = J + _jacobian([spread], [torch.eye(batch, dtype=Z.dtype, device=Z.device)], tensors, batch)
+                    if frozen_terms is None:
+                        J = J + _jacobian([spread], [torch.eye(batch, dtype=Z.dtype, device=Z.device)], tensors,
+                                          batch)
             ell.append(l_j)
             lerr.append(e_j)
             Us.append(U)

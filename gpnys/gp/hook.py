@@ -209,6 +209,33 @@ class PreconditionerHook(HookPrediction):
         self.control_variates += own
         return logdet, quad
 
+    def frozen_jacobian_terms(self, Z: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The per-probe Jacobian of AFN's ``"frozen"`` control-variate terms ``[z_jᵀ P̂(θ)⁻¹ z_j]_j`` (those of
+        :meth:`control_variate_terms` with ``schur="frozen"``) in closed form
+        (:meth:`~gpnys.precond.afn.AFNPreconditioner.frozen_derivatives`), as ``(tensor, (t, *tensor.shape))``
+        pairs: the length-scale, ``mu = noise / s²`` and ``s²``, whose chain to the raw parameters the caller
+        takes by autograd. ``None`` without an AFN preconditioner or for a kernel outside the formula table."""
+        if self._current is None:
+            return None
+        P = getattr(self._current[0], "inner", self._current[0])
+        if not isinstance(P, AFNPreconditioner):
+            return None
+        kernel = self.kernel
+        base, _ = split_outputscale(kernel)
+        s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
+        noise = self._noise() if P.diag is not None else self._noise_level()
+        mu = noise / s2 if s2 is not None else noise
+        out = P.frozen_derivatives(base, mu, Z)
+        if out is None:
+            return None
+        q, d_ls, d_mu = out
+        ls = base.lengthscale
+        scale = 1.0 if s2 is None else 1.0 / s2.detach()
+        pairs = [(ls, scale * d_ls.reshape(-1, *ls.shape)), (mu, scale * d_mu)]
+        if s2 is not None:
+            pairs.append((s2, -q * scale**2))  # the terms are q / s²
+        return [(o, g) for o, g in pairs if o.requires_grad]
+
     # -- the kernel and its inputs ----------------------------------------------------------------------
     @property
     def kernel(self) -> gpytorch.kernels.Kernel:
