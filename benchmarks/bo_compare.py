@@ -63,6 +63,7 @@ def one_iteration(model, Y: torch.Tensor, args, timeout: float | None) -> dict:
     if isinstance(model, PreconditionedSingleTaskGP) and model.uses_preconditioner():
         h = model.hook()
         rec.update(builds=h.builds, cg_applications=h.applications, precond=[r.kind for r in h.history[-1:]],
+                   estimates=h.estimates, fit_stopped=model.fit_stopped,
                    rank=h.history[-1].rank if h.history else None, posterior_iterations=model.posterior_iterations)
     return rec
 

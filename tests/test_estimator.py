@@ -251,6 +251,18 @@ def test_gradient_at_noise():
     for name, p in model.named_parameters():
         p.grad = 0.5 * est.grad_std_error[name] / est.n  # half a standard error: pure noise would give more
     assert gradient_at_noise(model, est)
+    # a bounded optimiser: a component held at its bound by an outward gradient has no projected gradient
+    noise = "likelihood.noise_covar.raw_noise"
+    raw = dict(model.named_parameters())[noise]
+    value = float(raw.detach().reshape(-1)[0])
+    raw.grad = torch.full_like(raw, 100.0 * float(est.grad_std_error[noise].reshape(-1)[0]) / est.n)
+    assert not gradient_at_noise(model, est)  # far outside its noise ...
+    assert gradient_at_noise(model, est, bounds={noise: (value, None)})  # ... but -g points below the lower bound
+    assert not gradient_at_noise(model, est, bounds={noise: (None, value)})  # at an upper bound -g points inside
+    assert not gradient_at_noise(model, est, bounds={noise: (value - 1.0, None)})  # not at the bound
+    for name, p in model.named_parameters():  # every component held: a corner optimum
+        p.grad = torch.ones_like(p)
+    assert gradient_at_noise(model, est, bounds={n: (p.detach(), None) for n, p in model.named_parameters()})
 
 
 def test_fit_stops_at_noise_and_at_the_first_failed_line_search():

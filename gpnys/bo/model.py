@@ -49,6 +49,7 @@ import gpytorch
 import torch
 from botorch.fit import DEFAULT_WARNING_HANDLER, _fit_fallback
 from botorch.models import SingleTaskGP
+from botorch.optim.utils import get_parameters_and_bounds
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
 from botorch.utils.types import DEFAULT
@@ -264,13 +265,18 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         with self.preconditioned() as hook:
             options = dict(kwargs.get("optimizer_kwargs") or {})
             user = options.get("callback")
+            # L-BFGS-B's box (BoTorch bounds the constrained values, e.g. the noise at 1e-4): a component held at a
+            # bound does not count against the stop
+            _, box = get_parameters_and_bounds(mll)
+            box = {**box, **(options.get("bounds") or {})}
+            bounds = {name.removeprefix("model."): b for name, b in box.items()}
 
             def at_noise(parameters: dict[str, torch.Tensor], result: Any) -> None:
                 # L-BFGS-B ends once the gradient is within its noise (RMS of g/SE <= 1): past that it only chases
                 # the estimator's noise (and fails line searches doing so)
                 if user is not None:
                     user(parameters, result)
-                if gradient_at_noise(self, hook.last_estimate):
+                if gradient_at_noise(self, hook.last_estimate, bounds=bounds):
                     self.fit_stopped = "gradient at noise level"
                     raise StopIteration
 

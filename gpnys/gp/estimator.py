@@ -383,20 +383,52 @@ def _probes_needed(t: int, se: float, value: float, grad: torch.Tensor | None, g
     return t if ratio <= 1.0 else int(math.ceil(t * ratio**2 * 1.1))
 
 
-def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, z: float = 1.0) -> bool:
+def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, z: float = 1.0,
+                      bounds: dict[str, tuple[Any, Any]] | None = None) -> bool:
     """Whether the last gradient (the parameters' ``.grad``, of ``L / n`` as ``ExactMarginalLogLikelihood`` gives)
     is indistinguishable from its noise: the mean of ``(g_p / SE_p)^2`` over the components is at most ``z^2`` (at
     ``z = 1``, what pure noise gives on average: a chi-square with one degree of freedom per component, divided by
     their number). A component without a probe term (a constant mean: exact up to CG) is measured against the
-    smallest standard error of the others, so it must be about converged too. ``False`` without an estimate."""
+    smallest standard error of the others, so it must be about converged too. ``False`` without an estimate.
+
+    ``bounds``: ``{parameter name: (lower, upper)}`` (numbers or tensors, ``None`` for none) of a bounded optimiser
+    (BoTorch's L-BFGS-B works on the constrained values themselves): a component at a bound whose gradient points
+    out of the box has a zero projected gradient and is left out, as L-BFGS-B's own test leaves it (a BoTorch noise
+    at its 1e-4 floor otherwise keeps the statistic in the hundreds while the optimiser cannot move it). All
+    components held that way: ``True``."""
     if estimate is None or not estimate.grad_std_error:
         return False
     named = dict(model.named_parameters())
-    pairs = [(named[name].grad.detach().reshape(-1), se.reshape(-1)) for name, se in estimate.grad_std_error.items()
-             if name in named and named[name].grad is not None]
+    pairs, held = [], 0
+    for name, se in estimate.grad_std_error.items():
+        p = named.get(name)
+        if p is None or p.grad is None:
+            continue
+        g, se = p.grad.detach().reshape(-1), se.reshape(-1)
+        if bounds and name in bounds:
+            free = _free_components(p.detach().reshape(-1), g, bounds[name])
+            held += int((~free).sum())
+            g, se = g[free], se[free]
+        pairs.append((g, se))
     positive = [se[se > 0] for _, se in pairs]
-    if not pairs or sum(p.numel() for p in positive) == 0:
+    if sum(g.numel() for g, _ in pairs) == 0:
+        return held > 0
+    if sum(p.numel() for p in positive) == 0:
         return False
     floor = float(torch.cat(positive).min())
     stat = torch.cat([(g.to(se.dtype) * estimate.n / se.clamp_min(floor)).square() for g, se in pairs])
     return bool(stat.mean() <= z * z)
+
+
+def _free_components(value: torch.Tensor, grad: torch.Tensor, bound: tuple[Any, Any]) -> torch.Tensor:
+    """Mask of the components not held at a bound by a gradient pointing outwards (value within 1e-6 relative)."""
+    free = torch.ones_like(value, dtype=torch.bool)
+    for b, outward in zip(bound, (grad > 0, grad < 0)):  # held at the lower bound when -g points below it: g > 0
+        if b is None:
+            continue
+        b = torch.as_tensor(b, dtype=value.dtype, device=value.device).reshape(-1)
+        if not bool(torch.isfinite(b).any()):
+            continue
+        at = (value - b).abs() <= 1e-6 * b.abs().clamp_min(1e-12)
+        free &= ~(at & outward)
+    return free
