@@ -251,6 +251,16 @@ def test_gradient_at_noise():
     for name, p in model.named_parameters():
         p.grad = 0.5 * est.grad_std_error[name] / est.n  # half a standard error: pure noise would give more
     assert gradient_at_noise(model, est)
+    # the test: sum of (g / SE)^2 against the 95 % quantile of a chi-square with one degree per component
+    from scipy.stats import chi2
+
+    ses = torch.cat([est.grad_std_error[name].reshape(-1) for name, _ in model.named_parameters()])
+    m, live = ses.numel(), int((ses > 0).sum())
+    for c in (1.5, 2.5):
+        for name, p in model.named_parameters():
+            p.grad = c * est.grad_std_error[name] / est.n
+        assert gradient_at_noise(model, est) == (c * c * live <= chi2.ppf(0.95, m)), c
+    assert 6.25 * live <= chi2.ppf(0.9999, m) and gradient_at_noise(model, est, level=0.9999)  # a laxer test
     # a bounded optimiser: a component held at its bound by an outward gradient has no projected gradient
     noise = "likelihood.noise_covar.raw_noise"
     raw = dict(model.named_parameters())[noise]
