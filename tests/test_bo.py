@@ -409,7 +409,7 @@ def test_fit_subset_start():
 
 
 def test_fit_stops_at_the_noise_level():
-    """On the preconditioned path L-BFGS-B ends once the gradient is within its noise (the RMS of g / SE at most 1) (a clean
+    """On the preconditioned path L-BFGS-B ends once the gradient is within its noise (a chi-square test at 5 %) (a clean
     stop, no retries), at a full-data optimum; a user's callback still runs."""
     n, d = 300, 3
     X, Y = data(n, d, seed=5, noise_std=0.05)

@@ -272,8 +272,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             bounds = {name.removeprefix("model."): b for name, b in box.items()}
 
             def at_noise(parameters: dict[str, torch.Tensor], result: Any) -> None:
-                # L-BFGS-B ends once the gradient is within its noise (RMS of g/SE <= 1): past that it only chases
-                # the estimator's noise (and fails line searches doing so)
+                # L-BFGS-B ends once the gradient is within its noise (a chi-square test of g = 0 at 5 %): past
+                # that it only chases the estimator's noise (and fails line searches doing so)
                 if user is not None:
                     user(parameters, result)
                 if gradient_at_noise(self, hook.last_estimate, bounds=bounds):

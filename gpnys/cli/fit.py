@@ -54,7 +54,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variance-rel-error", type=float, default=None, metavar="REL",
                    help="recompute by PCG the cached variances whose error bound exceeds REL of the variance")
     p.add_argument("--no-stop-at-noise", action="store_true",
-                   help="run all --iters even when the gradient is within its noise, RMS of g/SE <= 1 (default: stop)")
+                   help="run all --iters even when the gradient is within its noise, a chi-square test of g = 0 "
+                   "at 5 %% (default: stop)")
 
 
 def run(args: argparse.Namespace) -> int:
