@@ -35,7 +35,7 @@ reset (``None`` on the CPU):
    ``make_preconditioner`` (rank, finite log det), one PCG solve ``K̂ x = y`` with the hook's system (iterations,
    true relative residual), one -MLL + gradient under the hook, ``hook.predict`` with variances at
    ``--paths-test`` (2000) test points after one training evaluation, a ``ReducedGP`` (LLA, 1000 FPS landmarks)
-   with the exact model's hyperparameters, ``PreconditionedSingleTaskGP(max_cholesky_size=0).posterior`` at 256
+   with the exact model's hyperparameters, ``PreconditionedSingleTaskGP(max_cholesky_size=0, posterior_cholesky_size=0).posterior`` at 256
    test points (hyperparameters loaded, no fit) and the CLI (``python -m gpnys.cli.main mll --method auto
    --device ...`` in a child process: exit code, last line). One row per path: status, seconds (``time_s`` the
    path's own call, ``wall_s`` with its setup, e.g. the preconditioner before PCG or the training evaluation
@@ -752,7 +752,7 @@ def path_runs(X, y, T, args) -> dict[str, Callable[[], dict]]:
 
         covar = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
         model = PreconditionedSingleTaskGP(X, y[:, None], covar_module=covar, outcome_transform=None,
-                                           max_cholesky_size=0, seed=seed)
+                                           max_cholesky_size=0, posterior_cholesky_size=0, seed=seed)  # the PCG path
         load_hypers(model, h)
         model.mean_module.constant = 0.0
         model.eval()
