@@ -49,9 +49,9 @@ import gpytorch
 import torch
 from botorch.fit import DEFAULT_WARNING_HANDLER, _fit_fallback
 from botorch.models import SingleTaskGP
-from botorch.optim.utils import get_parameters_and_bounds
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
+from botorch.optim.utils import get_parameters_and_bounds
 from botorch.utils.types import DEFAULT
 from gpytorch.distributions import MultivariateNormal
 from gpytorch.likelihoods import FixedNoiseGaussianLikelihood, GaussianLikelihood, Likelihood

@@ -308,19 +308,19 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                         # the frozen family's rows in closed form: no backward pass per probe (or per parameter)
                         frozen_terms = hook.frozen_jacobian_terms(Z)
                     if frozen_terms is not None:
-                        J = J + _jacobian([o for o, _ in frozen_terms], [g for _, g in frozen_terms], tensors, batch)
-                    elif proxy:
-                        # the per-probe Jacobian through AFN's "frozen" family instead (one batched backward pass of
-                        # O(k^2 (k + t) + n k t)): t backward passes through the "full" family's rebuilt FSAI rows
-                        # cost twice the whole evaluation at concrete (n = 927: 4.4 s against 2.2 s). The families
-                        # differ only in how much variance they remove, "frozen" the least, so the standard error
-                        # is overstated, not understated (by 5-10x at n = 300, k = 60, where "full" is cheap enough)
-                        hook.last_probes = Z
-                        frozen = hook.control_variate_terms(schur="frozen")
-                        spread = spread if frozen is None else frozen[1]
-                    if frozen_terms is None:
-                        J = J + _jacobian([spread], [torch.eye(batch, dtype=Z.dtype, device=Z.device)], tensors,
-                                          batch)
+                        outputs, rows = [o for o, _ in frozen_terms], [g for _, g in frozen_terms]
+                    else:
+                        # proxy: the per-probe Jacobian through AFN's "frozen" family (here by autograd, for a kernel
+                        # outside the formula table): t backward passes through the "full" family's rebuilt FSAI
+                        # rows cost twice the whole evaluation at concrete (n = 927: 4.4 s against 2.2 s). The
+                        # families differ only in how much variance they remove, "frozen" the least, so the standard
+                        # error is overstated, not understated (by 5-10x at n = 300, k = 60, where "full" is cheap)
+                        if proxy:
+                            hook.last_probes = Z
+                            frozen = hook.control_variate_terms(schur="frozen")
+                            spread = spread if frozen is None else frozen[1]
+                        outputs, rows = [spread], [torch.eye(batch, dtype=Z.dtype, device=Z.device)]
+                    J = J + _jacobian(outputs, rows, tensors, batch)
             ell.append(l_j)
             lerr.append(e_j)
             Us.append(U)

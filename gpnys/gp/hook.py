@@ -191,11 +191,7 @@ class PreconditionerHook(HookPrediction):
         self.last_probes = None
         if not hasattr(P, "differentiable_terms"):
             return None
-        kernel = self.kernel
-        base, _ = split_outputscale(kernel)
-        s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
-        noise = self._noise() if P.diag is not None else self._noise_level()  # the family P was built in
-        mu = noise / s2 if s2 is not None else noise
+        base, s2, mu = self._family_parameters(P)
         try:
             own = schur is None  # the estimate's own family, not a proxy for its error bars
             schur = self.settings.control_variate if own else schur
@@ -220,11 +216,7 @@ class PreconditionerHook(HookPrediction):
         P = getattr(self._current[0], "inner", self._current[0])
         if not isinstance(P, AFNPreconditioner):
             return None
-        kernel = self.kernel
-        base, _ = split_outputscale(kernel)
-        s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
-        noise = self._noise() if P.diag is not None else self._noise_level()
-        mu = noise / s2 if s2 is not None else noise
+        base, s2, mu = self._family_parameters(P)
         out = P.frozen_derivatives(base, mu, Z)
         if out is None:
             return None
@@ -235,6 +227,16 @@ class PreconditionerHook(HookPrediction):
         if s2 is not None:
             pairs.append((s2, -q * scale**2))  # the terms are q / s²
         return [(o, g) for o, g in pairs if o.requires_grad]
+
+    def _family_parameters(self, P: Any) -> tuple[gpytorch.kernels.Kernel, torch.Tensor | None, torch.Tensor]:
+        """``(base, s², mu)`` of the differentiable preconditioner family (with autograd): the unit-variance kernel,
+        the outputscale (``None`` without a ``ScaleKernel``) and ``mu = noise / s²`` in the form ``P`` was built
+        for (per point when it took ``diag``)."""
+        kernel = self.kernel
+        base, _ = split_outputscale(kernel)
+        s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
+        noise = self._noise() if P.diag is not None else self._noise_level()  # the family P was built in
+        return base, s2, (noise / s2 if s2 is not None else noise)
 
     # -- the kernel and its inputs ----------------------------------------------------------------------
     @property

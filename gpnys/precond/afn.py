@@ -329,14 +329,12 @@ class AFNPreconditioner(Preconditioner):
             q = (z1 * u).sum(0) + y.square().sum(0)
             t = Z.shape[1]
 
-            def sums(Za, Zb, Kt, Ht, U, V) -> torch.Tensor:  # (t, d): sum_ab U_aj V_bj H_ab (za_d - zb_d)^2
+            def sums(Za, Zb, Kt, Ht, U, V) -> torch.Tensor:  # (t, d_l): sum_ab U_aj V_bj H_ab (za_d - zb_d)^2
                 tile = (slice(0, Za.shape[0]), slice(None), Kt, Ht.to(Kt.dtype), Za, Zb)
-                return TorchTiles.column_sums(Zs, iter([tile]), U, V)[1]
+                return TorchTiles.column_sums(Zs, iter([tile]), U, V, isotropic=ls.numel() == 1)[1]
 
             gd = sums(Zl, Zl, K11, H11, 2.0 * v - u, u) + sums(Zr, Zl, K21, H21, -2.0 * g, u)
             d_ls = (-gd / ls.to(gd.dtype)).to(Zs.dtype)  # dK/dl_d = -h (dz_d)^2 / l_d
-            if ls.numel() == 1:
-                d_ls = d_ls.sum(1, keepdim=True)
             # d q / d mu_i: landmarks -u_i^2 + 2 v_i u_i, the rest -g_i x_i / S_ii (through the scale D^{-1/2})
             per = torch.empty(Z.shape[0], t, dtype=Zs.dtype, device=Zs.device)
             per[:k] = 2.0 * v * u - u.square()
