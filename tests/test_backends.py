@@ -153,6 +153,27 @@ def test_triton_product_and_derivative_match_dense_autograd(name, ard, dtype):
     assert float((d_ls.double() - g_ls).abs().max()) <= GTOL[dtype] * float(g_ls.abs().max())
 
 
+def per_column_reference(X, kern, U, V, name):
+    """:func:`autograd_reference`'s gradient for each column pair ``(u_j, v_j)`` alone: ``(t,)`` and ``(t, *l)``."""
+    refs = [autograd_reference(X, kern, U[:, j : j + 1], V[:, j : j + 1], name)[1:] for j in range(U.shape[1])]
+    return torch.stack([r[0] for r in refs]), torch.stack([r[1] for r in refs])
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("ard", [False, True], ids=["iso", "ard"])
+def test_triton_column_derivatives_match_dense_autograd_per_column(name, ard, dtype):
+    """The fused per-probe sums (one launch, planes K and H o R^2 or H o dz_d^2) against a dense float64 autograd
+    gradient of each column's ``u_j^T K v_j``."""
+    X, U, V, kern = setup(name, dtype, ard)
+    ref_s2, ref_ls = per_column_reference(X, kern, U, V, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the torch tiles
+        _, d_s2, d_ls = op_for(X, kern, "triton").column_derivatives(U, V)
+    assert d_s2.dtype == dtype and d_s2.shape == (5,) and d_ls.shape == (5, *kern.base_kernel.lengthscale.shape)
+    assert float((d_s2.double() - ref_s2).abs().max()) <= GTOL[dtype] * float(ref_s2.abs().max())
+    assert float((d_ls.double() - ref_ls).abs().max()) <= GTOL[dtype] * float(ref_ls.abs().max())
+
+
 @pytest.mark.parametrize("name", ["rbf", "matern32"])
 def test_triton_block_sparse_plan_matches_torch_tiles_and_dense(name, dtype):
     """Points spread far beyond the cutoff radius: the plan skips leaf pairs, on both backends alike."""
@@ -177,6 +198,10 @@ def test_triton_block_sparse_plan_matches_torch_tiles_and_dense(name, dtype):
     _, ps2, pls = tor._bilinear_derivative(V, V)
     assert float((ts2 - ps2).abs()) <= GTOL[dtype] * float(ps2.abs())
     assert float((tls - pls).abs()) <= GTOL[dtype] * float(pls.abs())
+    _, cs2, cls = tri.column_derivatives(V, V)  # per column, block-sparse alike
+    _, qs2, qls = tor.column_derivatives(V, V)
+    assert float((cs2 - qs2).abs().max()) <= GTOL[dtype] * float(qs2.abs().max())
+    assert float((cls - qls).abs().max()) <= GTOL[dtype] * float(qls.abs().max())
 
 
 def test_triton_odd_shapes_and_repeatability():
@@ -271,10 +296,14 @@ def test_cuda_triton_matches_dense_autograd(name, dtype, cuda_device):
         with torch.no_grad():
             KV = op.matmul(V)
         _, d_s2, d_ls = op._bilinear_derivative(U, V)
+        _, c_s2, c_ls = op.column_derivatives(U, V)
     ref = K @ V.double()
     assert float((KV.double() - ref).abs().max()) <= TOL[dtype] * float(ref.abs().max())
     assert float((d_s2.double() - g_s2).abs()) <= GTOL[dtype] * float(g_s2.abs())
     assert float((d_ls.double() - g_ls).abs().max()) <= GTOL[dtype] * float(g_ls.abs().max())
+    ref_s2, ref_ls = per_column_reference(X, kern, U, V, name)
+    assert float((c_s2.double() - ref_s2).abs().max()) <= GTOL[dtype] * float(ref_s2.abs().max())
+    assert float((c_ls.double() - ref_ls).abs().max()) <= GTOL[dtype] * float(ref_ls.abs().max())
 
 
 # -- the compiled path, without a GPU ---------------------------------------------------------------------------
@@ -286,25 +315,34 @@ from gpnys.kernels.backends import triton_kernels as K
 from gpnys.kernels.backends.triton_fused import BLOCK, TritonBackend
 from gpnys.kernels.formulas import formula
 
-CASES = [  # (kernel, nu, dtype, sparse, tf32)
+CASES = [  # (kernel, nu, dtype, sparse, flag)
     ("kv", None, torch.float32, False, False), ("kv", 0.5, torch.float32, False, False),
     ("kv", 1.5, torch.float32, True, False), ("kv", 2.5, torch.float32, False, False),
     ("kv", 0.5, torch.float64, True, False), ("kv", None, torch.float32, True, True),
     ("derivative", 1.5, torch.float32, True, False), ("derivative", 2.5, torch.float64, False, False),
     ("derivative", None, torch.float32, False, False), ("derivative", 0.5, torch.float64, True, False),
+    ("column", 1.5, torch.float32, True, True), ("column", 0.5, torch.float32, False, False),
+    ("column", None, torch.float64, True, False), ("column", 2.5, torch.float64, False, True),
 ]
 for arch in (80, 90):
-    for kind, nu, dtype, sparse, tf32 in CASES:
-        fn = K.kv_kernel if kind == "kv" else K.derivative_kernel
+    for kind, nu, dtype, sparse, flag in CASES:  # flag: TF32 (kv, derivative), isotropic (column)
+        fn = {"kv": K.kv_kernel, "derivative": K.derivative_kernel, "column": K.column_kernel}[kind]
         p = "*fp32" if dtype == torch.float32 else "*fp64"
         ptrs = ["Z", "V", "OUT"] if kind == "kv" else ["Z", "U", "V"]
         sig = {a: p for a in ptrs}
         if kind == "derivative":
             sig.update(S_OUT="*fp64", G_OUT="*fp64")
+        if kind == "column":
+            sig.update(OUT="*fp64")
         sig.update(n="i32", d="i32", t="i32", ptr="*i64", idx="*i64", nblocks="i32")
+        if kind == "column":
+            sig.update(planes="i32")
+        tf32 = flag and kind != "column"
         consts = dict(SPARSE=sparse, BLOCK=BLOCK, BT=32, **TritonBackend(formula(nu), tf32)._constants(dtype))
         if kind == "derivative":
             consts["DP"] = 4
+        if kind == "column":
+            consts["ISO"] = flag
         sig.update({k: "constexpr" for k in consts})
         src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
         triton.compile(src, target=GPUTarget("cuda", arch, 32))
@@ -325,4 +363,4 @@ def test_triton_kernels_compile_to_cubin_for_a100_and_h100(tmp_path):
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled 20" in proc.stdout
+    assert "compiled 28" in proc.stdout

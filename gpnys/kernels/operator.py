@@ -268,8 +268,9 @@ class StationaryKernelOperator(LinearOperator):
     def column_derivatives(self, U: torch.Tensor, V: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
         """Per column ``j``: ``d/d(outputscale, lengthscale) u_j^T K v_j`` for ``U, V: (n, t)``, as
         :meth:`_bilinear_derivative` would give for each column alone: ``(None, (t, *outputscale.shape),
-        (t, *lengthscale.shape))``. One pass on the torch tiles (:meth:`TorchTiles.column_sums`); another backend
-        answers column by column. The per-probe terms of the trace estimator, for its standard error."""
+        (t, *lengthscale.shape))``, in one pass of the backend's ``column_derivative_sums`` (torch tiles, fused
+        Triton planes; KeOps column by column). The per-probe terms of the trace estimator, for its standard
+        error."""
         U, V = U.detach(), V.detach()
         ls = self.lengthscale.detach()
         iso = ls.numel() == 1
@@ -280,12 +281,7 @@ class StationaryKernelOperator(LinearOperator):
             perm, Z, plan = self._working()
             if perm is not None:
                 U, V = U[perm], V[perm]
-            if isinstance(self.backend, TorchTiles):
-                s, g = TorchTiles.column_sums(Z, self.tiles.tiles(Z, plan), U, V, iso)
-            else:
-                pairs = [self.backend.derivative_sums(Z, U[:, j : j + 1], V[:, j : j + 1], plan)
-                         for j in range(U.shape[1])]
-                s, g = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+            s, g = self.backend.column_derivative_sums(Z, U, V, plan, iso)
         d_s2 = s.to(Z.dtype).reshape(-1, *self.outputscale.shape)
         d_ls = -self.outputscale.detach() * g.to(Z.dtype) / ls.reshape(1, -1)
         if ls.numel() == 1:

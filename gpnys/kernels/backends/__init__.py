@@ -6,7 +6,9 @@ storing it, for the two passes :class:`~gpnys.kernels.operator.StationaryKernelO
 * ``matmul(Z, R, plan)``: ``K R`` (``R: (n, t)``);
 * ``derivative_sums(Z, U, V, plan)``: ``s = sum_ij w_ij k_ij`` and ``g_d = sum_ij w_ij h_ij (z_id - z_jd)^2``
   with ``w_ij = u_i . v_j`` — the outputscale and length-scale derivatives of ``sum_t u_t^T K v_t`` up to the
-  factors the operator applies (its module docstring).
+  factors the operator applies (its module docstring);
+* ``column_derivative_sums(Z, U, V, plan, isotropic)``: the same two sums for each column pair ``(u_j, v_j)``
+  alone (the trace estimator's per-probe terms, for its standard error).
 
 ``plan`` is a :class:`~gpnys.kernels.cutoff.LeafPlan` (``Z`` and the vectors are then in its working order and
 only the listed leaf pairs are computed) or ``None`` (every pair). Kernel formulas come from
@@ -67,6 +69,18 @@ class KernelBackend(ABC):
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
                         plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s, g)``: ``()`` and ``(d,)`` tensors in at least float64 (module docstring)."""
+
+    def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                               isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`derivative_sums` of each column pair ``(U[:, j], V[:, j])`` alone: ``s (t,)`` and ``g (t, d)``
+        (``(t, 1)``, summed over the dimensions, when ``isotropic``), in at least float64. This default makes one
+        :meth:`derivative_sums` pass per column; the torch tiles and Triton do all columns in one pass."""
+        acc = torch.promote_types(Z.dtype, torch.float64)
+        t, d = U.shape[1], Z.shape[1]
+        s, g = Z.new_zeros(t, dtype=acc), Z.new_zeros(t, d, dtype=acc)
+        for j in range(t):
+            s[j], g[j] = self.derivative_sums(Z, U[:, j : j + 1], V[:, j : j + 1], plan)
+        return s, (g.sum(1, keepdim=True) if isotropic else g)
 
 
 def triton_available() -> bool:

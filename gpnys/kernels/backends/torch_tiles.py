@@ -132,6 +132,10 @@ class TorchTiles(KernelBackend):
                         plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.weighted_sums(Z, self.tiles(Z, plan), lambda rows, cols: U[rows] @ V[cols].mT)
 
+    def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                               isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.column_sums(Z, self.tiles(Z, plan), U, V, isotropic)
+
     @staticmethod
     def weighted_sums(Z: torch.Tensor, tiles: Iterator[Tile],
                       weight: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

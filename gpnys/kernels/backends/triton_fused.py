@@ -101,6 +101,30 @@ class TritonBackend(KernelBackend):
                         plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._guarded(self._derivative_sums, "derivative_sums", Z, U, V, plan)
 
+    def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                               isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._guarded(self._column_sums, "column_derivative_sums", Z, U, V, plan, isotropic)
+
+    def _column_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                     isotropic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch over (row block, column block, plane): plane 0 gives ``s``, planes ``1..`` give ``g``
+        (:func:`~.triton_kernels.column_kernel`); ``(1 + d)`` products' work, or 2 when ``isotropic``."""
+        from gpnys.kernels.backends.triton_kernels import column_kernel
+
+        n, d = Z.shape
+        t = U.shape[1]
+        Z, U, V = Z.contiguous(), U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
+        planes = 2 if isotropic else 1 + d
+        sparse, ptr, idx, nblocks = self._lists(Z, plan)
+        out = torch.zeros(nblocks, planes, t, dtype=torch.float64, device=Z.device)
+        if n and t:
+            bt = _pow2(t, 16, 64)
+            column_kernel[(nblocks, -(-t // bt), planes)](Z, U, V, out, n, d, t, ptr, idx, nblocks, planes,
+                                                          SPARSE=sparse, BLOCK=BLOCK, BT=bt, ISO=isotropic,
+                                                          **self._constants(Z.dtype))
+        total = out.sum(0)  # (planes, t)
+        return total[0], total[1:].mT
+
     def _matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
         from gpnys.kernels.backends.triton_kernels import kv_kernel
 

@@ -15,7 +15,10 @@ registers only:
 * product: ``out[I] += K[I, J] @ V[J]`` (``tl.dot``, full-precision FP32 unless TF32 is asked for);
 * derivative: ``W = U[I] V[J]^T``, ``s += sum W o K``, ``g_d += sum (W o H) o (z_Id - z_Jd)^2`` — the
   outputscale and per-dimension length-scale sums of :mod:`gpnys.kernels.operator` (FP32 tiles are reduced
-  into FP64 row accumulators).
+  into FP64 row accumulators);
+* column sums: the same sums for each column pair ``(u_j, v_j)`` alone (the trace estimator's per-probe terms):
+  plane ``0`` accumulates ``K[I, J] @ V[J]``, plane ``1 + dd`` ``(H o (z_dd - z_dd')^2)[I, J] @ V[J]`` (one plane
+  ``H o R^2`` when isotropic), and ends with ``sum_{i in I} u_ij (.)_ij`` per column.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["kv_kernel", "derivative_kernel", "fps_kernel"]
+__all__ = ["kv_kernel", "derivative_kernel", "column_kernel", "fps_kernel"]
 
 
 @triton.jit
@@ -153,6 +156,47 @@ def derivative_kernel(Z, U, V, S_OUT, G_OUT, n, d, t, ptr, idx, nblocks,
             g_acc += tl.where(dims == dd, g, 0.0)
     tl.store(S_OUT + i, tl.sum(s_acc, axis=0))
     tl.store(G_OUT + i * DP + dims, g_acc)
+
+
+@triton.jit
+def column_kernel(Z, U, V, OUT, n, d, t, ptr, idx, nblocks, planes,
+                  SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, ISO: tl.constexpr,
+                  DT: tl.constexpr, PREC: tl.constexpr,
+                  RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr,
+                  P1: tl.constexpr, P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr,
+                  NQ: tl.constexpr):
+    """For row block ``I = program_id(0)``, column block ``T = program_id(1)`` and plane ``q = program_id(2)``:
+    ``OUT[I, q, T] = sum_{i in I} U[i, T] o (M_q[I, :] @ V[:, T])[i]`` with ``M_0 = K``, and ``M_q = H o R^2``
+    (``ISO``) or ``H o (z_{q-1} - z'_{q-1})^2``. ``U, V (n, t)``; ``OUT (nblocks, planes, t)`` in FP64."""
+    i = tl.program_id(0)
+    tb = tl.program_id(1)
+    q = tl.program_id(2)
+    offs = tl.arange(0, BLOCK)
+    rows = i * BLOCK + offs
+    rmask = rows < n
+    tcol = tb * BT + tl.arange(0, BT)
+    tmask = tcol < t
+    dsel = tl.maximum(q - 1, 0)
+    acc = tl.zeros((BLOCK, BT), dtype=DT)
+    start, stop = _block_range(ptr, i, nblocks, SPARSE)
+    for p in range(start, stop):
+        cols, cmask = _column_block(idx, p, offs, n, BLOCK, SPARSE)
+        r2 = _sq_dist(Z, rows, cols, rmask, cmask, d, BLOCK, DT)
+        k, h = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
+        if ISO:
+            sq = r2
+        else:
+            zi = tl.load(Z + rows * d + dsel, mask=rmask, other=0.0)
+            zj = tl.load(Z + cols * d + dsel, mask=cmask, other=0.0)
+            diff = zi[:, None] - zj[None, :]
+            sq = diff * diff
+        m = tl.where(q == 0, k, h * sq)
+        m = tl.where(cmask[None, :], m, 0.0)
+        v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=cmask[:, None] & tmask[None, :], other=0.0)
+        acc = tl.dot(m, v, acc, input_precision=PREC, out_dtype=DT)
+    u = tl.load(U + rows[:, None] * t + tcol[None, :], mask=rmask[:, None] & tmask[None, :], other=0.0)
+    col = tl.sum(u.to(tl.float64) * acc.to(tl.float64), axis=0)
+    tl.store(OUT + (i * planes + q) * t + tcol, col, mask=tmask)
 
 
 @triton.jit(do_not_specialize=["n", "d", "k", "start"])
