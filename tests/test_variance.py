@@ -48,7 +48,7 @@ def _cache(m, k=80, w=(30, 120), lam=None):
     P = AFNPreconditioner(X, m.covar_module.base_kernel, mu, k=k, w=20)
     if lam is None:  # the exact smallest eigenvalue of P̂⁻¹ K̂ (the hook estimates it by Lanczos)
         K = m.covar_module(X).to_dense().detach() + torch.diag(noise.expand(X.shape[0]))
-        Pinv = P.solve(torch.eye(X.shape[0], dtype=X.dtype)) / s2
+        Pinv = P.solve(torch.eye(X.shape[0], dtype=X.dtype, device=X.device)) / s2
         lam = float(torch.linalg.eigvals(Pinv @ K).real.min())
     return LocalVariance(X, m.covar_module, noise, P.landmark_idx, lambda R: P.solve(R) / s2, lam, w)
 
