@@ -549,13 +549,18 @@ class _Stop(Exception):
 
 
 def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, row: dict,
-            max_seconds: float | None) -> dict:
-    """``steps`` Adam steps; fills ``row`` as it goes (saved after every step)."""
+            max_seconds: float | None, checkpoint: str | None = None) -> dict:
+    """``steps`` Adam steps; fills ``row`` as it goes (saved after every step). With ``checkpoint`` (a file),
+    a run stopped by a time limit resumes there: the traces and the clock continue from the last saved step."""
     device = args.device
     dtype = torch.float64 if method == "cholesky" else DTYPES[args.dtype]
     X, y = load_data(data, n_req, dtype, device, args.seed)
     n = X.shape[0]
     row.update(n=n, dtype=str(dtype).replace("torch.", ""), steps=steps, loss_trace=[], time_trace=[])
+    if checkpoint and os.path.exists(checkpoint):  # (fit restores the model; only the step clock is read here)
+        done = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        row.update(loss_trace=list(done["loss_trace"]), time_trace=[s["t_s"] for s in done["steps"]],
+                   resumed_at_step=len(done["loss_trace"]))
     model = make_model(X, y, None, mean="constant")
     cache: dict = {}
     loss_fn = (lambda m: cholesky_loss(m, cache)) if method == "cholesky" else None
@@ -568,7 +573,7 @@ def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, 
         ctx, settings = contextlib.nullcontext(), None  # gpnys.gp.exact.fit's Cholesky settings
     start = [0.0]
 
-    def on_step(t: int, loss: float) -> None:
+    def on_step(t: int, loss: float) -> dict:
         sync(device)  # (``fit`` already read the loss back, which waits for the step)
         row["time_trace"].append(time.perf_counter() - start[0])
         row["loss_trace"].append(loss)
@@ -580,14 +585,17 @@ def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, 
                   f"for {steps} steps", flush=True)
             if max_seconds is not None and eta > max_seconds and steps > 1:
                 raise _Stop(f"stopped after step 1: ETA {eta:.0f} s > {max_seconds:.0f} s (--fit-max-seconds)")
+        if checkpoint and t % 5 == 4:
+            print(f"    step {t + 1}: {row['time_trace'][-1]:.1f} s, loss {loss:.5f}", flush=True)
+        return {"t_s": row["time_trace"][-1]}  # kept in the checkpoint
 
     reset_peak(device)
     with ctx:
         sync(device)
-        start[0] = time.perf_counter()
+        start[0] = time.perf_counter() - (row["time_trace"][-1] if row["time_trace"] else 0.0)
         try:
             fit(model, iters=steps, lr=args.lr, progress=False, seed=args.seed, settings=settings, on_step=on_step,
-                loss=loss_fn)
+                loss=loss_fn, checkpoint=checkpoint)
             status, err = "ok", None
         except _Stop as stop:
             status, err = "stopped", str(stop)
@@ -609,13 +617,13 @@ def part_fit(args, bench) -> None:
     points = [(args.real_data, n, args.fit_steps) for n in args.real_sizes]
     points += [("synthetic3d", n, args.fit_steps) for n in args.fit_synthetic_sizes]
     if args.fit_1e6:
-        points.append(("synthetic3d", 1_000_000, args.fit_1e6_steps))
+        points.append(("synthetic3d", args.fit_1e6_n, args.fit_1e6_steps))
     warm = Warmups(args)
     with contextlib.suppress(Exception):  # untimed: the first optimiser step imports and initialises (~1 s)
         Xw, yw = load_data(args.real_data, 64, DTYPES[args.dtype], args.device, args.seed)
         fit(make_model(Xw, yw, None, mean="constant"), iters=1, progress=False)
     for data, n_req, steps in points:
-        big = args.fit_1e6 and n_req == 1_000_000 and steps == args.fit_1e6_steps
+        big = args.fit_1e6 and n_req == args.fit_1e6_n and steps == args.fit_1e6_steps
         for method in (["gpnys"] if big else ["gpnys", "gpytorch_cg", "cholesky"]):
             row: dict[str, Any] = {"data": data, "n": n_req, "method": method, "status": "running"}
             bench.add("fit", row)
@@ -639,7 +647,8 @@ def part_fit(args, bench) -> None:
                     warm(data, Xw, yw, "gpnys", settings)
                     del Xw, yw
                 row.update(guarded(lambda: fit_run(data, n_req, method, steps, args, bench, row,
-                                                   None if big else args.fit_max_seconds), args.device))
+                                                   None if big else args.fit_max_seconds,
+                                                   args.fit_checkpoint if big else None), args.device))
             if row.get("status") == "ok":
                 bench.record_time(("fit", data, method), row["n"], row["wall_s"])
             bench.save()
@@ -936,6 +945,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--fit-1e6", action="store_true", help="also the gpnys fit on synthetic3d n = 1e6")
     ap.add_argument("--fit-1e6-steps", type=int, default=50)
+    ap.add_argument("--fit-1e6-n", type=int, default=1_000_000, help="its size (a small one tests the checkpoints)")
+    ap.add_argument("--fit-checkpoint", default=None,
+                    help="the 1e6 fit's checkpoint file: saved after every step; a rerun resumes from it")
     ap.add_argument("--fit-max-seconds", type=float, default=600.0,
                     help="stop a fit (not the 1e6 one) whose ETA after step 1 exceeds this")
     ap.add_argument("--max-seconds", type=float, default=600.0,

@@ -127,6 +127,28 @@ def test_gpu_quick(tmp_path):
         assert r["wall_s"] > 0 and r["hyperparameters"]["noise"] > 0
 
 
+def test_gpu_fit_resumes_from_its_checkpoint(tmp_path):
+    """The long fit's ``--fit-checkpoint``: a run cut after 2 steps, rerun for 4, continues the traces and the
+    clock of the first and ends where one straight 4-step run ends."""
+    gpu = load("gpu")
+    base = ["--quick", "--parts", "fit", "--real-sizes", "", "--fit-synthetic-sizes", "", "--fit-1e6",
+            "--fit-1e6-n", "300", "--dtype", "float64"]
+    ck = tmp_path / "fit.pt"
+    rows = []
+    for steps, name, extra in (("2", "a", ["--fit-checkpoint", str(ck)]), ("4", "b", ["--fit-checkpoint", str(ck)]),
+                               ("4", "c", [])):
+        out = tmp_path / f"{name}.json"
+        gpu.main(base + ["--fit-1e6-steps", steps, "--out", str(out)] + extra)
+        rows.append(json.loads(out.read_text())["fit"][0])
+    first, resumed, straight = rows
+    assert first["status"] == resumed["status"] == "ok" and resumed["resumed_at_step"] == 2
+    assert resumed["loss_trace"][:2] == first["loss_trace"] and resumed["time_trace"][:2] == first["time_trace"]
+    assert len(resumed["time_trace"]) == 4 and resumed["time_trace"] == sorted(resumed["time_trace"])
+    assert resumed["loss_trace"] == pytest.approx(straight["loss_trace"], rel=1e-3)
+    assert resumed["hyperparameters"]["lengthscale"] == pytest.approx(straight["hyperparameters"]["lengthscale"],
+                                                                      rel=1e-3)
+
+
 def test_gpu_paths_quick(tmp_path):
     """The GPU benchmark's ``paths`` part on the CPU: every other public path once (builds, PCG, hook, prediction,
     reduced posterior, BoTorch model, CLI subprocess), each an ``ok`` row with finite results."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -140,6 +141,39 @@ class FitResult:
     stopped: str | None = None
 
 
+def _resume(path: str | os.PathLike, model: torch.nn.Module, opt: torch.optim.Optimizer, optimizer: str,
+            result: FitResult) -> float:
+    """Load :func:`fit`'s checkpoint at ``path`` (if the file exists) into ``model``, ``opt`` and ``result``, and
+    torch's random state; returns the elapsed step time it records (0 without a file)."""
+    if not os.path.exists(path):
+        return 0.0
+    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file: model, optimiser, RNG state
+    if not isinstance(state, dict) or state.get("format") != "gpnys.fit/1" or state.get("optimizer") != optimizer:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} is not a gpnys fit checkpoint for optimizer={optimizer!r}")
+    try:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} does not match this model: {err}") from err
+    result.loss_trace[:], result.steps[:] = state["loss_trace"], state["steps"]
+    torch.set_rng_state(state["rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    return float(state["elapsed_s"])
+
+
+def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: torch.optim.Optimizer, optimizer: str,
+                     result: FitResult, elapsed_s: float) -> None:
+    """Write :func:`fit`'s checkpoint (its docstring) atomically: a crash mid-write keeps the previous one."""
+    state = {"format": "gpnys.fit/1", "optimizer": optimizer, "model": model.state_dict(), "opt": opt.state_dict(),
+             "loss_trace": list(result.loss_trace), "steps": list(result.steps), "elapsed_s": elapsed_s,
+             "rng": torch.get_rng_state(),
+             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+    tmp = f"{os.fspath(path)}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
 @contextlib.contextmanager
 def _exact_settings(n: int) -> Iterator[None]:
     with gpytorch.settings.max_cholesky_size(n + 1), gpytorch.settings.fast_computations(False, False, False):
@@ -157,6 +191,7 @@ def fit(
     on_step: Callable[[int, float], dict[str, Any] | None] | None = None,
     loss: Callable[[gpytorch.models.ExactGP], torch.Tensor] | None = None,
     stop: Callable[[], bool] | None = None,
+    checkpoint: str | os.PathLike | None = None,
 ) -> FitResult:
     """Maximise the exact marginal likelihood of ``model`` (its likelihood attached) by Adam or L-BFGS.
 
@@ -176,6 +211,12 @@ def fit(
         stop: called after every step (the parameters' ``.grad`` hold the last evaluation's gradient); ``True``
             ends training with ``FitResult.stopped = "gradient at noise level"`` (e.g.
             :func:`gpnys.gp.estimator.gradient_at_noise`).
+        checkpoint: a file that makes a long fit resumable. After every step the model's and the optimiser's
+            state, the loss trace, ``steps``, the elapsed step time and torch's random state are written there
+            (``torch.save``, through a temporary file and a rename). If the file exists when ``fit`` starts, training
+            resumes from it: ``iters`` counts every step, so ``iters - len(loss_trace)`` more are run, and the
+            result (``train_time_s`` included) covers them all. A checkpoint from another model or optimiser
+            raises ``ValueError``.
 
     L-BFGS stops cleanly at the first step whose line search makes no progress (the loss at the next step's start
     is not below this step's): the parameters go back to the best point, ``stopped = "line search failed"``. A
@@ -191,6 +232,8 @@ def fit(
         raise ValueError(f"iters must be a non-negative integer, got {iters!r}")
     if not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be positive and finite, got {lr!r}")
+    if checkpoint is not None and (not isinstance(checkpoint, (str, os.PathLike)) or os.path.isdir(checkpoint)):
+        raise ValueError(f"checkpoint must be a file path, got {checkpoint!r}")
     validate_training_data(model.train_inputs[0], model.train_targets, ("train_inputs", "train_targets"))
     torch.manual_seed(seed)
     likelihood = model.likelihood
@@ -213,8 +256,10 @@ def fit(
         return value
 
     result = FitResult()
-    start = time.perf_counter()
-    bar = tqdm(range(iters), desc="fit", disable=not progress, leave=True)
+    previous_s = _resume(checkpoint, model, opt, optimizer, result) if checkpoint is not None else 0.0
+    start = time.perf_counter() - previous_s
+    bar = tqdm(range(len(result.loss_trace), iters), desc="fit", disable=not progress, leave=True,
+               initial=len(result.loss_trace), total=iters)
     starts: list[list[torch.Tensor]] = []  # L-BFGS: where the last two steps started
     for _ in bar:
         if optimizer == "lbfgs":
@@ -231,6 +276,8 @@ def fit(
         if extra:
             result.steps.append(extra)
         bar.set_postfix(loss=f"{value:.4f}", **(extra or {}))
+        if checkpoint is not None:
+            _save_checkpoint(checkpoint, model, opt, optimizer, result, time.perf_counter() - start)
         if stop is not None and stop():
             result.stopped = "gradient at noise level"
             break
