@@ -334,7 +334,7 @@ for arch in (80, 90):
             sig.update(S_OUT="*fp64", G_OUT="*fp64")
         if kind == "column":
             sig.update(OUT="*fp64")
-        sig.update(n="i32", d="i32", t="i32", ptr="*i64", idx="*i64", nblocks="i32")
+        sig.update(n="i32", d="i32", t="i32", ptr="*i64", idx="*i64", nblocks="i32", row0="i32")
         if kind == "column":
             sig.update(planes="i32")
         tf32 = flag and kind != "column"

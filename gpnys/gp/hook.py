@@ -378,7 +378,8 @@ class PreconditionerHook(HookPrediction):
         return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self._kernel_cache,
                                         dense_limit_bytes=self.settings.dense_limit_bytes,
                                         prune_tol=self.settings.kernel_prune_tol, backend=self.settings.kernel_backend,
-                                        keops=self.settings.kernel_keops, tf32=self.settings.kernel_tf32)
+                                        keops=self.settings.kernel_keops, tf32=self.settings.kernel_tf32,
+                                        group=self.settings.kernel_group)
 
     def _promoted(self, X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``X`` in the dtype GPyTorch computes the kernel in (inputs promoted with the hyperparameters: float32

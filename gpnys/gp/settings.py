@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import gpytorch
 
@@ -46,6 +47,9 @@ class EstimatorSettings:
             ``None`` picks fused Triton kernels on CUDA and torch tiles on CPU; ``"torch"``, ``"triton"``,
             ``"keops"`` force one. ``kernel_keops=True`` is ``kernel_backend="keops"`` (KeOps is never chosen
             by itself). ``kernel_tf32``: let float32 Triton tile products use TF32 (about 1e-3 relative error).
+        kernel_group: split that operator's products and derivative sums by rows over the ranks of a
+            ``torch.distributed`` process group (``True``: the default group; :mod:`gpnys.distributed`). Every
+            rank runs the same training loop on the same data with the same seed and gets the same numbers.
         probe_seed: when set, every MLL evaluation draws its probes from this seed (common random numbers), so
             the estimate is a deterministic function of the hyperparameters — what a quasi-Newton optimiser such as
             BoTorch's L-BFGS-B needs; the global RNG is left untouched. ``None``: fresh probes per call (for Adam).
@@ -84,6 +88,7 @@ class EstimatorSettings:
     kernel_backend: str | None = None
     kernel_keops: bool | None = None
     kernel_tf32: bool = False
+    kernel_group: Any = None
     variance_method: str = "auto"
     variance_tolerance: float = 1e-3
     variance_block: int = 1024

@@ -42,7 +42,8 @@ import torch
 from linear_operator.operators import LinearOperator
 
 from gpnys.budget import block_rows, dense_limit_bytes as budget_dense_limit
-from gpnys.kernels.backends import make_backend, select_backend
+from gpnys.kernels.backends import LEAF, make_backend, select_backend
+from gpnys.kernels.backends.partitioned import PartitionedBackend, resolve_group
 from gpnys.kernels.backends.torch_tiles import Tile, TorchTiles
 from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
 from gpnys.kernels.formulas import formula
@@ -96,10 +97,13 @@ class StationaryKernelOperator(LinearOperator):
             dense cache, when it fits, comes first either way.
         keops: ``True`` is ``backend="keops"`` (kept for compatibility); ``None``/``False`` leave ``backend``.
         tf32: let the Triton backend's float32 tile products use TF32 (~1e-3 relative error); off by default.
+        group: split the recomputed passes by rows over the ranks of a ``torch.distributed`` process group
+            (``True``: the default group; :mod:`gpnys.kernels.backends.partitioned`); no dense cache then. Every
+            rank must hold the same ``X`` and right-hand sides.
     """
 
     #: points per leaf of the cutoff plan (rows of one on-the-fly tile; the Triton backend's tile size)
-    LEAF = 64
+    LEAF = LEAF
     #: the cutoff plan is used only when it skips at least this share of the n^2 entries
     MIN_SKIPPED = 0.25
     #: with the Triton backend the dense cache is skipped when the cutoff plan computes at most this share of the
@@ -120,8 +124,13 @@ class StationaryKernelOperator(LinearOperator):
         backend: str | None = None,
         keops: bool | None = None,
         tf32: bool = False,
+        group: Any = None,
     ) -> None:
         limit = budget_dense_limit(X.device) if dense_limit_bytes is None else int(dense_limit_bytes)
+        if group is not None and group is not False:  # row-partitioned: every rank recomputes only its rows
+            group, limit = resolve_group(group), 0
+        else:
+            group = None
         if prune_tol is not None and not prune_tol >= 0:
             raise ValueError(f"prune_tol must be >= 0 (or None), got {prune_tol}")
         tol = torch.finfo(X.dtype).eps if prune_tol is None else float(prune_tol)
@@ -131,20 +140,22 @@ class StationaryKernelOperator(LinearOperator):
             backend = "keops"
         name = select_backend(X.device, backend)
         super().__init__(X, outputscale, lengthscale, base=base, cache=cache, dense_limit_bytes=limit, prune_tol=tol,
-                         backend=name, tf32=bool(tf32))
+                         backend=name, tf32=bool(tf32), group=group)  # (kwargs rebuild the operator: keep them all)
         self.X, self.outputscale, self.lengthscale = X, outputscale, lengthscale
         self.base, self.cache = base, cache
         self.dense_limit_bytes = limit
         self.prune_tol = tol
         self.nu = _nu(base)
         self.formula = formula(self.nu)
-        self.backend = make_backend(name, self.formula, tf32)
-        self.tiles = self.backend if isinstance(self.backend, TorchTiles) else TorchTiles(self.formula, tf32)
+        local = make_backend(name, self.formula, tf32)
+        self.tiles = local if isinstance(local, TorchTiles) else TorchTiles(self.formula, tf32)
+        self.group = group
+        self.backend = local if group is None else PartitionedBackend(local, group)
 
     @property
     def keops(self) -> bool:
         """Whether the recomputed passes run on KeOps."""
-        return self.backend.name == "keops"
+        return getattr(self.backend, "inner", self.backend).name == "keops"
 
     # -- values -------------------------------------------------------------------------------------------
     def _block_rows(self) -> int:

@@ -11,8 +11,10 @@ storing it, for the two passes :class:`~gpnys.kernels.operator.StationaryKernelO
   alone (the trace estimator's per-probe terms, for its standard error).
 
 ``plan`` is a :class:`~gpnys.kernels.cutoff.LeafPlan` (``Z`` and the vectors are then in its working order and
-only the listed leaf pairs are computed) or ``None`` (every pair). Kernel formulas come from
-:mod:`gpnys.kernels.formulas`.
+only the listed leaf pairs are computed) or ``None`` (every pair). ``rows = (a, b)`` restricts a pass to the rows
+``a <= i < b`` of the working order (``a`` and ``b`` multiples of :data:`LEAF`, or ``b = n``): the product returns
+those rows of ``K R``, the sums run over the pairs ``(i, j)`` with ``i`` in the range. A row-partitioned operator
+(:mod:`.partitioned`) gives each process one range. Kernel formulas come from :mod:`gpnys.kernels.formulas`.
 
 ===========  =================================================================  ===============================
 backend      what                                                               chosen
@@ -42,9 +44,14 @@ from gpnys.kernels.formulas import Formula
 if TYPE_CHECKING:
     from gpnys.kernels.cutoff import LeafPlan
 
-__all__ = ["BACKENDS", "KernelBackend", "select_backend", "make_backend", "triton_available"]
+__all__ = ["BACKENDS", "LEAF", "KernelBackend", "select_backend", "make_backend", "triton_available"]
 
 BACKENDS = ("torch", "triton", "keops")
+
+#: row granularity of a partial pass (``rows=``): the cutoff plan's leaf and the Triton tile
+LEAF = 64
+
+Rows = tuple[int, int]
 
 
 class KernelBackend(ABC):
@@ -62,16 +69,17 @@ class KernelBackend(ABC):
         self.tf32 = bool(tf32)
 
     @abstractmethod
-    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
-        """``k(Z, Z) @ R`` for ``Z: (n, d)``, ``R: (n, t)`` (working order). ``(n, t)``"""
+    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None, rows: Rows | None = None) -> torch.Tensor:
+        """``k(Z, Z) @ R`` for ``Z: (n, d)``, ``R: (n, t)`` (working order): ``(n, t)``, or its rows ``rows``
+        (``(b - a, t)``)."""
 
     @abstractmethod
-    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
-                        plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                        rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s, g)``: ``()`` and ``(d,)`` tensors in at least float64 (module docstring)."""
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
-                               isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                               isotropic: bool = False, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`derivative_sums` of each column pair ``(U[:, j], V[:, j])`` alone: ``s (t,)`` and ``g (t, d)``
         (``(t, 1)``, summed over the dimensions, when ``isotropic``), in at least float64. This default makes one
         :meth:`derivative_sums` pass per column; the torch tiles and Triton do all columns in one pass."""
@@ -79,7 +87,7 @@ class KernelBackend(ABC):
         t, d = U.shape[1], Z.shape[1]
         s, g = Z.new_zeros(t, dtype=acc), Z.new_zeros(t, d, dtype=acc)
         for j in range(t):
-            s[j], g[j] = self.derivative_sums(Z, U[:, j : j + 1], V[:, j : j + 1], plan)
+            s[j], g[j] = self.derivative_sums(Z, U[:, j : j + 1], V[:, j : j + 1], plan, rows)
         return s, (g.sum(1, keepdim=True) if isotropic else g)
 
 

@@ -36,10 +36,11 @@ def available() -> bool:
     return importlib.util.find_spec("pykeops") is not None
 
 
-def _lazy(Z: torch.Tensor):
+def _lazy(Z: torch.Tensor, rows: tuple[int, int] | None = None):
     from pykeops.torch import LazyTensor
 
-    zi, zj = LazyTensor(Z[:, None, :].contiguous()), LazyTensor(Z[None, :, :].contiguous())
+    Zi = Z if rows is None else Z[rows[0] : rows[1]]
+    zi, zj = LazyTensor(Zi[:, None, :].contiguous()), LazyTensor(Z[None, :, :].contiguous())
     diff = zi - zj
     return LazyTensor, diff, (diff**2).sum(-1)
 
@@ -49,16 +50,18 @@ class KeOpsBackend(KernelBackend):
 
     name = "keops"
 
-    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
-        _, _, D2 = _lazy(Z)
+    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        _, _, D2 = _lazy(Z, rows)
         k, _ = k_and_h(D2, self.formula.nu, TINY)
         return k @ R.contiguous()
 
-    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
-                        plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
-        LazyTensor, diff, D2 = _lazy(Z)
+    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                        rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        LazyTensor, diff, D2 = _lazy(Z, rows)
         k, h = k_and_h(D2, self.formula.nu, TINY)
-        w = (LazyTensor(U[:, None, :].contiguous()) * LazyTensor(V[None, :, :].contiguous())).sum(-1)
+        Ui = U if rows is None else U[rows[0] : rows[1]]
+        w = (LazyTensor(Ui[:, None, :].contiguous()) * LazyTensor(V[None, :, :].contiguous())).sum(-1)
         acc = torch.promote_types(Z.dtype, torch.float64)
         s = (w * k).sum(1).sum().to(acc)
         g = ((w * h) * diff**2).sum(1).sum(0).to(acc)

@@ -99,17 +99,20 @@ class TorchTiles(KernelBackend):
         c = Zr.mean(0)
         return Zr - c, Z[cols] - c
 
-    def tiles(self, Z: torch.Tensor, plan: LeafPlan | None) -> Iterator[Tile]:
-        """Recomputed tiles covering ``k(Z, Z)`` (every pair, or the plan's leaf pairs); each is a view of one
-        workspace, valid until the next is yielded."""
+    def tiles(self, Z: torch.Tensor, plan: LeafPlan | None, rows: tuple[int, int] | None = None) -> Iterator[Tile]:
+        """Recomputed tiles covering ``k(Z, Z)`` (every pair, or the plan's leaf pairs), or only its rows
+        ``rows = (a, b)`` (leaf-aligned with a plan); each is a view of one workspace, valid until the next is
+        yielded."""
         n = Z.shape[0]
+        a, b = (0, n) if rows is None else rows
         if plan is None:
-            bs = block_rows(n, cap=n, device=Z.device)
-            shapes: Any = [(slice(a, min(a + bs, n)), slice(None)) for a in range(0, n, bs)]
+            bs = block_rows(n, cap=max(1, b - a), device=Z.device)
+            shapes: Any = [(slice(r, min(r + bs, b)), slice(None)) for r in range(a, b, bs)]
             size = bs * n
         else:
             width = max(1, block_elems(device=Z.device) // plan.leaf)  # a leaf's columns in chunks of at most one block
-            shapes = ((plan.rows(i), c) for i in range(plan.num_leaves) for c in plan.cols(i).split(width))
+            leaves = range(a // plan.leaf, min(plan.num_leaves, -(-b // plan.leaf)))
+            shapes = ((plan.rows(i), c) for i in leaves for c in plan.cols(i).split(width))
             size = plan.leaf * min(width, n)
         sq = Z.square().sum(1)
         zmax = float(Z.abs().max()) if Z.numel() else 0.0
@@ -122,19 +125,22 @@ class TorchTiles(KernelBackend):
                    Zr, Zc)
 
     # -- the two passes -----------------------------------------------------------------------------------
-    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
-        out = torch.zeros_like(R)
-        for rows, cols, Kt, *_ in self.tiles(Z, plan):
-            out[rows].addmm_(Kt, R[cols])
+    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        a, b = (0, Z.shape[0]) if rows is None else rows
+        out = R.new_zeros(b - a, R.shape[1])
+        for r, cols, Kt, *_ in self.tiles(Z, plan, rows):
+            out[r.start - a : r.stop - a].addmm_(Kt, R[cols])
         return out
 
-    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
-                        plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.weighted_sums(Z, self.tiles(Z, plan), lambda rows, cols: U[rows] @ V[cols].mT)
+    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                        rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weighted_sums(Z, self.tiles(Z, plan, rows), lambda r, cols: U[r] @ V[cols].mT)
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
-                               isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.column_sums(Z, self.tiles(Z, plan), U, V, isotropic)
+                               isotropic: bool = False,
+                               rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.column_sums(Z, self.tiles(Z, plan, rows), U, V, isotropic)
 
     @staticmethod
     def weighted_sums(Z: torch.Tensor, tiles: Iterator[Tile],

@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 import torch
 
-from gpnys.kernels.backends import KernelBackend
+from gpnys.kernels.backends import LEAF, KernelBackend
 from gpnys.kernels.cutoff import LeafPlan
 
 __all__ = ["TritonBackend", "BLOCK", "guarded_launch", "failed"]
 
 #: points per tile side (= :attr:`StationaryKernelOperator.LEAF`, the cutoff plan's leaf)
-BLOCK = 64
+BLOCK = LEAF
 
 #: (kernels, device type, dtype, tf32) whose Triton launch failed: answered by the fallback from then on (one warning)
 _FAILED: set[tuple[str, str, torch.dtype, bool]] = set()
@@ -94,19 +94,29 @@ class TritonBackend(KernelBackend):
         return guarded_launch("kernel", Z.device, Z.dtype, self.tf32, lambda: fused(Z, *args),
                               lambda: getattr(TorchTiles(self.formula, self.tf32), name)(Z, *args), "the torch tiles")
 
-    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
-        return self._guarded(self._matmul, "matmul", Z, R, plan)
+    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self._guarded(self._matmul, "matmul", Z, R, plan, rows)
 
-    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
-                        plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._guarded(self._derivative_sums, "derivative_sums", Z, U, V, plan)
+    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                        rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._guarded(self._derivative_sums, "derivative_sums", Z, U, V, plan, rows)
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
-                               isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._guarded(self._column_sums, "column_derivative_sums", Z, U, V, plan, isotropic)
+                               isotropic: bool = False,
+                               rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._guarded(self._column_sums, "column_derivative_sums", Z, U, V, plan, isotropic, rows)
+
+    @staticmethod
+    def _blocks(n: int, rows: tuple[int, int] | None) -> tuple[int, int]:
+        """``(first row block, number of row blocks)`` of a pass over ``rows`` (all when ``None``)."""
+        a, b = (0, n) if rows is None else rows
+        if a % BLOCK or (b % BLOCK and b != n) or not 0 <= a <= b <= n:
+            raise ValueError(f"rows must be a range of whole {BLOCK}-point blocks within [0, {n}], got {rows}")
+        return a // BLOCK, -(-b // BLOCK) - a // BLOCK
 
     def _column_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
-                     isotropic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     isotropic: bool, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch over (row block, column block, plane): plane 0 gives ``s``, planes ``1..`` give ``g``
         (:func:`~.triton_kernels.column_kernel`); ``(1 + d)`` products' work, or 2 when ``isotropic``."""
         from gpnys.kernels.backends.triton_kernels import column_kernel
@@ -116,43 +126,48 @@ class TritonBackend(KernelBackend):
         Z, U, V = Z.contiguous(), U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
         planes = 2 if isotropic else 1 + d
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
+        row0, local = self._blocks(n, rows)
         out = torch.zeros(nblocks, planes, t, dtype=torch.float64, device=Z.device)
-        if n and t:
+        if local and t:
             bt = _pow2(t, 16, 64)
-            column_kernel[(nblocks, -(-t // bt), planes)](Z, U, V, out, n, d, t, ptr, idx, nblocks, planes,
-                                                          SPARSE=sparse, BLOCK=BLOCK, BT=bt, ISO=isotropic,
-                                                          **self._constants(Z.dtype))
+            column_kernel[(local, -(-t // bt), planes)](Z, U, V, out, n, d, t, ptr, idx, nblocks, row0, planes,
+                                                        SPARSE=sparse, BLOCK=BLOCK, BT=bt, ISO=isotropic,
+                                                        **self._constants(Z.dtype))
         total = out.sum(0)  # (planes, t)
         return total[0], total[1:].mT
 
-    def _matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None) -> torch.Tensor:
+    def _matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
+                rows: tuple[int, int] | None = None) -> torch.Tensor:
         from gpnys.kernels.backends.triton_kernels import kv_kernel
 
         n, d = Z.shape
         t = R.shape[1]
+        row0, local = self._blocks(n, rows)
+        a, b = (0, n) if rows is None else rows
         Z, R = Z.contiguous(), R.to(Z.dtype).contiguous()
-        out = torch.empty_like(R)
-        if n == 0 or t == 0:
+        out = R.new_empty(b - a, t)
+        if local == 0 or t == 0:
             return out.zero_()
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
         bt = _pow2(t, 16, 64)
-        grid = (nblocks, -(-t // bt))
-        kv_kernel[grid](Z, R, out, n, d, t, ptr, idx, nblocks, SPARSE=sparse, BLOCK=BLOCK, BT=bt,
+        grid = (local, -(-t // bt))
+        kv_kernel[grid](Z, R, out, n, d, t, ptr, idx, nblocks, row0, SPARSE=sparse, BLOCK=BLOCK, BT=bt,
                         **self._constants(Z.dtype))
         return out
 
-    def _derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
-                         plan: LeafPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                         rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         from gpnys.kernels.backends.triton_kernels import derivative_kernel
 
         n, d = Z.shape
         t = U.shape[1]
         Z, U, V = Z.contiguous(), U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
+        row0, local = self._blocks(n, rows)
         dp = _pow2(d, 1, 1 << 30)
         s = torch.zeros(nblocks, dtype=torch.float64, device=Z.device)
         g = torch.zeros(nblocks, dp, dtype=torch.float64, device=Z.device)
-        if n and t:
-            derivative_kernel[(nblocks,)](Z, U, V, s, g, n, d, t, ptr, idx, nblocks, SPARSE=sparse, BLOCK=BLOCK,
-                                          BT=_pow2(t, 16, 32), DP=dp, **self._constants(Z.dtype))
+        if local and t:
+            derivative_kernel[(local,)](Z, U, V, s, g, n, d, t, ptr, idx, nblocks, row0, SPARSE=sparse,
+                                        BLOCK=BLOCK, BT=_pow2(t, 16, 32), DP=dp, **self._constants(Z.dtype))
         return s.sum(), g.sum(0)[:d]

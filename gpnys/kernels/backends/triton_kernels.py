@@ -92,13 +92,14 @@ def _column_block(idx, p, offs, n, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
 # disk cache). Turning that off for n and the block count cost 18 % of the product's throughput on an H100 (2.7e11
 # instead of 3.3e11 entries/s at n = 200 000, t = 32; one run specialised, two not).
 @triton.jit
-def kv_kernel(Z, V, OUT, n, d, t, ptr, idx, nblocks,
+def kv_kernel(Z, V, OUT, n, d, t, ptr, idx, nblocks, row0,
               SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
               RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
               P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr, NQ: tl.constexpr):
-    """``OUT[I, T] = sum_J K[I, J] V[J, T]`` for row block ``I = program_id(0)`` and column block ``T =
-    program_id(1)`` of ``BT`` right-hand sides. ``Z (n, d)``, ``V, OUT (n, t)`` contiguous."""
-    i = tl.program_id(0)
+    """``OUT[I, T] = sum_J K[I, J] V[J, T]`` for row block ``I = row0 + program_id(0)`` and column block ``T =
+    program_id(1)`` of ``BT`` right-hand sides. ``Z (n, d)``, ``V (n, t)`` contiguous; ``OUT (m, t)`` holds the
+    rows from block ``row0`` on."""
+    i = tl.program_id(0) + row0
     tb = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     rows = i * BLOCK + offs
@@ -114,20 +115,20 @@ def kv_kernel(Z, V, OUT, n, d, t, ptr, idx, nblocks,
         k = tl.where(cmask[None, :], k, 0.0)
         v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=cmask[:, None] & tmask[None, :], other=0.0)
         acc = tl.dot(k, v, acc, input_precision=PREC, out_dtype=DT)
-    tl.store(OUT + rows[:, None] * t + tcol[None, :], acc, mask=rmask[:, None] & tmask[None, :])
+    tl.store(OUT + (rows - row0 * BLOCK)[:, None] * t + tcol[None, :], acc, mask=rmask[:, None] & tmask[None, :])
 
 
 @triton.jit
-def derivative_kernel(Z, U, V, S_OUT, G_OUT, n, d, t, ptr, idx, nblocks,
+def derivative_kernel(Z, U, V, S_OUT, G_OUT, n, d, t, ptr, idx, nblocks, row0,
                       SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, DP: tl.constexpr,
                       DT: tl.constexpr, PREC: tl.constexpr,
                       RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr,
                       P1: tl.constexpr, P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr,
                       NQ: tl.constexpr):
-    """For row block ``I = program_id(0)``: ``S_OUT[I] = sum_{i in I, j} w_ij k_ij`` and
+    """For row block ``I = row0 + program_id(0)``: ``S_OUT[I] = sum_{i in I, j} w_ij k_ij`` and
     ``G_OUT[I, dd] = sum_{i in I, j} w_ij h_ij (z_i,dd - z_j,dd)^2`` with ``w_ij = u_i . v_j``
     (``U, V (n, t)``; ``DP >= d`` a power of two; outputs in FP64)."""
-    i = tl.program_id(0)
+    i = tl.program_id(0) + row0
     offs = tl.arange(0, BLOCK)
     rows = i * BLOCK + offs
     rmask = rows < n
@@ -159,16 +160,16 @@ def derivative_kernel(Z, U, V, S_OUT, G_OUT, n, d, t, ptr, idx, nblocks,
 
 
 @triton.jit
-def column_kernel(Z, U, V, OUT, n, d, t, ptr, idx, nblocks, planes,
+def column_kernel(Z, U, V, OUT, n, d, t, ptr, idx, nblocks, row0, planes,
                   SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, ISO: tl.constexpr,
                   DT: tl.constexpr, PREC: tl.constexpr,
                   RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr,
                   P1: tl.constexpr, P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr,
                   NQ: tl.constexpr):
-    """For row block ``I = program_id(0)``, column block ``T = program_id(1)`` and plane ``q = program_id(2)``:
+    """For row block ``I = row0 + program_id(0)``, column block ``T = program_id(1)`` and plane ``q = program_id(2)``:
     ``OUT[I, q, T] = sum_{i in I} U[i, T] o (M_q[I, :] @ V[:, T])[i]`` with ``M_0 = K``, and ``M_q = H o R^2``
     (``ISO``) or ``H o (z_{q-1} - z'_{q-1})^2``. ``U, V (n, t)``; ``OUT (nblocks, planes, t)`` in FP64."""
-    i = tl.program_id(0)
+    i = tl.program_id(0) + row0
     tb = tl.program_id(1)
     q = tl.program_id(2)
     offs = tl.arange(0, BLOCK)

@@ -1,0 +1,111 @@
+"""Row-partitioned kernel passes across the processes of a ``torch.distributed`` group (issue 22).
+
+Every rank holds all of ``Z`` (``n x d``, small) and the right-hand sides; rank ``r`` of ``P`` owns the rows
+``[r c, (r + 1) c)`` of the working order, ``c = ceil(n / P)`` rounded up to a whole leaf (:data:`LEAF`), so that a
+cutoff plan splits by leaves and Triton by tiles. Then
+
+* ``K R``: each rank computes its rows with the wrapped backend (``rows=``) and ``all_gather`` assembles the
+  ``(n, t)`` product on every rank (``n t`` values received per product);
+* the derivative sums (``sum_ij``, all pairs): each rank sums its rows' pairs, ``all_reduce`` adds them
+  (``d + 1`` values, or ``t (d + 1)`` for the per-probe sums).
+
+Everything downstream (PCG, SLQ, the preconditioners) then runs unchanged on replicated vectors, so its results
+match one process to rounding. That needs identical inputs on every rank: each gathered block carries checksums of
+the right-hand side its rank used, and ranks that disagree (say, probes drawn from differently seeded generators)
+raise ``ValueError`` rather than return a product of mixed vectors. A collective that fails (a rank died, or the
+group's timeout passed) raises ``RuntimeError`` naming the pass and the rank.
+
+Communication is torch.distributed's (gloo between CPU processes, NCCL between GPUs); nothing here talks to a
+socket. Written by hand because no library partitions a recomputed kernel by rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpnys.kernels.backends import LEAF, KernelBackend, Rows
+from gpnys.kernels.cutoff import LeafPlan
+
+__all__ = ["PartitionedBackend", "row_range", "resolve_group"]
+
+
+def resolve_group(group: Any) -> Any:
+    """``group``: ``True`` (the default group) or a process group; raises ``ValueError`` when torch.distributed is
+    not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("kernel_group needs torch.distributed initialised (torch.distributed.init_process_group, "
+                         "e.g. under torchrun)")
+    return dist.group.WORLD if group is True else group
+
+
+def row_range(n: int, rank: int, size: int) -> Rows:
+    """Rank ``rank``'s rows ``[a, b)`` of ``n`` among ``size`` ranks (module docstring); possibly empty."""
+    chunk = -(-(-(-n // size)) // LEAF) * LEAF
+    a = min(rank * chunk, n)
+    return a, min(a + chunk, n)
+
+
+class PartitionedBackend(KernelBackend):
+    """``inner``'s passes split by rows over the ranks of ``group`` (module docstring)."""
+
+    name = "partitioned"
+
+    def __init__(self, inner: KernelBackend, group: Any) -> None:
+        super().__init__(inner.formula, inner.tf32)
+        self.inner, self.group = inner, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def _collective(self, what: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args, group=self.group)
+        except Exception as err:  # noqa: BLE001 - gloo / NCCL raise RuntimeError, DistBackendError, ...
+            raise RuntimeError(f"gpnys partitioned kernel: the {what} collective failed on rank {self.rank} of "
+                               f"{self.size} (a rank died or the group's timeout passed): {err}") from err
+
+    def _gather(self, what: str, local: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All ranks' ``local`` blocks (equal shapes), after checking that every rank used the same ``inputs``."""
+        check = torch.stack([torch.stack([x.sum(), x.abs().sum()]) for x in inputs]).reshape(-1)
+        flat = torch.cat([local.reshape(-1), check.to(local.dtype)])
+        parts = [torch.empty_like(flat) for _ in range(self.size)]
+        self._collective(what, dist.all_gather, parts, flat)
+        sums = [p[-check.numel():] for p in parts]
+        if any(not torch.equal(s, sums[0]) for s in sums[1:]):
+            raise ValueError(f"gpnys partitioned kernel: the ranks passed different vectors to the {what}; every "
+                             "rank must hold the same inputs (seed each rank's generator identically, e.g. "
+                             "torch.manual_seed(seed) on all)")
+        return [p[: local.numel()].view_as(local) for p in parts]
+
+    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None, rows: Rows | None = None) -> torch.Tensor:
+        if rows is not None:
+            raise ValueError("a partitioned backend splits the rows itself (rows=None)")
+        n, t = Z.shape[0], R.shape[1]
+        a, b = row_range(n, self.rank, self.size)
+        chunk = row_range(n, 0, self.size)[1]
+        local = R.new_zeros(chunk, t)
+        if b > a:
+            local[: b - a] = self.inner.matmul(Z, R, plan, (a, b))
+        return torch.cat(self._gather("product", local, [R]))[:n]
+
+    def _sums(self, what: str, parts: tuple[torch.Tensor, torch.Tensor], inputs: list[torch.Tensor]) -> Any:
+        s, g = parts
+        shapes = (s.shape, g.shape)
+        total = torch.stack(self._gather(what, torch.cat([s.reshape(-1), g.reshape(-1)]), inputs)).sum(0)
+        return total[: s.numel()].reshape(shapes[0]), total[s.numel():].reshape(shapes[1])
+
+    def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                        rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows is not None:
+            raise ValueError("a partitioned backend splits the rows itself (rows=None)")
+        mine = row_range(Z.shape[0], self.rank, self.size)
+        return self._sums("derivative sums", self.inner.derivative_sums(Z, U, V, plan, mine), [U, V])
+
+    def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                               isotropic: bool = False, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows is not None:
+            raise ValueError("a partitioned backend splits the rows itself (rows=None)")
+        mine = row_range(Z.shape[0], self.rank, self.size)
+        return self._sums("per-probe derivative sums",
+                          self.inner.column_derivative_sums(Z, U, V, plan, isotropic, mine), [U, V])

@@ -1,0 +1,118 @@
+"""One rank of the two-process gloo checks in ``test_distributed.py`` (run as a script, not collected).
+
+``python distributed_worker.py MODE OUT``, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set:
+
+* ``passes``: the partitioned operator's product, derivative sums and per-probe sums, dense and with a cutoff plan;
+* ``mll``: one MLL value + gradient through ``use_preconditioner`` with ``gpnys.distributed.settings()``;
+* ``mismatch``: rank-dependent right-hand sides, which must raise;
+* ``die``: rank 1 exits before the product; rank 0 records the error it gets and how long it took.
+
+Rank 0 writes what it computed to OUT (``torch.save``). Without RANK it computes the single-process reference.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+import gpnys.distributed as gd
+from gpnys import use_preconditioner
+from gpnys.gp.exact import ExactGPModel
+from gpnys.kernels import make_kernel
+from gpnys.kernels.operator import StationaryKernelOperator
+
+
+def data(n=300):
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(n, 3, generator=g, dtype=torch.float64) * torch.tensor([60.0, 3.0, 3.0])  # a cutoff plan splits
+    y = torch.sin(X.sum(1)) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    V = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    return X, y, V
+
+
+def passes(group):
+    X, _, V = data()
+    kern = make_kernel("matern32", 3).double()
+    kern.outputscale = 1.3
+    kern.base_kernel.lengthscale = torch.tensor([0.5, 0.8, 1.1])
+    out = {}
+    for name, tol in (("dense", 0.0), ("cutoff", None)):
+        op = StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel,
+                                      cache={}, dense_limit_bytes=0, prune_tol=tol, backend="torch", group=group)
+        with torch.no_grad():
+            out[f"{name}_kv"] = op.matmul(V)
+        out[f"{name}_deriv"] = [t.detach() for t in op._bilinear_derivative(V, V)[1:]]
+        out[f"{name}_columns"] = [t.detach() for t in op.column_derivatives(V, V)[1:]]
+        out[f"{name}_fraction"] = None if op.plan() is None else op.plan().fraction
+    return out
+
+
+def mll(group):
+    X, y, _ = data()
+    torch.manual_seed(0)
+    lik = __import__("gpytorch").likelihoods.GaussianLikelihood().double()
+    model = ExactGPModel(X, y, lik, kernel="matern32", ard=True, mean="constant").double()
+    model.train()
+    settings = gd.settings(group, num_probes=8, dense_limit_bytes=0) if group else \
+        __import__("gpnys").EstimatorSettings(num_probes=8, dense_limit_bytes=0)
+    mll_fn = __import__("gpytorch").mlls.ExactMarginalLogLikelihood(lik, model)
+    with use_preconditioner(model, "afn", settings=settings, seed=0, k=30) as hook:
+        loss = -mll_fn(model(X), y)
+        loss.backward()
+        est = hook.last_estimate
+    return {"loss": loss.detach(), "grads": [p.grad.detach().clone() for p in model.parameters()],
+            "std_error": None if est is None else float(est.std_error)}
+
+
+CALLS = {"matmul": 0, "derivative_sums": 0, "column_derivative_sums": 0}
+
+
+def count_partitioned_passes():
+    """Count the partitioned backend's passes (so a test sees that the split path, not a replicated one, ran)."""
+    from gpnys.kernels.backends.partitioned import PartitionedBackend
+
+    for name in CALLS:
+        def counted(self, *args, _orig=getattr(PartitionedBackend, name), _name=name, **kwargs):
+            CALLS[_name] += 1
+            return _orig(self, *args, **kwargs)
+        setattr(PartitionedBackend, name, counted)
+
+
+def main():
+    mode, out_path = sys.argv[1], sys.argv[2]
+    count_partitioned_passes()
+    distributed = "RANK" in os.environ
+    rank = 0
+    if distributed:
+        rank, size = gd.init(backend="gloo", seed=0, timeout_s=float(os.environ.get("GPNYS_TEST_TIMEOUT", 60)))
+    group = True if distributed else None
+    if mode == "passes":
+        res = passes(group)
+    elif mode == "mll":
+        res = mll(group)
+    elif mode in ("mismatch", "die"):
+        X, _, V = data()
+        kern = make_kernel("rbf").double()
+        op = StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel,
+                                      cache={}, dense_limit_bytes=0, prune_tol=0.0, backend="torch", group=group)
+        if mode == "die" and rank == 1:
+            os._exit(3)
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                op.matmul(V + rank if mode == "mismatch" else V)
+            res = {"error": None}
+        except (ValueError, RuntimeError) as err:
+            res = {"error": f"{type(err).__name__}: {err}"}
+        res["seconds"] = time.perf_counter() - t0
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    if rank == 0:
+        torch.save({**res, "calls": dict(CALLS)}, out_path)
+    if distributed and mode != "die":
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

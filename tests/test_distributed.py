@@ -1,0 +1,149 @@
+"""Issue 22: the row-partitioned kernel across two gloo processes on the CPU against one process (float64)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpnys.kernels import make_kernel
+from gpnys.kernels.backends import LEAF
+from gpnys.kernels.backends.partitioned import row_range
+from gpnys.kernels.backends.torch_tiles import TorchTiles
+from gpnys.kernels.formulas import formula
+from gpnys.kernels.operator import StationaryKernelOperator
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(mode: str, out: Path, size: int = 2, timeout: float = 240, extra_env: dict | None = None) -> list:
+    """``size`` worker processes (one rank each) on the same gloo group; returns their exit codes."""
+    port = _free_port()
+    procs = []
+    for rank in range(size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(extra_env or {})}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    codes = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        codes.append(p.returncode)
+        if p.returncode not in (0, 3):
+            print(err[-3000:])
+    return codes
+
+
+def reference(mode: str, out: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    subprocess.run([sys.executable, str(WORKER), mode, str(out)], env=env, check=True, timeout=240)
+    return torch.load(out, weights_only=False)
+
+
+def _close(a, b, tol=1e-10):
+    if isinstance(a, (list, tuple)):
+        return all(_close(x, y, tol) for x, y in zip(a, b))
+    if a is None or isinstance(a, float):
+        return a == b or abs(a - b) <= tol * max(1.0, abs(b))
+    return float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
+
+
+def test_row_ranges_cover_the_rows_in_whole_leaves():
+    for n in (1, 63, 64, 300, 1000):
+        for size in (1, 2, 3, 8):
+            ranges = [row_range(n, r, size) for r in range(size)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == n
+            assert all(a1 == b0 for (_, b0), (a1, _) in zip(ranges, ranges[1:]))
+            assert all(a % LEAF == 0 or a == b == n for a, b in ranges)
+
+
+@pytest.mark.parametrize("plan", [False, True], ids=["dense", "cutoff"])
+def test_partial_passes_add_up_to_the_full_pass(dtype, plan):
+    """``rows=`` on the torch tiles (the building block of a rank's share): row blocks of the product stack to
+    the whole product; the sums over the row ranges add up to the whole sums."""
+    g = torch.Generator().manual_seed(0)
+    X = (torch.rand(400, 2, generator=g, dtype=torch.float64) * torch.tensor([300.0 if plan else 3.0, 4.0])).to(dtype)
+    V = torch.randn(400, 3, generator=g, dtype=torch.float64).to(dtype)
+    kern = make_kernel("matern32").to(dtype)
+    op = StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel,
+                                  cache={}, dense_limit_bytes=0, backend="torch")
+    perm, Z, p = op._working()
+    assert (p is not None) == plan
+    Vw = V if perm is None else V[perm]
+    tiles = TorchTiles(formula(1.5))
+    full = tiles.matmul(Z, Vw, p)
+    ranges = [row_range(400, r, 3) for r in range(3)]
+    parts = [tiles.matmul(Z, Vw, p, r) for r in ranges]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert float((torch.cat(parts) - full).abs().max()) <= tol * float(full.abs().max())
+    for fn in (tiles.derivative_sums, lambda *a: tiles.column_derivative_sums(*a[:4], False, *a[4:])):
+        whole = fn(Z, Vw, Vw, p)
+        split = [fn(Z, Vw, Vw, p, r) for r in ranges]
+        for i in range(2):
+            total = sum(s[i] for s in split)
+            assert float((total - whole[i]).abs().max()) <= 1e-10 * float(whole[i].abs().max())
+
+
+def test_two_gloo_ranks_give_one_process_passes(tmp_path):
+    ref = reference("passes", tmp_path / "ref.pt")
+    assert run_ranks("passes", tmp_path / "dist.pt") == [0, 0]
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert ref["cutoff_fraction"] is not None and ref["cutoff_fraction"] < 0.75  # the plan split by leaves
+    assert ref["calls"]["matmul"] == 0 and all(c >= 2 for c in got["calls"].values()), got["calls"]
+    for key in ref:
+        if key != "calls":
+            assert _close(got[key], ref[key]), key
+
+
+def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
+    ref = reference("mll", tmp_path / "ref.pt")
+    assert run_ranks("mll", tmp_path / "dist.pt") == [0, 0]
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert got["calls"]["matmul"] > 0 and got["calls"]["derivative_sums"] > 0, got["calls"]
+    assert _close(got["loss"], ref["loss"]) and _close(got["grads"], ref["grads"])
+    assert ref["std_error"] is not None and _close(got["std_error"], ref["std_error"], 1e-8)
+
+
+def test_ranks_with_different_vectors_raise(tmp_path):
+    assert run_ranks("mismatch", tmp_path / "dist.pt") == [0, 0]
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert got["error"] is not None and got["error"].startswith("ValueError") and "same inputs" in got["error"]
+
+
+def test_a_dead_rank_raises_on_the_other_within_the_timeout(tmp_path):
+    t0 = time.perf_counter()
+    codes = run_ranks("die", tmp_path / "dist.pt", extra_env={"GPNYS_TEST_TIMEOUT": "20"}, timeout=120)
+    assert codes[1] == 3
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert got["error"] is not None and got["error"].startswith("RuntimeError") and "rank 0 of 2" in got["error"]
+    assert got["seconds"] <= 60 and time.perf_counter() - t0 <= 120
+
+
+def test_group_without_process_group_is_refused():
+    kern = make_kernel("rbf").double()
+    X = torch.rand(10, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="torch.distributed initialised"):
+        StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel, cache={},
+                                 group=True)
+    import gpnys.distributed as gd
+
+    with pytest.raises(ValueError, match="torchrun"):
+        gd.init()
+    assert gd.rank_and_size() == (0, 1) and gd.is_main()
