@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from gpnys.distributed import rank_and_size
 from gpnys.gp.hook import EstimatorSettings
 from gpnys.kernels import KERNEL_NAMES
 
@@ -123,11 +124,13 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
         raise ValueError("--accuracy needs the error bars; drop --no-error-bars")
     cv = args.control_variate
     settings = EstimatorSettings(error_bars=not args.no_error_bars, target_rel_error=args.accuracy,
-                                 max_probes=args.max_probes,cg_tolerance=args.cg_tol, num_probes=args.probes, lanczos_steps=args.lanczos_steps,
-                                 probes=args.probe_dist, variance_reduction=cv != "none",
-                                 control_variate="auto" if cv == "none" else cv, kernel_prune_tol=args.prune_tol,
+                                 max_probes=args.max_probes, cg_tolerance=args.cg_tol, num_probes=args.probes,
+                                 lanczos_steps=args.lanczos_steps, probes=args.probe_dist,
+                                 variance_reduction=cv != "none", control_variate="auto" if cv == "none" else cv,
+                                 kernel_prune_tol=args.prune_tol,
                                  kernel_backend=None if args.kernel_backend == "auto" else args.kernel_backend,
-                                 kernel_tf32=args.tf32)
+                                 kernel_tf32=args.tf32,
+                                 kernel_group=True if rank_and_size()[1] > 1 else None)  # under torchrun
     return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
 
 

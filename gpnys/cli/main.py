@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from gpnys import distributed as gpnys_distributed
 from gpnys.budget import memory_budget
 from gpnys.cli import fit, mll, pcg, reduce
 from gpnys.cli.common import parse_device
@@ -35,6 +36,19 @@ def budget_from_args(args: argparse.Namespace) -> dict[str, int | None]:
     return {"block_bytes": None if mib is None else mib << 20, "dense_bytes": None if gib is None else int(gib * 2**30)}
 
 
+def join_torchrun(args: argparse.Namespace) -> None:
+    """Under ``torchrun`` (``WORLD_SIZE > 1``): join the process group (gloo on CPU, NCCL for ``--device cuda``)
+    with every rank seeded alike; the kernel is then split by rows (:mod:`gpnys.distributed`), and only rank 0
+    prints."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
+        return
+    device = getattr(args, "device", None)
+    rank, _ = gpnys_distributed.init("nccl" if device is not None and device.type == "cuda" else "gloo",
+                                     seed=getattr(args, "seed", 0))
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports, the others compute
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -43,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.device = parse_device(args.device)
         if getattr(args, "seed", 0) < 0:
             raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
+        join_torchrun(args)
         with memory_budget(**budget_from_args(args)):
             return int(args._run(args) or 0)
     except ValueError as exc:

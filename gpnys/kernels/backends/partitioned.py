@@ -21,6 +21,7 @@ socket. Written by hand because no library partitions a recomputed kernel by row
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -29,7 +30,16 @@ import torch.distributed as dist
 from gpnys.kernels.backends import LEAF, KernelBackend, Rows
 from gpnys.kernels.cutoff import LeafPlan
 
-__all__ = ["PartitionedBackend", "row_range", "resolve_group"]
+__all__ = ["PartitionedBackend", "row_range", "resolve_group", "STATS", "reset_stats"]
+
+#: process-wide counters of this rank's collectives (for benchmarks: operators are rebuilt by GPyTorch, so they
+#: cannot keep their own): calls, bytes this rank received, seconds spent inside the collectives
+STATS: dict[str, float] = {"collectives": 0, "bytes_received": 0, "seconds": 0.0}
+
+
+def reset_stats() -> None:
+    """Zero :data:`STATS`."""
+    STATS.update(collectives=0, bytes_received=0, seconds=0.0)
 
 
 def resolve_group(group: Any) -> Any:
@@ -59,8 +69,11 @@ class PartitionedBackend(KernelBackend):
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
     def _collective(self, what: str, fn: Any, *args: Any) -> None:
+        t0 = time.perf_counter()
         try:
             fn(*args, group=self.group)
+            STATS["seconds"] += time.perf_counter() - t0  # (gloo returns when done; NCCL when enqueued)
+            STATS["collectives"] += 1
         except Exception as err:  # noqa: BLE001 - gloo / NCCL raise RuntimeError, DistBackendError, ...
             raise RuntimeError(f"gpnys partitioned kernel: the {what} collective failed on rank {self.rank} of "
                                f"{self.size} (a rank died or the group's timeout passed): {err}") from err
@@ -71,6 +84,7 @@ class PartitionedBackend(KernelBackend):
         flat = torch.cat([local.reshape(-1), check.to(local.dtype)])
         parts = [torch.empty_like(flat) for _ in range(self.size)]
         self._collective(what, dist.all_gather, parts, flat)
+        STATS["bytes_received"] += (self.size - 1) * flat.numel() * flat.element_size()
         sums = [p[-check.numel():] for p in parts]
         if any(not torch.equal(s, sums[0]) for s in sums[1:]):
             raise ValueError(f"gpnys partitioned kernel: the ranks passed different vectors to the {what}; every "

@@ -1,0 +1,206 @@
+"""Issue 22: one MLL value + gradient with the kernel split by rows over P processes (torch.distributed, gloo).
+
+For P in ``--procs`` the script starts P worker processes of itself (one rank each, gloo over localhost, the
+machine's ``--threads`` shared among them) that run the same evaluation on synthetic 3-D data (unit density,
+Matérn-3/2, l = 1, outputscale 1, noise 0.1, ``auto`` preconditioner, error bars on): one untimed warm-up, then
+``--repeats`` timed evaluations. Each rank counts its collectives (:data:`gpnys.kernels.backends.partitioned.STATS`:
+calls, bytes received, seconds inside them); rank 0 reports. The baseline is the same evaluation without a process
+group (``P = 1, plain``), in the same run.
+
+Columns: seconds per evaluation (median), the share of it spent in collectives, MiB received per evaluation, and
+the loss / gradient difference from the plain run (the target: identical to rounding).
+
+Then a cost model for 1-8 GPUs at n = 10^6 .. 10^7: per evaluation, the single-GPU time measured in issue 19
+(``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H100, float32; ``--gpu-cutoff-1e6-s`` with the cutoff)
+scaled by ``(n / 10^6)^2`` (every pair) or ``n / 10^6`` (cutoff, fixed density) and divided by P, plus the
+all-gathers: ``--products`` products of ``t`` columns, each receiving ``(P - 1) / P n t`` float32 values at
+``--link-gbs`` GB/s. Prints a table, writes JSON (and a PNG of the model).
+
+Run:  python benchmarks/distributed.py                  (n = 50 000, P = 1, 2; ~10 minutes on 2 cores)
+      python benchmarks/distributed.py --quick          (n = 2000; run by the test suite)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def worker(args) -> None:
+    """One rank: the evaluations; rank 0 writes ``args.worker_out``."""
+    import gpytorch
+
+    import gpnys.distributed as gd
+    from gpnys import datasets, use_preconditioner
+    from gpnys.gp.exact import ExactGPModel
+    from gpnys.gp.settings import EstimatorSettings
+    from gpnys.kernels.backends import partitioned
+
+    plain = args.plain
+    rank, size = (0, 1) if plain else gd.init(backend="gloo", seed=args.seed)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(max(1, args.threads // (1 if plain else size)))
+    dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    ds = datasets.load("synthetic3d", n=args.n, seed=args.seed, standardize=False, dtype=dtype)
+    X, y = ds.train_x, ds.train_y
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
+    model = ExactGPModel(X, y, lik, kernel="matern32").to(dtype)
+    model.covar_module.base_kernel.lengthscale = 1.0
+    model.covar_module.outputscale = 1.0
+    lik.noise = 0.1
+    model.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
+    settings = EstimatorSettings(dense_limit_bytes=0) if plain else gd.settings(dense_limit_bytes=0)
+    times, records = [], []
+    with use_preconditioner(model, "auto", settings=settings, seed=args.seed):
+        for rep in range(args.repeats + 1):
+            torch.manual_seed(args.seed + rep)
+            partitioned.reset_stats()
+            for p in model.parameters():
+                p.grad = None
+            t0 = time.perf_counter()
+            loss = -mll(model(X), y)
+            loss.backward()
+            dt = time.perf_counter() - t0
+            if rep:  # rep 0 warms up
+                times.append(dt)
+                records.append(dict(partitioned.STATS))
+    grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
+    if rank == 0:
+        med = statistics.median(times)
+        share = statistics.median(r["seconds"] / t for r, t in zip(records, times))
+        out = {"procs": size, "plain": plain, "n": args.n, "dtype": args.dtype, "threads_per_rank":
+               torch.get_num_threads(), "time_s": med, "times_s": times, "comm_share": share,
+               "collectives": records[-1]["collectives"], "mib_received": records[-1]["bytes_received"] / 2**20,
+               "comm_s": records[-1]["seconds"], "loss": float(loss), "grad": grad}
+        Path(args.worker_out).write_text(json.dumps(out))
+    if not plain:
+        torch.distributed.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, procs: int, plain: bool, out: Path) -> dict:
+    """Run ``procs`` worker processes (``plain``: one, without a process group); rank 0's record."""
+    port = _port()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out), "--n", str(args.n),
+           "--repeats", str(args.repeats), "--threads", str(args.threads), "--seed", str(args.seed),
+           "--dtype", args.dtype] + (["--plain"] if plain else [])
+    ps = []
+    for rank in range(procs):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(procs), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        ps.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=args.timeout)[1] for p in ps]
+    if any(p.returncode for p in ps):
+        raise RuntimeError(f"a worker failed: {[e[-2000:] for e in errs if e]}")
+    return json.loads(out.read_text())
+
+
+def cost_model(args) -> list[dict]:
+    """Projected seconds per MLL evaluation on P GPUs (module docstring)."""
+    rows = []
+    for n in (1_000_000, 3_000_000, 10_000_000):
+        for procs in (1, 2, 4, 8):
+            comm = args.products * (procs - 1) / procs * n * args.columns * 4 / (args.link_gbs * 1e9)
+            dense = args.gpu_mll_1e6_s * (n / 1e6) ** 2 / procs + comm
+            cut = args.gpu_cutoff_1e6_s * (n / 1e6) / procs + comm
+            rows.append({"n": n, "gpus": procs, "no_cutoff_s": dense, "cutoff_s": cut, "allgather_s": comm})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--n", type=int, default=None, help="points (default 50000; quick 2000)")
+    ap.add_argument("--procs", default="1,2")
+    ap.add_argument("--repeats", type=int, default=None, help="timed evaluations (default 3; quick 1)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads shared by the ranks")
+    ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--gpu-mll-1e6-s", type=float, default=48.6, help="H100, session 16: no cutoff")
+    ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.57, help="H100, session 16: default cutoff")
+    ap.add_argument("--products", type=int, default=17, help="products (all-gathers) per evaluation in the model")
+    ap.add_argument("--columns", type=int, default=17, help="columns per product in the model (probes + 1)")
+    ap.add_argument("--link-gbs", type=float, default=100.0, help="all-gather bandwidth per GPU in the model")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.n = args.n or (2000 if args.quick else 50_000)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.n < 1 or args.repeats < 1 or args.threads < 1:
+        raise SystemExit("--n, --repeats and --threads must be positive")
+    procs = [int(p) for p in args.procs.split(",") if p]
+    out = Path(args.out) if args.out else RESULTS / ("distributed_quick.json" if args.quick else "distributed.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".worker.tmp")
+    rows = [launch(args, 1, True, tmp)]
+    for p in procs:
+        rows.append(launch(args, p, False, tmp))
+    tmp.unlink(missing_ok=True)
+    base = rows[0]
+    print(f"one MLL value + gradient, synthetic3d n = {args.n}, Matérn-3/2, {args.dtype}, {args.threads} threads "
+          "shared by the ranks (gloo)")
+    print("| P | s / evaluation | in collectives | MiB received | collectives | loss diff | max grad diff |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        r["loss_diff"] = abs(r["loss"] - base["loss"])
+        r["grad_diff"] = max(abs(a - b) for a, b in zip(r["grad"], base["grad"]))
+        label = f"{r['procs']}{' plain' if r['plain'] else ''}"
+        print(f"| {label} | {r['time_s']:.2f} | {r['comm_share']:.1%} | {r['mib_received']:.1f} | {r['collectives']} "
+              f"| {r['loss_diff']:.1e} | {r['grad_diff']:.1e} |")
+    model = cost_model(args)
+    print("\ncost model per evaluation (s): n, GPUs, every pair, with the cutoff, all-gathers")
+    for m in model:
+        print(f"  {m['n']:>9} {m['gpus']} {m['no_cutoff_s']:10.1f} {m['cutoff_s']:8.2f} {m['allgather_s']:.4f}")
+    meta = {"command": "python " + " ".join([Path(sys.argv[0]).name if argv is None else "benchmarks/distributed.py",
+                                             *(sys.argv[1:] if argv is None else argv)]),
+            "torch": torch.__version__, "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                                       time.gmtime())}
+    out.write_text(json.dumps({"meta": meta, "runs": rows, "cost_model": model}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n in sorted({m["n"] for m in model}):
+            pts = [m for m in model if m["n"] == n]
+            ax.plot([m["gpus"] for m in pts], [m["no_cutoff_s"] for m in pts], "o-", label=f"n = {n:.0e}, every pair")
+            ax.plot([m["gpus"] for m in pts], [m["cutoff_s"] for m in pts], "s--", label=f"n = {n:.0e}, cutoff")
+        ax.axhline(300, color="k", lw=0.8, ls=":")
+        ax.set(xlabel="GPUs", ylabel="s per MLL value + gradient (model)", yscale="log", xscale="log")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=120)
+        plt.close(fig)
+    except ImportError:  # pragma: no cover - matplotlib is a test dependency
+        pass
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
