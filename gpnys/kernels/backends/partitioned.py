@@ -6,15 +6,15 @@ cutoff plan splits by leaves and Triton by tiles. Then
 
 * ``K R``: each rank computes its rows with the wrapped backend (``rows=``) and ``all_gather`` assembles the
   ``(n, t)`` product on every rank (``n t`` values received per product);
-* the derivative sums (``sum_ij``, all pairs): each rank sums its rows' pairs, ``all_reduce`` adds them
-  (``d + 1`` values, or ``t (d + 1)`` for the per-probe sums).
+* the derivative sums (``sum_ij``, all pairs): each rank sums its rows' pairs, and the same gather (``d + 1``
+  values per rank, ``t (d + 1)`` for the per-probe sums) lets every rank add them in rank order.
 
 Everything downstream (PCG, SLQ, the preconditioners) then runs unchanged on replicated vectors, so its results
-match one process to rounding. That needs identical inputs on every rank: each gathered block carries a sample of
-the right-hand side its rank used, and ranks that disagree (say, probes drawn from differently seeded generators)
-raise ``ValueError`` rather than return a product of mixed vectors (the check compares :data:`SAMPLE_ROWS` evenly
-spaced rows exactly: vectors drawn from differently seeded generators differ in all of them). A collective that fails (a rank died, or the
-group's timeout passed) raises ``RuntimeError`` naming the pass and the rank.
+match one process to rounding. That needs identical inputs on every rank: each gathered block carries
+:data:`SAMPLE_ROWS` evenly spaced rows of the vectors its rank used, compared exactly (vectors from differently
+seeded generators differ in all of them), and ranks that disagree raise ``ValueError`` rather than return a
+product of mixed vectors. A collective that fails (a rank died, or the group's timeout passed) raises
+``RuntimeError`` naming the pass and the rank.
 
 Communication is torch.distributed's (gloo between CPU processes, NCCL between GPUs); nothing here talks to a
 socket. Written by hand because no library partitions a recomputed kernel by rows.
