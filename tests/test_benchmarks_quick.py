@@ -200,3 +200,18 @@ def test_frontier_quick(tmp_path):
     fresh = [r for r in again["cases"][0]["rows"] if r["method"] == "gpnys"]
     assert len(fresh) == len([r for r in case["rows"] if r["method"] == "gpnys"])
     assert all("--refresh" in r["command"] for r in fresh)
+
+
+def test_distributed_quick(tmp_path):
+    """Issue 22's benchmark at n = 2000: P = 1 without a group, P = 1 and 2 with one (gloo); identical results,
+    the communication counted, the cost model's rows."""
+    out = tmp_path / "distributed.json"
+    load("distributed").main(["--quick", "--out", str(out)])
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert [(r["procs"], r["plain"]) for r in runs] == [(1, True), (1, False), (2, False)]
+    assert runs[0]["collectives"] == 0 and runs[2]["collectives"] > 0 and runs[2]["mib_received"] > 0
+    for r in runs[1:]:
+        assert r["loss_diff"] <= 1e-10 * abs(runs[0]["loss"]) and r["grad_diff"] <= 1e-9
+    assert {(m["n"], m["gpus"]) for m in data["cost_model"]} >= {(10_000_000, 8), (1_000_000, 1)}
+    assert out.with_suffix(".png").exists()

@@ -147,3 +147,40 @@ def test_group_without_process_group_is_refused():
     with pytest.raises(ValueError, match="torchrun"):
         gd.init()
     assert gd.rank_and_size() == (0, 1) and gd.is_main()
+
+
+def _torchrun(args: list, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_cli_mll_under_torchrun_matches_one_process():
+    """``torchrun --nproc-per-node 2 -m gpnys.cli.main mll``: one JSON document (rank 0's), the same loss as one
+    process."""
+    import json
+
+    argv = ["mll", "--data", "concrete", "--n", "300", "--method", "auto", "--dtype", "float64", "--probes", "8",
+            "--dense-gib", "0", "--json"]
+    one = subprocess.run([sys.executable, "-m", "gpnys.cli.main", *argv], capture_output=True, text=True,
+                         timeout=300, check=True)
+    two = _torchrun(["-m", "gpnys.cli.main", *argv])
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = json.loads(one.stdout), json.loads(two.stdout)  # rank 1 printed nothing: one document
+    ra, rb = a[0] if isinstance(a, list) else a, b[0] if isinstance(b, list) else b
+    assert rb["method"] == ra["method"] == "auto"
+    assert abs(rb["loss"] - ra["loss"]) <= 1e-10 * abs(ra["loss"])
+
+
+def test_example_under_torchrun_matches_one_process(capsys):
+    from helpers import load_script
+
+    one = load_script("examples", "distributed_training").main(["--n", "600", "--steps", "2"])
+    two = _torchrun([str(Path(__file__).resolve().parents[1] / "examples" / "distributed_training.py"), "--n", "600",
+                     "--steps", "2"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    lines = [ln for ln in two.stdout.splitlines() if ln.startswith("step")]
+    assert len(lines) == 2 and all("2 ranks" in ln for ln in lines)  # rank 0 alone printed
+    losses = [float(ln.split("loss ")[1].split()[0]) for ln in lines]
+    assert losses == pytest.approx(one["losses"], rel=1e-7, abs=1e-8)  # printed to 8 decimals
