@@ -204,6 +204,31 @@ def test_triton_block_sparse_plan_matches_torch_tiles_and_dense(name, dtype):
     assert float((cls - qls).abs().max()) <= GTOL[dtype] * float(qls.abs().max())
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "plan"])
+def test_triton_row_ranges_add_up_to_the_full_pass(sparse):
+    """``rows=`` (a rank's share of a partitioned operator) on the Triton kernels: the row blocks of the product
+    stack to the whole product, and the sums over the ranges add up to the whole sums."""
+    g = torch.Generator().manual_seed(5)
+    X = torch.rand(200, 2, generator=g, dtype=torch.float64) * torch.tensor([300.0 if sparse else 3.0, 4.0])
+    V = torch.randn(200, 3, generator=g, dtype=torch.float64)
+    kern = make_kernel("matern32", 2).double()
+    op = op_for(X, kern, "triton", prune_tol=None)
+    perm, Z, plan = op._working()
+    assert (plan is not None) == sparse
+    Vw = V if perm is None else V[perm]
+    be = op.backend
+    ranges = [(0, 64), (64, 192), (192, 200)]
+    full = be.matmul(Z, Vw, plan)
+    assert torch.allclose(torch.cat([be.matmul(Z, Vw, plan, r) for r in ranges]), full, rtol=1e-13, atol=1e-13)
+    for fn in (be.derivative_sums, lambda *a: be.column_derivative_sums(*a[:4], False, *a[4:])):
+        whole = fn(Z, Vw, Vw, plan)
+        parts = [fn(Z, Vw, Vw, plan, r) for r in ranges]
+        for i in range(2):
+            assert torch.allclose(sum(p[i] for p in parts), whole[i], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="whole 64-point blocks"):
+        be.matmul(Z, Vw, plan, (10, 64))
+
+
 def test_triton_odd_shapes_and_repeatability():
     """n not a multiple of the tile, one right-hand side, more columns than one column block, duplicate points;
     the same inputs give bitwise the same outputs."""
