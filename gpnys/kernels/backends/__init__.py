@@ -44,7 +44,8 @@ from gpnys.kernels.formulas import Formula
 if TYPE_CHECKING:
     from gpnys.kernels.cutoff import LeafPlan
 
-__all__ = ["BACKENDS", "LEAF", "KernelBackend", "select_backend", "make_backend", "triton_available"]
+__all__ = ["BACKENDS", "LEAF", "KernelBackend", "check_rows", "select_backend", "make_backend",
+           "triton_available"]
 
 BACKENDS = ("torch", "triton", "keops")
 
@@ -52,6 +53,17 @@ BACKENDS = ("torch", "triton", "keops")
 LEAF = 64
 
 Rows = tuple[int, int]
+
+
+def check_rows(n: int, rows: Rows | None) -> Rows:
+    """``rows`` (``None``: all ``n``) as ``(a, b)``; ``ValueError`` unless a range of whole :data:`LEAF`-point blocks
+    within ``[0, n]`` (``b = n`` may end a partial block)."""
+    if rows is None:
+        return 0, n
+    a, b = (int(r) for r in rows)
+    if a % LEAF or (b % LEAF and b != n) or not 0 <= a <= b <= n:
+        raise ValueError(f"rows must be a range of whole {LEAF}-point blocks within [0, {n}], got {rows}")
+    return a, b
 
 
 class KernelBackend(ABC):

@@ -20,7 +20,7 @@ import importlib.util
 
 import torch
 
-from gpnys.kernels.backends import KernelBackend
+from gpnys.kernels.backends import KernelBackend, check_rows
 from gpnys.kernels.cutoff import LeafPlan
 from gpnys.kernels.formulas import k_and_h
 
@@ -39,7 +39,8 @@ def available() -> bool:
 def _lazy(Z: torch.Tensor, rows: tuple[int, int] | None = None):
     from pykeops.torch import LazyTensor
 
-    Zi = Z if rows is None else Z[rows[0] : rows[1]]
+    a, b = check_rows(Z.shape[0], rows)
+    Zi = Z[a:b]
     zi, zj = LazyTensor(Zi[:, None, :].contiguous()), LazyTensor(Z[None, :, :].contiguous())
     diff = zi - zj
     return LazyTensor, diff, (diff**2).sum(-1)
@@ -60,7 +61,8 @@ class KeOpsBackend(KernelBackend):
                         rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         LazyTensor, diff, D2 = _lazy(Z, rows)
         k, h = k_and_h(D2, self.formula.nu, TINY)
-        Ui = U if rows is None else U[rows[0] : rows[1]]
+        a, b = check_rows(Z.shape[0], rows)
+        Ui = U[a:b]
         w = (LazyTensor(Ui[:, None, :].contiguous()) * LazyTensor(V[None, :, :].contiguous())).sum(-1)
         acc = torch.promote_types(Z.dtype, torch.float64)
         s = (w * k).sum(1).sum().to(acc)

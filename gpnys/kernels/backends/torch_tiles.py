@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gpnys.budget import block_elems, block_rows
-from gpnys.kernels.backends import KernelBackend
+from gpnys.kernels.backends import KernelBackend, check_rows
 from gpnys.kernels.cutoff import LeafPlan
 from gpnys.kernels.formulas import Formula
 
@@ -104,7 +104,7 @@ class TorchTiles(KernelBackend):
         ``rows = (a, b)`` (leaf-aligned with a plan); each is a view of one workspace, valid until the next is
         yielded."""
         n = Z.shape[0]
-        a, b = (0, n) if rows is None else rows
+        a, b = check_rows(n, rows)
         if plan is None:
             bs = block_rows(n, cap=max(1, b - a), device=Z.device)
             shapes: Any = [(slice(r, min(r + bs, b)), slice(None)) for r in range(a, b, bs)]
@@ -127,7 +127,7 @@ class TorchTiles(KernelBackend):
     # -- the two passes -----------------------------------------------------------------------------------
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
                rows: tuple[int, int] | None = None) -> torch.Tensor:
-        a, b = (0, Z.shape[0]) if rows is None else rows
+        a, b = check_rows(Z.shape[0], rows)
         out = R.new_zeros(b - a, R.shape[1])
         for r, cols, Kt, *_ in self.tiles(Z, plan, rows):
             out[r.start - a : r.stop - a].addmm_(Kt, R[cols])

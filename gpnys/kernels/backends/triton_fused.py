@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from gpnys.kernels.backends import LEAF, KernelBackend
+from gpnys.kernels.backends import LEAF, KernelBackend, check_rows
 from gpnys.kernels.cutoff import LeafPlan
 
 __all__ = ["TritonBackend", "BLOCK", "guarded_launch", "failed"]
@@ -88,9 +88,11 @@ class TritonBackend(KernelBackend):
         return True, plan.near_ptr_t.to(Z.device), plan.near_idx.to(device=Z.device, dtype=torch.int64), nblocks
 
     def _guarded(self, fused: Callable[..., Any], name: str, Z: torch.Tensor, *args: Any) -> Any:
-        """``fused(Z, *args)``, or the torch tiles' pass ``name`` once a kernel failed for this key (one warning)."""
+        """``fused(Z, *args)``, or the torch tiles' pass ``name`` once a kernel failed for this key (one warning).
+        The row range (the last of ``args``) is validated first: a bad argument is not a kernel failure."""
         from gpnys.kernels.backends.torch_tiles import TorchTiles
 
+        check_rows(Z.shape[0], args[-1])
         return guarded_launch("kernel", Z.device, Z.dtype, self.tf32, lambda: fused(Z, *args),
                               lambda: getattr(TorchTiles(self.formula, self.tf32), name)(Z, *args), "the torch tiles")
 
@@ -110,9 +112,7 @@ class TritonBackend(KernelBackend):
     @staticmethod
     def _blocks(n: int, rows: tuple[int, int] | None) -> tuple[int, int]:
         """``(first row block, number of row blocks)`` of a pass over ``rows`` (all when ``None``)."""
-        a, b = (0, n) if rows is None else rows
-        if a % BLOCK or (b % BLOCK and b != n) or not 0 <= a <= b <= n:
-            raise ValueError(f"rows must be a range of whole {BLOCK}-point blocks within [0, {n}], got {rows}")
+        a, b = check_rows(n, rows)
         return a // BLOCK, -(-b // BLOCK) - a // BLOCK
 
     def _column_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
