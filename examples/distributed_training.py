@@ -5,8 +5,8 @@ process group torchrun set up (gloo on CPUs, NCCL on GPUs) and seeds every rank 
 ``gpnys.distributed.settings()`` makes each rank compute only its rows of every kernel product and derivative sum
 (docs/scaling.md). The losses, gradients and hyperparameters are then those of one process; rank 0 prints them.
 
-Run:  torchrun --nproc-per-node 2 examples/distributed_training.py --n 20000      (two CPU processes)
-      torchrun --nproc-per-node 8 examples/distributed_training.py --n 1000000 --device cuda   (8 GPUs)
+Run:  torchrun --nproc-per-node 2 examples/distributed_training.py --num-points 20000   (two CPU processes)
+      torchrun --nproc-per-node 8 examples/distributed_training.py --num-points 1000000 --device cuda
       python examples/distributed_training.py --n 2000 --steps 2                 (one process: the same numbers)
 """
 
@@ -31,7 +31,8 @@ from large_n import GP  # noqa: E402  (the same plain GPyTorch model as examples
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=20_000)
+    ap.add_argument("--n", "--num-points", dest="n", type=int, default=20_000,
+                    help="training points (--num-points under torchrun: its parser takes --n for --nnodes)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

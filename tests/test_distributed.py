@@ -161,8 +161,8 @@ def test_cli_mll_under_torchrun_matches_one_process():
     process."""
     import json
 
-    argv = ["mll", "--data", "concrete", "--n", "300", "--method", "auto", "--dtype", "float64", "--probes", "8",
-            "--dense-gib", "0", "--json"]
+    argv = ["mll", "--data", "concrete", "--num-points", "300", "--method", "auto", "--dtype", "float64",
+            "--probes", "8", "--dense-gib", "0", "--json"]
     one = subprocess.run([sys.executable, "-m", "gpnys.cli.main", *argv], capture_output=True, text=True,
                          timeout=300, check=True)
     two = _torchrun(["-m", "gpnys.cli.main", *argv])
@@ -177,8 +177,8 @@ def test_example_under_torchrun_matches_one_process(capsys):
     from helpers import load_script
 
     one = load_script("examples", "distributed_training").main(["--n", "600", "--steps", "2"])
-    two = _torchrun([str(Path(__file__).resolve().parents[1] / "examples" / "distributed_training.py"), "--n", "600",
-                     "--steps", "2"])
+    two = _torchrun([str(Path(__file__).resolve().parents[1] / "examples" / "distributed_training.py"),
+                     "--num-points", "600", "--steps", "2"])
     assert two.returncode == 0, two.stderr[-3000:]
     lines = [ln for ln in two.stdout.splitlines() if ln.startswith("step")]
     assert len(lines) == 2 and all("2 ranks" in ln for ln in lines)  # rank 0 alone printed

@@ -33,7 +33,9 @@ def comma_choices(allowed: tuple[str, ...] | list[str], what: str) -> Callable[[
 def add_data_args(p: argparse.ArgumentParser, default_n: int | None = None) -> None:
     p.add_argument("--data", default="elevators", help="bundled name, synthetic3d, or a .csv/.csv.gz path")
     p.add_argument("--split", type=int, default=0, help="train/test split 0-9 (default 0)")
-    p.add_argument("--n", type=int, default=default_n, help="seeded subsample of n training rows")
+    p.add_argument("--n", "--num-points", dest="n", type=int, default=default_n,
+                   help="seeded subsample of n training rows (--num-points under torchrun, whose own parser takes "
+                   "--n for an abbreviation of its --nnodes)")
     p.add_argument("--no-standardize", action="store_true", help="keep raw inputs and targets")
 
 
