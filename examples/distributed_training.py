@@ -13,7 +13,6 @@ Run:  torchrun --nproc-per-node 2 examples/distributed_training.py --num-points 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args(argv)
-    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    under_torchrun = gd.launched()
     if under_torchrun:
         rank, size = gd.init(backend="nccl" if args.device == "cuda" else "gloo", seed=0)
         device = gd.device()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from gpnys.gp.settings import EstimatorSettings
 
-__all__ = ["init", "settings", "device", "is_main", "rank_and_size", "DEFAULT_TIMEOUT_S"]
+__all__ = ["init", "launched", "settings", "device", "is_main", "rank_and_size", "DEFAULT_TIMEOUT_S"]
 
 #: seconds a collective waits for the other ranks before raising (instead of hanging on a dead rank)
 DEFAULT_TIMEOUT_S = 300.0
@@ -64,6 +64,11 @@ def init(backend: str | None = None, seed: int | None = 0, timeout_s: float = DE
     if seed is not None:
         torch.manual_seed(int(seed))
     return rank_and_size()
+
+
+def launched() -> bool:
+    """Whether this process was started as one of several ranks (torchrun's ``RANK`` and ``WORLD_SIZE > 1``)."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def rank_and_size() -> tuple[int, int]:

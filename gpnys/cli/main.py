@@ -40,7 +40,7 @@ def join_torchrun(args: argparse.Namespace) -> None:
     """Under ``torchrun`` (``WORLD_SIZE > 1``): join the process group (gloo on CPU, NCCL for ``--device cuda``)
     with every rank seeded alike; the kernel is then split by rows (:mod:`gpnys.distributed`), and only rank 0
     prints."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
+    if not gpnys_distributed.launched():
         return
     device = getattr(args, "device", None)
     rank, _ = gpnys_distributed.init("nccl" if device is not None and device.type == "cuda" else "gloo",

@@ -99,11 +99,15 @@ class PartitionedBackend(KernelBackend):
                              "torch.manual_seed(seed) on all)")
         return [p[: local.numel()].view_as(local) for p in parts]
 
-    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None, rows: Rows | None = None) -> torch.Tensor:
+    def _own_rows(self, n: int, rows: Rows | None) -> Rows:
+        """This rank's :func:`row_range`; a caller's own ``rows`` cannot be split further."""
         if rows is not None:
             raise ValueError("a partitioned backend splits the rows itself (rows=None)")
+        return row_range(n, self.rank, self.size)
+
+    def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None, rows: Rows | None = None) -> torch.Tensor:
         n, t = Z.shape[0], R.shape[1]
-        a, b = row_range(n, self.rank, self.size)
+        a, b = self._own_rows(n, rows)
         chunk = row_range(n, 0, self.size)[1]
         local = R.new_zeros(chunk, t)
         if b > a:
@@ -112,21 +116,16 @@ class PartitionedBackend(KernelBackend):
 
     def _sums(self, what: str, parts: tuple[torch.Tensor, torch.Tensor], inputs: list[torch.Tensor]) -> Any:
         s, g = parts
-        shapes = (s.shape, g.shape)
         total = torch.stack(self._gather(what, torch.cat([s.reshape(-1), g.reshape(-1)]), inputs)).sum(0)
-        return total[: s.numel()].reshape(shapes[0]), total[s.numel():].reshape(shapes[1])
+        return total[: s.numel()].reshape(s.shape), total[s.numel():].reshape(g.shape)
 
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                         rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if rows is not None:
-            raise ValueError("a partitioned backend splits the rows itself (rows=None)")
-        mine = row_range(Z.shape[0], self.rank, self.size)
+        mine = self._own_rows(Z.shape[0], rows)
         return self._sums("derivative sums", self.inner.derivative_sums(Z, U, V, plan, mine), [U, V])
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                                isotropic: bool = False, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if rows is not None:
-            raise ValueError("a partitioned backend splits the rows itself (rows=None)")
-        mine = row_range(Z.shape[0], self.rank, self.size)
+        mine = self._own_rows(Z.shape[0], rows)
         return self._sums("per-probe derivative sums",
                           self.inner.column_derivative_sums(Z, U, V, plan, isotropic, mine), [U, V])

@@ -143,7 +143,7 @@ class TritonBackend(KernelBackend):
         n, d = Z.shape
         t = R.shape[1]
         row0, local = self._blocks(n, rows)
-        a, b = (0, n) if rows is None else rows
+        a, b = check_rows(n, rows)
         Z, R = Z.contiguous(), R.to(Z.dtype).contiguous()
         out = R.new_empty(b - a, t)
         if local == 0 or t == 0:
