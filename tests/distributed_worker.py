@@ -4,6 +4,8 @@
 
 * ``passes``: the partitioned operator's product, derivative sums and per-probe sums, dense and with a cutoff plan;
 * ``mll``: one MLL value + gradient through ``use_preconditioner`` with ``gpnys.distributed.settings()``;
+* ``precond``: AFN (scalar and per-point shifts) and FSAI built with the rows split, and what they compute;
+* ``fail``: rank 1's share of a row-split computation raises; every rank records what it got;
 * ``mismatch``: rank-dependent right-hand sides, which must raise;
 * ``die``: rank 1 exits before the product; rank 0 records the error it gets and how long it took.
 
@@ -65,18 +67,55 @@ def mll(group):
             "std_error": None if est is None else float(est.std_error)}
 
 
-CALLS = {"matmul": 0, "derivative_sums": 0, "column_derivative_sums": 0}
+def precond(group):
+    from gpnys.precond import AFNPreconditioner, FSAIPreconditioner
+
+    X, _, V = data()
+    kern = make_kernel("matern32", 3).double().base_kernel
+    kern.lengthscale = torch.tensor([2.0, 0.8, 1.1])
+    per_point = 0.05 + 0.1 * torch.rand(X.shape[0], generator=torch.Generator().manual_seed(1), dtype=X.dtype)
+    out = {}
+    for name, P in (("afn", AFNPreconditioner(X, kern, 0.1, k=40, w=20, group=group)),
+                    ("afn_diag", AFNPreconditioner(X, kern, 0.1, k=40, w=20, diag=per_point, group=group)),
+                    ("fsai", FSAIPreconditioner(X, kern, 0.1, w=25, group=group))):
+        out[f"{name}_G"] = P.G.to_dense()
+        out[f"{name}_V"] = getattr(P, "V", None)
+        out[f"{name}_logdet"] = P.logdet()
+        out[f"{name}_solve"] = P.solve(V)
+        out[f"{name}_matmul"] = P.matmul(V)
+    return out
+
+
+def fail(rank):
+    from gpnys.kernels.backends.partitioned import RowGroup
+
+    def rows(a, b):
+        if rank == 1:
+            raise torch.linalg.LinAlgError("rank 1's block is not positive definite")
+        return torch.ones(b - a, 2, dtype=torch.float64)
+
+    try:
+        RowGroup.of(True).gather_rows("test rows", 300, rows, [torch.zeros(1, 1, dtype=torch.float64)], (2,))
+        return {"error": None}
+    except Exception as err:  # noqa: BLE001 - the test reads the type and message
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+CALLS = {"matmul": 0, "derivative_sums": 0, "column_derivative_sums": 0, "gather_rows": 0}
 
 
 def count_partitioned_passes():
-    """Count the partitioned backend's passes (so a test sees that the split path, not a replicated one, ran)."""
-    from gpnys.kernels.backends.partitioned import PartitionedBackend
+    """Count the partitioned backend's passes and the row gathers (so a test sees that the split path, not a
+    replicated one, ran)."""
+    from gpnys.kernels.backends.partitioned import PartitionedBackend, RowGroup
 
     for name in CALLS:
-        def counted(self, *args, _orig=getattr(PartitionedBackend, name), _name=name, **kwargs):
+        cls = RowGroup if name == "gather_rows" else PartitionedBackend
+
+        def counted(self, *args, _orig=getattr(cls, name), _name=name, **kwargs):
             CALLS[_name] += 1
             return _orig(self, *args, **kwargs)
-        setattr(PartitionedBackend, name, counted)
+        setattr(cls, name, counted)
 
 
 def main():
@@ -91,6 +130,11 @@ def main():
         res = passes(group)
     elif mode == "mll":
         res = mll(group)
+    elif mode == "precond":
+        res = precond(group)
+    elif mode == "fail":
+        res = fail(rank)
+        torch.save(res, f"{out_path}.{rank}")
     elif mode in ("mismatch", "die"):
         X, _, V = data()
         kern = make_kernel("rbf").double()

@@ -117,8 +117,33 @@ def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
     assert run_ranks("mll", tmp_path / "dist.pt") == [0, 0]
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
     assert got["calls"]["matmul"] > 0 and got["calls"]["derivative_sums"] > 0, got["calls"]
+    assert got["calls"]["gather_rows"] >= 2 + got["calls"]["matmul"], got["calls"]  # the AFN build split too
     assert _close(got["loss"], ref["loss"]) and _close(got["grads"], ref["grads"])
     assert ref["std_error"] is not None and _close(got["std_error"], ref["std_error"], 1e-8)
+
+
+def test_two_gloo_ranks_build_the_one_process_preconditioners(tmp_path):
+    """AFN's V rows (its K12 columns) and the FSAI rows of G computed per rank and gathered: the same factors and
+    the same solve / matmul / log det as one process, with scalar and per-point shifts."""
+    ref = reference("precond", tmp_path / "ref.pt")
+    assert run_ranks("precond", tmp_path / "dist.pt") == [0, 0]
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert ref["calls"]["gather_rows"] == 0 and got["calls"]["gather_rows"] == 5, got["calls"]  # 2 AFN x 2, FSAI
+    for key in ref:
+        if key != "calls":
+            assert (ref[key] is None) == (got[key] is None), key
+            if ref[key] is not None:
+                assert _close(got[key], ref[key]), key
+    assert float(ref["afn_G"].diagonal().min()) > 0 and ref["afn_V"].shape == (260, 40)
+
+
+def test_a_failure_on_one_rank_raises_on_every_rank_without_a_hang(tmp_path):
+    t0 = time.perf_counter()
+    assert run_ranks("fail", tmp_path / "dist.pt", extra_env={"GPNYS_TEST_TIMEOUT": "60"}, timeout=120) == [0, 0]
+    mine, other = (torch.load(f"{tmp_path / 'dist.pt'}.{r}", weights_only=False)["error"] for r in (1, 0))
+    assert "LinAlgError" in mine.split(":")[0] and "not positive definite" in mine
+    assert other.startswith("RuntimeError") and "rank 1 of 2 failed computing its test rows" in other
+    assert time.perf_counter() - t0 <= 60  # well before the group's 60 s timeout: no rank waited for it
 
 
 def test_ranks_with_different_vectors_raise(tmp_path):
@@ -132,7 +157,7 @@ def test_a_dead_rank_raises_on_the_other_within_the_timeout(tmp_path):
     codes = run_ranks("die", tmp_path / "dist.pt", extra_env={"GPNYS_TEST_TIMEOUT": "20"}, timeout=120)
     assert codes[1] == 3
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
-    assert got["error"] is not None and got["error"].startswith("RuntimeError") and "rank 0 of 2" in got["error"]
+    assert got["error"] is not None and got["error"].startswith("CollectiveError") and "rank 0 of 2" in got["error"]
     assert got["seconds"] <= 60 and time.perf_counter() - t0 <= 120
 
 

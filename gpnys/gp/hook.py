@@ -45,6 +45,7 @@ from gpnys.gp.estimator import Estimate
 from gpnys.gp.operators import PreconditionedAddedDiag, PreconditionedMVN, PreconditionerOperator
 from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.kernels.backends.partitioned import CollectiveError
 from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
@@ -293,6 +294,8 @@ class PreconditionerHook(HookPrediction):
     def _build(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float,
                options: dict[str, Any], diag: torch.Tensor | None = None) -> tuple[Preconditioner, bool]:
         extra = {} if diag is None else {"diag": diag}
+        if self.settings.kernel_group is not None and isinstance(self.method, str):
+            extra["group"] = self.settings.kernel_group  # FSAI / AFN rows built per rank (issue 22)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("default", NumericalWarning)
@@ -304,6 +307,8 @@ class PreconditionerHook(HookPrediction):
             if not torch.isfinite(P.logdet()):
                 raise RuntimeError("non-finite log det")
             return P, False
+        except CollectiveError:  # a dead rank: no fallback on one rank can recover the others
+            raise
         except (RuntimeError, torch.linalg.LinAlgError) as exc:
             warnings.warn(
                 f"gpnys: building the {self.method!r} preconditioner failed ({exc}); falling back to GPyTorch's "

@@ -47,9 +47,10 @@ class EstimatorSettings:
             ``None`` picks fused Triton kernels on CUDA and torch tiles on CPU; ``"torch"``, ``"triton"``,
             ``"keops"`` force one. ``kernel_keops=True`` is ``kernel_backend="keops"`` (KeOps is never chosen
             by itself). ``kernel_tf32``: let float32 Triton tile products use TF32 (about 1e-3 relative error).
-        kernel_group: split that operator's products and derivative sums by rows over the ranks of a
-            ``torch.distributed`` process group (``True``: the default group; :mod:`gpnys.distributed`). Every
-            rank runs the same training loop on the same data with the same seed and gets the same numbers.
+        kernel_group: split that operator's products and derivative sums, and the FSAI / AFN preconditioner
+            builds, by rows over the ranks of a ``torch.distributed`` process group (``True``: the default group;
+            :mod:`gpnys.distributed`). Every rank runs the same training loop on the same data with the same seed
+            and gets the same numbers.
         probe_seed: when set, every MLL evaluation draws its probes from this seed (common random numbers), so
             the estimate is a deterministic function of the hyperparameters — what a quasi-Newton optimiser such as
             BoTorch's L-BFGS-B needs; the global RNG is left untouched. ``None``: fresh probes per call (for Adam).

@@ -25,6 +25,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows
+from gpnys.kernels.backends.partitioned import RowGroup, gather_rows
 from gpnys.kernels.entries import evaluate
 from gpnys.linalg import thin_matmul
 from gpnys.precond.base import Preconditioner, add_diag, safe_cholesky, shift_at, validate_count
@@ -62,6 +63,9 @@ class AFNPreconditioner(Preconditioner):
         diag: optional per-point shifts ``mu_i > 0`` ``(n,)`` (known per-point noise over the outputscale): ``M ~ K +
             diag(mu_i)``, with ``L = chol(K11 + D1)`` and the Schur complement ``K22 + D2 - V V^T``; ``mu`` then only
             labels the preconditioner. ``solve``, ``logdet`` and ``sample`` stay exact for this ``M``.
+        group: split the build over the ranks of a ``torch.distributed`` group (``True``: the default group): each
+            rank computes its rows of ``V`` (its columns of ``K12``) and of ``G``, and gathers the others'; ``L``,
+            the landmarks and the pattern are computed on every rank. ``None``: all here.
 
     Attributes:
         landmark_idx: ``(k,)`` landmark rows of X; rest_idx: ``(n-k,)`` the others in data order;
@@ -82,9 +86,11 @@ class AFNPreconditioner(Preconditioner):
         seed: int = 0,
         cache: PointCache | None = None,
         diag: torch.Tensor | None = None,
+        group: Any = None,
     ) -> None:
         super().__init__()
         t0 = self._start(X, mu, diag)
+        ranks = RowGroup.of(group)
         n, d = X.shape
         if n < 2:
             raise ValueError(f"X must have at least 2 points for AFN, got n={n}")
@@ -118,13 +124,18 @@ class AFNPreconditioner(Preconditioner):
         # numerically SPD.
         self.L = safe_cholesky(add_diag(ke(lm, lm), self._shift(lm)), "AFN: K11 + mu I", self.shifts)
 
-        # Step 4 and V = K12^T L^{-T} ((n-k, k)), one block of K12's columns at a time.
-        m = n - self.k
-        self.V = torch.empty(m, self.k, dtype=X.dtype, device=X.device)
+        # Step 4 and V = K12^T L^{-T} ((n-k, k)), one block of K12's columns at a time (this rank's, with a group).
         cb = block_rows(self.k, device=X.device)
-        for c in range(0, m, cb):
-            K12 = ke(lm, rest[c : c + cb])
-            self.V[c : c + cb] = torch.linalg.solve_triangular(self.L, K12, upper=False).T
+
+        def v_rows(a: int, b: int) -> torch.Tensor:
+            out = torch.empty(b - a, self.k, dtype=X.dtype, device=X.device)
+            for c in range(a, b, cb):
+                K12 = ke(lm, rest[c : min(c + cb, b)])
+                out[c - a : c - a + K12.shape[1]] = torch.linalg.solve_triangular(self.L, K12, upper=False).T
+            return out
+
+        check = [X, self.L[-1:]]  # every rank's points, and a row of L (hyperparameters, shift, landmarks)
+        self.V = gather_rows(ranks, "AFN V rows", n - self.k, v_rows, check, (self.k,))
 
         # Step 5: FSAI of S = K22 + mu I - V V^T (+ D2 for per-point shifts) on the causal kNN pattern of X_r (in
         # X_r's order).
@@ -140,7 +151,8 @@ class AFNPreconditioner(Preconditioner):
         # gathered V rows per batch: half a block (16 MiB by default); the gather is memory-bound, and a buffer
         # that stays in cache for the following bmm measured ~1.6x faster per row than 64 MiB batches on CPU
         batch = block_rows(self.w * (self.w + self.k), parts=2, device=X.device)
-        G = fsai_factor(schur_blocks, idx, valid, batch=batch, shifts=self.shifts, what="AFN: Schur block")
+        G = fsai_factor(schur_blocks, idx, valid, batch=batch, shifts=self.shifts, what="AFN: Schur block",
+                         group=ranks, inputs=check)
         self.factor = SparseTriangular(G)
         self.cache_hits = cache.hits - hits0
         self.setup_s = time.perf_counter() - t0

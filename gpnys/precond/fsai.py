@@ -18,6 +18,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows
+from gpnys.kernels.backends.partitioned import RowGroup, gather_rows
 from gpnys.kernels.entries import KernelEntries
 from gpnys.precond.base import (
     NumericalWarning,
@@ -45,6 +46,8 @@ def fsai_factor(
     batch: int | None = None,
     shifts: list[float] | None = None,
     what: str = "FSAI local block",
+    group: RowGroup | None = None,
+    inputs: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """FSAI factor ``G`` (AFN paper Algorithm 1) from local blocks of an SPD matrix ``A (n, n)``.
 
@@ -65,6 +68,10 @@ def fsai_factor(
         batch: rows per batch; default keeps ``batch * w * w`` below ~4M entries.
         shifts: list that receives the diagonal shifts used.
         what: name used in warnings.
+        group: compute only this rank's rows of ``G`` and gather the others' (one ``all_gather`` of ``n w``
+            values; :mod:`gpnys.kernels.backends.partitioned`); ``None``: all rows here.
+        inputs: tensors every rank must hold identically, checked at the gather (default: the first row's
+            block, which carries the points and the hyperparameters); the first gives the values' dtype.
 
     Returns:
         ``G``: ``(n, n)`` sparse CSR, lower triangular with positive diagonal, sorted columns, ``nnz =
@@ -73,24 +80,30 @@ def fsai_factor(
     n, w = idx.shape
     dev = idx.device
     batch = int(batch) if batch else block_rows(w * w, device=dev)
-    vals: list[torch.Tensor] = []
-    for a in range(0, n, batch):
-        I, M = idx[a : a + batch], valid[a : a + batch]
-        A = local_blocks_fn(I)
-        eye = torch.eye(w, dtype=A.dtype, device=A.device)
-        A = torch.where(M[:, :, None] & M[:, None, :], A, eye)
-        L, info = torch.linalg.cholesky_ex(A)
-        bad = info > 0
-        if bool(bad.any()):
-            L[bad] = safe_cholesky(A[bad], what, shifts)
-        rhs = torch.zeros(A.shape[0], w, 1, dtype=A.dtype, device=A.device)
-        rhs[:, -1] = 1.0
-        g = torch.linalg.solve_triangular(L.mT, rhs, upper=True)[..., 0]  # (b, w) = last rows of L^{-1}
-        broken = ~(torch.isfinite(g).all(dim=1) & (g[:, -1] > 0))
-        if bool(broken.any()):  # L_ww underflowed: SPD in name only; shift such blocks harder
-            g[broken] = _shifted_rows(A[broken], rhs[broken], what, shifts)
-        vals.append(g)
-    G_vals = torch.cat(vals)
+
+    def rows(lo: int, hi: int) -> torch.Tensor:  # (hi - lo, w) values of G's rows lo..hi, in pattern order
+        vals: list[torch.Tensor] = []
+        for a in range(lo, hi, batch):
+            I, M = idx[a : min(a + batch, hi)], valid[a : min(a + batch, hi)]
+            A = local_blocks_fn(I)
+            eye = torch.eye(w, dtype=A.dtype, device=A.device)
+            A = torch.where(M[:, :, None] & M[:, None, :], A, eye)
+            L, info = torch.linalg.cholesky_ex(A)
+            bad = info > 0
+            if bool(bad.any()):
+                L[bad] = safe_cholesky(A[bad], what, shifts)
+            rhs = torch.zeros(A.shape[0], w, 1, dtype=A.dtype, device=A.device)
+            rhs[:, -1] = 1.0
+            g = torch.linalg.solve_triangular(L.mT, rhs, upper=True)[..., 0]  # (b, w) = last rows of L^{-1}
+            broken = ~(torch.isfinite(g).all(dim=1) & (g[:, -1] > 0))
+            if bool(broken.any()):  # L_ww underflowed: SPD in name only; shift such blocks harder
+                g[broken] = _shifted_rows(A[broken], rhs[broken], what, shifts)
+            vals.append(g)
+        return torch.cat(vals)
+
+    if group is not None and inputs is None:
+        inputs = [local_blocks_fn(idx[:1]).reshape(1, -1)]
+    G_vals = gather_rows(group, f"{what} rows", n, rows, inputs or [], (w,))
     # CSR with ascending columns per row: pads (valid=False) are dropped, the diagonal ends each row.
     key = torch.where(valid, idx, torch.full_like(idx, n))
     key, order = torch.sort(key, dim=1)
@@ -208,6 +221,8 @@ class FSAIPreconditioner(Preconditioner):
         X: ``(n, d)`` points; kernel: a GPyTorch kernel (a ``ScaleKernel``'s outputscale is stripped);
         mu: ``> 0``; w: nonzeros per row of ``G`` (``1 <= w <= n``); cache: optional :class:`PointCache`.
         diag: optional per-point shifts ``(n,)`` on the diagonal instead of ``mu`` (``A = K + diag(mu_i)``).
+        group: compute this rank's rows of ``G`` and gather the others' (``torch.distributed``; ``True``: the
+            default group; :func:`fsai_factor`); the pattern is computed on every rank. ``None``: all rows here.
     """
 
     kind = "fsai"
@@ -221,9 +236,11 @@ class FSAIPreconditioner(Preconditioner):
         w: int = 400,
         cache: PointCache | None = None,
         diag: torch.Tensor | None = None,
+        group: Any = None,
     ) -> None:
         super().__init__()
         t0 = self._start(X, mu, diag)
+        ranks = RowGroup.of(group)
         self.w = validate_count(w, "w", 1, self.n)
         self.rank = 0
         ke, cache, scale = resolve_pattern_inputs(X, kernel, cache)
@@ -235,7 +252,9 @@ class FSAIPreconditioner(Preconditioner):
         def blocks(I: torch.Tensor) -> torch.Tensor:  # A[s, s] = K[s, s] + mu I (or + diag(mu_s)), (b, w, w)
             return add_diag(ke.batched(I), shift(I))
 
-        self.factor = SparseTriangular(fsai_factor(blocks, idx, valid, shifts=self.shifts, what="FSAI(K + mu I)"))
+        G = fsai_factor(blocks, idx, valid, shifts=self.shifts, what="FSAI(K + mu I)", group=ranks,
+                        inputs=None if ranks is None else [X, blocks(idx[:1]).reshape(1, -1)])
+        self.factor = SparseTriangular(G)
         self.setup_s = time.perf_counter() - t0
 
     @property

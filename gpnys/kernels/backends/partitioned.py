@@ -9,8 +9,10 @@ cutoff plan splits by leaves and Triton by tiles. Then
 * the derivative sums (``sum_ij``, all pairs): each rank sums its rows' pairs, and the same gather (``d + 1``
   values per rank, ``t (d + 1)`` for the per-probe sums) lets every rank add them in rank order.
 
-Everything downstream (PCG, SLQ, the preconditioners) then runs unchanged on replicated vectors, so its results
-match one process to rounding. That needs identical inputs on every rank: each gathered block carries
+The preconditioner builds split the same way (:class:`RowGroup`, :func:`gather_rows`): AFN's ``V = K21 L^{-T}``
+and the FSAI rows of ``G`` are computed for a rank's rows and gathered (``n (k + w)`` values per build); the
+``k x k`` factors are computed on every rank. Everything downstream (PCG, SLQ, the preconditioner applies) then
+runs unchanged on replicated vectors, so its results match one process to rounding. That needs identical inputs on every rank: each gathered block carries
 :data:`SAMPLE_ROWS` evenly spaced rows of the vectors its rank used, compared exactly (vectors from differently
 seeded generators differ in all of them), and ranks that disagree raise ``ValueError`` rather than return a
 product of mixed vectors. A collective that fails (a rank died, or the group's timeout passed) raises
@@ -23,7 +25,7 @@ socket. Written by hand because no library partitions a recomputed kernel by row
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from gpnys.kernels.backends import LEAF, KernelBackend, Rows
 from gpnys.kernels.cutoff import LeafPlan
 
-__all__ = ["PartitionedBackend", "row_range", "resolve_group", "STATS", "reset_stats"]
+__all__ = ["PartitionedBackend", "RowGroup", "CollectiveError", "gather_rows", "row_range", "resolve_group", "STATS", "reset_stats"]
 
 #: process-wide counters of this rank's collectives (for benchmarks: operators are rebuilt by GPyTorch, so they
 #: cannot keep their own): calls, bytes this rank received, seconds spent inside the collectives
@@ -63,15 +65,30 @@ def row_range(n: int, rank: int, size: int) -> Rows:
     return a, min(a + chunk, n)
 
 
-class PartitionedBackend(KernelBackend):
-    """``inner``'s passes split by rows over the ranks of ``group`` (module docstring)."""
+class CollectiveError(RuntimeError):
+    """A collective failed (a rank died, or the group's timeout passed): not recoverable by a fallback on one
+    rank, so callers that recover from numerical ``RuntimeError`` must re-raise it."""
 
-    name = "partitioned"
 
-    def __init__(self, inner: KernelBackend, group: Any) -> None:
-        super().__init__(inner.formula, inner.tf32)
-        self.inner, self.group = inner, group
+class RowGroup:
+    """The ranks of a process group splitting ``n`` rows (:func:`row_range`): collectives that raise instead of
+    hanging, with the exact input check of the module docstring. Shared by :class:`PartitionedBackend` and the
+    per-rank preconditioner builds (AFN's ``K12`` columns, the FSAI rows)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    @classmethod
+    def of(cls, group: Any) -> "RowGroup | None":
+        """``None`` for ``None`` / ``False``, a :class:`RowGroup` as it is, else one over :func:`resolve_group`."""
+        if group is None or group is False:
+            return None
+        return group if isinstance(group, RowGroup) else cls(resolve_group(group))
+
+    def rows(self, n: int) -> Rows:
+        """This rank's rows ``[a, b)`` of ``n``."""
+        return row_range(n, self.rank, self.size)
 
     def _collective(self, what: str, fn: Any, *args: Any) -> None:
         t0 = time.perf_counter()
@@ -80,43 +97,80 @@ class PartitionedBackend(KernelBackend):
             STATS["seconds"] += time.perf_counter() - t0  # (gloo returns when done; NCCL when enqueued)
             STATS["collectives"] += 1
         except Exception as err:  # noqa: BLE001 - gloo / NCCL raise RuntimeError, DistBackendError, ...
-            raise RuntimeError(f"gpnys partitioned kernel: the {what} collective failed on rank {self.rank} of "
+            raise CollectiveError(f"gpnys row partition: the {what} collective failed on rank {self.rank} of "
                                f"{self.size} (a rank died or the group's timeout passed): {err}") from err
 
-    def _gather(self, what: str, local: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """All ranks' ``local`` blocks (equal shapes), after checking that every rank used the same ``inputs``."""
+    def gather(self, what: str, local: torch.Tensor, inputs: list[torch.Tensor],
+               failure: BaseException | None = None) -> list[torch.Tensor]:
+        """All ranks' ``local`` blocks (equal shapes), after checking that every rank used the same ``inputs`` and
+        that none failed computing its block (``failure``: this rank's error, re-raised here after the gather, so
+        that the ranks stay in step; the others raise ``RuntimeError`` naming it)."""
         # exact sample rows, not sums: a sum's rounding depends on the rank's thread count, a sample's bits do not
         check = torch.cat([x[torch.linspace(0, x.shape[0] - 1, min(x.shape[0], SAMPLE_ROWS), device=x.device).long()]
-                           .reshape(-1) for x in inputs])
+                           .reshape(-1) for x in inputs] + [local.new_tensor([float(failure is not None)])])
         flat = torch.cat([local.reshape(-1), check.to(local.dtype)])
         parts = [torch.empty_like(flat) for _ in range(self.size)]
         self._collective(what, dist.all_gather, parts, flat)
         STATS["bytes_received"] += (self.size - 1) * flat.numel() * flat.element_size()
+        failed = [r for r, p in enumerate(parts) if p[-1] != 0]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RuntimeError(f"gpnys row partition: rank {failed[0]} of {self.size} failed computing its {what} "
+                               "(its own error names the cause)")
         sums = [p[-check.numel():] for p in parts]
         if any(not torch.equal(s, sums[0]) for s in sums[1:]):
-            raise ValueError(f"gpnys partitioned kernel: the ranks passed different vectors to the {what}; every "
+            raise ValueError(f"gpnys row partition: the ranks passed different inputs to the {what}; every "
                              "rank must hold the same inputs (seed each rank's generator identically, e.g. "
                              "torch.manual_seed(seed) on all)")
         return [p[: local.numel()].view_as(local) for p in parts]
+
+    def gather_rows(self, what: str, n: int, compute: Callable[[int, int], torch.Tensor],
+                    inputs: list[torch.Tensor], tail: tuple[int, ...] = ()) -> torch.Tensor:
+        """``(n, *tail)``: every rank computes its rows ``compute(a, b)`` (``(b - a, *tail)``, called only for a
+        non-empty range) and one ``all_gather`` stacks them on all ranks; ``inputs[0]`` gives dtype and device.
+        An error in ``compute`` is raised on its rank after the gather, and a ``RuntimeError`` on the others."""
+        a, b = self.rows(n)
+        local = inputs[0].new_zeros(row_range(n, 0, self.size)[1], *tail)
+        failure = None
+        if b > a:
+            try:
+                local[: b - a] = compute(a, b)
+            except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
+                failure = err
+        return torch.cat(self.gather(what, local, inputs, failure))[:n]
+
+
+def gather_rows(group: RowGroup | None, what: str, n: int, compute: Callable[[int, int], torch.Tensor],
+                inputs: list[torch.Tensor], tail: tuple[int, ...] = ()) -> torch.Tensor:
+    """``compute(0, n)`` without a group, else :meth:`RowGroup.gather_rows` (the same rows, split over the ranks)."""
+    return compute(0, n) if group is None else group.gather_rows(what, n, compute, inputs, tail)
+
+
+class PartitionedBackend(KernelBackend):
+    """``inner``'s passes split by rows over the ranks of ``group`` (module docstring)."""
+
+    name = "partitioned"
+
+    def __init__(self, inner: KernelBackend, group: Any) -> None:
+        super().__init__(inner.formula, inner.tf32)
+        self.inner, self.ranks = inner, RowGroup(group)
+        self.group, self.rank, self.size = group, self.ranks.rank, self.ranks.size
 
     def _own_rows(self, n: int, rows: Rows | None) -> Rows:
         """This rank's :func:`row_range`; a caller's own ``rows`` cannot be split further."""
         if rows is not None:
             raise ValueError("a partitioned backend splits the rows itself (rows=None)")
-        return row_range(n, self.rank, self.size)
+        return self.ranks.rows(n)
 
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None, rows: Rows | None = None) -> torch.Tensor:
-        n, t = Z.shape[0], R.shape[1]
-        a, b = self._own_rows(n, rows)
-        chunk = row_range(n, 0, self.size)[1]
-        local = R.new_zeros(chunk, t)
-        if b > a:
-            local[: b - a] = self.inner.matmul(Z, R, plan, (a, b))
-        return torch.cat(self._gather("product", local, [R]))[:n]
+        self._own_rows(Z.shape[0], rows)
+        return self.ranks.gather_rows("product", Z.shape[0], lambda a, b: self.inner.matmul(Z, R, plan, (a, b)), [R],
+                                      (R.shape[1],))
 
     def _sums(self, what: str, parts: tuple[torch.Tensor, torch.Tensor], inputs: list[torch.Tensor]) -> Any:
         s, g = parts
-        total = torch.stack(self._gather(what, torch.cat([s.reshape(-1), g.reshape(-1)]), inputs)).sum(0)
+        total = torch.stack(self.ranks.gather(what, torch.cat([s.reshape(-1), g.reshape(-1)]), inputs)).sum(0)
         return total[: s.numel()].reshape(s.shape), total[s.numel():].reshape(g.shape)
 
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
