@@ -7,8 +7,11 @@ Matérn-3/2, l = 1, outputscale 1, noise 0.1, ``auto`` preconditioner, error bar
 calls, bytes received, seconds inside them); rank 0 reports. The baseline is the same evaluation without a process
 group (``P = 1, plain``), in the same run.
 
-Columns: seconds per evaluation (median), the share of it spent in collectives, MiB received per evaluation, and
-the loss / gradient difference from the plain run (the target: identical to rounding).
+Columns: seconds per evaluation (median), the share of it spent in collectives, MiB received per evaluation, the
+share spent in the preconditioner's applies (the replicated work: what partitioned PCG vectors could split), the
+loss / gradient difference from the plain run (the target: identical to rounding); then one AFN build
+(``--build-k`` landmarks, w = 100) with its rows split over the ranks: seconds, MiB received, and its log det's
+relative difference from the plain build.
 
 Then a cost model for 1-8 GPUs at n = 10^6 .. 10^7: per evaluation, the single-GPU time measured in issue 19
 (``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H100, float32; ``--gpu-cutoff-1e6-s`` with the cutoff)
@@ -62,11 +65,35 @@ def worker(args) -> None:
     model.train()
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
     settings = EstimatorSettings(dense_limit_bytes=0) if plain else gd.settings(dense_limit_bytes=0)
-    times, records = [], []
+    # the preconditioner build alone, split by rows (AFN's K12 columns and FSAI rows) or not: once, timed
+    from gpnys.precond import AFNPreconditioner
+    from gpnys.precond.base import Preconditioner
+
+    kern = model.covar_module.base_kernel
+    partitioned.reset_stats()
+    t0 = time.perf_counter()
+    P = AFNPreconditioner(X, kern, 0.1, k=min(args.build_k, args.n - 1), w=min(100, args.n - 1),
+                          group=None if plain else True)
+    build = {"build_s": time.perf_counter() - t0, "build_logdet": float(P.logdet()),
+             "build_mib_received": partitioned.STATS["bytes_received"] / 2**20}
+    del P
+    # the replicated work of an evaluation: the preconditioner's applies (PCG's, SLQ's and the control variate's)
+    applied = {"seconds": 0.0}
+    solve = Preconditioner.solve
+
+    def timed_solve(self, R, _solve=solve):
+        t = time.perf_counter()
+        try:
+            return _solve(self, R)
+        finally:
+            applied["seconds"] += time.perf_counter() - t
+    Preconditioner.solve = timed_solve
+    times, records, apply_s = [], [], []
     with use_preconditioner(model, "auto", settings=settings, seed=args.seed):
         for rep in range(args.repeats + 1):
             torch.manual_seed(args.seed + rep)
             partitioned.reset_stats()
+            applied["seconds"] = 0.0
             for p in model.parameters():
                 p.grad = None
             t0 = time.perf_counter()
@@ -76,6 +103,7 @@ def worker(args) -> None:
             if rep:  # rep 0 warms up
                 times.append(dt)
                 records.append(dict(partitioned.STATS))
+                apply_s.append(applied["seconds"])
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
     if rank == 0:
         med = statistics.median(times)
@@ -83,7 +111,8 @@ def worker(args) -> None:
         out = {"procs": size, "plain": plain, "n": args.n, "dtype": args.dtype, "threads_per_rank":
                torch.get_num_threads(), "time_s": med, "times_s": times, "comm_share": share,
                "collectives": records[-1]["collectives"], "mib_received": records[-1]["bytes_received"] / 2**20,
-               "comm_s": records[-1]["seconds"], "loss": float(loss), "grad": grad}
+               "comm_s": records[-1]["seconds"], "apply_share": statistics.median(a / t for a, t in zip(apply_s, times)),
+               "loss": float(loss), "grad": grad, **build}
         Path(args.worker_out).write_text(json.dumps(out))
     if not plain:
         torch.distributed.destroy_process_group()
@@ -100,7 +129,7 @@ def launch(args, procs: int, plain: bool, out: Path) -> dict:
     port = _port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out), "--n", str(args.n),
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--seed", str(args.seed),
-           "--dtype", args.dtype] + (["--plain"] if plain else [])
+           "--dtype", args.dtype, "--build-k", str(args.build_k)] + (["--plain"] if plain else [])
     ps = []
     for rank in range(procs):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(procs), "LOCAL_RANK": str(rank),
@@ -133,6 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads shared by the ranks")
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--build-k", type=int, default=1000, help="AFN landmarks of the timed build")
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--gpu-mll-1e6-s", type=float, default=48.6, help="H100, session 16: no cutoff")
     ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.57, help="H100, session 16: default cutoff")
@@ -162,14 +192,17 @@ def main(argv=None) -> int:
     base = rows[0]
     print(f"one MLL value + gradient, synthetic3d n = {args.n}, Matérn-3/2, {args.dtype}, {args.threads} threads "
           "shared by the ranks (gloo)")
-    print("| P | s / evaluation | in collectives | MiB received | collectives | loss diff | max grad diff |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| P | s / evaluation | in collectives | MiB received | collectives | preconditioner applies | loss diff "
+          "| max grad diff | AFN build s | build MiB received | build log det diff |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         r["loss_diff"] = abs(r["loss"] - base["loss"])
         r["grad_diff"] = max(abs(a - b) for a, b in zip(r["grad"], base["grad"]))
+        r["build_logdet_diff"] = abs(r["build_logdet"] - base["build_logdet"]) / max(1.0, abs(base["build_logdet"]))
         label = f"{r['procs']}{' plain' if r['plain'] else ''}"
         print(f"| {label} | {r['time_s']:.2f} | {r['comm_share']:.1%} | {r['mib_received']:.1f} | {r['collectives']} "
-              f"| {r['loss_diff']:.1e} | {r['grad_diff']:.1e} |")
+              f"| {r['apply_share']:.1%} | {r['loss_diff']:.1e} | {r['grad_diff']:.1e} | {r['build_s']:.2f} "
+              f"| {r['build_mib_received']:.1f} | {r['build_logdet_diff']:.1e} |")
     model = cost_model(args)
     print("\ncost model per evaluation (s): n, GPUs, every pair, with the cutoff, all-gathers")
     for m in model:
