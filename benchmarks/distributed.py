@@ -20,6 +20,8 @@ all-gathers: ``--products`` products of ``t`` columns, each receiving ``(P - 1) 
 ``--link-gbs`` GB/s. Prints a table, writes JSON (and a PNG of the model).
 
 Run:  python benchmarks/distributed.py                  (n = 50 000, P = 1, 2; ~10 minutes on 2 cores)
+      python benchmarks/distributed.py --device cuda --procs 1 --n 200000 --dtype float32
+                                                        (P = 1 over NCCL on one GPU against no group)
       python benchmarks/distributed.py --quick          (n = 2000; run by the test suite)
 """
 
@@ -50,15 +52,16 @@ def worker(args) -> None:
     from gpnys.gp.settings import EstimatorSettings
     from gpnys.kernels.backends import partitioned
 
-    plain = args.plain
-    rank, size = (0, 1) if plain else gd.init(backend="gloo", seed=args.seed)
+    plain, cuda = args.plain, args.device == "cuda"
+    rank, size = (0, 1) if plain else gd.init(backend="nccl" if cuda else "gloo", seed=args.seed)
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, args.threads // (1 if plain else size)))
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    device = (gd.device() if not plain else torch.device("cuda")) if cuda else torch.device("cpu")
     ds = datasets.load("synthetic3d", n=args.n, seed=args.seed, standardize=False, dtype=dtype)
-    X, y = ds.train_x, ds.train_y
+    X, y = ds.train_x.to(device), ds.train_y.to(device)
     lik = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
-    model = ExactGPModel(X, y, lik, kernel="matern32").to(dtype)
+    model = ExactGPModel(X, y, lik, kernel="matern32").to(device=device, dtype=dtype)
     model.covar_module.base_kernel.lengthscale = 1.0
     model.covar_module.outputscale = 1.0
     lik.noise = 0.1
@@ -71,9 +74,11 @@ def worker(args) -> None:
 
     kern = model.covar_module.base_kernel
     partitioned.reset_stats()
+    _sync(device)
     t0 = time.perf_counter()
     P = AFNPreconditioner(X, kern, 0.1, k=min(args.build_k, args.n - 1), w=min(100, args.n - 1),
                           group=None if plain else True)
+    _sync(device)
     build = {"build_s": time.perf_counter() - t0, "build_logdet": float(P.logdet()),
              "build_mib_received": partitioned.STATS["bytes_received"] / 2**20}
     del P
@@ -96,9 +101,11 @@ def worker(args) -> None:
             applied["seconds"] = 0.0
             for p in model.parameters():
                 p.grad = None
+            _sync(device)
             t0 = time.perf_counter()
             loss = -mll(model(X), y)
             loss.backward()
+            _sync(device)
             dt = time.perf_counter() - t0
             if rep:  # rep 0 warms up
                 times.append(dt)
@@ -108,7 +115,7 @@ def worker(args) -> None:
     if rank == 0:
         med = statistics.median(times)
         share = statistics.median(r["seconds"] / t for r, t in zip(records, times))
-        out = {"procs": size, "plain": plain, "n": args.n, "dtype": args.dtype, "threads_per_rank":
+        out = {"procs": size, "plain": plain, "n": args.n, "dtype": args.dtype, "device": str(device), "threads_per_rank":
                torch.get_num_threads(), "time_s": med, "times_s": times, "comm_share": share,
                "collectives": records[-1]["collectives"], "mib_received": records[-1]["bytes_received"] / 2**20,
                "comm_s": records[-1]["seconds"], "apply_share": statistics.median(a / t for a, t in zip(apply_s, times)),
@@ -116,6 +123,11 @@ def worker(args) -> None:
         Path(args.worker_out).write_text(json.dumps(out))
     if not plain:
         torch.distributed.destroy_process_group()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _port() -> int:
@@ -129,7 +141,7 @@ def launch(args, procs: int, plain: bool, out: Path) -> dict:
     port = _port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out), "--n", str(args.n),
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--seed", str(args.seed),
-           "--dtype", args.dtype, "--build-k", str(args.build_k)] + (["--plain"] if plain else [])
+           "--dtype", args.dtype, "--build-k", str(args.build_k), "--device", args.device] + (["--plain"] if plain else [])
     ps = []
     for rank in range(procs):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(procs), "LOCAL_RANK": str(rank),
@@ -163,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--build-k", type=int, default=1000, help="AFN landmarks of the timed build")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: every rank on cuda:LOCAL_RANK over NCCL (P = 1 on a single GPU)")
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--gpu-mll-1e6-s", type=float, default=48.6, help="H100, session 16: no cutoff")
     ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.57, help="H100, session 16: default cutoff")
@@ -190,8 +204,8 @@ def main(argv=None) -> int:
         rows.append(launch(args, p, False, tmp))
     tmp.unlink(missing_ok=True)
     base = rows[0]
-    print(f"one MLL value + gradient, synthetic3d n = {args.n}, Matérn-3/2, {args.dtype}, {args.threads} threads "
-          "shared by the ranks (gloo)")
+    print(f"one MLL value + gradient, synthetic3d n = {args.n}, Matérn-3/2, {args.dtype}, " +
+          ("one GPU per rank (NCCL)" if args.device == "cuda" else f"{args.threads} threads shared by the ranks (gloo)"))
     print("| P | s / evaluation | in collectives | MiB received | collectives | preconditioner applies | loss diff "
           "| max grad diff | AFN build s | build MiB received | build log det diff |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

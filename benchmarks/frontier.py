@@ -10,7 +10,13 @@ Cholesky gives the reference loss and gradient at the full subset. Then every se
   probes 10/30, Lanczos steps 20/100;
 * **HiGP** (when installed): AFN rank 50/1000, fill level 0/50, Lanczos steps 10/50, probes 10/50.
 
-Errors: the loss's relative error and the worst gradient component's (``gpnys.gp.mll.grad_errors``). For a time
+Errors: the loss's relative error and the worst gradient component's (``gpnys.gp.mll.grad_errors``). With
+``--seeds 0,1,2`` every setting runs once per estimator seed (the probes; data subset and hyperparameters stay
+those of ``--seed``) and its error is the root mean square over the seeds (per gradient component, then the worst
+component), its time the median: one draw of a stochastic estimator can land near the truth by luck.
+``--max-time T`` keeps the seeds affordable: a setting that took more than ``T`` seconds in the case's earlier run
+(the JSON, with ``--refresh``) or at its first seed is not run (further), and the target is checked at budgets up
+to ``T`` only (recorded as the case's ``max_time_s``). For a time
 budget ``t`` a method's error is the best error among its settings that took at most ``t``; the target is that from
 gpnys's cheapest setting up, gpnys's error is below both peers' at every budget (checked at every measured time),
 for the loss and the gradient. Prints a table per case, writes JSON and a PNG (error against time, step frontiers).
@@ -28,6 +34,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -84,17 +91,44 @@ def _higp(X, y, common, s):
                          probes=s["probes"], **common)
 
 
+def _measure(run, X, y, common: dict, s: dict, seeds: list[int], ref: dict, method: str, command: str,
+             max_time: float = float("inf")) -> dict:
+    """One setting at each estimator seed: median time, root-mean-square errors over the seeds (module docstring);
+    a setting slower than ``max_time`` at its first seed is marked ``over_max_time`` and not run further."""
+    times, losses, grads = [], [], []
+    for seed in seeds:
+        if times and times[0] > max_time:
+            return {"method": method, "settings": s, "time_s": times[0], "over_max_time": True, "command": command}
+        t0 = time.perf_counter()
+        try:
+            r = run(X, y, {**common, "seed": seed}, s)
+        except Exception as exc:  # a peer's setting that fails is recorded, not fatal
+            return {"method": method, "settings": s, "error": f"{type(exc).__name__}: {exc}"[:200],
+                    "time_s": time.perf_counter() - t0}
+        times.append(r["time_s"])
+        losses.append(abs(r["loss"] - ref["loss"]) / abs(ref["loss"]))
+        grads.append(grad_errors(r["grad"], ref["grad"]))
+    rms = lambda v: (sum(x * x for x in v) / len(v)) ** 0.5  # noqa: E731
+    ge = {k: rms([g[k] for g in grads]) for k in grads[0]}
+    row = {"method": method, "settings": s, "time_s": statistics.median(times), "loss_rel_error": rms(losses),
+           "grad_rel_error": max(ge.values()), "grad_errors": ge, "command": command}
+    if len(seeds) > 1:
+        row.update(seeds=seeds, times_s=times, loss_rel_errors=losses,
+                   grad_rel_errors=[max(g.values()) for g in grads])
+    return row
+
+
 def frontier(points: list[tuple[float, float]], budgets: list[float]) -> list[float]:
     """Best error among the points ``(time, error)`` within each budget (``inf`` before the cheapest)."""
     return [min((e for t, e in points if t <= b), default=float("inf")) for b in budgets]
 
 
-def check(rows: list[dict], key: str) -> dict:
-    """The target for one error ``key``: at every measured time from gpnys's cheapest setting up, gpnys's frontier
-    is below each peer's. Returns ``{"met", "budgets", "<method>": frontier}``."""
+def check(rows: list[dict], key: str, max_time: float = float("inf")) -> dict:
+    """The target for one error ``key``: at every measured time from gpnys's cheapest setting up (to ``max_time``),
+    gpnys's frontier is below each peer's. Returns ``{"met", "budgets", "<method>": frontier}``."""
     pts = {m: [(r["time_s"], r[key]) for r in rows if r["method"] == m] for m in {r["method"] for r in rows}}
     start = min(t for t, _ in pts["gpnys"])
-    budgets = sorted({t for p in pts.values() for t, _ in p if t >= start})
+    budgets = sorted({t for p in pts.values() for t, _ in p if start <= t <= max_time})
     out = {"budgets": budgets, **{m: frontier(p, budgets) for m, p in pts.items()}}
     peers = [m for m in pts if m != "gpnys"]
     out["met"] = all(g < out[m][i] for m in peers for i, g in enumerate(out["gpnys"]))
@@ -111,6 +145,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--fit-iters", type=int, default=60)
     ap.add_argument("--methods", default="gpnys,gpytorch,higp")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None, help="estimator seeds per setting, e.g. 0,1,2 (default: --seed only)")
+    ap.add_argument("--max-time", type=float, default=None, help="skip settings slower than this many seconds and "
+                    "check the target up to it (module docstring)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--resume", action="store_true", help="skip the cases already in the output JSON")
     ap.add_argument("--refresh", default="", help="methods to re-run in the cases already in the JSON (the other "
@@ -127,6 +164,10 @@ def main(argv=None) -> dict:
         data, kernels, n, fit_n, fit_iters = ["elevators"], ["rbf"], 500, 300, 10
         grids = {m: _grid(g) for m, g in QUICK.items()}
     methods = [m for m in args.methods.split(",") if m]
+    seeds = [int(v) for v in args.seeds.split(",") if v] if args.seeds else [args.seed]
+    max_time = float("inf") if args.max_time is None else float(args.max_time)
+    if not seeds:
+        raise SystemExit("--seeds needs at least one seed")
     if "higp" in methods and importlib.util.find_spec("higp") is None:
         print("higp not installed (pip install higp): skipped")
         methods.remove("higp")
@@ -165,18 +206,14 @@ def main(argv=None) -> dict:
                 except Exception:
                     pass
             for s in grids[method]:
-                t0 = time.perf_counter()
-                try:
-                    r = runners[method](X, y, common, s)
-                except Exception as exc:  # a peer's setting that fails is recorded, not fatal
-                    rows.append({"method": method, "settings": s, "error": f"{type(exc).__name__}: {exc}"[:200],
-                                 "time_s": time.perf_counter() - t0})
+                before = [r["time_s"] for r in (old or {}).get("rows", []) if r["method"] == method and
+                          r["settings"] == s]
+                if before and before[0] > max_time:  # slower than the cap in the earlier run: not run again
+                    rows.append({"method": method, "settings": s, "time_s": before[0], "over_max_time": True,
+                                 "command": meta["command"]})
                     continue
-                ge = grad_errors(r["grad"], ref["grad"])
-                rows.append({"method": method, "settings": s, "time_s": r["time_s"],
-                             "loss_rel_error": abs(r["loss"] - ref["loss"]) / abs(ref["loss"]),
-                             "grad_rel_error": max(ge.values()), "grad_errors": ge, "command": meta["command"]})
-        ok = [r for r in rows if "error" not in r]
+                rows.append(_measure(runners[method], X, y, common, s, seeds, ref, method, meta["command"], max_time))
+        ok = [r for r in rows if "error" not in r and "over_max_time" not in r]
         print("| method | settings | time s | loss error | worst gradient error |")
         print("| --- | --- | ---: | ---: | ---: |")
         for r in sorted(ok, key=lambda r: (r["method"], r["time_s"])):
@@ -186,13 +223,14 @@ def main(argv=None) -> dict:
             if "error" in r:
                 print(f"| {r['method']} | {r['settings']} | failed | {r['error']} | |")
         sys.stdout.flush()
-        checks = {key: check(ok, key) for key in ("loss_rel_error", "grad_rel_error")} if len(
+        checks = {key: check(ok, key, max_time) for key in ("loss_rel_error", "grad_rel_error")} if len(
             {r["method"] for r in ok}) > 1 and any(r["method"] == "gpnys" for r in ok) else {}
         for key, c in checks.items():
             print(f"target ({key}): gpnys below every peer at every budget from its cheapest setting up: {c['met']}")
         case = {"data": name, "kernel": kernel, "n": X.shape[0], "n_requested": n, "hyperparameters": hyper,
                 "reference": {"loss": ref["loss"], "time_s": ref["time_s"]}, "rows": rows, "checks": checks,
-                "command": meta["command"]}
+                "seeds": sorted({v for r in rows for v in r.get("seeds", [args.seed])}),
+                "max_time_s": None if args.max_time is None else max_time, "command": meta["command"]}
         if old is not None:
             cases[cases.index(old)] = case
         else:
@@ -214,7 +252,7 @@ def _plot(cases: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(2, len(cases), figsize=(4 * len(cases), 7), squeeze=False)
     colors = {"gpnys": "C0", "gpytorch": "C1", "higp": "C2"}
     for j, case in enumerate(cases):
-        ok = [r for r in case["rows"] if "error" not in r]
+        ok = [r for r in case["rows"] if "error" not in r and "over_max_time" not in r]
         for i, key in enumerate(("loss_rel_error", "grad_rel_error")):
             ax = axes[i][j]
             for m in sorted({r["method"] for r in ok}):

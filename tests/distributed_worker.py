@@ -9,7 +9,8 @@
 * ``mismatch``: rank-dependent right-hand sides, which must raise;
 * ``die``: rank 1 exits before the product; rank 0 records the error it gets and how long it took.
 
-Rank 0 writes what it computed to OUT (``torch.save``). Without RANK it computes the single-process reference.
+Rank 0 writes what it computed to OUT (``torch.save``, on the CPU). Without RANK it computes the single-process
+reference. ``GPNYS_TEST_DEVICE=cuda`` runs on ``cuda:LOCAL_RANK`` over NCCL (default: the CPU over gloo).
 """
 
 import os
@@ -25,12 +26,24 @@ from gpnys.kernels import make_kernel
 from gpnys.kernels.operator import StationaryKernelOperator
 
 
+DEVICE = os.environ.get("GPNYS_TEST_DEVICE", "cpu")
+
+
 def data(n=300):
     g = torch.Generator().manual_seed(0)
     X = torch.rand(n, 3, generator=g, dtype=torch.float64) * torch.tensor([60.0, 3.0, 3.0])  # a cutoff plan splits
     y = torch.sin(X.sum(1)) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
     V = torch.randn(n, 4, generator=g, dtype=torch.float64)
-    return X, y, V
+    dev = gd.device() if DEVICE == "cuda" and "RANK" in os.environ else torch.device(DEVICE)
+    return X.to(dev), y.to(dev), V.to(dev)
+
+
+def to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, (list, tuple)):
+        return [to_cpu(o) for o in obj]
+    return {k: to_cpu(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
 
 
 def passes(group):
@@ -54,7 +67,7 @@ def mll(group):
     X, y, _ = data()
     torch.manual_seed(0)
     lik = __import__("gpytorch").likelihoods.GaussianLikelihood().double()
-    model = ExactGPModel(X, y, lik, kernel="matern32", ard=True, mean="constant").double()
+    model = ExactGPModel(X, y, lik, kernel="matern32", ard=True, mean="constant").double().to(X.device)
     model.train()
     settings = gd.settings(group, num_probes=8, dense_limit_bytes=0) if group else \
         __import__("gpnys").EstimatorSettings(num_probes=8, dense_limit_bytes=0)
@@ -124,7 +137,7 @@ def main():
     distributed = "RANK" in os.environ
     rank = 0
     if distributed:
-        rank, size = gd.init(backend="gloo", seed=0, timeout_s=float(os.environ.get("GPNYS_TEST_TIMEOUT", 60)))
+        rank, size = gd.init(backend="nccl" if DEVICE == "cuda" else "gloo", seed=0, timeout_s=float(os.environ.get("GPNYS_TEST_TIMEOUT", 60)))
     group = True if distributed else None
     if mode == "passes":
         res = passes(group)
@@ -153,7 +166,7 @@ def main():
     else:
         raise SystemExit(f"unknown mode {mode}")
     if rank == 0:
-        torch.save({**res, "calls": dict(CALLS)}, out_path)
+        torch.save(to_cpu({**res, "calls": dict(CALLS)}), out_path)
     if distributed and mode != "die":
         torch.distributed.destroy_process_group()
 

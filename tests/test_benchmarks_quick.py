@@ -193,13 +193,25 @@ def test_frontier_quick(tmp_path):
     assert all("loss_rel_error" in r for r in case["rows"] if r["method"] == "gpnys")
     assert set(case["checks"]) == {"loss_rel_error", "grad_rel_error"} and (tmp_path / "fr.png").exists()
     # --refresh gpnys re-measures gpnys only: the peers' rows are the first run's, the case stays one case
-    again = load("frontier").main(["--quick", "--out", str(tmp_path / "fr.json"), "--refresh", "gpnys"])
+    # (with two estimator seeds: root mean square errors over them, the per-seed ones kept)
+    again = load("frontier").main(["--quick", "--out", str(tmp_path / "fr.json"), "--refresh", "gpnys",
+                                   "--seeds", "0,1", "--max-time", "1e6"])
     assert len(again["cases"]) == 1
     kept = [r for r in again["cases"][0]["rows"] if r["method"] != "gpnys"]
     assert kept == [dict(r, command=r["command"]) for r in case["rows"] if r["method"] != "gpnys"]
     fresh = [r for r in again["cases"][0]["rows"] if r["method"] == "gpnys"]
     assert len(fresh) == len([r for r in case["rows"] if r["method"] == "gpnys"])
     assert all("--refresh" in r["command"] for r in fresh)
+    for r in fresh:
+        assert r["seeds"] == [0, 1] and len(r["times_s"]) == 2
+        rms = (sum(e * e for e in r["loss_rel_errors"]) / 2) ** 0.5
+        assert abs(r["loss_rel_error"] - rms) <= 1e-12 and min(r["loss_rel_errors"]) <= r["loss_rel_error"]
+        assert r["loss_rel_errors"][0] != r["loss_rel_errors"][1]  # different probes, different draws
+    # a cap below every setting: nothing runs, each row says so, and no budget is checked
+    capped = load("frontier").main(["--quick", "--out", str(tmp_path / "fr.json"), "--refresh", "gpnys",
+                                    "--max-time", "1e-9"])
+    rows = [r for r in capped["cases"][0]["rows"] if r["method"] == "gpnys"]
+    assert rows and all(r.get("over_max_time") for r in rows) and capped["cases"][0]["max_time_s"] == 1e-9
 
 
 def test_distributed_quick(tmp_path):

@@ -51,8 +51,8 @@ def run_ranks(mode: str, out: Path, size: int = 2, timeout: float = 240, extra_e
     return codes
 
 
-def reference(mode: str, out: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+def reference(mode: str, out: Path, extra_env: dict | None = None) -> dict:
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **(extra_env or {})}
     subprocess.run([sys.executable, str(WORKER), mode, str(out)], env=env, check=True, timeout=240)
     return torch.load(out, weights_only=False)
 
@@ -120,6 +120,17 @@ def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
     assert got["calls"]["gather_rows"] >= 2 + got["calls"]["matmul"], got["calls"]  # the AFN build split too
     assert _close(got["loss"], ref["loss"]) and _close(got["grads"], ref["grads"])
     assert ref["std_error"] is not None and _close(got["std_error"], ref["std_error"], 1e-8)
+
+
+@pytest.mark.cuda
+def test_one_nccl_rank_gives_the_plain_mll_on_cuda(tmp_path, cuda_device):
+    """The multi-GPU path on one GPU (P = 1 over NCCL; gloo where the suite runs on the CPU) against no group."""
+    env = {"GPNYS_TEST_DEVICE": cuda_device.type}
+    ref = reference("mll", tmp_path / "ref.pt", env)
+    assert run_ranks("mll", tmp_path / "dist.pt", size=1, extra_env=env) == [0]
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert got["calls"]["matmul"] > 0 and got["calls"]["gather_rows"] >= 2 + got["calls"]["matmul"], got["calls"]
+    assert _close(got["loss"], ref["loss"]) and _close(got["grads"], ref["grads"])
 
 
 def test_two_gloo_ranks_build_the_one_process_preconditioners(tmp_path):

@@ -98,7 +98,7 @@ class RowGroup:
             STATS["collectives"] += 1
         except Exception as err:  # noqa: BLE001 - gloo / NCCL raise RuntimeError, DistBackendError, ...
             raise CollectiveError(f"gpnys row partition: the {what} collective failed on rank {self.rank} of "
-                               f"{self.size} (a rank died or the group's timeout passed): {err}") from err
+                                  f"{self.size} (a rank died or the group's timeout passed): {err}") from err
 
     def gather(self, what: str, local: torch.Tensor, inputs: list[torch.Tensor],
                failure: BaseException | None = None) -> list[torch.Tensor]:
@@ -112,7 +112,7 @@ class RowGroup:
         parts = [torch.empty_like(flat) for _ in range(self.size)]
         self._collective(what, dist.all_gather, parts, flat)
         STATS["bytes_received"] += (self.size - 1) * flat.numel() * flat.element_size()
-        failed = [r for r, p in enumerate(parts) if p[-1] != 0]
+        failed = (torch.stack([p[-1] for p in parts]) != 0).nonzero().flatten().tolist()
         if failure is not None:
             raise failure
         if failed:
