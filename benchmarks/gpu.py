@@ -548,6 +548,18 @@ class _Stop(Exception):
     pass
 
 
+def _step_info(hook: Any) -> dict | None:
+    """The latest step's diagnostics from a gpnys hook (``None`` for the other methods): CG iterations and probes of
+    its last MLL estimate, and the preconditioner of its last build (choice, rank, seconds)."""
+    if hook is None or not hasattr(hook, "history"):
+        return None
+    est, rec = hook.last_estimate, (hook.history[-1] if hook.history else None)
+    return {"cg_iterations": None if est is None else est.cg_iterations,
+            "probes": None if est is None else est.probes, "builds": hook.builds,
+            "precond": None if rec is None else rec.kind, "rank": None if rec is None else rec.rank,
+            "build_s": None if rec is None else rec.setup_s, "kernel_fraction": hook.kernel_fraction}
+
+
 def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, row: dict,
             max_seconds: float | None, checkpoint: str | None = None) -> dict:
     """``steps`` Adam steps; fills ``row`` as it goes (saved after every step). With ``checkpoint`` (a file),
@@ -560,7 +572,7 @@ def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, 
     if checkpoint and os.path.exists(checkpoint):  # (fit restores the model; only the step clock is read here)
         done = torch.load(checkpoint, map_location="cpu", weights_only=False)
         row.update(loss_trace=list(done["loss_trace"]), time_trace=[s["t_s"] for s in done["steps"]],
-                   resumed_at_step=len(done["loss_trace"]))
+                   step_info=[s.get("info") for s in done["steps"]], resumed_at_step=len(done["loss_trace"]))
     model = make_model(X, y, None, mean="constant")
     cache: dict = {}
     loss_fn = (lambda m: cholesky_loss(m, cache)) if method == "cholesky" else None
@@ -571,12 +583,14 @@ def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, 
         ctx, settings = contextlib.nullcontext(), lambda _n: gpytorch.settings.max_cholesky_size(0)
     else:
         ctx, settings = contextlib.nullcontext(), None  # gpnys.gp.exact.fit's Cholesky settings
-    start = [0.0]
+    start, hook = [0.0], [None]
 
     def on_step(t: int, loss: float) -> dict:
         sync(device)  # (``fit`` already read the loss back, which waits for the step)
         row["time_trace"].append(time.perf_counter() - start[0])
         row["loss_trace"].append(loss)
+        info = _step_info(hook[0])  # what the step cost: CG iterations, probes, the preconditioner built
+        row.setdefault("step_info", []).append(info)
         bench.save()
         if t == 0:
             eta = row["time_trace"][0] * steps
@@ -587,10 +601,10 @@ def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, 
                 raise _Stop(f"stopped after step 1: ETA {eta:.0f} s > {max_seconds:.0f} s (--fit-max-seconds)")
         if checkpoint and t % 5 == 4:
             print(f"    step {t + 1}: {row['time_trace'][-1]:.1f} s, loss {loss:.5f}", flush=True)
-        return {"t_s": row["time_trace"][-1]}  # kept in the checkpoint
+        return {"t_s": row["time_trace"][-1], "info": info}  # kept in the checkpoint
 
     reset_peak(device)
-    with ctx:
+    with ctx as hook[0]:
         sync(device)
         start[0] = time.perf_counter() - (row["time_trace"][-1] if row["time_trace"] else 0.0)
         try:

@@ -125,6 +125,10 @@ def test_gpu_quick(tmp_path):
     for r in fits.values():
         assert r["status"] == "ok" and len(r["loss_trace"]) == 3 and math.isfinite(r["final_loss"]), r
         assert r["wall_s"] > 0 and r["hyperparameters"]["noise"] > 0
+    # per-step diagnostics of the gpnys fit (to explain a slow step): its CG iterations, probes and preconditioner
+    info = fits["gpnys"]["step_info"]
+    assert len(info) == 3 and all(i["cg_iterations"] > 0 and i["probes"] > 0 and i["precond"] for i in info), info
+    assert fits["cholesky"]["step_info"] == [None] * 3
 
 
 def test_gpu_fit_resumes_from_its_checkpoint(tmp_path):
@@ -144,6 +148,7 @@ def test_gpu_fit_resumes_from_its_checkpoint(tmp_path):
     assert first["status"] == resumed["status"] == "ok" and resumed["resumed_at_step"] == 2
     assert resumed["loss_trace"][:2] == first["loss_trace"] and resumed["time_trace"][:2] == first["time_trace"]
     assert len(resumed["time_trace"]) == 4 and resumed["time_trace"] == sorted(resumed["time_trace"])
+    assert resumed["step_info"][:2] == first["step_info"] and len(resumed["step_info"]) == 4
     assert resumed["loss_trace"] == pytest.approx(straight["loss_trace"], rel=1e-3)
     assert resumed["hyperparameters"]["lengthscale"] == pytest.approx(straight["hyperparameters"]["lengthscale"],
                                                                       rel=1e-3)
