@@ -57,7 +57,7 @@ def worker(args) -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, args.threads // (1 if plain else size)))
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
-    device = (gd.device() if not plain else torch.device("cuda")) if cuda else torch.device("cpu")
+    device = torch.device("cpu") if not cuda else torch.device("cuda") if plain else gd.device()
     ds = datasets.load("synthetic3d", n=args.n, seed=args.seed, standardize=False, dtype=dtype)
     X, y = ds.train_x.to(device), ds.train_y.to(device)
     lik = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
@@ -115,10 +115,11 @@ def worker(args) -> None:
     if rank == 0:
         med = statistics.median(times)
         share = statistics.median(r["seconds"] / t for r, t in zip(records, times))
-        out = {"procs": size, "plain": plain, "n": args.n, "dtype": args.dtype, "device": str(device), "threads_per_rank":
-               torch.get_num_threads(), "time_s": med, "times_s": times, "comm_share": share,
+        out = {"procs": size, "plain": plain, "n": args.n, "dtype": args.dtype, "device": str(device),
+               "threads_per_rank": torch.get_num_threads(), "time_s": med, "times_s": times, "comm_share": share,
                "collectives": records[-1]["collectives"], "mib_received": records[-1]["bytes_received"] / 2**20,
-               "comm_s": records[-1]["seconds"], "apply_share": statistics.median(a / t for a, t in zip(apply_s, times)),
+               "comm_s": records[-1]["seconds"],
+               "apply_share": statistics.median(a / t for a, t in zip(apply_s, times)),
                "loss": float(loss), "grad": grad, **build}
         Path(args.worker_out).write_text(json.dumps(out))
     if not plain:
@@ -141,7 +142,8 @@ def launch(args, procs: int, plain: bool, out: Path) -> dict:
     port = _port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out), "--n", str(args.n),
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--seed", str(args.seed),
-           "--dtype", args.dtype, "--build-k", str(args.build_k), "--device", args.device] + (["--plain"] if plain else [])
+           "--dtype", args.dtype, "--build-k", str(args.build_k), "--device", args.device]
+    cmd += ["--plain"] if plain else []
     ps = []
     for rank in range(procs):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(procs), "LOCAL_RANK": str(rank),
@@ -204,8 +206,8 @@ def main(argv=None) -> int:
         rows.append(launch(args, p, False, tmp))
     tmp.unlink(missing_ok=True)
     base = rows[0]
-    print(f"one MLL value + gradient, synthetic3d n = {args.n}, Matérn-3/2, {args.dtype}, " +
-          ("one GPU per rank (NCCL)" if args.device == "cuda" else f"{args.threads} threads shared by the ranks (gloo)"))
+    where = "one GPU per rank (NCCL)" if args.device == "cuda" else f"{args.threads} threads shared by the ranks (gloo)"
+    print(f"one MLL value + gradient, synthetic3d n = {args.n}, Matérn-3/2, {args.dtype}, {where}")
     print("| P | s / evaluation | in collectives | MiB received | collectives | preconditioner applies | loss diff "
           "| max grad diff | AFN build s | build MiB received | build log det diff |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -92,13 +92,15 @@ def _higp(X, y, common, s):
 
 
 def _measure(run, X, y, common: dict, s: dict, seeds: list[int], ref: dict, method: str, command: str,
-             max_time: float = float("inf")) -> dict:
+             max_time: float = float("inf"), earlier: float | None = None) -> dict:
     """One setting at each estimator seed: median time, root-mean-square errors over the seeds (module docstring);
-    a setting slower than ``max_time`` at its first seed is marked ``over_max_time`` and not run further."""
+    a setting slower than ``max_time`` in the earlier run (``earlier`` seconds) or at its first seed is marked
+    ``over_max_time`` and not run (further)."""
     times, losses, grads = [], [], []
     for seed in seeds:
-        if times and times[0] > max_time:
-            return {"method": method, "settings": s, "time_s": times[0], "over_max_time": True, "command": command}
+        slow = [t for t in (earlier, *times[:1]) if t is not None and t > max_time]
+        if slow:
+            return {"method": method, "settings": s, "time_s": slow[0], "over_max_time": True, "command": command}
         t0 = time.perf_counter()
         try:
             r = run(X, y, {**common, "seed": seed}, s)
@@ -208,11 +210,8 @@ def main(argv=None) -> dict:
             for s in grids[method]:
                 before = [r["time_s"] for r in (old or {}).get("rows", []) if r["method"] == method and
                           r["settings"] == s]
-                if before and before[0] > max_time:  # slower than the cap in the earlier run: not run again
-                    rows.append({"method": method, "settings": s, "time_s": before[0], "over_max_time": True,
-                                 "command": meta["command"]})
-                    continue
-                rows.append(_measure(runners[method], X, y, common, s, seeds, ref, method, meta["command"], max_time))
+                rows.append(_measure(runners[method], X, y, common, s, seeds, ref, method, meta["command"], max_time,
+                                     before[0] if before else None))
         ok = [r for r in rows if "error" not in r and "over_max_time" not in r]
         print("| method | settings | time s | loss error | worst gradient error |")
         print("| --- | --- | ---: | ---: | ---: |")

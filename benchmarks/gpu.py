@@ -551,7 +551,7 @@ class _Stop(Exception):
 def _step_info(hook: Any) -> dict | None:
     """The latest step's diagnostics from a gpnys hook (``None`` for the other methods): CG iterations and probes of
     its last MLL estimate, and the preconditioner of its last build (choice, rank, seconds)."""
-    if hook is None or not hasattr(hook, "history"):
+    if hook is None:
         return None
     est, rec = hook.last_estimate, (hook.history[-1] if hook.history else None)
     return {"cg_iterations": None if est is None else est.cg_iterations,

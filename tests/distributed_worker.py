@@ -137,7 +137,8 @@ def main():
     distributed = "RANK" in os.environ
     rank = 0
     if distributed:
-        rank, size = gd.init(backend="nccl" if DEVICE == "cuda" else "gloo", seed=0, timeout_s=float(os.environ.get("GPNYS_TEST_TIMEOUT", 60)))
+        rank, size = gd.init(backend="nccl" if DEVICE == "cuda" else "gloo", seed=0,
+                             timeout_s=float(os.environ.get("GPNYS_TEST_TIMEOUT", 60)))
     group = True if distributed else None
     if mode == "passes":
         res = passes(group)

@@ -12,7 +12,8 @@ cutoff plan splits by leaves and Triton by tiles. Then
 The preconditioner builds split the same way (:class:`RowGroup`, :func:`gather_rows`): AFN's ``V = K21 L^{-T}``
 and the FSAI rows of ``G`` are computed for a rank's rows and gathered (``n (k + w)`` values per build); the
 ``k x k`` factors are computed on every rank. Everything downstream (PCG, SLQ, the preconditioner applies) then
-runs unchanged on replicated vectors, so its results match one process to rounding. That needs identical inputs on every rank: each gathered block carries
+runs unchanged on replicated vectors, so its results match one process to rounding. That needs identical inputs on
+every rank: each gathered block carries
 :data:`SAMPLE_ROWS` evenly spaced rows of the vectors its rank used, compared exactly (vectors from differently
 seeded generators differ in all of them), and ranks that disagree raise ``ValueError`` rather than return a
 product of mixed vectors. A collective that fails (a rank died, or the group's timeout passed) raises
@@ -33,7 +34,8 @@ import torch.distributed as dist
 from gpnys.kernels.backends import LEAF, KernelBackend, Rows
 from gpnys.kernels.cutoff import LeafPlan
 
-__all__ = ["PartitionedBackend", "RowGroup", "CollectiveError", "gather_rows", "row_range", "resolve_group", "STATS", "reset_stats"]
+__all__ = ["PartitionedBackend", "RowGroup", "CollectiveError", "gather_rows", "row_range", "resolve_group", "STATS",
+           "reset_stats"]
 
 #: process-wide counters of this rank's collectives (for benchmarks: operators are rebuilt by GPyTorch, so they
 #: cannot keep their own): calls, bytes this rank received, seconds spent inside the collectives
@@ -155,7 +157,6 @@ class PartitionedBackend(KernelBackend):
     def __init__(self, inner: KernelBackend, group: Any) -> None:
         super().__init__(inner.formula, inner.tf32)
         self.inner, self.ranks = inner, RowGroup(group)
-        self.group, self.rank, self.size = group, self.ranks.rank, self.ranks.size
 
     def _own_rows(self, n: int, rows: Rows | None) -> Rows:
         """This rank's :func:`row_range`; a caller's own ``rows`` cannot be split further."""
