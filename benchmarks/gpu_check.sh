@@ -1,38 +1,63 @@
 #!/usr/bin/env bash
-# One device call for issue 19 (about 10 minutes on an H100): the `cuda` test suite, the 50-step Adam fit on 10^6
-# points and every public path at 10^6 (`gpu.py --parts paths`), side by side on one GPU (so their wall times are
-# upper bounds: they share it). Logs and JSON go to $OUT (default benchmarks/results/gpu_check). Usage, on the
-# GPU machine from the repository root:   LIMIT=560 bash benchmarks/gpu_check.sh
-# The fit saves a checkpoint after every step ($FIT_CKPT, default $OUT/fit_1e6.pt). A call's time limit can stop it
-# (each late step takes ~30 s on an H100): copy the returned file into the checkout and rerun with
-# FIT_CKPT=<that path> PARTS=fit to resume it where it stopped, clock included.
-# PARTS=dist,... first runs issue 22's check alone (about a minute): one MLL value + gradient at n = 200 000 with
-# the multi-GPU path as P = 1 over NCCL against no process group (`benchmarks/distributed.py --device cuda`).
+# Device calls for issues 19 and 22, run on the GPU machine from the repository root. Logs and JSON go to $OUT
+# (default benchmarks/results/gpu_check). PARTS (comma-separated, in this order):
+#   dist   issue 22: one MLL value + gradient at n = 200 000 with the multi-GPU path as P = 1 over NCCL against no
+#          process group (`benchmarks/distributed.py --device cuda`, about a minute, alone on the GPU);
+#   suite  the `cuda` test suite (in the background, beside the fit);
+#   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
+#   paths  every other public path at 10^6 (`gpu.py --parts paths`);
+#   collect  wait for a fit that an earlier call left running (DETACH=1) and copy its files to $OUT.
+# Parts that run together share the GPU, so their wall times are upper bounds.
+# DETACH=1 starts the fit in its own process session under $KEEP (outside the call's $OUT), so it outlives the call
+# while the machine stays warm: the call waits until LIMIT seconds, copies what the fit has written so far (JSON, log,
+# checkpoint) to $OUT, and a next call made at once with PARTS=collect (then e.g. dist) picks it up. Without a warm
+# machine, copy the returned checkpoint into the checkout and rerun with FIT_CKPT=<that path> PARTS=fit: the fit
+# resumes at its last step, clock included. FIT_ARGS adds gpu.py arguments (a CPU test: "--device cpu
+# --fit-1e6-n 2000 --fit-1e6-steps 4").
+#   LIMIT=540 DETACH=1 PARTS=suite,fit bash benchmarks/gpu_check.sh      # call 1
+#   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
 set -u
 OUT=${OUT:-benchmarks/results/gpu_check}
 LIMIT=${LIMIT:-560}
-FIT_CKPT=${FIT_CKPT:-$OUT/fit_1e6.pt}
+KEEP=${KEEP:-/tmp/gpnys_keep}
+FIT_CKPT=${FIT_CKPT:-$KEEP/fit_1e6.pt}
+FIT_ARGS=${FIT_ARGS:-}
 PARTS=${PARTS:-suite,fit,paths}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$KEEP"
 export PYTHONPATH=$PWD
-pip install --no-deps --no-build-isolation -e . -q > "$OUT/install.log" 2>&1
+pip install --no-deps --no-build-isolation -e . -q > "$KEEP/install.log" 2>&1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, triton, gpytorch; print('torch', torch.__version__, 'triton', triton.__version__,
   'gpytorch', gpytorch.__version__, 'cpus', __import__('os').cpu_count())"; } > "$OUT/device.txt" 2>&1
+left() { echo $(( LIMIT - SECONDS > 1 ? LIMIT - SECONDS : 1 )); }
+wait_fit() {  # until the fit wrote its exit status, or the call's LIMIT (a few seconds kept for the copy)
+  [ -f "$KEEP/fit_1e6.log" ] || return 0  # no fit was started on this machine
+  while [ ! -f "$KEEP/fit_rc" ] && [ "$SECONDS" -lt $(( LIMIT - 5 )) ]; do sleep 2; done
+  cp "$KEEP"/gpu_fit_1e6.json "$KEEP"/fit_1e6.log "$FIT_CKPT" "$OUT"/ 2>/dev/null
+  [ -f "$KEEP/fit_rc" ] && cp "$KEEP/fit_rc" "$OUT/"
+}
+case $PARTS in *collect*) wait_fit ;; esac
 case $PARTS in *dist*)
-  timeout "$LIMIT" python -u benchmarks/distributed.py --device cuda --procs 1 --n 200000 --dtype float32 \
+  timeout "$(left)" python -u benchmarks/distributed.py --device cuda --procs 1 --n 200000 --dtype float32 \
       --repeats 3 --out "$OUT/distributed_cuda.json" > "$OUT/distributed_cuda.log" 2>&1
 esac
+pids=()
 case $PARTS in *suite*)
-  timeout "$LIMIT" python -m pytest -m cuda -q -p no:cacheprovider --durations=30 tests > "$OUT/cuda_suite.log" 2>&1 &
+  timeout "$(left)" python -m pytest -m cuda -q -p no:cacheprovider --durations=30 tests > "$OUT/cuda_suite.log" 2>&1 &
+  pids+=($!)
 esac
 case $PARTS in *fit*)
-  timeout "$LIMIT" python -u benchmarks/gpu.py --parts fit --fit-1e6 --real-sizes "" --fit-synthetic-sizes "" \
-      --fit-checkpoint "$FIT_CKPT" --out "$OUT/gpu_fit_1e6.json" > "$OUT/fit_1e6.log" 2>&1 &
+  rm -f "$KEEP/fit_rc"; : > "$KEEP/fit_1e6.log"  # (the log marks a fit as started, for wait_fit)
+  budget=$(left); [ -n "${DETACH:-}" ] && budget=3000  # a detached fit outlives this call; the machine's return ends it
+  fitcmd="timeout $budget python -u benchmarks/gpu.py --parts fit --fit-1e6 --real-sizes '' --fit-synthetic-sizes '' \
+--fit-checkpoint '$FIT_CKPT' --out '$KEEP/gpu_fit_1e6.json' $FIT_ARGS > '$KEEP/fit_1e6.log' 2>&1; echo \$? > '$KEEP/fit_rc'"
+  if [ -n "${DETACH:-}" ]; then setsid nohup bash -c "$fitcmd" < /dev/null > /dev/null 2>&1 &
+  else bash -c "$fitcmd" & pids+=($!); fi
 esac
 case $PARTS in *paths*)
-  timeout "$LIMIT" python -u benchmarks/gpu.py --parts paths --out "$OUT/gpu_paths_1e6.json" > "$OUT/paths_1e6.log" 2>&1 &
+  timeout "$(left)" python -u benchmarks/gpu.py --parts paths --out "$OUT/gpu_paths_1e6.json" > "$OUT/paths_1e6.log" 2>&1 &
+  pids+=($!)
 esac
-wait
-[ "$FIT_CKPT" = "$OUT/fit_1e6.pt" ] || cp "$FIT_CKPT" "$OUT/fit_1e6.pt" 2>/dev/null
-for f in "$OUT"/*.log; do echo "== $f"; tail -n 3 "$f"; done
+[ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
+case $PARTS in *fit*) wait_fit ;; esac
+for f in "$OUT"/*.log "$OUT"/fit_rc; do [ -f "$f" ] && { echo "== $f"; tail -n 4 "$f"; }; done
