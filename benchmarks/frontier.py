@@ -16,7 +16,8 @@ those of ``--seed``) and its error is the root mean square over the seeds (per g
 component), its time the median: one draw of a stochastic estimator can land near the truth by luck.
 ``--max-time T`` keeps the seeds affordable: a setting that took more than ``T`` seconds in the case's earlier run
 (the JSON, with ``--refresh``) or at its first seed is not run (further), and the target is checked at budgets up
-to ``T`` only (recorded as the case's ``max_time_s``). For a time
+to ``T`` only (recorded as the case's ``max_time_s``); ``--refresh ... --beyond`` then runs just those slower
+settings at the same seeds, without a limit, and checks every budget. For a time
 budget ``t`` a method's error is the best error among its settings that took at most ``t``; the target is that from
 gpnys's cheapest setting up, gpnys's error is below both peers' at every budget (checked at every measured time),
 for the loss and the gradient. Prints a table per case, writes JSON and a PNG (error against time, step frontiers).
@@ -154,9 +155,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--resume", action="store_true", help="skip the cases already in the output JSON")
     ap.add_argument("--refresh", default="", help="methods to re-run in the cases already in the JSON (the other "
                     "methods' rows are kept, the case records which run measured which); implies --resume")
+    ap.add_argument("--beyond", action="store_true", help="with --refresh: run, at --seeds, only the settings the "
+                    "JSON marks over_max_time (slower than its --max-time), with no time limit, and keep every other "
+                    "row: the check then covers every budget (module docstring)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args(argv)
+    if args.beyond and (not args.refresh or args.max_time is not None):
+        ap.error("--beyond needs --refresh and no --max-time")
     if args.threads:
         torch.set_num_threads(args.threads)
     data, kernels, n = args.data.split(","), args.kernels.split(","), args.n
@@ -197,19 +203,28 @@ def main(argv=None) -> dict:
         print(f"\n{name} n = {X.shape[0]}, {kernel}: lengthscale {hyper['lengthscale']:.3g}, outputscale "
               f"{hyper['outputscale']:.3g}, noise {hyper['noise']:.3g}; Cholesky {ref['time_s']:.1f} s")
         rows, run_methods = [], methods
-        if old is not None:  # --refresh: keep the other methods' rows of the earlier run
+        slow = set()  # --beyond: (method, settings) of the earlier run's rows over its --max-time, the ones to run
+        if old is not None and args.beyond:
+            slow = {(r["method"], json.dumps(r["settings"], sort_keys=True)) for r in old["rows"]
+                    if r["method"] in refresh and r.get("over_max_time")}
+        if old is not None:  # --refresh: keep the other methods' rows of the earlier run (--beyond: all but `slow`)
             rows = [dict(r, command=r.get("command", old["command"])) for r in old["rows"]
-                    if r["method"] not in refresh]
+                    if (r["method"], json.dumps(r["settings"], sort_keys=True)) not in slow
+                    and (args.beyond or r["method"] not in refresh)]
             run_methods = [m for m in methods if m in refresh]
         for method in run_methods:
+            if args.beyond and not any(m == method for m, _ in slow):
+                continue
             if not cases or old is not None:  # warm-up (imports, first-call allocations) outside the timings
                 try:
                     runners[method](X, y, common, grids[method][0])
                 except Exception:
                     pass
             for s in grids[method]:
+                if args.beyond and (method, json.dumps(s, sort_keys=True)) not in slow:
+                    continue
                 before = [r["time_s"] for r in (old or {}).get("rows", []) if r["method"] == method and
-                          r["settings"] == s]
+                          r["settings"] == s and not args.beyond]
                 rows.append(_measure(runners[method], X, y, common, s, seeds, ref, method, meta["command"], max_time,
                                      before[0] if before else None))
         ok = [r for r in rows if "error" not in r and "over_max_time" not in r]

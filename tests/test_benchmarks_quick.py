@@ -217,6 +217,16 @@ def test_frontier_quick(tmp_path):
                                     "--max-time", "1e-9"])
     rows = [r for r in capped["cases"][0]["rows"] if r["method"] == "gpnys"]
     assert rows and all(r.get("over_max_time") for r in rows) and capped["cases"][0]["max_time_s"] == 1e-9
+    # --beyond runs just the rows over the cap, at the seeds, with no cap; every other row is kept as it was
+    beyond = load("frontier").main(["--quick", "--out", str(tmp_path / "fr.json"), "--refresh", "gpnys",
+                                    "--beyond", "--seeds", "0,1"])
+    case = beyond["cases"][0]
+    rows = [r for r in case["rows"] if r["method"] == "gpnys"]
+    assert len(rows) == len(fresh) and not any(r.get("over_max_time") for r in rows)
+    assert all(r["seeds"] == [0, 1] and "--beyond" in r["command"] for r in rows)
+    assert [r for r in case["rows"] if r["method"] != "gpnys"] == [r for r in capped["cases"][0]["rows"]
+                                                                    if r["method"] != "gpnys"]
+    assert case["max_time_s"] is None and set(case["checks"]) == {"loss_rel_error", "grad_rel_error"}
 
 
 def test_distributed_quick(tmp_path):
