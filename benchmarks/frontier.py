@@ -262,6 +262,7 @@ def _plot(cases: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(2, len(cases), figsize=(4 * len(cases), 7), squeeze=False)
     colors = {"gpnys": "C0", "gpytorch": "C1", "higp": "C2"}
@@ -278,10 +279,14 @@ def _plot(cases: list[dict], path: Path) -> None:
                     fx.append(t)
                     fy.append(best)
                 ax.step(fx, fy, where="post", color=colors.get(m), label=m)
+            if case.get("max_time_s"):  # the budgets checked end here
+                ax.axvline(case["max_time_s"], color="0.6", ls="--", lw=0.8)
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # overlapping 2x10^0, 3x10^0, ...
             ax.set_xlabel("time s")
             ax.set_ylabel("loss error" if i == 0 else "worst gradient error")
             if i == 0:
-                ax.set_title(f"{case['data']} {case['kernel']} n={case['n']}")
+                ax.set_title(f"{case['data']} {case['kernel']} n={case['n']}, {len(case.get('seeds', [0]))} seeds",
+                             fontsize=9)
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
