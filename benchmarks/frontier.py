@@ -203,13 +203,12 @@ def main(argv=None) -> dict:
         print(f"\n{name} n = {X.shape[0]}, {kernel}: lengthscale {hyper['lengthscale']:.3g}, outputscale "
               f"{hyper['outputscale']:.3g}, noise {hyper['noise']:.3g}; Cholesky {ref['time_s']:.1f} s")
         rows, run_methods = [], methods
-        slow = set()  # --beyond: (method, settings) of the earlier run's rows over its --max-time, the ones to run
-        if old is not None and args.beyond:
-            slow = {(r["method"], json.dumps(r["settings"], sort_keys=True)) for r in old["rows"]
-                    if r["method"] in refresh and r.get("over_max_time")}
+        # --beyond: (method, settings) of the earlier run's rows over its --max-time, the ones to run
+        slow = [(r["method"], r["settings"]) for r in old["rows"]
+                if r["method"] in refresh and r.get("over_max_time")] if old is not None and args.beyond else []
         if old is not None:  # --refresh: keep the other methods' rows of the earlier run (--beyond: all but `slow`)
             rows = [dict(r, command=r.get("command", old["command"])) for r in old["rows"]
-                    if (r["method"], json.dumps(r["settings"], sort_keys=True)) not in slow
+                    if (r["method"], r["settings"]) not in slow
                     and (args.beyond or r["method"] not in refresh)]
             run_methods = [m for m in methods if m in refresh]
         for method in run_methods:
@@ -221,7 +220,7 @@ def main(argv=None) -> dict:
                 except Exception:
                     pass
             for s in grids[method]:
-                if args.beyond and (method, json.dumps(s, sort_keys=True)) not in slow:
+                if args.beyond and (method, s) not in slow:
                     continue
                 before = [r["time_s"] for r in (old or {}).get("rows", []) if r["method"] == method and
                           r["settings"] == s and not args.beyond]
