@@ -5,7 +5,8 @@
 * ``passes``: the partitioned operator's product, derivative sums and per-probe sums, dense and with a cutoff plan;
 * ``mll``: one MLL value + gradient through ``use_preconditioner`` with ``gpnys.distributed.settings()``;
 * ``precond``: AFN (scalar and per-point shifts) and FSAI built with the rows split, and what they compute;
-* ``fail``: rank 1's share of a row-split computation raises; every rank records what it got;
+* ``fail``: rank 1's share of a row-split computation, then its per-probe derivative pass, raises; every
+  rank records what it got;
 * ``mismatch``: rank-dependent right-hand sides, which must raise;
 * ``die``: rank 1 exits before the product; rank 0 records the error it gets and how long it took.
 
@@ -101,17 +102,37 @@ def precond(group):
 
 def fail(rank):
     from gpnys.kernels.backends.partitioned import RowGroup
+    from gpnys.kernels.backends.torch_tiles import TorchTiles
 
     def rows(a, b):
         if rank == 1:
             raise torch.linalg.LinAlgError("rank 1's block is not positive definite")
         return torch.ones(b - a, 2, dtype=torch.float64)
 
+    out = {}
     try:
         RowGroup.of(True).gather_rows("test rows", 300, rows, [torch.zeros(1, 1, dtype=torch.float64)], (2,))
-        return {"error": None}
+        out["error"] = None
     except Exception as err:  # noqa: BLE001 - the test reads the type and message
-        return {"error": f"{type(err).__name__}: {err}"}
+        out["error"] = f"{type(err).__name__}: {err}"
+    # rank 1's own pass of the per-probe derivative sums raises (as out of memory would)
+    X, _, V = data()
+    kern = make_kernel("rbf").double()
+    op = StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel, cache={},
+                                  dense_limit_bytes=0, prune_tol=0.0, backend="torch", group=True)
+    if rank == 1:
+        def oom(*args, **kwargs):
+            raise torch.OutOfMemoryError("rank 1 ran out of memory")
+        op.backend.inner.column_derivative_sums = oom
+    t0 = time.perf_counter()
+    try:
+        op.column_derivatives(V, V)
+        out["sums_error"] = None
+    except Exception as err:  # noqa: BLE001
+        out["sums_error"] = f"{type(err).__name__}: {err}"
+    out["sums_seconds"] = time.perf_counter() - t0
+    assert isinstance(op.backend.inner, TorchTiles)
+    return out
 
 
 CALLS = {"matmul": 0, "derivative_sums": 0, "column_derivative_sums": 0, "gather_rows": 0}

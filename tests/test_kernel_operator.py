@@ -363,14 +363,14 @@ def grad_errors(g, g_ref):
 
 @pytest.fixture
 def derivative_calls(monkeypatch):
+    """Calls of the operator's closed-form derivatives (the estimator's per-column pass, or GPyTorch's bilinear)."""
     calls = []
-    original = StationaryKernelOperator._bilinear_derivative
+    for name in ("_bilinear_derivative", "column_derivatives"):
+        def counting(self, left_vecs, right_vecs, _original=getattr(StationaryKernelOperator, name)):
+            calls.append(left_vecs.shape)
+            return _original(self, left_vecs, right_vecs)
 
-    def counting(self, left_vecs, right_vecs):
-        calls.append(left_vecs.shape)
-        return original(self, left_vecs, right_vecs)
-
-    monkeypatch.setattr(StationaryKernelOperator, "_bilinear_derivative", counting)
+        monkeypatch.setattr(StationaryKernelOperator, name, counting)
     return calls
 
 

@@ -15,7 +15,8 @@ For ``L = ½ (rᵀK̂⁻¹r + log det K̂ + n log 2π)``, ``r = y - m``, with pr
 The ``ℓ_j`` and the ``g_j`` are i.i.d. over ``j``, so the standard errors are their sample deviations over ``√t``
 (the loss adds the CG bound and the Lanczos estimate in quadrature). The per-probe ``g_j`` come from one pass of
 :meth:`~gpnys.kernels.operator.StationaryKernelOperator.column_derivatives` (any other kernel: one derivative per
-probe) mapped to the raw parameters by a batched vector-Jacobian product.
+probe) mapped to the raw parameters by a batched vector-Jacobian product. ``aᵀ∂K̂a`` is one more column of the
+first such pass, and the gradient is assembled from these sums: it costs no kernel pass of its own.
 
 Written by hand because GPyTorch's ``InvQuadLogdet`` (linear_operator 0.6.1) returns only the probe averages: it
 has no per-probe terms, so no error bar, and no way to add probes to an estimate.
@@ -116,20 +117,20 @@ def _parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
-class _Bilinear(torch.autograd.Function):
-    """``θ -> 0`` whose gradient is ``Σ_c l_cᵀ ∂K̂(θ) r_c`` (``LinearOperator._bilinear_derivative``): the surrogate
-    that carries the estimator's gradient, with no product in the forward pass."""
+class _RepGradient(torch.autograd.Function):
+    """``θ -> 0`` whose gradient with respect to ``op.representation()`` is given: the surrogate that carries the
+    estimator's gradient. Its terms ``Σ_c l_cᵀ ∂K̂ r_c`` are sums of the per-column derivatives the error bars need
+    anyway (:func:`_column_rep_grads`), so no kernel pass is spent on them again (a whole pass over ``K``: about a
+    tenth of an evaluation, measured in ``docs/accuracy.md``)."""
 
     @staticmethod
-    def forward(ctx, tree, left, right, *reps):  # type: ignore[override]
-        ctx.tree, ctx.left, ctx.right = tree, left, right
-        ctx.save_for_backward(*reps)
-        return left.new_zeros(())
+    def forward(ctx, grads, like, *reps):  # type: ignore[override]
+        ctx.grads = grads
+        return like.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        op = ctx.tree(*ctx.saved_tensors)
-        return (None, None, None, *op._bilinear_derivative(ctx.left * grad, ctx.right))
+        return (None, None, *[None if g is None else grad * g for g in ctx.grads])
 
 
 def _column_rep_grads(op: LinearOperator, U: torch.Tensor, V: torch.Tensor) -> list[torch.Tensor | None]:
@@ -261,7 +262,9 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     generator = None
     if settings.probe_seed is not None:
         generator = torch.Generator(device=r.device).manual_seed(int(settings.probe_seed))
-    ell, lerr, jac, Us, Bs, cv = [], [], [], [], [], []
+    ell, lerr, jac, cv = [], [], [], []
+    alpha_rows: list[torch.Tensor | None] = []
+    probe_sums: list[torch.Tensor | None] = []
     cv_logdet = None
     probe_tol, floor = settings.cg_tolerance, settings.lanczos_steps
     batch = settings.num_probes
@@ -289,7 +292,14 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             B = M(Z)
             J = None
             if tensors:
-                kernel_rows = _column_rep_grads(cov, U, B)
+                # a^T dK a rides along as column 0 of the first batch's per-probe pass (no pass of its own)
+                kernel_rows = _column_rep_grads(cov, sol.x if first else U, torch.cat([a[:, None], B], 1)
+                                                if first else B)
+                if first:
+                    alpha_rows = [None if g is None else g[0] for g in kernel_rows]
+                    kernel_rows = [None if g is None else g[1:] for g in kernel_rows]
+                probe_sums = [None if g is None else g.sum(0) if p is None else p + g.sum(0)
+                              for g, p in zip(kernel_rows, probe_sums or [None] * len(kernel_rows))]
                 outs = [(rep, g) for rep, g in zip(reps, kernel_rows)
                         if g is not None and isinstance(rep, torch.Tensor) and rep.requires_grad]
                 J = _jacobian([o for o, _ in outs], [g for _, g in outs], tensors, batch)
@@ -323,8 +333,6 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                     J = J + _jacobian(outputs, rows, tensors, batch)
             ell.append(l_j)
             lerr.append(e_j)
-            Us.append(U)
-            Bs.append(B)
             if J is not None:
                 jac.append(0.5 * J)
             batches += 1
@@ -339,7 +347,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 break
             grad = None
             if tensors:  # the estimate's gradient so far (the rows' mean may use a proxy control variate)
-                g = torch.autograd.grad(_surrogate(cov, reps, a, mean, value, Us, Bs, cv_logdet, cv), tensors,
+                g = torch.autograd.grad(_surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv), tensors,
                                         retain_graph=True, allow_unused=True)
                 grad = _flatten(g, tensors)
             g_se = J_all.std(0) / math.sqrt(t) if J_all is not None else None
@@ -360,18 +368,18 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     hook.estimates += 1
     if not tensors:
         return torch.as_tensor(-value_est, dtype=r.dtype, device=r.device)
-    surrogate = _surrogate(cov, reps, a, mean, value, Us, Bs, cv_logdet, cv)
+    surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv)
     return -(value_est + surrogate - surrogate.detach())
 
 
-def _surrogate(cov: LinearOperator, reps: list[Any], a: torch.Tensor, mean: torch.Tensor, value: torch.Tensor,
-               Us: list[torch.Tensor], Bs: list[torch.Tensor], cv_logdet: torch.Tensor | None,
-               cv: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-dim tensor whose gradient is the estimator's ``∂L`` (module docstring) over the probes so far."""
-    U, B = torch.cat(Us, 1), torch.cat(Bs, 1)
-    t = U.shape[1]
-    s = 0.5 * _Bilinear.apply(cov.representation_tree(), torch.cat([-a[:, None], U / t], 1),
-                              torch.cat([a[:, None], B], 1), *reps)
+def _surrogate(reps: list[Any], a: torch.Tensor, mean: torch.Tensor, value: torch.Tensor,
+               alpha_rows: list[torch.Tensor | None], probe_sums: list[torch.Tensor | None], t: int,
+               cv_logdet: torch.Tensor | None, cv: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim tensor whose gradient is the estimator's ``∂L`` (module docstring) over the ``t`` probes so far:
+    ``½ (-aᵀ∂K̂a + (1/t) Σ_j g_j)`` from the per-column derivatives (``alpha_rows``: ``aᵀ∂K̂a`` per representation
+    tensor; ``probe_sums``: ``Σ_j (K̂⁻¹z_j)ᵀ ∂K̂ P̂⁻¹z_j``), the mean's term and the control variate."""
+    grads = [None if g0 is None else (ps / t - g0) for g0, ps in zip(alpha_rows, probe_sums)]
+    s = 0.5 * _RepGradient.apply(grads, a, *reps)
     s = s - (a * mean).sum() + (a * value).sum()
     if cv:
         s = s + 0.5 * (cv_logdet + torch.cat(cv).mean())

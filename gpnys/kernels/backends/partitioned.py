@@ -178,18 +178,33 @@ class PartitionedBackend(KernelBackend):
         return self.ranks.gather_rows("product", Z.shape[0], lambda a, b: self.inner.matmul(Z, R, plan, (a, b)), [R],
                                       (R.shape[1],))
 
-    def _sums(self, what: str, parts: tuple[torch.Tensor, torch.Tensor], inputs: list[torch.Tensor]) -> Any:
-        s, g = parts
-        total = torch.stack(self.ranks.gather(what, torch.cat([s.reshape(-1), g.reshape(-1)]), inputs)).sum(0)
+    def _sums(self, what: str, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]], shapes: tuple[tuple, tuple],
+              Z: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's ``(s, g)`` from ``compute()`` over its rows, added in rank order on all ranks. An error in
+        ``compute`` (say, out of memory in the rank's pass) rides the gather as a failure flag, as in
+        :meth:`RowGroup.gather_rows`: raised on its rank, a ``RuntimeError`` naming it on the others, no wait for
+        the group's timeout."""
+        acc = torch.promote_types(Z.dtype, torch.float64)
+        failure = None
+        try:
+            s, g = compute()
+        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
+            failure = err
+            s, g = Z.new_zeros(shapes[0], dtype=acc), Z.new_zeros(shapes[1], dtype=acc)
+        total = torch.stack(self.ranks.gather(what, torch.cat([s.reshape(-1), g.reshape(-1)]), inputs,
+                                              failure)).sum(0)
         return total[: s.numel()].reshape(s.shape), total[s.numel():].reshape(g.shape)
 
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                         rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         mine = self._own_rows(Z.shape[0], rows)
-        return self._sums("derivative sums", self.inner.derivative_sums(Z, U, V, plan, mine), [U, V])
+        return self._sums("derivative sums", lambda: self.inner.derivative_sums(Z, U, V, plan, mine),
+                          ((), (Z.shape[1],)), Z, [U, V])
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                                isotropic: bool = False, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         mine = self._own_rows(Z.shape[0], rows)
+        t = U.shape[1]
         return self._sums("per-probe derivative sums",
-                          self.inner.column_derivative_sums(Z, U, V, plan, isotropic, mine), [U, V])
+                          lambda: self.inner.column_derivative_sums(Z, U, V, plan, isotropic, mine),
+                          ((t,), (t, 1 if isotropic else Z.shape[1])), Z, [U, V])
