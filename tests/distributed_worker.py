@@ -135,7 +135,7 @@ def fail(rank):
     return out
 
 
-CALLS = {"matmul": 0, "derivative_sums": 0, "column_derivative_sums": 0, "gather_rows": 0}
+CALLS = {"matmul": 0, "derivative_sums": 0, "column_derivative_sums": 0, "gather_rows": 0, "gather_sum": 0}
 
 
 def count_partitioned_passes():
@@ -144,7 +144,7 @@ def count_partitioned_passes():
     from gpnys.kernels.backends.partitioned import PartitionedBackend, RowGroup
 
     for name in CALLS:
-        cls = RowGroup if name == "gather_rows" else PartitionedBackend
+        cls = RowGroup if name.startswith("gather") else PartitionedBackend
 
         def counted(self, *args, _orig=getattr(cls, name), _name=name, **kwargs):
             CALLS[_name] += 1

@@ -92,7 +92,16 @@ def test_partial_passes_add_up_to_the_full_pass(dtype, plan):
     ranges = [row_range(400, r, 3) for r in range(3)]
     parts = [tiles.matmul(Z, Vw, p, r) for r in ranges]
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    assert float((torch.cat(parts) - full).abs().max()) <= tol * float(full.abs().max())
+    # the full product mirrors its upper tiles: a cutoff tile K[J, I] then comes from leaf I's centring, not J's,
+    # which in float32 rounds the expanded distances differently (each within ~1e-4 of float64 here)
+    ptol = 3e-4 if plan and dtype == torch.float32 else tol
+    assert float((torch.cat(parts) - full).abs().max()) <= ptol * float(full.abs().max())
+    for size in (2, 3):  # the symmetric product's split: shares of the upper tiles add up to the whole product
+        cuts = tiles.upper_split(400, p, size)
+        assert cuts[0] == 0 and cuts[-1] == 400 and cuts == sorted(cuts)
+        assert all(c % LEAF == 0 or c == 400 for c in cuts)
+        shares = [tiles.upper_matmul(Z, Vw, p, (a, b)) for a, b in zip(cuts, cuts[1:])]
+        assert float((sum(shares) - full).abs().max()) <= tol * float(full.abs().max())
     for fn in (tiles.derivative_sums, lambda *a: tiles.column_derivative_sums(*a[:4], False, *a[4:])):
         whole = fn(Z, Vw, Vw, p)
         split = [fn(Z, Vw, Vw, p, r) for r in ranges]
@@ -106,7 +115,10 @@ def test_two_gloo_ranks_give_one_process_passes(tmp_path):
     assert run_ranks("passes", tmp_path / "dist.pt") == [0, 0]
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
     assert ref["cutoff_fraction"] is not None and ref["cutoff_fraction"] < 0.75  # the plan split by leaves
-    assert ref["calls"]["matmul"] == 0 and all(c >= 2 for c in got["calls"].values()), got["calls"]
+    passes = ("matmul", "derivative_sums", "column_derivative_sums")
+    assert ref["calls"]["matmul"] == 0 and all(got["calls"][k] >= 2 for k in passes), got["calls"]
+    # the torch tiles' product is symmetric: each rank its share of the upper tiles, summed (gather_sum)
+    assert got["calls"]["gather_sum"] >= sum(got["calls"][k] for k in passes), got["calls"]
     for key in ref:
         if key != "calls":
             assert _close(got[key], ref[key]), key
@@ -119,7 +131,8 @@ def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
     # the gradient's kernel terms all come from the per-probe pass (a^T dK a rides along as its column 0)
     assert got["calls"]["matmul"] > 0 and got["calls"]["column_derivative_sums"] > 0, got["calls"]
     assert got["calls"]["derivative_sums"] == 0, got["calls"]
-    assert got["calls"]["gather_rows"] >= 2 + got["calls"]["matmul"], got["calls"]  # the AFN build split too
+    assert got["calls"]["gather_rows"] >= 2, got["calls"]  # the AFN build split too
+    assert got["calls"]["gather_sum"] >= got["calls"]["matmul"], got["calls"]
     assert _close(got["loss"], ref["loss"]) and _close(got["grads"], ref["grads"])
     assert ref["std_error"] is not None and _close(got["std_error"], ref["std_error"], 1e-8)
 
@@ -131,7 +144,7 @@ def test_one_nccl_rank_gives_the_plain_mll_on_cuda(tmp_path, cuda_device):
     ref = reference("mll", tmp_path / "ref.pt", env)
     assert run_ranks("mll", tmp_path / "dist.pt", size=1, extra_env=env) == [0]
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
-    assert got["calls"]["matmul"] > 0 and got["calls"]["gather_rows"] >= 2 + got["calls"]["matmul"], got["calls"]
+    assert got["calls"]["matmul"] > 0 and got["calls"]["gather_rows"] >= 2, got["calls"]
     assert _close(got["loss"], ref["loss"]) and _close(got["grads"], ref["grads"])
 
 

@@ -112,9 +112,12 @@ class LeafPlan:
         """Positions (in ``perm`` order) of leaf ``i``'s points."""
         return slice(i * self.leaf, min(self.n, (i + 1) * self.leaf))
 
-    def cols(self, i: int) -> torch.Tensor:
-        """Ascending positions (in ``perm`` order) of the points in leaf ``i``'s neighbour leaves. ``(m_i,)``"""
+    def cols(self, i: int, upper: bool = False) -> torch.Tensor:
+        """Ascending positions (in ``perm`` order) of the points in leaf ``i``'s neighbour leaves (``upper``: only
+        the leaves ``j >= i``; the lists are symmetric, so these cover the upper triangle). ``(m_i,)``"""
         leaves = self.near_idx[self.near_ptr[i] : self.near_ptr[i + 1]]
+        if upper:
+            leaves = leaves[leaves >= i]
         pos = (leaves[:, None] * self.leaf + torch.arange(self.leaf, device=leaves.device)).reshape(-1)
         return pos[pos < self.n]
 

@@ -26,6 +26,7 @@ socket. Written by hand because no library partitions a recomputed kernel by row
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -152,6 +153,22 @@ class RowGroup:
         return torch.cat(self.gather(what, local, inputs, failure))[:n]
 
 
+    def gather_sum(self, what: str, compute: Callable[[], torch.Tensor], zeros: Callable[[], torch.Tensor],
+                   inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's ``compute()`` (equal shapes), added in rank order on all ranks, so that every rank holds the
+        same bits (an all-reduce's order would be the library's). An error in ``compute`` rides the gather as in
+        :meth:`gather_rows`, ``zeros()`` standing in for the failed block."""
+        failure = None
+        try:
+            local = compute()
+        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
+            failure, local = err, zeros()
+        parts = self.gather(what, local, inputs, failure)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
 def gather_rows(group: RowGroup | None, what: str, n: int, compute: Callable[[int, int], torch.Tensor],
                 inputs: list[torch.Tensor], tail: tuple[int, ...] = ()) -> torch.Tensor:
     """``compute(0, n)`` without a group, else :meth:`RowGroup.gather_rows` (the same rows, split over the ranks)."""
@@ -174,26 +191,32 @@ class PartitionedBackend(KernelBackend):
         return self.ranks.rows(n)
 
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None, rows: Rows | None = None) -> torch.Tensor:
-        self._own_rows(Z.shape[0], rows)
-        return self.ranks.gather_rows("product", Z.shape[0], lambda a, b: self.inner.matmul(Z, R, plan, (a, b)), [R],
-                                      (R.shape[1],))
+        n = Z.shape[0]
+        self._own_rows(n, rows)
+        upper = getattr(self.inner, "upper_matmul", None)
+        if upper is None:  # each rank's rows of K R, stacked
+            return self.ranks.gather_rows("product", n, lambda a, b: self.inner.matmul(Z, R, plan, (a, b)), [R],
+                                          (R.shape[1],))
+        # the symmetric product (torch tiles): each rank its share of the upper triangle's tiles, summed
+        cuts = self.inner.upper_split(n, plan, self.ranks.size)
+        a, b = cuts[self.ranks.rank], cuts[self.ranks.rank + 1]
+        zeros = lambda: R.new_zeros(n, R.shape[1])  # noqa: E731
+        return self.ranks.gather_sum("product", lambda: upper(Z, R, plan, (a, b)) if b > a else zeros(), zeros, [R])
 
     def _sums(self, what: str, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]], shapes: tuple[tuple, tuple],
               Z: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's ``(s, g)`` from ``compute()`` over its rows, added in rank order on all ranks. An error in
-        ``compute`` (say, out of memory in the rank's pass) rides the gather as a failure flag, as in
-        :meth:`RowGroup.gather_rows`: raised on its rank, a ``RuntimeError`` naming it on the others, no wait for
-        the group's timeout."""
+        """Every rank's ``(s, g)`` from ``compute()`` over its rows, added in rank order on all ranks
+        (:meth:`RowGroup.gather_sum`: an error in one rank's pass, say out of memory, is raised there and names
+        it on the others, with no wait for the group's timeout)."""
         acc = torch.promote_types(Z.dtype, torch.float64)
-        failure = None
-        try:
+        ns = math.prod(shapes[0])
+
+        def flat() -> torch.Tensor:
             s, g = compute()
-        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
-            failure = err
-            s, g = Z.new_zeros(shapes[0], dtype=acc), Z.new_zeros(shapes[1], dtype=acc)
-        total = torch.stack(self.ranks.gather(what, torch.cat([s.reshape(-1), g.reshape(-1)]), inputs,
-                                              failure)).sum(0)
-        return total[: s.numel()].reshape(s.shape), total[s.numel():].reshape(g.shape)
+            return torch.cat([s.reshape(-1), g.reshape(-1)])
+
+        total = self.ranks.gather_sum(what, flat, lambda: Z.new_zeros(ns + math.prod(shapes[1]), dtype=acc), inputs)
+        return total[:ns].reshape(shapes[0]), total[ns:].reshape(shapes[1])
 
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                         rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gpnys.budget import block_elems, block_rows
-from gpnys.kernels.backends import KernelBackend, check_rows
+from gpnys.kernels.backends import LEAF, KernelBackend, check_rows
 from gpnys.kernels.cutoff import LeafPlan
 from gpnys.kernels.formulas import Formula
 
@@ -71,7 +71,7 @@ class TorchTiles(KernelBackend):
             full = isinstance(cols, slice)
             singular = self.formula.singular
             if full:
-                sr, sc = sq[rows], sq
+                sr, sc = sq[rows], sq[cols]
             else:
                 sr, sc = Zr.square().sum(1), Zc.square().sum(1)
                 zmax = float(sc.max().sqrt()) if singular else 0.0
@@ -79,7 +79,7 @@ class TorchTiles(KernelBackend):
             R.add_(sr[:, None]).clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
             # ... leaves ~sqrt(eps) |z| on the diagonal
             if full:
-                R.diagonal(offset=rows.start).zero_()
+                R.diagonal(offset=rows.start - (cols.start or 0)).zero_()
             else:  # a leaf's own positions form one ascending run of `cols`
                 q0, q1 = (int(q) for q in torch.searchsorted(cols, cols.new_tensor([rows.start, rows.stop])))
                 R[cols[q0:q1] - rows.start, torch.arange(q0, q1, device=R.device)] = 0.0
@@ -108,17 +108,85 @@ class TorchTiles(KernelBackend):
         if plan is None:
             bs = block_rows(n, cap=max(1, b - a), device=Z.device)
             shapes: Any = [(slice(r, min(r + bs, b)), slice(None)) for r in range(a, b, bs)]
-            size = bs * n
+            return self._filled(Z, shapes, bs * n)
+        width = self._width(Z, plan)
+        leaves = range(a // plan.leaf, min(plan.num_leaves, -(-b // plan.leaf)))
+        shapes = ((plan.rows(i), c) for i in leaves for c in plan.cols(i).split(width))
+        return self._filled(Z, shapes, plan.leaf * min(width, n))
+
+    def upper_tiles(self, Z: torch.Tensor, plan: LeafPlan | None,
+                    rows: tuple[int, int] | None = None) -> Iterator[tuple[int, Tile]]:
+        """``(skip, tile)`` over the upper triangle of ``k(Z, Z)`` by blocks: row block ``I`` against the column
+        blocks ``J >= I`` (every pair: one tile ``I x [I, n)``; a plan: leaf ``I``'s listed leaves ``J >= I``, in
+        chunks), for the row blocks within ``rows`` (leaf-aligned; ``None``: all). The first ``skip`` columns of
+        a tile are the diagonal block ``I x I``; the rest are mirrored by the symmetric product."""
+        n = Z.shape[0]
+        a, b = check_rows(n, rows)
+        if plan is None:
+            bs = block_rows(n, cap=max(1, b - a), device=Z.device)
+            shapes = [(slice(r, min(r + bs, b)), slice(r, n)) for r in range(a, b, bs)]
+            skips = [s.stop - s.start for s, _ in shapes]
+            return zip(skips, self._filled(Z, shapes, bs * n))
+        width = self._width(Z, plan)
+        skips: list[int] = []  # filled as the shapes are drawn (lazily: the lists of a large plan are big)
+
+        def shapes() -> Iterator[tuple[slice, torch.Tensor]]:
+            for i in range(a // plan.leaf, min(plan.num_leaves, -(-b // plan.leaf))):
+                rows, at = plan.rows(i), 0
+                for c in plan.cols(i, upper=True).split(width):
+                    skips.append(min(max(rows.stop - rows.start - at, 0), c.shape[0]))
+                    at += c.shape[0]
+                    yield rows, c
+
+        return ((skips[-1], tile) for tile in self._filled(Z, shapes(), plan.leaf * min(width, n)))
+
+    @staticmethod
+    def upper_split(n: int, plan: LeafPlan | None, parts: int) -> list[int]:
+        """``parts + 1`` leaf-aligned row boundaries ``0 = b_0 <= ... <= b_parts = n`` that share the upper
+        triangle's entries (:meth:`upper_tiles`) about equally: row ``i`` holds ``n - i`` of them (every pair), a
+        plan's leaf its listed leaves ``j >= i``. For a row-partitioned symmetric product."""
+        if plan is None:
+            rows = torch.arange(0, n, LEAF, dtype=torch.float64)
+            work = (n - rows) * torch.clamp(n - rows, max=LEAF)  # a leaf block's entries (about)
         else:
-            width = max(1, block_elems(device=Z.device) // plan.leaf)  # a leaf's columns in chunks of at most one block
-            leaves = range(a // plan.leaf, min(plan.num_leaves, -(-b // plan.leaf)))
-            shapes = ((plan.rows(i), c) for i in leaves for c in plan.cols(i).split(width))
-            size = plan.leaf * min(width, n)
+            ptr = plan.near_ptr_t.to(plan.near_idx.device)
+            owner = torch.repeat_interleave(torch.arange(plan.num_leaves, device=ptr.device), ptr.diff())
+            work = torch.bincount(owner[plan.near_idx >= owner], minlength=plan.num_leaves).to(torch.float64).cpu()
+        cum = torch.cat([work.new_zeros(1), work.cumsum(0)])  # entries before each leaf block
+        goal = cum[-1] * torch.arange(parts + 1, dtype=torch.float64) / parts
+        cuts = torch.searchsorted(cum, goal).clamp_(max=len(work))
+        return [min(int(c) * LEAF, n) for c in cuts[:-1]] + [n]
+
+    def upper_matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
+                     rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``(n, t)``: the symmetric product's share of the row blocks ``rows`` (``None``: all, which is ``K R``):
+        each upper tile ``K[I, J]`` (:meth:`upper_tiles`) adds ``K[I, J] R[J]`` to rows ``I`` and, off the
+        diagonal, ``K[I, J]^T R[I]`` to rows ``J``. Half the kernel entries of a row pass, the same GEMM flops."""
+        out = R.new_zeros(Z.shape[0], R.shape[1])
+        for skip, (r, cols, Kt, *_) in self.upper_tiles(Z, plan, rows):
+            out[r].addmm_(Kt, R[cols])
+            if Kt.shape[1] > skip:  # the mirrored tile K[J, I] = K[I, J]^T
+                if isinstance(cols, slice):
+                    out[cols.start + skip : cols.stop].addmm_(Kt[:, skip:].mT, R[r])
+                else:
+                    out.index_add_(0, cols[skip:], Kt[:, skip:].mT @ R[r])
+        return out
+
+    @staticmethod
+    def _width(Z: torch.Tensor, plan: LeafPlan) -> int:
+        """Columns per cutoff tile: a leaf's columns in chunks of at most one block."""
+        return max(1, block_elems(device=Z.device) // plan.leaf)
+
+    def _filled(self, Z: torch.Tensor, shapes: Any, size: int) -> Iterator[Tile]:
+        """The tiles ``(rows, cols)`` of ``shapes`` (``rows`` a slice, ``cols`` a slice or ascending index tensor),
+        filled in ``size``-element workspaces."""
+        n = Z.shape[0]
         sq = Z.square().sum(1)
         zmax = float(Z.abs().max()) if Z.numel() else 0.0
         buffers = [Z.new_empty(size) for _ in range(2 if self.formula.rbf else 3)]
         for rows, cols in shapes:
-            m, w = rows.stop - rows.start, (n if isinstance(cols, slice) else cols.shape[0])
+            m = rows.stop - rows.start
+            w = (len(range(*cols.indices(n))) if isinstance(cols, slice) else cols.shape[0])
             scratch, Kt, *Ht = (b[: m * w].view(m, w) for b in buffers)
             Zr, Zc = self.coords(Z, rows, cols)  # once per tile: the derivative reuses them
             yield (rows, cols, *self.fill(Zr, Zc, sq, rows, cols, (Kt, Ht[0] if Ht else None), scratch, zmax),
@@ -127,7 +195,12 @@ class TorchTiles(KernelBackend):
     # -- the two passes -----------------------------------------------------------------------------------
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
                rows: tuple[int, int] | None = None) -> torch.Tensor:
-        a, b = check_rows(Z.shape[0], rows)
+        """``K R``: all rows by the symmetric product (:meth:`upper_matmul`), a row range ``rows`` by its own
+        tiles."""
+        n = Z.shape[0]
+        a, b = check_rows(n, rows)
+        if (a, b) == (0, n):
+            return self.upper_matmul(Z, R, plan)
         out = R.new_zeros(b - a, R.shape[1])
         for r, cols, Kt, *_ in self.tiles(Z, plan, rows):
             out[r.start - a : r.stop - a].addmm_(Kt, R[cols])
