@@ -244,3 +244,14 @@ def test_distributed_quick(tmp_path):
         assert r["loss_diff"] <= 1e-10 * abs(runs[0]["loss"]) and r["grad_diff"] <= 1e-9
     assert {(m["n"], m["gpus"]) for m in data["cost_model"]} >= {(10_000_000, 8), (1_000_000, 1)}
     assert out.with_suffix(".png").exists()
+
+
+def test_ab_quick(tmp_path):
+    """This tree against itself: the same loss and gradient to the bit (same seeds, same code), ratios near 1."""
+    out = load("ab").main(["--quick", "--out", str(tmp_path / "ab.json")])
+    (row,) = out["rows"]
+    assert row["loss_rel_diff"] == 0.0 and row["grad_rel_diff"] == 0.0
+    assert row["calls_before"] == row["calls_after"] and row["calls_after"]["matmul"] > 0
+    assert row["before_s"] > 0 and row["product_after_s"] > 0 and (tmp_path / "ab.json").exists()
+    with pytest.raises(SystemExit):
+        load("ab").main(["--cases", "kin40k:10:rbf", "--before-path", "."])
