@@ -5,7 +5,10 @@ Every rank holds all of ``Z`` (``n x d``, small) and the right-hand sides; rank 
 cutoff plan splits by leaves and Triton by tiles. Then
 
 * ``K R``: each rank computes its rows with the wrapped backend (``rows=``) and ``all_gather`` assembles the
-  ``(n, t)`` product on every rank (``n t`` values received per product);
+  ``(n, t)`` product on every rank (``n t`` values received per product); with the torch tiles' symmetric product
+  each rank computes a share of the upper triangle's tiles instead (:meth:`TorchTiles.upper_split`, equal shares of
+  entries) into an ``(n, t)`` partial product, and the partials are gathered and added in rank order
+  (:meth:`RowGroup.gather_sum`: ``P n t`` values, half the kernel entries);
 * the derivative sums (``sum_ij``, all pairs): each rank sums its rows' pairs, and the same gather (``d + 1``
   values per rank, ``t (d + 1)`` for the per-probe sums) lets every rank add them in rank order.
 

@@ -4,7 +4,8 @@ Each tile ``K[rows, cols]`` (and ``H = k'/r`` for Matérn) is written into reuse
 multiplied (product) or weighted and reduced (derivative sums, :mod:`gpnys.kernels.backends`). Distances use the
 expanded form ``|z_i|^2 + |z_j|^2 - 2 z_i . z_j`` (one GEMM per tile, the fastest form on CPU) with the diagonal
 set to zero exactly. The dense cache of :class:`~gpnys.kernels.operator.StationaryKernelOperator` is filled with
-the same :meth:`TorchTiles.fill`.
+the same :meth:`TorchTiles.fill`. A whole product is symmetric (:meth:`TorchTiles.upper_matmul`): each tile of the
+upper triangle serves ``K[I, J] R[J]`` and ``K[I, J]^T R[I]``, so half the entries are computed.
 """
 
 from __future__ import annotations
@@ -151,11 +152,11 @@ class TorchTiles(KernelBackend):
         else:
             ptr = plan.near_ptr_t.to(plan.near_idx.device)
             owner = torch.repeat_interleave(torch.arange(plan.num_leaves, device=ptr.device), ptr.diff())
-            work = torch.bincount(owner[plan.near_idx >= owner], minlength=plan.num_leaves).to(torch.float64).cpu()
+            work = torch.bincount(owner[plan.near_idx >= owner], minlength=plan.num_leaves).to(torch.float64)
         cum = torch.cat([work.new_zeros(1), work.cumsum(0)])  # entries before each leaf block
-        goal = cum[-1] * torch.arange(parts + 1, dtype=torch.float64) / parts
-        cuts = torch.searchsorted(cum, goal).clamp_(max=len(work))
-        return [min(int(c) * LEAF, n) for c in cuts[:-1]] + [n]
+        goal = cum[-1] * torch.arange(parts + 1, dtype=torch.float64, device=cum.device) / parts
+        cuts = torch.searchsorted(cum, goal).clamp_(max=len(work)).tolist()
+        return [min(c * LEAF, n) for c in cuts[:-1]] + [n]
 
     def upper_matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
                      rows: tuple[int, int] | None = None) -> torch.Tensor:
