@@ -86,6 +86,19 @@ def test_torch_symmetric_product_matches_row_tiles_and_dense(name, sparse, dtype
         by_rows = torch.cat([tiles.matmul(Z, Vw, plan, (a, min(a + 64, n))) for a in range(0, n, 64)])
         assert sum(1 for _ in tiles.upper_tiles(Z, plan)) > 5
         assert torch.equal(full, tiles.matmul(Z, Vw, plan))  # repeatable to the bit
+        # the per-probe derivative sums mirror their upper tiles too, with U and V swapped: U != V here
+        Uw = torch.flip(Vw, [0]) + 0.5
+        sums = {iso: tiles.column_derivative_sums(Z, Uw, Vw, plan, iso) for iso in (False, True)}
+        sums_by_rows = {iso: [tiles.column_derivative_sums(Z, Uw, Vw, plan, iso, (a, min(a + 64, n)))
+                              for a in range(0, n, 64)] for iso in (False, True)}
+    for iso in (False, True):
+        for i in range(2):
+            rows_total = sum(part[i] for part in sums_by_rows[iso])
+            assert float((sums[iso][i] - rows_total).abs().max()) <= GTOL[dtype] * float(rows_total.abs().max())
+    with torch.no_grad():
+        s_ref = (Uw.double() * (kern.base_kernel(Z.double()).to_dense() @ Vw.double())).sum(0)
+    assert float((sums[False][0] - s_ref).abs().max()) <= GTOL[dtype] * float(s_ref.abs().max())
+    assert torch.allclose(sums[True][1][:, 0], sums[False][1].sum(1), rtol=GTOL[dtype], atol=0)
     with torch.no_grad():
         ref = kern.base_kernel(Z.double()).to_dense() @ Vw.double()
     scale = float(ref.abs().max())

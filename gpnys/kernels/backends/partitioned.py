@@ -231,6 +231,12 @@ class PartitionedBackend(KernelBackend):
                                isotropic: bool = False, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         mine = self._own_rows(Z.shape[0], rows)
         t = U.shape[1]
-        return self._sums("per-probe derivative sums",
-                          lambda: self.inner.column_derivative_sums(Z, U, V, plan, isotropic, mine),
-                          ((t,), (t, 1 if isotropic else Z.shape[1])), Z, [U, V])
+        upper = getattr(self.inner, "upper_column_sums", None)
+        if upper is None:
+            compute = lambda: self.inner.column_derivative_sums(Z, U, V, plan, isotropic, mine)  # noqa: E731
+        else:  # the torch tiles: this rank's share of the upper tiles, mirrored (as the product)
+            cuts = self.inner.upper_split(Z.shape[0], plan, self.ranks.size)
+            share = (cuts[self.ranks.rank], cuts[self.ranks.rank + 1])
+            compute = lambda: upper(Z, U, V, plan, isotropic, share)  # noqa: E731
+        return self._sums("per-probe derivative sums", compute, ((t,), (t, 1 if isotropic else Z.shape[1])), Z,
+                          [U, V])

@@ -214,7 +214,17 @@ class TorchTiles(KernelBackend):
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                                isotropic: bool = False,
                                rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if check_rows(Z.shape[0], rows) == (0, Z.shape[0]):
+            return self.upper_column_sums(Z, U, V, plan, isotropic)
         return self.column_sums(Z, self.tiles(Z, plan, rows), U, V, isotropic)
+
+    def upper_column_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                          isotropic: bool = False,
+                          rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`column_derivative_sums` over the upper tiles of the row blocks ``rows`` and their mirrors
+        (:meth:`upper_tiles`; ``None``: all rows, which is the whole sum): half the kernel entries. Shares of
+        :meth:`upper_split` add up to the whole."""
+        return self.column_sums(Z, self.upper_tiles(Z, plan, rows), U, V, isotropic, mirrored=True)
 
     @staticmethod
     def weighted_sums(Z: torch.Tensor, tiles: Iterator[Tile],
@@ -237,28 +247,38 @@ class TorchTiles(KernelBackend):
         return s, g
 
     @staticmethod
-    def column_sums(Z: torch.Tensor, tiles: Iterator[Tile], U: torch.Tensor, V: torch.Tensor,
-                    isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def column_sums(Z: torch.Tensor, tiles: Iterator[Any], U: torch.Tensor, V: torch.Tensor,
+                    isotropic: bool = False, mirrored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`weighted_sums` for each rank-one weight ``W_j = u_j v_j^T`` separately, in one pass:
         ``s_j = u_j^T K v_j`` (``(t,)``) and ``g_jd = sum_ik u_ij v_kj A_ik (z_id - z_kd)^2`` (``(t, d)``), from
         the products ``A V``, ``A^T U`` and ``A (z_d o V)`` (``O(n^2 t (d + 3))`` flops, no ``(b, n, t)``
         temporary); in at least float64. ``isotropic``: only ``sum_d g_jd`` is needed (``(t, 1)``), from
-        ``(A o R^2) V`` with ``R^2`` the tile's squared distances: ``O(n^2 t)`` flops, ``d`` times fewer."""
+        ``(A o R^2) V`` with ``R^2`` the tile's squared distances: ``O(n^2 t)`` flops, ``d`` times fewer.
+        ``mirrored``: ``tiles`` are :meth:`upper_tiles`' ``(skip, tile)``, and each tile's columns past ``skip``
+        also stand for the mirrored tile ``K[J, I]``, whose terms are the tile's with ``U`` and ``V`` swapped."""
         acc = torch.promote_types(Z.dtype, torch.float64)
         t, d = U.shape[1], Z.shape[1]
         s = Z.new_zeros(t, dtype=acc)
         g = Z.new_zeros(t, 1 if isotropic else d, dtype=acc)
-        for rows, cols, Kt, Ht, Zr, Zc in tiles:
-            Ur, Vc = U[rows].to(acc), V[cols].to(acc)
+        for item in tiles:
+            skip, (rows, cols, Kt, Ht, Zr, Zc) = item if mirrored else (0, item)
             Kt = Kt.to(acc)
-            s += (Ur * (Kt @ Vc)).sum(0)
             A = -Kt if Ht is None else Ht.to(acc)  # RBF: H = -K
             Zr, Zc = Zr.to(acc), Zc.to(acc)
             if isotropic:  # A o R^2, R^2 in the expanded form (accumulated in float64, as above)
                 R2 = torch.addmm(Zc.square().sum(1)[None, :], Zr, Zc.mT, alpha=-2.0).add_(Zr.square().sum(1)[:, None])
-                g[:, 0] += (Ur * ((A * R2.clamp_(min=0.0)) @ Vc)).sum(0)
-                continue
-            AZV = (A @ (Zc[:, :, None] * Vc[:, None, :]).reshape(Zc.shape[0], d * t)).view(-1, d, t)
-            g += ((Ur * (A @ Vc)).mT @ Zr.square() + (Vc * (A.mT @ Ur)).mT @ Zc.square()
-                  - 2.0 * torch.einsum("it,id,idt->td", Ur, Zr, AZV))
+                A = A * R2.clamp_(min=0.0)
+            terms = [(U[rows], V[cols], Kt, A, Zc)]
+            if mirrored and Kt.shape[1] > skip:  # K[J, I] = K[I, J]^T: u_J^T K[J, I] v_I = v_I^T K[I, J] u_J
+                tail = slice(cols.start + skip, cols.stop) if isinstance(cols, slice) else cols[skip:]
+                terms.append((V[rows], U[tail], Kt[:, skip:], A[:, skip:], Zc[skip:]))
+            for Ur, Vc, Kp, Ap, Zp in terms:
+                Ur, Vc = Ur.to(acc), Vc.to(acc)
+                s += (Ur * (Kp @ Vc)).sum(0)
+                if isotropic:
+                    g[:, 0] += (Ur * (Ap @ Vc)).sum(0)
+                    continue
+                AZV = (Ap @ (Zp[:, :, None] * Vc[:, None, :]).reshape(Zp.shape[0], d * t)).view(-1, d, t)
+                g += ((Ur * (Ap @ Vc)).mT @ Zr.square() + (Vc * (Ap.mT @ Ur)).mT @ Zp.square()
+                      - 2.0 * torch.einsum("it,id,idt->td", Ur, Zr, AZV))
         return s, g
