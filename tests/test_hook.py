@@ -565,4 +565,13 @@ def test_frozen_derivatives_match_autograd_of_the_frozen_family(kernel, ard, per
         scale = float(g_raw.abs().max())
         torch.testing.assert_close(d_ls[j] * dl_draw, g_raw.reshape(-1), rtol=tol, atol=tol * scale)
         torch.testing.assert_close(d_mu[j], g_mu, rtol=tol, atol=tol * float(g_mu.abs().max()))
+    # the (n - k) x k block in row chunks (a small memory block: 190 rows in 7 chunks) gives the same terms
+    from gpnys import memory_budget
+    from gpnys.budget import block_rows
+
+    with memory_budget(block_bytes=48_000):
+        assert block_rows(P.k, parts=4) < (n - P.k) // 4
+        chunked = P.frozen_derivatives(kern, mu, Z)
+    for whole, part in zip((q, d_ls, d_mu), chunked):
+        torch.testing.assert_close(part, whole, rtol=tol, atol=tol * float(whole.abs().max()))
     assert P.frozen_derivatives(gpytorch.kernels.PeriodicKernel().to(dtype), mu, Z) is None  # not in the table

@@ -332,20 +332,30 @@ class AFNPreconditioner(Preconditioner):
             Zp = Z.detach()[self.perm]
             z1, z2 = Zp[:k], Zp[k:]
             u = torch.cholesky_solve(z1, L)
-            K21, H21 = block(Zr, Zl)
-            x = z2 - thin_matmul(K21, u)
-            d0 = 1.0 + shift_at(mu, rest) - self.V.square().sum(1)  # the held Schur diagonal
-            y = self.factor.mm(x)
-            g = self.factor.tmm(y)
-            v = torch.cholesky_solve(thin_matmul(K21.mT, g), L)
-            q = (z1 * u).sum(0) + y.square().sum(0)
             t = Z.shape[1]
 
             def sums(Za, Zb, Kt, Ht, U, V) -> torch.Tensor:  # (t, d_l): sum_ab U_aj V_bj H_ab (za_d - zb_d)^2
                 tile = (slice(0, Za.shape[0]), slice(None), Kt, Ht.to(Kt.dtype), Za, Zb)
                 return TorchTiles.column_sums(Zs, iter([tile]), U, V, isotropic=ls.numel() == 1)[1]
 
-            gd = sums(Zl, Zl, K11, H11, 2.0 * v - u, u) + sums(Zr, Zl, K21, H21, -2.0 * g, u)
+            # the (n - k) x k block K21 (and H21) in row chunks of one memory block, twice (x needs all of
+            # K21 u before g exists): O(n k d) recomputed against O(n k) float64 storage (1.6 GB at n = 10^5,
+            # k = 500, with its temporaries the peak of an evaluation)
+            chunk = block_rows(k, parts=4, device=Zs.device)
+            parts = [slice(a, min(a + chunk, Zr.shape[0])) for a in range(0, Zr.shape[0], chunk)]
+            x = torch.cat([z2[c] - thin_matmul(block(Zr[c], Zl)[0], u) for c in parts]) if parts else z2
+            d0 = 1.0 + shift_at(mu, rest) - self.V.square().sum(1)  # the held Schur diagonal
+            y = self.factor.mm(x)
+            g = self.factor.tmm(y)
+            K12g = z1.new_zeros(k, t)
+            gd = Zs.new_zeros(t, ls.numel(), dtype=acc)
+            for c in parts:
+                K21, H21 = block(Zr[c], Zl)
+                K12g += thin_matmul(K21.mT, g[c])
+                gd += sums(Zr[c], Zl, K21, H21, -2.0 * g[c], u)
+            v = torch.cholesky_solve(K12g, L)
+            q = (z1 * u).sum(0) + y.square().sum(0)
+            gd = gd + sums(Zl, Zl, K11, H11, 2.0 * v - u, u)
             d_ls = (-gd / ls.to(gd.dtype)).to(Zs.dtype)  # dK/dl_d = -h (dz_d)^2 / l_d
             # d q / d mu_i: landmarks -u_i^2 + 2 v_i u_i, the rest -g_i x_i / S_ii (through the scale D^{-1/2})
             per = torch.empty(Z.shape[0], t, dtype=Zs.dtype, device=Zs.device)
