@@ -120,8 +120,8 @@ def _parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 class _RepGradient(torch.autograd.Function):
     """``θ -> 0`` whose gradient with respect to ``op.representation()`` is given: the surrogate that carries the
     estimator's gradient. Its terms ``Σ_c l_cᵀ ∂K̂ r_c`` are sums of the per-column derivatives the error bars need
-    anyway (:func:`_column_rep_grads`), so no kernel pass is spent on them again (a whole pass over ``K``: about a
-    tenth of an evaluation, measured in ``docs/accuracy.md``)."""
+    anyway (:func:`_column_rep_grads`), so no kernel pass is spent on them again (a whole pass over ``K``: up to a
+    sixth of a CPU evaluation, benchmarks/RESULTS.md "Session 21")."""
 
     @staticmethod
     def forward(ctx, grads, like, *reps):  # type: ignore[override]
@@ -347,8 +347,8 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 break
             grad = None
             if tensors:  # the estimate's gradient so far (the rows' mean may use a proxy control variate)
-                g = torch.autograd.grad(_surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv), tensors,
-                                        retain_graph=True, allow_unused=True)
+                surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv)
+                g = torch.autograd.grad(surrogate, tensors, retain_graph=True, allow_unused=True)
                 grad = _flatten(g, tensors)
             g_se = J_all.std(0) / math.sqrt(t) if J_all is not None else None
             need = _probes_needed(t, se, value_est, grad, g_se, target)
