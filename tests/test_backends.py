@@ -91,10 +91,17 @@ def test_torch_symmetric_product_matches_row_tiles_and_dense(name, sparse, dtype
         sums = {iso: tiles.column_derivative_sums(Z, Uw, Vw, plan, iso) for iso in (False, True)}
         sums_by_rows = {iso: [tiles.column_derivative_sums(Z, Uw, Vw, plan, iso, (a, min(a + 64, n)))
                               for a in range(0, n, 64)] for iso in (False, True)}
+        # and the sums of sum_j u_j^T K v_j (GPyTorch's own derivative pass): U V^T plus the mirror's V U^T
+        whole = tiles.derivative_sums(Z, Uw, Vw, plan)
+        whole_by_rows = [tiles.derivative_sums(Z, Uw, Vw, plan, (a, min(a + 64, n))) for a in range(0, n, 64)]
     for iso in (False, True):
         for i in range(2):
             rows_total = sum(part[i] for part in sums_by_rows[iso])
             assert float((sums[iso][i] - rows_total).abs().max()) <= GTOL[dtype] * float(rows_total.abs().max())
+    for i in range(2):
+        rows_total = sum(part[i] for part in whole_by_rows)
+        assert float((whole[i] - rows_total).abs().max()) <= GTOL[dtype] * float(rows_total.abs().max())
+        assert float((whole[i] - sums[False][i].sum(0)).abs().max()) <= GTOL[dtype] * float(whole[i].abs().max())
     with torch.no_grad():
         s_ref = (Uw.double() * (kern.base_kernel(Z.double()).to_dense() @ Vw.double())).sum(0)
     assert float((sums[False][0] - s_ref).abs().max()) <= GTOL[dtype] * float(s_ref.abs().max())

@@ -269,8 +269,10 @@ def test_dense_cache_follows_the_memory_budget(dtype):
             assert_same_products(fly, cached, V, dtype)
         g_fly = closed_form_grads(kern, fly, U, V)
     g_cached = closed_form_grads(kern, cached, U, V)
-    for key in g_cached:  # 5-row blocks sum the gradient in another order (measured 6e-14 in float64)
-        torch.testing.assert_close(g_fly[key], g_cached[key], rtol=1000 * EPS[dtype], atol=0)
+    # 5-row blocks sum the gradient in another order (measured 6e-14 in float64; 2.4e-13 since the on-the-fly
+    # sums take each upper tile's pairs with their mirrors, in the expanded form of (z_i - z_j)^2)
+    for key in g_cached:
+        torch.testing.assert_close(g_fly[key], g_cached[key], rtol=2000 * EPS[dtype], atol=0)
 
 
 # -- 4. the cache --------------------------------------------------------------------------------------------

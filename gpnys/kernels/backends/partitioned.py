@@ -187,6 +187,11 @@ class PartitionedBackend(KernelBackend):
         super().__init__(inner.formula, inner.tf32)
         self.inner, self.ranks = inner, RowGroup(group)
 
+    def _share(self, n: int, plan: LeafPlan | None) -> Rows:
+        """This rank's row blocks of the upper tiles (``inner.upper_split``: equal shares of the entries)."""
+        cuts = self.inner.upper_split(n, plan, self.ranks.size)
+        return cuts[self.ranks.rank], cuts[self.ranks.rank + 1]
+
     def _own_rows(self, n: int, rows: Rows | None) -> Rows:
         """This rank's :func:`row_range`; a caller's own ``rows`` cannot be split further."""
         if rows is not None:
@@ -201,8 +206,7 @@ class PartitionedBackend(KernelBackend):
             return self.ranks.gather_rows("product", n, lambda a, b: self.inner.matmul(Z, R, plan, (a, b)), [R],
                                           (R.shape[1],))
         # the symmetric product (torch tiles): each rank its share of the upper triangle's tiles, summed
-        cuts = self.inner.upper_split(n, plan, self.ranks.size)
-        a, b = cuts[self.ranks.rank], cuts[self.ranks.rank + 1]
+        a, b = self._share(n, plan)
         zeros = lambda: R.new_zeros(n, R.shape[1])  # noqa: E731
         return self.ranks.gather_sum("product", lambda: upper(Z, R, plan, (a, b)) if b > a else zeros(), zeros, [R])
 
@@ -224,8 +228,13 @@ class PartitionedBackend(KernelBackend):
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                         rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         mine = self._own_rows(Z.shape[0], rows)
-        return self._sums("derivative sums", lambda: self.inner.derivative_sums(Z, U, V, plan, mine),
-                          ((), (Z.shape[1],)), Z, [U, V])
+        upper = getattr(self.inner, "upper_derivative_sums", None)
+        if upper is None:
+            compute = lambda: self.inner.derivative_sums(Z, U, V, plan, mine)  # noqa: E731
+        else:  # the torch tiles: this rank's share of the upper tiles, mirrored (as the product)
+            share = self._share(Z.shape[0], plan)
+            compute = lambda: upper(Z, U, V, plan, share)  # noqa: E731
+        return self._sums("derivative sums", compute, ((), (Z.shape[1],)), Z, [U, V])
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                                isotropic: bool = False, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,8 +244,7 @@ class PartitionedBackend(KernelBackend):
         if upper is None:
             compute = lambda: self.inner.column_derivative_sums(Z, U, V, plan, isotropic, mine)  # noqa: E731
         else:  # the torch tiles: this rank's share of the upper tiles, mirrored (as the product)
-            cuts = self.inner.upper_split(Z.shape[0], plan, self.ranks.size)
-            share = (cuts[self.ranks.rank], cuts[self.ranks.rank + 1])
+            share = self._share(Z.shape[0], plan)
             compute = lambda: upper(Z, U, V, plan, isotropic, share)  # noqa: E731
         return self._sums("per-probe derivative sums", compute, ((t,), (t, 1 if isotropic else Z.shape[1])), Z,
                           [U, V])

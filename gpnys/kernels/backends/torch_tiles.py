@@ -4,8 +4,9 @@ Each tile ``K[rows, cols]`` (and ``H = k'/r`` for Matérn) is written into reuse
 multiplied (product) or weighted and reduced (derivative sums, :mod:`gpnys.kernels.backends`). Distances use the
 expanded form ``|z_i|^2 + |z_j|^2 - 2 z_i . z_j`` (one GEMM per tile, the fastest form on CPU) with the diagonal
 set to zero exactly. The dense cache of :class:`~gpnys.kernels.operator.StationaryKernelOperator` is filled with
-the same :meth:`TorchTiles.fill`. A whole product is symmetric (:meth:`TorchTiles.upper_matmul`): each tile of the
-upper triangle serves ``K[I, J] R[J]`` and ``K[I, J]^T R[I]``, so half the entries are computed.
+the same :meth:`TorchTiles.fill`. Whole passes are symmetric (:meth:`TorchTiles.upper_tiles`): each tile of the
+upper triangle serves ``K[I, J] R[J]`` and ``K[I, J]^T R[I]`` (products), or its pairs and their mirrors (derivative
+sums), so half the entries are computed; a row range (``rows=``) computes its rows' tiles whole.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def k_and_h_inplace(r: torch.Tensor, f: Formula, k: torch.Tensor, h: torch.Tenso
         torch.addcmul(k, r, k, out=h)  # (1 + a) e
         torch.addcmul(h, r.square_(), k, value=f.p[2], out=k)  # (1 + a + a^2/3) e
         h.mul_(f.c2 * f.q[0])
+
+
+def _tail(cols: Any, skip: int) -> Any:
+    """A tile's columns past its first ``skip`` (``cols`` a slice or an index tensor)."""
+    return slice(cols.start + skip, cols.stop) if isinstance(cols, slice) else cols[skip:]
 
 
 class TorchTiles(KernelBackend):
@@ -209,7 +215,30 @@ class TorchTiles(KernelBackend):
 
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                         rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if check_rows(Z.shape[0], rows) == (0, Z.shape[0]):
+            return self.upper_derivative_sums(Z, U, V, plan)
         return self.weighted_sums(Z, self.tiles(Z, plan, rows), lambda r, cols: U[r] @ V[cols].mT)
+
+    def upper_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
+                              rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`derivative_sums` over the upper tiles of the row blocks ``rows`` (``None``: all) and their
+        mirrors: the weight ``U V^T`` on a tile's columns past the diagonal block gains the mirror's ``(V U^T)``
+        (``K`` and ``H`` are symmetric), so half the kernel entries are computed."""
+        skips: list[int] = []
+
+        def tiles() -> Iterator[Tile]:
+            for skip, tile in self.upper_tiles(Z, plan, rows):
+                skips.append(skip)
+                yield tile
+
+        def weight(r: slice, cols: Any) -> torch.Tensor:
+            W = U[r] @ V[cols].mT
+            skip = skips[-1]
+            if W.shape[1] > skip:
+                W[:, skip:] += V[r] @ U[_tail(cols, skip)].mT
+            return W
+
+        return self.weighted_sums(Z, tiles(), weight)
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                                isotropic: bool = False,
@@ -270,8 +299,7 @@ class TorchTiles(KernelBackend):
                 A = A * R2.clamp_(min=0.0)
             terms = [(U[rows], V[cols], Kt, A, Zc)]
             if mirrored and Kt.shape[1] > skip:  # K[J, I] = K[I, J]^T: u_J^T K[J, I] v_I = v_I^T K[I, J] u_J
-                tail = slice(cols.start + skip, cols.stop) if isinstance(cols, slice) else cols[skip:]
-                terms.append((V[rows], U[tail], Kt[:, skip:], A[:, skip:], Zc[skip:]))
+                terms.append((V[rows], U[_tail(cols, skip)], Kt[:, skip:], A[:, skip:], Zc[skip:]))
             for Ur, Vc, Kp, Ap, Zp in terms:
                 Ur, Vc = Ur.to(acc), Vc.to(acc)
                 s += (Ur * (Kp @ Vc)).sum(0)
