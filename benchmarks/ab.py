@@ -17,6 +17,7 @@ and the largest gradient difference between the revisions (relative), which show
 Run:  python benchmarks/ab.py --before HEAD~1                         (kin40k 10 000 Matérn-3/2 and RBF ARD,
                                                                       synthetic3d 50 000 Matérn-3/2; ~20 minutes)
       python benchmarks/ab.py --before REV --cases kin40k:20000:matern32:iso --rounds 3
+      python benchmarks/ab.py --before REV --no-error-bars          (GPyTorch's own estimator through the hook)
       python benchmarks/ab.py --quick                                 (this tree against itself; the test suite)
 """
 
@@ -74,7 +75,8 @@ def child(args) -> None:
                 seconds[_n] += time.perf_counter() - t0
         setattr(TorchTiles, name, counted)
     times = []
-    with use_preconditioner(model, "auto", settings=EstimatorSettings(dense_limit_bytes=0), seed=0):
+    settings = EstimatorSettings(dense_limit_bytes=0, error_bars=not args.no_error_bars)
+    with use_preconditioner(model, "auto", settings=settings, seed=0):
         for rep in range(args.repeats + 1):
             calls.clear()
             seconds.clear()
@@ -106,7 +108,7 @@ def child(args) -> None:
 def run(root: Path, case: str, args) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--case", case, "--repeats", str(args.repeats),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads)] + (["--no-error-bars"] if args.no_error_bars else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if Path(got["gpnys"]).resolve() != (root / "gpnys").resolve():
@@ -122,6 +124,8 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-error-bars", action="store_true",
+                    help="GPyTorch's own estimator through the hook (EstimatorSettings(error_bars=False))")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -189,7 +193,7 @@ def main(argv=None) -> dict | None:
     out = Path(args.out) if args.out else RESULTS / ("ab_quick.json" if args.quick else "ab.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"before": label, "rounds": args.rounds, "repeats": args.repeats, "threads": args.threads,
-              "rows": rows, "runs": runs}
+              "error_bars": not args.no_error_bars, "rows": rows, "runs": runs}
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result
