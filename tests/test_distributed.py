@@ -96,10 +96,14 @@ def test_partial_passes_add_up_to_the_full_pass(dtype, plan):
     # which in float32 rounds the expanded distances differently (each within ~1e-4 of float64 here)
     ptol = 3e-4 if plan and dtype == torch.float32 else tol
     assert float((torch.cat(parts) - full).abs().max()) <= ptol * float(full.abs().max())
-    for size in (2, 3):  # the symmetric product's split: shares of the upper tiles add up to the whole product
+    # the symmetric product's split: shares of the upper tiles add up to the whole product, also with more ranks
+    # than 64-point leaves (7 here, the last one partial): every rank's share is then a valid, possibly empty range
+    for n_small, size in ((100, 8), (100, 13)):  # 2 leaves: ranks past the last leaf start where it starts
+        assert tiles.upper_split(n_small, None, size)[1:-1] == [64] * (size - 1)
+    for size in (2, 3, 8, 13):
         cuts = tiles.upper_split(400, p, size)
         assert cuts[0] == 0 and cuts[-1] == 400 and cuts == sorted(cuts)
-        assert all(c % LEAF == 0 or c == 400 for c in cuts)
+        assert all(c % LEAF == 0 for c in cuts[:-1])
         shares = [tiles.upper_matmul(Z, Vw, p, (a, b)) for a, b in zip(cuts, cuts[1:])]
         assert float((sum(shares) - full).abs().max()) <= tol * float(full.abs().max())
     # the whole per-probe sums are symmetric too (upper tiles and their mirrors), the row ranges' are not: in

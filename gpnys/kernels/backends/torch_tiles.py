@@ -149,9 +149,10 @@ class TorchTiles(KernelBackend):
 
     @staticmethod
     def upper_split(n: int, plan: LeafPlan | None, parts: int) -> list[int]:
-        """``parts + 1`` leaf-aligned row boundaries ``0 = b_0 <= ... <= b_parts = n`` that share the upper
-        triangle's entries (:meth:`upper_tiles`) about equally: row ``i`` holds ``n - i`` of them (every pair), a
-        plan's leaf its listed leaves ``j >= i``. For a row-partitioned symmetric product."""
+        """``parts + 1`` row boundaries ``0 = b_0 <= ... <= b_parts = n``, each but the last a leaf's start, that
+        share the upper triangle's entries (:meth:`upper_tiles`) about equally: row ``i`` holds ``n - i`` of them
+        (every pair), a plan's leaf its listed leaves ``j >= i``. With more parts than leaves some shares are empty.
+        For a row-partitioned symmetric product."""
         if plan is None:
             rows = torch.arange(0, n, LEAF, dtype=torch.float64)
             work = (n - rows) * torch.clamp(n - rows, max=LEAF)  # a leaf block's entries (about)
@@ -161,8 +162,8 @@ class TorchTiles(KernelBackend):
             work = torch.bincount(owner[plan.near_idx >= owner], minlength=plan.num_leaves).to(torch.float64)
         cum = torch.cat([work.new_zeros(1), work.cumsum(0)])  # entries before each leaf block
         goal = cum[-1] * torch.arange(parts + 1, dtype=torch.float64, device=cum.device) / parts
-        cuts = torch.searchsorted(cum, goal).clamp_(max=len(work)).tolist()
-        return [min(c * LEAF, n) for c in cuts[:-1]] + [n]
+        cuts = torch.searchsorted(cum, goal).clamp_(max=len(work) - 1).tolist()  # a rank starts at a leaf's start
+        return [c * LEAF for c in cuts[:-1]] + [n]
 
     def upper_matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
                      rows: tuple[int, int] | None = None) -> torch.Tensor:
