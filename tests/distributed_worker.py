@@ -123,7 +123,7 @@ def fail(rank):
     if rank == 1:
         def oom(*args, **kwargs):
             raise torch.OutOfMemoryError("rank 1 ran out of memory")
-        op.backend.inner.column_derivative_sums = op.backend.inner.upper_column_sums = oom
+        op.backend.inner.column_derivative_sums = op.backend.inner.upper_column_derivative_sums = oom
     t0 = time.perf_counter()
     try:
         op.column_derivatives(V, V)

@@ -114,7 +114,7 @@ def test_partial_passes_add_up_to_the_full_pass(dtype, plan):
     Uw = torch.flip(Vw, [0]) + 0.5  # U != V: the mirrored terms swap them
     for fn, upper in ((tiles.derivative_sums, tiles.upper_derivative_sums),
                       (lambda *a: tiles.column_derivative_sums(*a[:4], False, *a[4:]),
-                       lambda *a: tiles.upper_column_sums(*a[:4], False, *a[4:]))):
+                       lambda *a: tiles.upper_column_derivative_sums(*a[:4], False, *a[4:]))):
         whole = fn(Z, Uw, Vw, p)
         split = [fn(Z, Uw, Vw, p, r) for r in ranges]
         # (float32: a share's tiles start elsewhere, so some pairs come as K[j, i] instead of K[i, j])

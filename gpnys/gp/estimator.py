@@ -298,8 +298,8 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 if first:
                     alpha_rows = [None if g is None else g[0] for g in kernel_rows]
                     kernel_rows = [None if g is None else g[1:] for g in kernel_rows]
-                probe_sums = [None if g is None else g.sum(0) if p is None else p + g.sum(0)
-                              for g, p in zip(kernel_rows, probe_sums or [None] * len(kernel_rows))]
+                sums = [None if g is None else g.sum(0) for g in kernel_rows]
+                probe_sums = sums if first else [None if g is None else p + g for p, g in zip(probe_sums, sums)]
                 outs = [(rep, g) for rep, g in zip(reps, kernel_rows)
                         if g is not None and isinstance(rep, torch.Tensor) and rep.requires_grad]
                 J = _jacobian([o for o, _ in outs], [g for _, g in outs], tensors, batch)

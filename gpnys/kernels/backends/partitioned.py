@@ -155,7 +155,6 @@ class RowGroup:
                 failure = err
         return torch.cat(self.gather(what, local, inputs, failure))[:n]
 
-
     def gather_sum(self, what: str, compute: Callable[[], torch.Tensor], zeros: Callable[[], torch.Tensor],
                    inputs: list[torch.Tensor]) -> torch.Tensor:
         """Every rank's ``compute()`` (equal shapes), added in rank order on all ranks, so that every rank holds the
@@ -171,6 +170,7 @@ class RowGroup:
         for part in parts[1:]:
             total = total + part
         return total
+
 
 def gather_rows(group: RowGroup | None, what: str, n: int, compute: Callable[[int, int], torch.Tensor],
                 inputs: list[torch.Tensor], tail: tuple[int, ...] = ()) -> torch.Tensor:
@@ -192,6 +192,16 @@ class PartitionedBackend(KernelBackend):
         cuts = self.inner.upper_split(n, plan, self.ranks.size)
         return cuts[self.ranks.rank], cuts[self.ranks.rank + 1]
 
+    def _rank_pass(self, name: str, n: int, plan: LeafPlan | None, rows: Rows | None, *args: Any) -> Callable[[], Any]:
+        """``inner.<name>(*args, rows)`` as a call for this rank: over its share of the upper tiles when the inner
+        backend has the symmetric ``upper_<name>`` (the torch tiles), else over its rows."""
+        mine = self._own_rows(n, rows)
+        upper = getattr(self.inner, f"upper_{name}", None)
+        if upper is None:
+            return lambda: getattr(self.inner, name)(*args, mine)
+        share = self._share(n, plan)
+        return lambda: upper(*args, share)
+
     def _own_rows(self, n: int, rows: Rows | None) -> Rows:
         """This rank's :func:`row_range`; a caller's own ``rows`` cannot be split further."""
         if rows is not None:
@@ -206,9 +216,9 @@ class PartitionedBackend(KernelBackend):
             return self.ranks.gather_rows("product", n, lambda a, b: self.inner.matmul(Z, R, plan, (a, b)), [R],
                                           (R.shape[1],))
         # the symmetric product (torch tiles): each rank its share of the upper triangle's tiles, summed
-        a, b = self._share(n, plan)
-        zeros = lambda: R.new_zeros(n, R.shape[1])  # noqa: E731
-        return self.ranks.gather_sum("product", lambda: upper(Z, R, plan, (a, b)) if b > a else zeros(), zeros, [R])
+        share = self._share(n, plan)
+        return self.ranks.gather_sum("product", lambda: upper(Z, R, plan, share), lambda: R.new_zeros(n, R.shape[1]),
+                                     [R])
 
     def _sums(self, what: str, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]], shapes: tuple[tuple, tuple],
               Z: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,24 +237,12 @@ class PartitionedBackend(KernelBackend):
 
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                         rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        mine = self._own_rows(Z.shape[0], rows)
-        upper = getattr(self.inner, "upper_derivative_sums", None)
-        if upper is None:
-            compute = lambda: self.inner.derivative_sums(Z, U, V, plan, mine)  # noqa: E731
-        else:  # the torch tiles: this rank's share of the upper tiles, mirrored (as the product)
-            share = self._share(Z.shape[0], plan)
-            compute = lambda: upper(Z, U, V, plan, share)  # noqa: E731
+        compute = self._rank_pass("derivative_sums", Z.shape[0], plan, rows, Z, U, V, plan)
         return self._sums("derivative sums", compute, ((), (Z.shape[1],)), Z, [U, V])
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                                isotropic: bool = False, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        mine = self._own_rows(Z.shape[0], rows)
         t = U.shape[1]
-        upper = getattr(self.inner, "upper_column_sums", None)
-        if upper is None:
-            compute = lambda: self.inner.column_derivative_sums(Z, U, V, plan, isotropic, mine)  # noqa: E731
-        else:  # the torch tiles: this rank's share of the upper tiles, mirrored (as the product)
-            share = self._share(Z.shape[0], plan)
-            compute = lambda: upper(Z, U, V, plan, isotropic, share)  # noqa: E731
+        compute = self._rank_pass("column_derivative_sums", Z.shape[0], plan, rows, Z, U, V, plan, isotropic)
         return self._sums("per-probe derivative sums", compute, ((t,), (t, 1 if isotropic else Z.shape[1])), Z,
                           [U, V])

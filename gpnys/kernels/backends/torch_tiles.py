@@ -114,12 +114,14 @@ class TorchTiles(KernelBackend):
         a, b = check_rows(n, rows)
         if plan is None:
             bs = block_rows(n, cap=max(1, b - a), device=Z.device)
-            shapes: Any = [(slice(r, min(r + bs, b)), slice(None)) for r in range(a, b, bs)]
-            return self._filled(Z, shapes, bs * n)
-        width = self._width(Z, plan)
-        leaves = range(a // plan.leaf, min(plan.num_leaves, -(-b // plan.leaf)))
-        shapes = ((plan.rows(i), c) for i in leaves for c in plan.cols(i).split(width))
-        return self._filled(Z, shapes, plan.leaf * min(width, n))
+            shapes: Any = [(None, slice(r, min(r + bs, b)), slice(None)) for r in range(a, b, bs)]
+            size = bs * n
+        else:
+            width = self._width(Z, plan)
+            leaves = range(a // plan.leaf, min(plan.num_leaves, -(-b // plan.leaf)))
+            shapes = ((None, plan.rows(i), c) for i in leaves for c in plan.cols(i).split(width))
+            size = plan.leaf * min(width, n)
+        return (tile for _, tile in self._filled(Z, shapes, size))
 
     def upper_tiles(self, Z: torch.Tensor, plan: LeafPlan | None,
                     rows: tuple[int, int] | None = None) -> Iterator[tuple[int, Tile]]:
@@ -131,21 +133,18 @@ class TorchTiles(KernelBackend):
         a, b = check_rows(n, rows)
         if plan is None:
             bs = block_rows(n, cap=max(1, b - a), device=Z.device)
-            shapes = [(slice(r, min(r + bs, b)), slice(r, n)) for r in range(a, b, bs)]
-            skips = [s.stop - s.start for s, _ in shapes]
-            return zip(skips, self._filled(Z, shapes, bs * n))
+            blocks = [slice(r, min(r + bs, b)) for r in range(a, b, bs)]
+            return self._filled(Z, [(r.stop - r.start, r, slice(r.start, n)) for r in blocks], bs * n)
         width = self._width(Z, plan)
-        skips: list[int] = []  # filled as the shapes are drawn (lazily: the lists of a large plan are big)
 
-        def shapes() -> Iterator[tuple[slice, torch.Tensor]]:
+        def shapes() -> Iterator[tuple[int, slice, torch.Tensor]]:  # lazily: the lists of a large plan are big
             for i in range(a // plan.leaf, min(plan.num_leaves, -(-b // plan.leaf))):
                 rows, at = plan.rows(i), 0
                 for c in plan.cols(i, upper=True).split(width):
-                    skips.append(min(max(rows.stop - rows.start - at, 0), c.shape[0]))
+                    yield min(max(rows.stop - rows.start - at, 0), c.shape[0]), rows, c
                     at += c.shape[0]
-                    yield rows, c
 
-        return ((skips[-1], tile) for tile in self._filled(Z, shapes(), plan.leaf * min(width, n)))
+        return self._filled(Z, shapes(), plan.leaf * min(width, n))
 
     @staticmethod
     def upper_split(n: int, plan: LeafPlan | None, parts: int) -> list[int]:
@@ -185,20 +184,20 @@ class TorchTiles(KernelBackend):
         """Columns per cutoff tile: a leaf's columns in chunks of at most one block."""
         return max(1, block_elems(device=Z.device) // plan.leaf)
 
-    def _filled(self, Z: torch.Tensor, shapes: Any, size: int) -> Iterator[Tile]:
-        """The tiles ``(rows, cols)`` of ``shapes`` (``rows`` a slice, ``cols`` a slice or ascending index tensor),
-        filled in ``size``-element workspaces."""
+    def _filled(self, Z: torch.Tensor, shapes: Any, size: int) -> Iterator[tuple[Any, Tile]]:
+        """``(tag, tile)`` for the ``(tag, rows, cols)`` of ``shapes`` (``rows`` a slice, ``cols`` a slice or an
+        ascending index tensor), the tiles filled in ``size``-element workspaces; the tag passes through."""
         n = Z.shape[0]
         sq = Z.square().sum(1)
         zmax = float(Z.abs().max()) if Z.numel() else 0.0
         buffers = [Z.new_empty(size) for _ in range(2 if self.formula.rbf else 3)]
-        for rows, cols in shapes:
+        for tag, rows, cols in shapes:
             m = rows.stop - rows.start
             w = (len(range(*cols.indices(n))) if isinstance(cols, slice) else cols.shape[0])
             scratch, Kt, *Ht = (b[: m * w].view(m, w) for b in buffers)
             Zr, Zc = self.coords(Z, rows, cols)  # once per tile: the derivative reuses them
-            yield (rows, cols, *self.fill(Zr, Zc, sq, rows, cols, (Kt, Ht[0] if Ht else None), scratch, zmax),
-                   Zr, Zc)
+            yield tag, (rows, cols, *self.fill(Zr, Zc, sq, rows, cols, (Kt, Ht[0] if Ht else None), scratch, zmax),
+                        Zr, Zc)
 
     # -- the two passes -----------------------------------------------------------------------------------
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
@@ -225,49 +224,44 @@ class TorchTiles(KernelBackend):
         """:meth:`derivative_sums` over the upper tiles of the row blocks ``rows`` (``None``: all) and their
         mirrors: the weight ``U V^T`` on a tile's columns past the diagonal block gains the mirror's ``(V U^T)``
         (``K`` and ``H`` are symmetric), so half the kernel entries are computed."""
-        skips: list[int] = []
-
-        def tiles() -> Iterator[Tile]:
-            for skip, tile in self.upper_tiles(Z, plan, rows):
-                skips.append(skip)
-                yield tile
-
-        def weight(r: slice, cols: Any) -> torch.Tensor:
+        def weight(r: slice, cols: Any, skip: int) -> torch.Tensor:
             W = U[r] @ V[cols].mT
-            skip = skips[-1]
             if W.shape[1] > skip:
                 W[:, skip:] += V[r] @ U[_tail(cols, skip)].mT
             return W
 
-        return self.weighted_sums(Z, tiles(), weight)
+        return self.weighted_sums(Z, self.upper_tiles(Z, plan, rows), weight, mirrored=True)
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                                isotropic: bool = False,
                                rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if check_rows(Z.shape[0], rows) == (0, Z.shape[0]):
-            return self.upper_column_sums(Z, U, V, plan, isotropic)
+            return self.upper_column_derivative_sums(Z, U, V, plan, isotropic)
         return self.column_sums(Z, self.tiles(Z, plan, rows), U, V, isotropic)
 
-    def upper_column_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
-                          isotropic: bool = False,
-                          rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def upper_column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor,
+                                     plan: LeafPlan | None, isotropic: bool = False,
+                                     rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`column_derivative_sums` over the upper tiles of the row blocks ``rows`` and their mirrors
         (:meth:`upper_tiles`; ``None``: all rows, which is the whole sum): half the kernel entries. Shares of
         :meth:`upper_split` add up to the whole."""
         return self.column_sums(Z, self.upper_tiles(Z, plan, rows), U, V, isotropic, mirrored=True)
 
     @staticmethod
-    def weighted_sums(Z: torch.Tensor, tiles: Iterator[Tile],
-                      weight: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def weighted_sums(Z: torch.Tensor, tiles: Iterator[Any], weight: Callable[..., torch.Tensor],
+                      mirrored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum_ij W_ij K_ij, [sum_ij W_ij H_ij (z_id - z_jd)^2]_d)`` over ``tiles`` for a weight matrix given
-        by tiles (``weight(rows, cols)``, overwritten here); in at least float64."""
+        by tiles (``weight(rows, cols)``, overwritten here); in at least float64. ``mirrored``: ``tiles`` are
+        :meth:`upper_tiles`' ``(skip, tile)`` and ``weight(rows, cols, skip)`` folds the mirrored tile's weight
+        into the columns past ``skip`` (``K`` and ``H`` are symmetric)."""
         # The expanded form below subtracts two sums of size ~|z|^2 whose difference is ~|z_i - z_j|^2: it is
         # accumulated in (at least) float64, or float32 loses digits once |z| >> the weighted pairs' distances.
         acc = torch.promote_types(Z.dtype, torch.float64)
         s = Z.new_zeros((), dtype=acc)
         g = Z.new_zeros(Z.shape[1], dtype=acc)
-        for rows, cols, Kt, Ht, Zr, Zc in tiles:
-            W = weight(rows, cols)  # (|rows|, |cols|)
+        for item in tiles:
+            skip, (rows, cols, Kt, Ht, Zr, Zc) = item if mirrored else (None, item)
+            W = weight(rows, cols) if skip is None else weight(rows, cols, skip)  # (|rows|, |cols|)
             s = s + (W[:, None, :] @ Kt[:, :, None]).sum(dtype=acc)  # row dots: no (b, n) temporary
             A = W.mul_(Kt).neg_() if Ht is None else W.mul_(Ht)  # RBF: A = W o H = -(W o K)
             A = A.to(acc)
