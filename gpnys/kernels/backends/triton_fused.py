@@ -1,7 +1,8 @@
 """The Triton backend: launches the fused kernels of :mod:`.triton_kernels` (CUDA; CPU tensors under the interpreter).
 
 Tiles are ``BLOCK = 64`` points square, the cutoff plan's leaf size, so a block-sparse pass walks the plan's CSR
-leaf lists directly. Right-hand sides go in column blocks of ``BT = 16 .. 64``. float32 tile products use full
+leaf lists directly. Right-hand sides go in column blocks of ``BT = 16 .. 64``, or, for ``2^m + 1`` of them,
+one ``2^m`` block and one elementwise column (``TAIL``). float32 tile products use full
 FP32 (``input_precision="ieee"``) unless TF32 is asked for; float64 runs in FP64 throughout.
 
 Numerical trouble cannot be silent: if a kernel fails to compile or launch (say, an FP64 ``tl.dot`` on a GPU or a
@@ -115,6 +116,24 @@ class TritonBackend(KernelBackend):
         a, b = check_rows(n, rows)
         return a // BLOCK, -(-b // BLOCK) - a // BLOCK
 
+    @staticmethod
+    def _coords(Z: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``ZT (d, npad)``: ``Z`` transposed and zero-padded to whole tiles (the kernels' unmasked coordinate loads),
+        and the constants that go with it: ``D = d``, ``HOIST`` (the row block's coordinates stay in registers: ``d
+        <= 8``)."""
+        n, d = Z.shape
+        ZT = Z.new_zeros(d, -(-n // BLOCK) * BLOCK)
+        ZT[:, :n] = Z.mT
+        return ZT, dict(D=d, HOIST=d <= 8)
+
+    @staticmethod
+    def _columns(t: int, hi: int) -> tuple[int, int]:
+        """``(BT, TAIL)``: ``t = 2^m + 1`` columns (``16 <= 2^m <= hi``) go as one ``2^m``-wide block plus one
+        elementwise column; other counts in blocks of ``BT = 16 .. hi`` (the last one padded)."""
+        if 16 < t <= hi + 1 and (t - 1) & (t - 2) == 0:
+            return t - 1, 1
+        return _pow2(t, 16, hi), 0
+
     def _column_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                      isotropic: bool, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch over (row block, column block, plane): plane 0 gives ``s``, planes ``1..`` give ``g``
@@ -123,16 +142,17 @@ class TritonBackend(KernelBackend):
 
         n, d = Z.shape
         t = U.shape[1]
-        Z, U, V = Z.contiguous(), U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
+        U, V = U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
         planes = 2 if isotropic else 1 + d
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
         row0, local = self._blocks(n, rows)
         out = torch.zeros(nblocks, planes, t, dtype=torch.float64, device=Z.device)
         if local and t:
-            bt = _pow2(t, 16, 64)
-            column_kernel[(local, -(-t // bt), planes)](Z, U, V, out, n, d, t, ptr, idx, nblocks, row0, planes,
-                                                        SPARSE=sparse, BLOCK=BLOCK, BT=bt, ISO=isotropic,
-                                                        **self._constants(Z.dtype))
+            ZT, dims = self._coords(Z)
+            bt, tail = self._columns(t, 64)
+            column_kernel[(local, -(-(t - tail) // bt), planes)](
+                ZT, U, V, out, n, ZT.shape[1], t, ptr, idx, nblocks, row0, planes, SPARSE=sparse, BLOCK=BLOCK,
+                BT=bt, TAIL=tail, ISO=isotropic, **dims, **self._constants(Z.dtype))
         total = out.sum(0)  # (planes, t)
         return total[0], total[1:].mT
 
@@ -144,15 +164,16 @@ class TritonBackend(KernelBackend):
         t = R.shape[1]
         row0, local = self._blocks(n, rows)
         a, b = check_rows(n, rows)
-        Z, R = Z.contiguous(), R.to(Z.dtype).contiguous()
+        R = R.to(Z.dtype).contiguous()
         out = R.new_empty(b - a, t)
         if local == 0 or t == 0:
             return out.zero_()
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
-        bt = _pow2(t, 16, 64)
-        grid = (local, -(-t // bt))
-        kv_kernel[grid](Z, R, out, n, d, t, ptr, idx, nblocks, row0, SPARSE=sparse, BLOCK=BLOCK, BT=bt,
-                        **self._constants(Z.dtype))
+        ZT, dims = self._coords(Z)
+        bt, tail = self._columns(t, 64)
+        kv_kernel[(local, -(-(t - tail) // bt))](ZT, R, out, n, ZT.shape[1], t, ptr, idx, nblocks, row0,
+                                                 SPARSE=sparse, BLOCK=BLOCK, BT=bt, TAIL=tail, **dims,
+                                                 **self._constants(Z.dtype))
         return out
 
     def _derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
@@ -161,13 +182,15 @@ class TritonBackend(KernelBackend):
 
         n, d = Z.shape
         t = U.shape[1]
-        Z, U, V = Z.contiguous(), U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
+        U, V = U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
         row0, local = self._blocks(n, rows)
         dp = _pow2(d, 1, 1 << 30)
         s = torch.zeros(nblocks, dtype=torch.float64, device=Z.device)
         g = torch.zeros(nblocks, dp, dtype=torch.float64, device=Z.device)
         if local and t:
-            derivative_kernel[(local,)](Z, U, V, s, g, n, d, t, ptr, idx, nblocks, row0, SPARSE=sparse,
-                                        BLOCK=BLOCK, BT=_pow2(t, 16, 32), DP=dp, **self._constants(Z.dtype))
+            ZT, dims = self._coords(Z)
+            bt, tail = self._columns(t, 32)
+            derivative_kernel[(local,)](ZT, U, V, s, g, n, ZT.shape[1], t, ptr, idx, nblocks, row0, SPARSE=sparse,
+                                        BLOCK=BLOCK, BT=bt, TAIL=tail, DP=dp, **dims, **self._constants(Z.dtype))
         return s.sum(), g.sum(0)[:d]

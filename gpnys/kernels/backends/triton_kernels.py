@@ -12,6 +12,9 @@ registers only:
 
 * ``r^2_ij = sum_d (z_id - z_jd)^2`` from explicit differences (exact zero diagonal, no expanded-form
   cancellation), then ``k`` and ``h = k'/r`` from :mod:`gpnys.kernels.formulas`'s coefficients (compile-time);
+  the coordinates come transposed and zero-padded, ``ZT (D, npad)`` with ``npad`` a multiple of ``BLOCK``, so
+  their loads need no masks, and the row block's own ``D`` coordinate vectors stay in registers for the whole loop
+  (``HOIST``, ``D <= 8``); a padded point is finite, and its ``V`` / ``U`` rows load as zeros;
 * product: ``out[I] += K[I, J] @ V[J]`` (``tl.dot``, full-precision FP32 unless TF32 is asked for);
 * derivative: ``W = U[I] V[J]^T``, ``s += sum W o K``, ``g_d += sum (W o H) o (z_Id - z_Jd)^2`` — the
   outputscale and per-dimension length-scale sums of :mod:`gpnys.kernels.operator` (FP32 tiles are reduced
@@ -19,6 +22,11 @@ registers only:
 * column sums: the same sums for each column pair ``(u_j, v_j)`` alone (the trace estimator's per-probe terms):
   plane ``0`` accumulates ``K[I, J] @ V[J]``, plane ``1 + dd`` ``(H o (z_dd - z_dd')^2)[I, J] @ V[J]`` (one plane
   ``H o R^2`` when isotropic), and ends with ``sum_{i in I} u_ij (.)_ij`` per column.
+
+``TAIL``: with ``t = 2^m + 1`` columns (16 probes and one solve, say) the last column is not padded into a
+``2^(m+1)``-wide ``tl.dot`` but accumulated elementwise (``k * v_j`` in a ``(BLOCK, BLOCK)`` register tile, one
+row sum at the end). The column count of an FP32 dot is most of a tile's instructions: on sm_90 the product at
+``t = 17`` issues 1274 instructions per tile and thread instead of 2468 (``benchmarks/kernel_model.py``).
 """
 
 from __future__ import annotations
@@ -56,13 +64,33 @@ def _kh(r2, RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.c
 
 
 @triton.jit
-def _sq_dist(Z, rows, cols, rmask, cmask, d, BLOCK: tl.constexpr, DT: tl.constexpr):
-    """``(BLOCK, BLOCK)`` squared distances between rows ``rows`` and ``cols`` of ``Z (n, d)`` (row-major)."""
-    r2 = tl.zeros((BLOCK, BLOCK), dtype=DT)
-    for dd in range(d):
-        zi = tl.load(Z + rows * d + dd, mask=rmask, other=0.0)
-        zj = tl.load(Z + cols * d + dd, mask=cmask, other=0.0)
-        diff = zi[:, None] - zj[None, :]
+def _row_coords(ZT, rows, npad, D: tl.constexpr, HOIST: tl.constexpr):
+    """The row block's coordinates: a tuple of ``D`` ``(BLOCK,)`` vectors, loaded once per program (``HOIST``), or
+    ``()`` (loaded per tile by :func:`_diff`)."""
+    zi = ()
+    if HOIST:
+        for dd in tl.static_range(D):
+            zi = zi + (tl.load(ZT + dd * npad + rows),)
+    return zi
+
+
+@triton.jit
+def _diff(zi, ZT, rows, cols, npad, dd: tl.constexpr, HOIST: tl.constexpr):
+    """``(BLOCK, BLOCK)`` coordinate differences ``z_i,dd - z_j,dd`` (``ZT (D, npad)``, zero-padded)."""
+    if HOIST:
+        a = zi[dd]
+    else:
+        a = tl.load(ZT + dd * npad + rows)
+    return a[:, None] - tl.load(ZT + dd * npad + cols)[None, :]
+
+
+@triton.jit
+def _sq_dist(zi, ZT, rows, cols, npad, D: tl.constexpr, HOIST: tl.constexpr):
+    """``(BLOCK, BLOCK)`` squared distances between rows ``rows`` and ``cols`` (explicit differences)."""
+    diff = _diff(zi, ZT, rows, cols, npad, 0, HOIST)
+    r2 = diff * diff
+    for dd in tl.static_range(1, D):
+        diff = _diff(zi, ZT, rows, cols, npad, dd, HOIST)
         r2 += diff * diff
     return r2
 
@@ -79,80 +107,91 @@ def _block_range(ptr, i, nblocks, SPARSE: tl.constexpr):
 
 
 @triton.jit
-def _column_block(idx, p, offs, n, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
-    """Point indices and mask of the ``p``-th column block (the plan's ``idx[p]``-th leaf, or block ``p``)."""
+def _column_block(idx, p, offs, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+    """Point indices of the ``p``-th column block (the plan's ``idx[p]``-th leaf, or block ``p``)."""
     j = p
     if SPARSE:
         j = tl.load(idx + p)
-    cols = j * BLOCK + offs
-    return cols, cols < n
+    return j * BLOCK + offs
 
 
 # Sizes stay specialised (Triton compiles one variant per divisibility of n, n/64 and t by 16, ~1 s each, kept in its
 # disk cache). Turning that off for n and the block count cost 18 % of the product's throughput on an H100 (2.7e11
 # instead of 3.3e11 entries/s at n = 200 000, t = 32; one run specialised, two not).
 @triton.jit
-def kv_kernel(Z, V, OUT, n, d, t, ptr, idx, nblocks, row0,
-              SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+def kv_kernel(ZT, V, OUT, n, npad, t, ptr, idx, nblocks, row0,
+              SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, HOIST: tl.constexpr,
+              TAIL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
               RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
               P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr, NQ: tl.constexpr):
     """``OUT[I, T] = sum_J K[I, J] V[J, T]`` for row block ``I = row0 + program_id(0)`` and column block ``T =
-    program_id(1)`` of ``BT`` right-hand sides. ``Z (n, d)``, ``V (n, t)`` contiguous; ``OUT (m, t)`` holds the
-    rows from block ``row0`` on."""
+    program_id(1)`` of ``BT`` right-hand sides (and column ``t - 1`` elementwise when ``TAIL``: one column block
+    then). ``ZT (D, npad)``, ``V (n, t)`` contiguous; ``OUT (m, t)`` holds the rows from block ``row0`` on."""
     i = tl.program_id(0) + row0
     tb = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     rows = i * BLOCK + offs
-    rmask = rows < n
+    main = t - TAIL
     tcol = tb * BT + tl.arange(0, BT)
-    tmask = tcol < t
+    tmask = tcol < main
+    zi = _row_coords(ZT, rows, npad, D, HOIST)
     acc = tl.zeros((BLOCK, BT), dtype=DT)
+    tacc = tl.zeros((BLOCK, BLOCK), dtype=DT)
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
-        cols, cmask = _column_block(idx, p, offs, n, BLOCK, SPARSE)
-        r2 = _sq_dist(Z, rows, cols, rmask, cmask, d, BLOCK, DT)
-        k, _ = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
-        k = tl.where(cmask[None, :], k, 0.0)
+        cols = _column_block(idx, p, offs, BLOCK, SPARSE)
+        cmask = cols < n
+        k, _ = _kh(_sq_dist(zi, ZT, rows, cols, npad, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=cmask[:, None] & tmask[None, :], other=0.0)
         acc = tl.dot(k, v, acc, input_precision=PREC, out_dtype=DT)
-    tl.store(OUT + (rows - row0 * BLOCK)[:, None] * t + tcol[None, :], acc, mask=rmask[:, None] & tmask[None, :])
+        if TAIL:
+            tacc += k * tl.load(V + cols * t + main, mask=cmask, other=0.0)[None, :]
+    rmask = rows < n
+    out = OUT + (rows - row0 * BLOCK) * t
+    tl.store(out[:, None] + tcol[None, :], acc, mask=rmask[:, None] & tmask[None, :])
+    if TAIL:
+        tl.store(out + main, tl.sum(tacc, axis=1), mask=rmask)
 
 
 @triton.jit
-def derivative_kernel(Z, U, V, S_OUT, G_OUT, n, d, t, ptr, idx, nblocks, row0,
-                      SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, DP: tl.constexpr,
-                      DT: tl.constexpr, PREC: tl.constexpr,
+def derivative_kernel(ZT, U, V, S_OUT, G_OUT, n, npad, t, ptr, idx, nblocks, row0,
+                      SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
+                      HOIST: tl.constexpr, TAIL: tl.constexpr, DP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
                       RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr,
                       P1: tl.constexpr, P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr,
                       NQ: tl.constexpr):
     """For row block ``I = row0 + program_id(0)``: ``S_OUT[I] = sum_{i in I, j} w_ij k_ij`` and
-    ``G_OUT[I, dd] = sum_{i in I, j} w_ij h_ij (z_i,dd - z_j,dd)^2`` with ``w_ij = u_i . v_j``
-    (``U, V (n, t)``; ``DP >= d`` a power of two; outputs in FP64)."""
+    ``G_OUT[I, dd] = sum_{i in I, j} w_ij h_ij (z_i,dd - z_j,dd)^2`` with ``w_ij = u_i . v_j`` (``U, V (n, t)``,
+    column ``t - 1`` of the inner product elementwise when ``TAIL``; ``DP >= D`` a power of two; outputs in FP64)."""
     i = tl.program_id(0) + row0
     offs = tl.arange(0, BLOCK)
     rows = i * BLOCK + offs
     rmask = rows < n
+    main = t - TAIL
     dims = tl.arange(0, DP)
+    zi = _row_coords(ZT, rows, npad, D, HOIST)
     s_acc = tl.zeros((BLOCK,), dtype=tl.float64)
     g_acc = tl.zeros((DP,), dtype=tl.float64)
+    if TAIL:
+        ut = tl.load(U + rows * t + main, mask=rmask, other=0.0)
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
-        cols, cmask = _column_block(idx, p, offs, n, BLOCK, SPARSE)
+        cols = _column_block(idx, p, offs, BLOCK, SPARSE)
+        cmask = cols < n
         w = tl.zeros((BLOCK, BLOCK), dtype=DT)
-        for t0 in range(0, t, BT):
+        for t0 in range(0, main, BT):
             tcol = t0 + tl.arange(0, BT)
-            tmask = tcol < t
+            tmask = tcol < main
             u = tl.load(U + rows[:, None] * t + tcol[None, :], mask=rmask[:, None] & tmask[None, :], other=0.0)
             vt = tl.load(V + cols[None, :] * t + tcol[:, None], mask=cmask[None, :] & tmask[:, None], other=0.0)
             w = tl.dot(u, vt, w, input_precision=PREC, out_dtype=DT)
-        r2 = _sq_dist(Z, rows, cols, rmask, cmask, d, BLOCK, DT)
-        k, h = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
-        s_acc += tl.sum(w * k, axis=1).to(tl.float64)  # masked rows/cols have w = 0
+        if TAIL:
+            w += ut[:, None] * tl.load(V + cols * t + main, mask=cmask, other=0.0)[None, :]
+        k, h = _kh(_sq_dist(zi, ZT, rows, cols, npad, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
+        s_acc += tl.sum(w * k, axis=1).to(tl.float64)  # padded rows/cols have w = 0
         a = w * h
-        for dd in range(d):
-            zi = tl.load(Z + rows * d + dd, mask=rmask, other=0.0)
-            zj = tl.load(Z + cols * d + dd, mask=cmask, other=0.0)
-            diff = zi[:, None] - zj[None, :]
+        for dd in tl.static_range(D):
+            diff = _diff(zi, ZT, rows, cols, npad, dd, HOIST)
             g = tl.sum(tl.sum(a * diff * diff, axis=1).to(tl.float64), axis=0)
             g_acc += tl.where(dims == dd, g, 0.0)
     tl.store(S_OUT + i, tl.sum(s_acc, axis=0))
@@ -160,44 +199,52 @@ def derivative_kernel(Z, U, V, S_OUT, G_OUT, n, d, t, ptr, idx, nblocks, row0,
 
 
 @triton.jit
-def column_kernel(Z, U, V, OUT, n, d, t, ptr, idx, nblocks, row0, planes,
-                  SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, ISO: tl.constexpr,
-                  DT: tl.constexpr, PREC: tl.constexpr,
+def column_kernel(ZT, U, V, OUT, n, npad, t, ptr, idx, nblocks, row0, planes,
+                  SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, HOIST: tl.constexpr,
+                  TAIL: tl.constexpr, ISO: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
                   RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr,
                   P1: tl.constexpr, P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr,
                   NQ: tl.constexpr):
     """For row block ``I = row0 + program_id(0)``, column block ``T = program_id(1)`` and plane ``q = program_id(2)``:
     ``OUT[I, q, T] = sum_{i in I} U[i, T] o (M_q[I, :] @ V[:, T])[i]`` with ``M_0 = K``, and ``M_q = H o R^2``
-    (``ISO``) or ``H o (z_{q-1} - z'_{q-1})^2``. ``U, V (n, t)``; ``OUT (nblocks, planes, t)`` in FP64."""
+    (``ISO``) or ``H o (z_{q-1} - z'_{q-1})^2`` (column ``t - 1`` elementwise when ``TAIL``: one column block then).
+    ``U, V (n, t)``; ``OUT (nblocks, planes, t)`` in FP64."""
     i = tl.program_id(0) + row0
     tb = tl.program_id(1)
     q = tl.program_id(2)
     offs = tl.arange(0, BLOCK)
     rows = i * BLOCK + offs
     rmask = rows < n
+    main = t - TAIL
     tcol = tb * BT + tl.arange(0, BT)
-    tmask = tcol < t
+    tmask = tcol < main
     dsel = tl.maximum(q - 1, 0)
+    zi = _row_coords(ZT, rows, npad, D, HOIST)
+    zq = tl.load(ZT + dsel * npad + rows)
     acc = tl.zeros((BLOCK, BT), dtype=DT)
+    tacc = tl.zeros((BLOCK, BLOCK), dtype=DT)
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
-        cols, cmask = _column_block(idx, p, offs, n, BLOCK, SPARSE)
-        r2 = _sq_dist(Z, rows, cols, rmask, cmask, d, BLOCK, DT)
+        cols = _column_block(idx, p, offs, BLOCK, SPARSE)
+        cmask = cols < n
+        r2 = _sq_dist(zi, ZT, rows, cols, npad, D, HOIST)
         k, h = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         if ISO:
             sq = r2
         else:
-            zi = tl.load(Z + rows * d + dsel, mask=rmask, other=0.0)
-            zj = tl.load(Z + cols * d + dsel, mask=cmask, other=0.0)
-            diff = zi[:, None] - zj[None, :]
+            diff = zq[:, None] - tl.load(ZT + dsel * npad + cols)[None, :]
             sq = diff * diff
         m = tl.where(q == 0, k, h * sq)
-        m = tl.where(cmask[None, :], m, 0.0)
         v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=cmask[:, None] & tmask[None, :], other=0.0)
         acc = tl.dot(m, v, acc, input_precision=PREC, out_dtype=DT)
+        if TAIL:
+            tacc += m * tl.load(V + cols * t + main, mask=cmask, other=0.0)[None, :]
     u = tl.load(U + rows[:, None] * t + tcol[None, :], mask=rmask[:, None] & tmask[None, :], other=0.0)
     col = tl.sum(u.to(tl.float64) * acc.to(tl.float64), axis=0)
     tl.store(OUT + (i * planes + q) * t + tcol, col, mask=tmask)
+    if TAIL:
+        ut = tl.load(U + rows * t + main, mask=rmask, other=0.0)
+        tl.store(OUT + (i * planes + q) * t + main, tl.sum(ut.to(tl.float64) * tl.sum(tacc, axis=1).to(tl.float64), axis=0))
 
 
 @triton.jit(do_not_specialize=["n", "d", "k", "start"])
