@@ -127,6 +127,15 @@ class TritonBackend(KernelBackend):
         return ZT, dict(D=d, HOIST=d <= 8)
 
     @staticmethod
+    def _padded(R: torch.Tensor, npad: int, dtype: torch.dtype) -> torch.Tensor:
+        """``R (n, t)`` as a contiguous ``(npad, t)`` block of ``dtype``, zero below row ``n`` (unmasked loads)."""
+        if R.shape[0] == npad:
+            return R.to(dtype).contiguous()
+        out = R.new_zeros(npad, R.shape[1], dtype=dtype)
+        out[: R.shape[0]] = R
+        return out
+
+    @staticmethod
     def _columns(t: int, hi: int) -> tuple[int, int]:
         """``(BT, TAIL)``: ``t = 2^m + 1`` columns (``16 <= 2^m <= hi``) go as one ``2^m``-wide block plus one
         elementwise column; other counts in blocks of ``BT = 16 .. hi`` (the last one padded)."""
@@ -137,20 +146,21 @@ class TritonBackend(KernelBackend):
     def _column_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                      isotropic: bool, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch over (row block, column block, plane): plane 0 gives ``s``, planes ``1..`` give ``g``
-        (:func:`~.triton_kernels.column_kernel`); ``(1 + d)`` products' work, or 2 when ``isotropic``."""
+        (:func:`~.triton_kernels.column_kernel`); ``(1 + d)`` products' work, or 2 products from one kernel tile
+        when ``isotropic``."""
         from gpnys.kernels.backends.triton_kernels import column_kernel
 
         n, d = Z.shape
         t = U.shape[1]
-        U, V = U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
         planes = 2 if isotropic else 1 + d
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
         row0, local = self._blocks(n, rows)
         out = torch.zeros(nblocks, planes, t, dtype=torch.float64, device=Z.device)
         if local and t:
             ZT, dims = self._coords(Z)
+            U, V = (self._padded(A, ZT.shape[1], Z.dtype) for A in (U, V))
             bt, tail = self._columns(t, 64)
-            column_kernel[(local, -(-(t - tail) // bt), planes)](
+            column_kernel[(local, -(-(t - tail) // bt), 1 if isotropic else planes)](
                 ZT, U, V, out, n, ZT.shape[1], t, ptr, idx, nblocks, row0, planes, SPARSE=sparse, BLOCK=BLOCK,
                 BT=bt, TAIL=tail, ISO=isotropic, **dims, **self._constants(Z.dtype))
         total = out.sum(0)  # (planes, t)
@@ -164,14 +174,13 @@ class TritonBackend(KernelBackend):
         t = R.shape[1]
         row0, local = self._blocks(n, rows)
         a, b = check_rows(n, rows)
-        R = R.to(Z.dtype).contiguous()
-        out = R.new_empty(b - a, t)
+        out = R.new_empty(b - a, t, dtype=Z.dtype)
         if local == 0 or t == 0:
             return out.zero_()
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
         ZT, dims = self._coords(Z)
         bt, tail = self._columns(t, 64)
-        kv_kernel[(local, -(-(t - tail) // bt))](ZT, R, out, n, ZT.shape[1], t, ptr, idx, nblocks, row0,
+        kv_kernel[(local, -(-(t - tail) // bt))](ZT, self._padded(R, ZT.shape[1], Z.dtype), out, n, ZT.shape[1], t, ptr, idx, nblocks, row0,
                                                  SPARSE=sparse, BLOCK=BLOCK, BT=bt, TAIL=tail, **dims,
                                                  **self._constants(Z.dtype))
         return out
@@ -182,7 +191,6 @@ class TritonBackend(KernelBackend):
 
         n, d = Z.shape
         t = U.shape[1]
-        U, V = U.to(Z.dtype).contiguous(), V.to(Z.dtype).contiguous()
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
         row0, local = self._blocks(n, rows)
         dp = _pow2(d, 1, 1 << 30)
@@ -190,6 +198,7 @@ class TritonBackend(KernelBackend):
         g = torch.zeros(nblocks, dp, dtype=torch.float64, device=Z.device)
         if local and t:
             ZT, dims = self._coords(Z)
+            U, V = (self._padded(A, ZT.shape[1], Z.dtype) for A in (U, V))
             bt, tail = self._columns(t, 32)
             derivative_kernel[(local,)](ZT, U, V, s, g, n, ZT.shape[1], t, ptr, idx, nblocks, row0, SPARSE=sparse,
                                         BLOCK=BLOCK, BT=bt, TAIL=tail, DP=dp, **dims, **self._constants(Z.dtype))

@@ -14,7 +14,7 @@ registers only:
   cancellation), then ``k`` and ``h = k'/r`` from :mod:`gpnys.kernels.formulas`'s coefficients (compile-time);
   the coordinates come transposed and zero-padded, ``ZT (D, npad)`` with ``npad`` a multiple of ``BLOCK``, so
   their loads need no masks, and the row block's own ``D`` coordinate vectors stay in registers for the whole loop
-  (``HOIST``, ``D <= 8``); a padded point is finite, and its ``V`` / ``U`` rows load as zeros;
+  (``HOIST``, ``D <= 8``); ``V`` and ``U`` come zero-padded alike, so a padded point (finite) adds zeros;
 * product: ``out[I] += K[I, J] @ V[J]`` (``tl.dot``, full-precision FP32 unless TF32 is asked for);
 * derivative: ``W = U[I] V[J]^T``, ``s += sum W o K``, ``g_d += sum (W o H) o (z_Id - z_Jd)^2`` — the
   outputscale and per-dimension length-scale sums of :mod:`gpnys.kernels.operator` (FP32 tiles are reduced
@@ -126,7 +126,7 @@ def kv_kernel(ZT, V, OUT, n, npad, t, ptr, idx, nblocks, row0,
               P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr, NQ: tl.constexpr):
     """``OUT[I, T] = sum_J K[I, J] V[J, T]`` for row block ``I = row0 + program_id(0)`` and column block ``T =
     program_id(1)`` of ``BT`` right-hand sides (and column ``t - 1`` elementwise when ``TAIL``: one column block
-    then). ``ZT (D, npad)``, ``V (n, t)`` contiguous; ``OUT (m, t)`` holds the rows from block ``row0`` on."""
+    then). ``ZT (D, npad)``, ``V (npad, t)`` zero-padded; ``OUT (m, t)`` holds the rows from block ``row0`` on."""
     i = tl.program_id(0) + row0
     tb = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -140,12 +140,11 @@ def kv_kernel(ZT, V, OUT, n, npad, t, ptr, idx, nblocks, row0,
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
         cols = _column_block(idx, p, offs, BLOCK, SPARSE)
-        cmask = cols < n
         k, _ = _kh(_sq_dist(zi, ZT, rows, cols, npad, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
-        v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=cmask[:, None] & tmask[None, :], other=0.0)
+        v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=tmask[None, :], other=0.0)
         acc = tl.dot(k, v, acc, input_precision=PREC, out_dtype=DT)
         if TAIL:
-            tacc += k * tl.load(V + cols * t + main, mask=cmask, other=0.0)[None, :]
+            tacc += k * tl.load(V + cols * t + main)[None, :]
     rmask = rows < n
     out = OUT + (rows - row0 * BLOCK) * t
     tl.store(out[:, None] + tcol[None, :], acc, mask=rmask[:, None] & tmask[None, :])
@@ -162,31 +161,30 @@ def derivative_kernel(ZT, U, V, S_OUT, G_OUT, n, npad, t, ptr, idx, nblocks, row
                       NQ: tl.constexpr):
     """For row block ``I = row0 + program_id(0)``: ``S_OUT[I] = sum_{i in I, j} w_ij k_ij`` and
     ``G_OUT[I, dd] = sum_{i in I, j} w_ij h_ij (z_i,dd - z_j,dd)^2`` with ``w_ij = u_i . v_j`` (``U, V (n, t)``,
-    column ``t - 1`` of the inner product elementwise when ``TAIL``; ``DP >= D`` a power of two; outputs in FP64)."""
+    zero-padded to ``npad`` rows, column ``t - 1`` of the inner product elementwise when ``TAIL``; ``DP >= D`` a power
+    of two; outputs in FP64)."""
     i = tl.program_id(0) + row0
     offs = tl.arange(0, BLOCK)
     rows = i * BLOCK + offs
-    rmask = rows < n
     main = t - TAIL
     dims = tl.arange(0, DP)
     zi = _row_coords(ZT, rows, npad, D, HOIST)
     s_acc = tl.zeros((BLOCK,), dtype=tl.float64)
     g_acc = tl.zeros((DP,), dtype=tl.float64)
     if TAIL:
-        ut = tl.load(U + rows * t + main, mask=rmask, other=0.0)
+        ut = tl.load(U + rows * t + main)
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
         cols = _column_block(idx, p, offs, BLOCK, SPARSE)
-        cmask = cols < n
         w = tl.zeros((BLOCK, BLOCK), dtype=DT)
         for t0 in range(0, main, BT):
             tcol = t0 + tl.arange(0, BT)
             tmask = tcol < main
-            u = tl.load(U + rows[:, None] * t + tcol[None, :], mask=rmask[:, None] & tmask[None, :], other=0.0)
-            vt = tl.load(V + cols[None, :] * t + tcol[:, None], mask=cmask[None, :] & tmask[:, None], other=0.0)
+            u = tl.load(U + rows[:, None] * t + tcol[None, :], mask=tmask[None, :], other=0.0)
+            vt = tl.load(V + cols[None, :] * t + tcol[:, None], mask=tmask[:, None], other=0.0)
             w = tl.dot(u, vt, w, input_precision=PREC, out_dtype=DT)
         if TAIL:
-            w += ut[:, None] * tl.load(V + cols * t + main, mask=cmask, other=0.0)[None, :]
+            w += ut[:, None] * tl.load(V + cols * t + main)[None, :]
         k, h = _kh(_sq_dist(zi, ZT, rows, cols, npad, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         s_acc += tl.sum(w * k, axis=1).to(tl.float64)  # padded rows/cols have w = 0
         a = w * h
@@ -199,22 +197,32 @@ def derivative_kernel(ZT, U, V, S_OUT, G_OUT, n, npad, t, ptr, idx, nblocks, row
 
 
 @triton.jit
+def _column_store(OUT, U, rows, tcol, tmask, acc, tacc, i, planes, q, t, main, TAIL: tl.constexpr):
+    """``OUT[i, q, T] = sum_{r in I} U[r, T] acc[r, T]`` (and column ``main`` from ``tacc``'s row sums: ``TAIL``)."""
+    u = tl.load(U + rows[:, None] * t + tcol[None, :], mask=tmask[None, :], other=0.0)
+    tl.store(OUT + (i * planes + q) * t + tcol, tl.sum(u.to(tl.float64) * acc.to(tl.float64), axis=0), mask=tmask)
+    if TAIL:
+        ut = tl.load(U + rows * t + main).to(tl.float64)
+        tl.store(OUT + (i * planes + q) * t + main, tl.sum(ut * tl.sum(tacc, axis=1).to(tl.float64), axis=0))
+
+
+@triton.jit
 def column_kernel(ZT, U, V, OUT, n, npad, t, ptr, idx, nblocks, row0, planes,
                   SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, HOIST: tl.constexpr,
                   TAIL: tl.constexpr, ISO: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
                   RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr,
                   P1: tl.constexpr, P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr,
                   NQ: tl.constexpr):
-    """For row block ``I = row0 + program_id(0)``, column block ``T = program_id(1)`` and plane ``q = program_id(2)``:
+    """For row block ``I = row0 + program_id(0)``, column block ``T = program_id(1)`` and plane ``q``:
     ``OUT[I, q, T] = sum_{i in I} U[i, T] o (M_q[I, :] @ V[:, T])[i]`` with ``M_0 = K``, and ``M_q = H o R^2``
-    (``ISO``) or ``H o (z_{q-1} - z'_{q-1})^2`` (column ``t - 1`` elementwise when ``TAIL``: one column block then).
-    ``U, V (n, t)``; ``OUT (nblocks, planes, t)`` in FP64."""
+    (``ISO``: both planes in one program, from one tile) or ``H o (z_{q-1} - z'_{q-1})^2`` (``q = program_id(2)``).
+    Column ``t - 1`` goes elementwise when ``TAIL`` (one column block then). ``U, V (npad, t)`` zero-padded;
+    ``OUT (nblocks, planes, t)`` in FP64."""
     i = tl.program_id(0) + row0
     tb = tl.program_id(1)
     q = tl.program_id(2)
     offs = tl.arange(0, BLOCK)
     rows = i * BLOCK + offs
-    rmask = rows < n
     main = t - TAIL
     tcol = tb * BT + tl.arange(0, BT)
     tmask = tcol < main
@@ -222,29 +230,32 @@ def column_kernel(ZT, U, V, OUT, n, npad, t, ptr, idx, nblocks, row0, planes,
     zi = _row_coords(ZT, rows, npad, D, HOIST)
     zq = tl.load(ZT + dsel * npad + rows)
     acc = tl.zeros((BLOCK, BT), dtype=DT)
+    acc1 = tl.zeros((BLOCK, BT), dtype=DT)
     tacc = tl.zeros((BLOCK, BLOCK), dtype=DT)
+    tacc1 = tl.zeros((BLOCK, BLOCK), dtype=DT)
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
         cols = _column_block(idx, p, offs, BLOCK, SPARSE)
-        cmask = cols < n
         r2 = _sq_dist(zi, ZT, rows, cols, npad, D, HOIST)
         k, h = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         if ISO:
-            sq = r2
+            m = k
+            m1 = h * r2
         else:
             diff = zq[:, None] - tl.load(ZT + dsel * npad + cols)[None, :]
-            sq = diff * diff
-        m = tl.where(q == 0, k, h * sq)
-        v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=cmask[:, None] & tmask[None, :], other=0.0)
+            m = tl.where(q == 0, k, h * (diff * diff))
+        v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=tmask[None, :], other=0.0)
         acc = tl.dot(m, v, acc, input_precision=PREC, out_dtype=DT)
+        if ISO:
+            acc1 = tl.dot(m1, v, acc1, input_precision=PREC, out_dtype=DT)
         if TAIL:
-            tacc += m * tl.load(V + cols * t + main, mask=cmask, other=0.0)[None, :]
-    u = tl.load(U + rows[:, None] * t + tcol[None, :], mask=rmask[:, None] & tmask[None, :], other=0.0)
-    col = tl.sum(u.to(tl.float64) * acc.to(tl.float64), axis=0)
-    tl.store(OUT + (i * planes + q) * t + tcol, col, mask=tmask)
-    if TAIL:
-        ut = tl.load(U + rows * t + main, mask=rmask, other=0.0)
-        tl.store(OUT + (i * planes + q) * t + main, tl.sum(ut.to(tl.float64) * tl.sum(tacc, axis=1).to(tl.float64), axis=0))
+            vt = tl.load(V + cols * t + main)[None, :]
+            tacc += m * vt
+            if ISO:
+                tacc1 += m1 * vt
+    _column_store(OUT, U, rows, tcol, tmask, acc, tacc, i, planes, q, t, main, TAIL)  # (U's padded rows are 0)
+    if ISO:
+        _column_store(OUT, U, rows, tcol, tmask, acc1, tacc1, i, planes, 1, t, main, TAIL)
 
 
 @triton.jit(do_not_specialize=["n", "d", "k", "start"])
