@@ -4,7 +4,8 @@ Triton compiles each kernel for sm_90 (TTIR -> PTX -> cubin with the ptxas it sh
 and the script counts the instructions one thread issues per ``64 x 64`` tile: the column-block loop's body, each
 loop nested in it weighted by its trip count (the per-dimension loops of kernels whose ``d`` is a runtime value).
 The tiles are issue-bound -- the FP32 ``tl.dot``'s FFMAs and the elementwise work share the FMA pipe, one warp
-instruction per scheduler and cycle -- so a tile's time is taken proportional to its instruction count. Calibration:
+instruction per scheduler and cycle -- so a tile's time is taken proportional to its instruction count, which holds
+only while nothing spills: the ``spills`` column counts the kernel's stores to local memory (before / after). Calibration:
 the H100's measured product, Matérn-3/2, d = 3, 32 columns, float32 (3.41e11 entries/s at n = 10^6, session 12,
 ``gpu_h100_product_specialised.json``); check: the same with TF32, measured 5.80e11 entries/s.
 
@@ -121,25 +122,24 @@ def per_tile(text: str, trips: list[int]) -> int:
 
 def case_constants(mod, kind: str, t: int, d: int, iso: bool, tf32: bool) -> tuple[dict, list[int], int]:
     """A kernel's compile-time constants for ``t`` columns in ``d`` dimensions, as its revision's backend would
-    choose them, the trip counts of its nested loops, and the programs per tile (the per-probe planes: two before
-    the isotropic planes were fused)."""
+    choose them, the trip counts of its nested loops, and the programs per tile (the per-probe planes)."""
     fn = getattr(mod, f"{kind}_kernel")
     new = "TAIL" in fn.arg_names
     hi = 32 if kind == "derivative" else 64
     bt, tail = TritonBackend._columns(t, hi) if new else (_pow2(t, 16, hi), 0)
     consts = dict(SPARSE=False, BLOCK=BLOCK, BT=bt, **TritonBackend(formula(1.5), tf32)._constants(torch.float32))
     if new:
-        consts.update(D=d, HOIST=d <= 8, TAIL=tail)
+        consts.update(TritonBackend._coords(torch.zeros(1, d))[1], TAIL=tail)
     if kind == "derivative":
         consts["DP"] = _pow2(d, 1, 1 << 30)
     if kind == "column":
         consts["ISO"] = iso
     chunks = -(-(t - tail) // bt)
-    if new:
-        trips = [chunks] if kind == "derivative" else []
+    if new:  # the derivative's length-scale sums loop over the dimensions unless they are unrolled (HOIST)
+        trips = ([chunks] + ([] if consts["HOIST"] else [d])) if kind == "derivative" else []
     else:
         trips = [chunks, d, d] if kind == "derivative" else [d]
-    programs = (2 if iso else 1 + d) if kind == "column" and not (new and iso) else 1
+    programs = (2 if iso else 1 + d) if kind == "column" else 1
     return consts, trips, programs
 
 
@@ -164,9 +164,11 @@ def model(args) -> dict:
             consts, trips, programs = case_constants(mod, kind, t, args.d, iso, tf32)
             text = sass(getattr(mod, f"{kind}_kernel"), consts, torch.float32)
             row[f"{tag}_instructions"] = programs * per_tile(text, trips)
+            row[f"{tag}_spill_stores"] = len(re.findall(r"\bSTL\b", text))  # registers spilled to local memory
         rows.append(row)
     base = next((r for r in rows if r["case"] == CASES[0][0]), None)
-    ref = base["before_instructions"] if base and args.before else None
+    # the calibration is the d = 3 measurement: other d give instruction ratios only
+    ref = base["before_instructions"] if base and args.before and args.d == 3 else None
     for r in rows:
         for tag, _ in revs:
             if ref:  # entries/s: the measured product scaled by instructions per tile
@@ -212,12 +214,14 @@ def main(argv=None) -> dict:
         raise SystemExit("--d and --cg-iterations must be positive")
     out = model(args)
     print(f"instructions per 64 x 64 tile and thread, sm_90, Matérn-3/2, d = {args.d}, float32")
-    print(f"{'case':40s} {'before':>8s} {'after':>8s} {'ratio':>6s} {'entries/s before':>17s} {'after':>9s}")
+    print(f"{'case':40s} {'before':>8s} {'after':>8s} {'ratio':>6s} {'entries/s before':>17s} {'after':>9s} "
+          f"{'spills':>7s}")
     for r in out["kernels"]:
         b = r.get("before_instructions")
         e0, e1 = r.get("before_entries_per_s"), r.get("after_entries_per_s")
         print(f"{r['case']:40s} {b if b else '-':>8} {r['after_instructions']:>8d} "
-              f"{r['ratio'] if 'ratio' in r else math.nan:6.2f} {e0 or math.nan:17.3g} {e1 or math.nan:9.3g}")
+              f"{r['ratio'] if 'ratio' in r else math.nan:6.2f} {e0 or math.nan:17.3g} {e1 or math.nan:9.3g} "
+              f"{r.get('before_spill_stores', '-')}/{r['after_spill_stores']:>3}")
     if "mll" in out:
         m = out["mll"]
         tf = next(r for r in out["kernels"] if r["case"] == CASES[1][0])

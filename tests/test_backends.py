@@ -229,12 +229,12 @@ def test_triton_column_derivatives_match_dense_autograd_per_column(name, ard, dt
 @pytest.mark.parametrize("name", ["matern12", "matern32"])
 @pytest.mark.parametrize("d,t", [(3, 17), (10, 33)], ids=["d3-t17", "d10-t33"])
 def test_triton_tail_column_and_unhoisted_coordinates_match_dense(name, d, t, dtype):
-    """``t = 2^m + 1`` columns (one ``2^m`` block and the last column elementwise) and ``d > 8`` (coordinates
+    """``t = 2^m + 1`` columns (one ``2^m`` block and the last column elementwise) and ``d > 4`` (coordinates
     loaded per tile, not kept in registers): product, derivative and per-column sums against dense float64
     references, with ``n`` not a multiple of the tile."""
     from gpnys.kernels.backends.triton_fused import TritonBackend
 
-    assert TritonBackend._columns(t, 32) == (t - 1, 1) and TritonBackend._coords(torch.zeros(5, d))[1]["HOIST"] == (d <= 8)
+    assert TritonBackend._columns(t, 32) == (t - 1, 1) and TritonBackend._coords(torch.zeros(5, d))[1]["HOIST"] == (d <= 4)
     g = torch.Generator().manual_seed(7)
     n = 150
     X = (torch.rand(n, d, generator=g, dtype=torch.float64) * 3.0).to(dtype)
@@ -453,7 +453,7 @@ for arch in (80, 90):
         if kind == "column":
             sig.update(planes="i32")
         tf32 = flag and kind != "column"
-        consts = dict(SPARSE=sparse, BLOCK=BLOCK, BT=32, D=d, HOIST=d <= 8, TAIL=tail,
+        consts = dict(SPARSE=sparse, BLOCK=BLOCK, BT=32, D=d, HOIST=d <= 4, TAIL=tail,
                       **TritonBackend(formula(nu), tf32)._constants(dtype))
         if kind == "derivative":
             consts["DP"] = 16

@@ -120,11 +120,11 @@ class TritonBackend(KernelBackend):
     def _coords(Z: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """``ZT (d, npad)``: ``Z`` transposed and zero-padded to whole tiles (the kernels' unmasked coordinate loads),
         and the constants that go with it: ``D = d``, ``HOIST`` (the row block's coordinates stay in registers: ``d
-        <= 8``)."""
+        <= 4``; more spill)."""
         n, d = Z.shape
         ZT = Z.new_zeros(d, -(-n // BLOCK) * BLOCK)
         ZT[:, :n] = Z.mT
-        return ZT, dict(D=d, HOIST=d <= 8)
+        return ZT, dict(D=d, HOIST=d <= 4)
 
     @staticmethod
     def _padded(R: torch.Tensor, npad: int, dtype: torch.dtype) -> torch.Tensor:
@@ -146,8 +146,7 @@ class TritonBackend(KernelBackend):
     def _column_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                      isotropic: bool, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch over (row block, column block, plane): plane 0 gives ``s``, planes ``1..`` give ``g``
-        (:func:`~.triton_kernels.column_kernel`); ``(1 + d)`` products' work, or 2 products from one kernel tile
-        when ``isotropic``."""
+        (:func:`~.triton_kernels.column_kernel`); ``(1 + d)`` products' work, or 2 when ``isotropic``."""
         from gpnys.kernels.backends.triton_kernels import column_kernel
 
         n, d = Z.shape
@@ -160,7 +159,7 @@ class TritonBackend(KernelBackend):
             ZT, dims = self._coords(Z)
             U, V = (self._padded(A, ZT.shape[1], Z.dtype) for A in (U, V))
             bt, tail = self._columns(t, 64)
-            column_kernel[(local, -(-(t - tail) // bt), 1 if isotropic else planes)](
+            column_kernel[(local, -(-(t - tail) // bt), planes)](
                 ZT, U, V, out, n, ZT.shape[1], t, ptr, idx, nblocks, row0, planes, SPARSE=sparse, BLOCK=BLOCK,
                 BT=bt, TAIL=tail, ISO=isotropic, **dims, **self._constants(Z.dtype))
         total = out.sum(0)  # (planes, t)

@@ -14,7 +14,7 @@ registers only:
   cancellation), then ``k`` and ``h = k'/r`` from :mod:`gpnys.kernels.formulas`'s coefficients (compile-time);
   the coordinates come transposed and zero-padded, ``ZT (D, npad)`` with ``npad`` a multiple of ``BLOCK``, so
   their loads need no masks, and the row block's own ``D`` coordinate vectors stay in registers for the whole loop
-  (``HOIST``, ``D <= 8``); ``V`` and ``U`` come zero-padded alike, so a padded point (finite) adds zeros;
+  (``HOIST``, ``D <= 4``); ``V`` and ``U`` come zero-padded alike, so a padded point (finite) adds zeros;
 * product: ``out[I] += K[I, J] @ V[J]`` (``tl.dot``, full-precision FP32 unless TF32 is asked for);
 * derivative: ``W = U[I] V[J]^T``, ``s += sum W o K``, ``g_d += sum (W o H) o (z_Id - z_Jd)^2`` — the
   outputscale and per-dimension length-scale sums of :mod:`gpnys.kernels.operator` (FP32 tiles are reduced
@@ -66,7 +66,8 @@ def _kh(r2, RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.c
 @triton.jit
 def _row_coords(ZT, rows, npad, D: tl.constexpr, HOIST: tl.constexpr):
     """The row block's coordinates: a tuple of ``D`` ``(BLOCK,)`` vectors, loaded once per program (``HOIST``), or
-    ``()`` (loaded per tile by :func:`_diff`)."""
+    ``()`` (loaded per tile by :func:`_diff`: with the tile layout a thread holds 32 rows, so more than 4 dimensions
+    kept in registers spill on sm_90)."""
     zi = ()
     if HOIST:
         for dd in tl.static_range(D):
@@ -75,22 +76,23 @@ def _row_coords(ZT, rows, npad, D: tl.constexpr, HOIST: tl.constexpr):
 
 
 @triton.jit
-def _diff(zi, ZT, rows, cols, npad, dd: tl.constexpr, HOIST: tl.constexpr):
-    """``(BLOCK, BLOCK)`` coordinate differences ``z_i,dd - z_j,dd`` (``ZT (D, npad)``, zero-padded)."""
+def _diff(zi, ZT, rows, cols, npad, p, dd, HOIST: tl.constexpr):
+    """``(BLOCK, BLOCK)`` coordinate differences ``z_i,dd - z_j,dd`` (``ZT (D, npad)``, zero-padded) in the
+    column-block loop's iteration ``p``."""
     if HOIST:
         a = zi[dd]
-    else:
-        a = tl.load(ZT + dd * npad + rows)
+    else:  # the mask (always true) varies with p: Triton would hoist a loop-invariant load, and spill registers
+        a = tl.load(ZT + dd * npad + rows, mask=rows < npad + p, other=0.0)
     return a[:, None] - tl.load(ZT + dd * npad + cols)[None, :]
 
 
 @triton.jit
-def _sq_dist(zi, ZT, rows, cols, npad, D: tl.constexpr, HOIST: tl.constexpr):
+def _sq_dist(zi, ZT, rows, cols, npad, p, D: tl.constexpr, HOIST: tl.constexpr):
     """``(BLOCK, BLOCK)`` squared distances between rows ``rows`` and ``cols`` (explicit differences)."""
-    diff = _diff(zi, ZT, rows, cols, npad, 0, HOIST)
+    diff = _diff(zi, ZT, rows, cols, npad, p, 0, HOIST)
     r2 = diff * diff
     for dd in tl.static_range(1, D):
-        diff = _diff(zi, ZT, rows, cols, npad, dd, HOIST)
+        diff = _diff(zi, ZT, rows, cols, npad, p, dd, HOIST)
         r2 += diff * diff
     return r2
 
@@ -140,7 +142,7 @@ def kv_kernel(ZT, V, OUT, n, npad, t, ptr, idx, nblocks, row0,
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
         cols = _column_block(idx, p, offs, BLOCK, SPARSE)
-        k, _ = _kh(_sq_dist(zi, ZT, rows, cols, npad, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
+        k, _ = _kh(_sq_dist(zi, ZT, rows, cols, npad, p, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=tmask[None, :], other=0.0)
         acc = tl.dot(k, v, acc, input_precision=PREC, out_dtype=DT)
         if TAIL:
@@ -150,6 +152,13 @@ def kv_kernel(ZT, V, OUT, n, npad, t, ptr, idx, nblocks, row0,
     tl.store(out[:, None] + tcol[None, :], acc, mask=rmask[:, None] & tmask[None, :])
     if TAIL:
         tl.store(out + main, tl.sum(tacc, axis=1), mask=rmask)
+
+
+@triton.jit
+def _add_length_sum(g_acc, a, zi, ZT, rows, cols, npad, p, dd, dims, HOIST: tl.constexpr):
+    """``g_acc[dd] += sum a o (z_dd - z'_dd)^2`` over the tile (reduced in FP64)."""
+    diff = _diff(zi, ZT, rows, cols, npad, p, dd, HOIST)
+    return g_acc + tl.where(dims == dd, tl.sum(tl.sum(a * diff * diff, axis=1).to(tl.float64), axis=0), 0.0)
 
 
 @triton.jit
@@ -185,13 +194,15 @@ def derivative_kernel(ZT, U, V, S_OUT, G_OUT, n, npad, t, ptr, idx, nblocks, row
             w = tl.dot(u, vt, w, input_precision=PREC, out_dtype=DT)
         if TAIL:
             w += ut[:, None] * tl.load(V + cols * t + main)[None, :]
-        k, h = _kh(_sq_dist(zi, ZT, rows, cols, npad, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
+        k, h = _kh(_sq_dist(zi, ZT, rows, cols, npad, p, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         s_acc += tl.sum(w * k, axis=1).to(tl.float64)  # padded rows/cols have w = 0
         a = w * h
-        for dd in tl.static_range(D):
-            diff = _diff(zi, ZT, rows, cols, npad, dd, HOIST)
-            g = tl.sum(tl.sum(a * diff * diff, axis=1).to(tl.float64), axis=0)
-            g_acc += tl.where(dims == dd, g, 0.0)
+        if HOIST:
+            for dd in tl.static_range(D):
+                g_acc = _add_length_sum(g_acc, a, zi, ZT, rows, cols, npad, p, dd, dims, HOIST)
+        else:  # a loop: unrolled over many dimensions, the kernel spills registers
+            for dd in range(D):
+                g_acc = _add_length_sum(g_acc, a, zi, ZT, rows, cols, npad, p, dd, dims, HOIST)
     tl.store(S_OUT + i, tl.sum(s_acc, axis=0))
     tl.store(G_OUT + i * DP + dims, g_acc)
 
@@ -213,11 +224,11 @@ def column_kernel(ZT, U, V, OUT, n, npad, t, ptr, idx, nblocks, row0, planes,
                   RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr,
                   P1: tl.constexpr, P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr,
                   NQ: tl.constexpr):
-    """For row block ``I = row0 + program_id(0)``, column block ``T = program_id(1)`` and plane ``q``:
+    """For row block ``I = row0 + program_id(0)``, column block ``T = program_id(1)`` and plane ``q = program_id(2)``:
     ``OUT[I, q, T] = sum_{i in I} U[i, T] o (M_q[I, :] @ V[:, T])[i]`` with ``M_0 = K``, and ``M_q = H o R^2``
-    (``ISO``: both planes in one program, from one tile) or ``H o (z_{q-1} - z'_{q-1})^2`` (``q = program_id(2)``).
-    Column ``t - 1`` goes elementwise when ``TAIL`` (one column block then). ``U, V (npad, t)`` zero-padded;
-    ``OUT (nblocks, planes, t)`` in FP64."""
+    (``ISO``) or ``H o (z_{q-1} - z'_{q-1})^2``; column ``t - 1`` elementwise when ``TAIL`` (one column block then).
+    ``U, V (npad, t)`` zero-padded; ``OUT (nblocks, planes, t)`` in FP64. (Both isotropic planes from one tile in
+    one program would save a tile's elementwise work, but its two ``TAIL`` accumulators spill registers on sm_90.)"""
     i = tl.program_id(0) + row0
     tb = tl.program_id(1)
     q = tl.program_id(2)
@@ -230,32 +241,23 @@ def column_kernel(ZT, U, V, OUT, n, npad, t, ptr, idx, nblocks, row0, planes,
     zi = _row_coords(ZT, rows, npad, D, HOIST)
     zq = tl.load(ZT + dsel * npad + rows)
     acc = tl.zeros((BLOCK, BT), dtype=DT)
-    acc1 = tl.zeros((BLOCK, BT), dtype=DT)
     tacc = tl.zeros((BLOCK, BLOCK), dtype=DT)
-    tacc1 = tl.zeros((BLOCK, BLOCK), dtype=DT)
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
         cols = _column_block(idx, p, offs, BLOCK, SPARSE)
-        r2 = _sq_dist(zi, ZT, rows, cols, npad, D, HOIST)
+        r2 = _sq_dist(zi, ZT, rows, cols, npad, p, D, HOIST)
         k, h = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         if ISO:
-            m = k
-            m1 = h * r2
+            sq = r2
         else:
             diff = zq[:, None] - tl.load(ZT + dsel * npad + cols)[None, :]
-            m = tl.where(q == 0, k, h * (diff * diff))
+            sq = diff * diff
+        m = tl.where(q == 0, k, h * sq)
         v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=tmask[None, :], other=0.0)
         acc = tl.dot(m, v, acc, input_precision=PREC, out_dtype=DT)
-        if ISO:
-            acc1 = tl.dot(m1, v, acc1, input_precision=PREC, out_dtype=DT)
         if TAIL:
-            vt = tl.load(V + cols * t + main)[None, :]
-            tacc += m * vt
-            if ISO:
-                tacc1 += m1 * vt
+            tacc += m * tl.load(V + cols * t + main)[None, :]
     _column_store(OUT, U, rows, tcol, tmask, acc, tacc, i, planes, q, t, main, TAIL)  # (U's padded rows are 0)
-    if ISO:
-        _column_store(OUT, U, rows, tcol, tmask, acc1, tacc1, i, planes, 1, t, main, TAIL)
 
 
 @triton.jit(do_not_specialize=["n", "d", "k", "start"])
