@@ -26,10 +26,12 @@ registers only:
 ``TAIL``: with ``t = 2^m + 1`` columns (16 probes and one solve, say) the last column is not padded into a
 ``2^(m+1)``-wide ``tl.dot`` but accumulated elementwise (``k * v_j`` in a ``(BLOCK, BLOCK)`` register tile, one
 row sum at the end). The column count of an FP32 dot is most of a tile's instructions: on sm_90 the product at
-``t = 17`` issues 1274 instructions per tile and thread instead of 2468 (``benchmarks/kernel_model.py``).
+``t = 17`` issues 1148 instructions per tile and thread instead of 2467 (``benchmarks/kernel_model.py``).
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -37,16 +39,38 @@ import triton.language as tl
 __all__ = ["kv_kernel", "derivative_kernel", "column_kernel", "fps_kernel"]
 
 
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # triton.jit reads the same switch
+
+    @triton.jit
+    def _exp2(x):
+        """``2^x`` (the interpreter has no PTX)."""
+        return tl.exp2(x)
+
+else:
+
+    @triton.jit
+    def _exp2(x):
+        """``2^x``; in FP32 one ``ex2.approx.ftz`` (MUFU.EX2): ``tl.exp2`` adds a range check and two rescaling
+        multiplies per entry for subnormal results, values below 1.2e-38 that the kernel sums cannot see."""
+        if x.dtype == tl.float32:
+            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.exp2(x)
+
+
 @triton.jit
 def _kh(r2, RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
         P2: tl.constexpr, NP: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr, NQ: tl.constexpr):
-    """``(k, h)`` of the unit kernel at squared distances ``r2`` (``formulas.Formula`` as constants)."""
+    """``(k, h)`` of the unit kernel at squared distances ``r2`` (``formulas.Formula`` as constants); the
+    exponentials as ``2^(r * -C log2 e)``, the constant folded at compile time."""
     if RBF:
-        k = tl.exp(-0.5 * r2)
+        k = _exp2(r2 * (-0.5 * 1.4426950408889634))
         h = -k
     else:
-        a = C * tl.sqrt(r2)
-        e = tl.exp(-a)
+        r = tl.sqrt(r2)
+        a = C * r
+        e = _exp2(r * (-C * 1.4426950408889634))
         if NP == 1:
             k = P0 * e
         elif NP == 2:
