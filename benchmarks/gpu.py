@@ -4,8 +4,8 @@ Four parts (``--parts``: default ``product,mll,fit``; ``paths`` on request), eve
 (``torch.cuda.synchronize``) on CUDA and every peak memory read with ``torch.cuda.max_memory_allocated`` after a
 reset (``None`` on the CPU):
 
-1. product: one unit Matérn-3/2 product ``K V`` (``V``: 32 columns, ``--product-dtype`` float32) on ``synthetic3d``
-   (unit density, l = 1) with no cutoff (``prune_tol=0``, ``dense_limit_bytes=0``: every entry recomputed), for
+1. product: one unit Matérn-3/2 product ``K V`` (``V``: 32 columns or ``--product-columns``, ``--product-dtype``
+   float32) on ``synthetic3d`` (unit density, l = 1) with no cutoff (``prune_tol=0``, ``dense_limit_bytes=0``: every entry recomputed), for
    each backend of :class:`~gpnys.kernels.operator.StationaryKernelOperator`: ``torch`` tiles, ``triton`` (when
    ``select_backend(device, "triton")`` accepts it), ``triton_tf32`` and, with ``--keops``, ``keops`` in a child
    process (pykeops segfaults on CUDA 13: a crash is recorded as ``crashed``). Median of ``--repeats`` after one
@@ -234,7 +234,7 @@ def child_main(spec: dict) -> None:
     device = torch.device(spec["device"])
     if spec["task"] == "product":
         rec = guarded(lambda: product_run("keops", spec["n"], DTYPES[spec["dtype"]], device, spec["seed"],
-                                          spec["repeats"], ref_torch=spec["ref"]), device)
+                                          spec["repeats"], ref_torch=spec["ref"], columns=spec["columns"]), device)
     else:
         dtype, hypers = DTYPES[spec["dtype"]], spec["hypers"]
         data, n, seed = spec["data"], spec["n"], spec["seed"]
@@ -265,9 +265,10 @@ def unit_operator(X: torch.Tensor, base: gpytorch.kernels.Kernel, **kw: Any) -> 
 
 
 def product_run(backend: str, n: int, dtype: torch.dtype, device: torch.device, seed: int, repeats: int,
-                tf32: bool = False, keep: bool = False, ref_torch: bool = False) -> dict:
-    """One ``K V`` timed: median of ``repeats`` after a warm-up. ``keep``: return the product under ``"_out"``;
-    ``ref_torch``: also the relative error against the torch tiles (the KeOps child)."""
+                tf32: bool = False, keep: bool = False, ref_torch: bool = False,
+                columns: int = PRODUCT_COLUMNS) -> dict:
+    """One ``K V`` (``V``: ``columns`` columns) timed: median of ``repeats`` after a warm-up. ``keep``: return the
+    product under ``"_out"``; ``ref_torch``: also the relative error against the torch tiles (the KeOps child)."""
     X, _ = load_data("synthetic3d", n, dtype, device, seed)
     base = unit_matern(X, 1.0)
 
@@ -275,7 +276,7 @@ def product_run(backend: str, n: int, dtype: torch.dtype, device: torch.device, 
         return unit_operator(X, base, backend=name, prune_tol=0.0, dense_limit_bytes=0, tf32=tf)
 
     op = operator(backend, tf32)
-    V = torch.randn(X.shape[0], PRODUCT_COLUMNS, generator=torch.Generator().manual_seed(seed),
+    V = torch.randn(X.shape[0], columns, generator=torch.Generator().manual_seed(seed),
                     dtype=torch.float64).to(device=device, dtype=dtype)
     rec: dict[str, Any] = {"n": X.shape[0]}
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
@@ -316,14 +317,15 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def part_products(args, bench) -> None:
     device, dtype = args.device, DTYPES[args.product_dtype]
     variants = [("torch", "torch", False), ("triton", "triton", False), ("triton_tf32", "triton", True)]
-    bench.header("product", f"K V, unit Matern-3/2, l = 1, {PRODUCT_COLUMNS} columns, {args.product_dtype}, no cutoff, "
+    bench.header("product", f"K V, unit Matern-3/2, l = 1, {args.product_columns} columns, {args.product_dtype}, no cutoff, "
                  f"median of {args.repeats} after a warm-up",
                  f"{'backend':>12} {'n':>8} {'status':>16} {'time s':>9} {'entries/s':>10} {'rel err':>9} "
                  f"{'peak MiB':>9}")
     outs: dict[str, torch.Tensor] = {}
     for i, n in enumerate(args.product_sizes):
         for label, backend, tf32 in variants + ([("keops", "keops", False)] if args.keops else []):
-            row = {"backend": label, "n": n, "dtype": args.product_dtype, "tf32": tf32}
+            row = {"backend": label, "n": n, "dtype": args.product_dtype, "tf32": tf32,
+                   "columns": args.product_columns}
             skip = bench.projected_skip("product", "synthetic3d", label, n, 2, args.repeats + 1)
             if backend == "triton" and not skip:
                 try:
@@ -336,11 +338,12 @@ def part_products(args, bench) -> None:
                 row.update(status="skipped", error=skip)
             elif backend == "keops":
                 row.update(run_child({"task": "product", "n": n, "dtype": args.product_dtype, "device": str(device),
-                                      "seed": args.seed, "repeats": args.repeats, "ref": i == 0},
+                                      "seed": args.seed, "repeats": args.repeats, "ref": i == 0,
+                                      "columns": args.product_columns},
                                      timeout=3 * args.max_seconds + 600))
             else:
                 row.update(guarded(lambda: product_run(backend, n, dtype, device, args.seed, args.repeats, tf32,
-                                                       keep=i == 0), device))
+                                                       keep=i == 0, columns=args.product_columns), device))
                 out = row.pop("_out", None)
                 if out is not None:
                     if label == "torch":
@@ -938,6 +941,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default=None, choices=list(DTYPES), help="MLL / fit dtype (default float32; quick "
                     "float64); the Cholesky references are float64")
     ap.add_argument("--product-dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--product-columns", type=int, default=PRODUCT_COLUMNS,
+                    help="columns of V in the product part (17: CG with 16 probes)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; quick 1: small problems stall on busy cores)")
     ap.add_argument("--seed", type=int, default=0)
@@ -979,6 +984,8 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # (in-process callers: before the kernels are imported)
     args.dtype = args.dtype or ("float64" if q else "float32")
     args.repeats = args.repeats or (1 if q else 3)
+    if args.product_columns < 1:
+        ap.error("--product-columns must be positive")
     args.warmup_n = args.warmup_n or (128 if q else WARMUP_N)
     args.threads = args.threads or (1 if q else None)
     args.product_sizes = sizes(args.product_sizes or ("300,600" if q else "10000,50000,200000,1000000"))

@@ -3,6 +3,10 @@
 # (default benchmarks/results/gpu_check). PARTS (comma-separated, in this order):
 #   dist   issue 22: one MLL value + gradient at n = 200 000 with the multi-GPU path as P = 1 over NCCL against no
 #          process group (`benchmarks/distributed.py --device cuda`, about a minute, alone on the GPU);
+#   kernels  session 22's Triton kernels: one product of 17 and of 32 columns at n = 10^4 .. 10^6 (`gpu.py --parts
+#          product`), then one MLL value + gradient at 25 000 (kin40k) and 2 x 10^5, 10^6 (synthetic3d), with and
+#          without the cutoff (`--parts mll`), alone on the GPU (about 4 minutes); `benchmarks/kernel_model.py`
+#          predicted them (RESULTS.md "Session 22");
 #   suite  the `cuda` test suite (in the background, beside the fit);
 #   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
 #   paths  every other public path at 10^6 (`gpu.py --parts paths`);
@@ -14,6 +18,7 @@
 # machine, copy the returned checkpoint into the checkout and rerun with FIT_CKPT=<that path> PARTS=fit: the fit
 # resumes at its last step, clock included. FIT_ARGS adds gpu.py arguments (a CPU test: "--device cpu
 # --fit-1e6-n 2000 --fit-1e6-steps 4").
+#   LIMIT=420 PARTS=dist,kernels bash benchmarks/gpu_check.sh           # session 22's checks, then PARTS=suite
 #   LIMIT=540 DETACH=1 PARTS=suite,fit bash benchmarks/gpu_check.sh      # call 1
 #   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
 set -u
@@ -40,6 +45,14 @@ case $PARTS in *collect*) wait_fit ;; esac
 case $PARTS in *dist*)
   timeout "$(left)" python -u benchmarks/distributed.py --device cuda --procs 1 --n 200000 --dtype float32 \
       --repeats 3 --out "$OUT/distributed_cuda.json" > "$OUT/distributed_cuda.log" 2>&1
+esac
+case $PARTS in *kernels*)
+  for t in 17 32; do
+    timeout "$(left)" python -u benchmarks/gpu.py --parts product --product-columns $t --repeats 3 --max-seconds 60 \
+        --out "$OUT/gpu_product_t$t.json" > "$OUT/product_t$t.log" 2>&1
+  done
+  timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes 200000,1000000 \
+      --max-seconds 100 --budget-s 240 --out "$OUT/gpu_mll.json" > "$OUT/mll.log" 2>&1
 esac
 pids=()
 case $PARTS in *suite*)

@@ -34,7 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for real (the test session sets it)
+if __name__ == "__main__":  # compile for real (a test session sets the interpreter; it runs this in a child)
+    os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import torch  # noqa: E402
@@ -56,6 +57,8 @@ SPEC = dict(MEASURED=MEASURED, source="benchmarks/RESULTS.md: H100 sessions 12 (
 
 def load_kernels(rev: str | None):
     """The kernels module of revision ``rev`` (``git show``), or of this tree."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("kernel_model.py compiles the kernels: run it without TRITON_INTERPRET")
     if rev is None:
         from gpnys.kernels.backends import triton_kernels
 

@@ -255,3 +255,21 @@ def test_ab_quick(tmp_path):
     assert row["before_s"] > 0 and row["product_after_s"] > 0 and (tmp_path / "ab.json").exists()
     with pytest.raises(SystemExit):
         load("ab").main(["--cases", "kin40k:10:rbf", "--before-path", "."])
+
+
+def test_kernel_model_quick(tmp_path):
+    """The static model compiles this tree's product kernel for sm_90 (in a child: the test session interprets the
+    kernels) and counts a positive, spill-free instruction budget per tile."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "km.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "kernel_model.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["kernels"]
+    assert row["columns"] == 17 and 200 < row["after_instructions"] < 5000 and row["after_spill_stores"] == 0
