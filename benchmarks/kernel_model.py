@@ -123,23 +123,25 @@ def per_tile(text: str, trips: list[int]) -> int:
     return total
 
 
-def case_constants(mod, kind: str, t: int, d: int, iso: bool, tf32: bool) -> tuple[dict, list[int], int]:
+def case_constants(mod, kind: str, t: int, d: int, iso: bool, tf32: bool,
+                   dtype: torch.dtype = torch.float32) -> tuple[dict, list[int], int]:
     """A kernel's compile-time constants for ``t`` columns in ``d`` dimensions, as its revision's backend would
     choose them, the trip counts of its nested loops, and the programs per tile (the per-probe planes)."""
     fn = getattr(mod, f"{kind}_kernel")
     new = "TAIL" in fn.arg_names
     hi = 32 if kind == "derivative" else 64
-    bt, tail = TritonBackend._columns(t, hi) if new else (_pow2(t, 16, hi), 0)
-    consts = dict(SPARSE=False, BLOCK=BLOCK, BT=bt, **TritonBackend(formula(1.5), tf32)._constants(torch.float32))
+    bt, tail = TritonBackend._columns(t, hi, dtype) if new else (_pow2(t, 16, hi), 0)
+    consts = dict(SPARSE=False, BLOCK=BLOCK, BT=bt, **TritonBackend(formula(1.5), tf32)._constants(dtype))
     if new:
-        consts.update(TritonBackend._coords(torch.zeros(1, d))[1], TAIL=tail)
+        consts.update(TritonBackend._coords(torch.zeros(1, d, dtype=dtype))[1], TAIL=tail)
     if kind == "derivative":
         consts["DP"] = _pow2(d, 1, 1 << 30)
     if kind == "column":
         consts["ISO"] = iso
     chunks = -(-(t - tail) // bt)
-    if new:  # the derivative's length-scale sums loop over the dimensions unless they are unrolled (HOIST)
-        trips = ([chunks] + ([] if consts["HOIST"] else [d])) if kind == "derivative" else []
+    if new:  # unless the dimensions are unrolled (HOIST), the distances and the derivative's sums loop over them
+        dims = [] if consts["HOIST"] else [d]
+        trips = ([chunks] + dims + ([] if consts["HOIST"] else [d])) if kind == "derivative" else dims
     else:
         trips = [chunks, d, d] if kind == "derivative" else [d]
     programs = (2 if iso else 1 + d) if kind == "column" else 1

@@ -234,7 +234,7 @@ def test_triton_tail_column_and_unhoisted_coordinates_match_dense(name, d, t, dt
     references, with ``n`` not a multiple of the tile."""
     from gpnys.kernels.backends.triton_fused import TritonBackend
 
-    assert TritonBackend._columns(t, 32) == (t - 1, 1) and TritonBackend._coords(torch.zeros(5, d))[1]["HOIST"] == (d <= 4)
+    assert TritonBackend._columns(t, 32, dtype)[1] == (dtype == torch.float32) and TritonBackend._coords(torch.zeros(5, d, dtype=dtype))[1]["HOIST"] == (d <= 4 and dtype == torch.float32)
     g = torch.Generator().manual_seed(7)
     n = 150
     X = (torch.rand(n, d, generator=g, dtype=torch.float64) * 3.0).to(dtype)
@@ -453,7 +453,7 @@ for arch in (80, 90):
         if kind == "column":
             sig.update(planes="i32")
         tf32 = flag and kind != "column"
-        consts = dict(SPARSE=sparse, BLOCK=BLOCK, BT=32, D=d, HOIST=d <= 4, TAIL=tail,
+        consts = dict(SPARSE=sparse, BLOCK=BLOCK, BT=32, D=d, HOIST=d <= 4 and dtype == torch.float32, TAIL=tail,
                       **TritonBackend(formula(nu), tf32)._constants(dtype))
         if kind == "derivative":
             consts["DP"] = 16

@@ -119,12 +119,12 @@ class TritonBackend(KernelBackend):
     @staticmethod
     def _coords(Z: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """``ZT (d, npad)``: ``Z`` transposed and zero-padded to whole tiles (the kernels' unmasked coordinate loads),
-        and the constants that go with it: ``D = d``, ``HOIST`` (the row block's coordinates stay in registers: ``d
-        <= 4``; more spill)."""
+        and the constants that go with it: ``D = d``, ``HOIST`` (the row block's coordinates stay in registers: float32
+        and ``d <= 4``; more spill on sm_90)."""
         n, d = Z.shape
         ZT = Z.new_zeros(d, -(-n // BLOCK) * BLOCK)
         ZT[:, :n] = Z.mT
-        return ZT, dict(D=d, HOIST=d <= 4)
+        return ZT, dict(D=d, HOIST=d <= 4 and Z.dtype == torch.float32)
 
     @staticmethod
     def _padded(R: torch.Tensor, npad: int, dtype: torch.dtype) -> torch.Tensor:
@@ -136,10 +136,11 @@ class TritonBackend(KernelBackend):
         return out
 
     @staticmethod
-    def _columns(t: int, hi: int) -> tuple[int, int]:
-        """``(BT, TAIL)``: ``t = 2^m + 1`` columns (``16 <= 2^m <= hi``) go as one ``2^m``-wide block plus one
-        elementwise column; other counts in blocks of ``BT = 16 .. hi`` (the last one padded)."""
-        if 16 < t <= hi + 1 and (t - 1) & (t - 2) == 0:
+    def _columns(t: int, hi: int, dtype: torch.dtype) -> tuple[int, int]:
+        """``(BT, TAIL)``: in float32, ``t = 2^m + 1`` columns (``16 <= 2^m <= hi``) go as one ``2^m``-wide block
+        plus one elementwise column; other counts in blocks of ``BT = 16 .. hi`` (the last one padded). (In float64
+        the elementwise column's ``(64, 64)`` accumulator spills registers on sm_90.)"""
+        if dtype == torch.float32 and 16 < t <= hi + 1 and (t - 1) & (t - 2) == 0:
             return t - 1, 1
         return _pow2(t, 16, hi), 0
 
@@ -158,7 +159,7 @@ class TritonBackend(KernelBackend):
         if local and t:
             ZT, dims = self._coords(Z)
             U, V = (self._padded(A, ZT.shape[1], Z.dtype) for A in (U, V))
-            bt, tail = self._columns(t, 64)
+            bt, tail = self._columns(t, 64, Z.dtype)
             column_kernel[(local, -(-(t - tail) // bt), planes)](
                 ZT, U, V, out, n, ZT.shape[1], t, ptr, idx, nblocks, row0, planes, SPARSE=sparse, BLOCK=BLOCK,
                 BT=bt, TAIL=tail, ISO=isotropic, **dims, **self._constants(Z.dtype))
@@ -178,7 +179,7 @@ class TritonBackend(KernelBackend):
             return out.zero_()
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
         ZT, dims = self._coords(Z)
-        bt, tail = self._columns(t, 64)
+        bt, tail = self._columns(t, 64, Z.dtype)
         kv_kernel[(local, -(-(t - tail) // bt))](ZT, self._padded(R, ZT.shape[1], Z.dtype), out, n, ZT.shape[1], t, ptr, idx, nblocks, row0,
                                                  SPARSE=sparse, BLOCK=BLOCK, BT=bt, TAIL=tail, **dims,
                                                  **self._constants(Z.dtype))
@@ -198,7 +199,7 @@ class TritonBackend(KernelBackend):
         if local and t:
             ZT, dims = self._coords(Z)
             U, V = (self._padded(A, ZT.shape[1], Z.dtype) for A in (U, V))
-            bt, tail = self._columns(t, 32)
+            bt, tail = self._columns(t, 32, Z.dtype)
             derivative_kernel[(local,)](ZT, U, V, s, g, n, ZT.shape[1], t, ptr, idx, nblocks, row0, SPARSE=sparse,
                                         BLOCK=BLOCK, BT=bt, TAIL=tail, DP=dp, **dims, **self._constants(Z.dtype))
         return s.sum(), g.sum(0)[:d]

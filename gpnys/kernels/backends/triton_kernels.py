@@ -111,13 +111,19 @@ def _diff(zi, ZT, rows, cols, npad, p, dd, HOIST: tl.constexpr):
 
 
 @triton.jit
-def _sq_dist(zi, ZT, rows, cols, npad, p, D: tl.constexpr, HOIST: tl.constexpr):
+def _sq_dist(zi, ZT, rows, cols, npad, p, BLOCK: tl.constexpr, D: tl.constexpr, HOIST: tl.constexpr):
     """``(BLOCK, BLOCK)`` squared distances between rows ``rows`` and ``cols`` (explicit differences)."""
-    diff = _diff(zi, ZT, rows, cols, npad, p, 0, HOIST)
-    r2 = diff * diff
-    for dd in tl.static_range(1, D):
-        diff = _diff(zi, ZT, rows, cols, npad, p, dd, HOIST)
-        r2 += diff * diff
+    if HOIST:
+        diff = _diff(zi, ZT, rows, cols, npad, p, 0, HOIST)
+        r2 = diff * diff
+        for dd in tl.static_range(1, D):
+            diff = _diff(zi, ZT, rows, cols, npad, p, dd, HOIST)
+            r2 += diff * diff
+    else:  # a loop, one dimension live at a time: unrolled, the loads of all of them come first, and spill
+        r2 = tl.zeros((BLOCK, BLOCK), dtype=ZT.dtype.element_ty)
+        for dd in range(0, D):
+            diff = _diff(zi, ZT, rows, cols, npad, p, dd, HOIST)
+            r2 += diff * diff
     return r2
 
 
@@ -166,7 +172,7 @@ def kv_kernel(ZT, V, OUT, n, npad, t, ptr, idx, nblocks, row0,
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
         cols = _column_block(idx, p, offs, BLOCK, SPARSE)
-        k, _ = _kh(_sq_dist(zi, ZT, rows, cols, npad, p, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
+        k, _ = _kh(_sq_dist(zi, ZT, rows, cols, npad, p, BLOCK, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=tmask[None, :], other=0.0)
         acc = tl.dot(k, v, acc, input_precision=PREC, out_dtype=DT)
         if TAIL:
@@ -218,7 +224,7 @@ def derivative_kernel(ZT, U, V, S_OUT, G_OUT, n, npad, t, ptr, idx, nblocks, row
             w = tl.dot(u, vt, w, input_precision=PREC, out_dtype=DT)
         if TAIL:
             w += ut[:, None] * tl.load(V + cols * t + main)[None, :]
-        k, h = _kh(_sq_dist(zi, ZT, rows, cols, npad, p, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
+        k, h = _kh(_sq_dist(zi, ZT, rows, cols, npad, p, BLOCK, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         s_acc += tl.sum(w * k, axis=1).to(tl.float64)  # padded rows/cols have w = 0
         a = w * h
         if HOIST:
@@ -269,7 +275,7 @@ def column_kernel(ZT, U, V, OUT, n, npad, t, ptr, idx, nblocks, row0, planes,
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
         cols = _column_block(idx, p, offs, BLOCK, SPARSE)
-        r2 = _sq_dist(zi, ZT, rows, cols, npad, p, D, HOIST)
+        r2 = _sq_dist(zi, ZT, rows, cols, npad, p, BLOCK, D, HOIST)
         k, h = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         if ISO:
             sq = r2
