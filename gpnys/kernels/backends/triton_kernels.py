@@ -14,7 +14,7 @@ registers only:
   cancellation), then ``k`` and ``h = k'/r`` from :mod:`gpnys.kernels.formulas`'s coefficients (compile-time);
   the coordinates come transposed and zero-padded, ``ZT (D, npad)`` with ``npad`` a multiple of ``BLOCK``, so
   their loads need no masks, and the row block's own ``D`` coordinate vectors stay in registers for the whole loop
-  (``HOIST``, ``D <= 4``); ``V`` and ``U`` come zero-padded alike, so a padded point (finite) adds zeros;
+  (``HOIST``: float32, ``D <= 4``); ``V`` and ``U`` come zero-padded alike, so a padded point (finite) adds zeros;
 * product: ``out[I] += K[I, J] @ V[J]`` (``tl.dot``, full-precision FP32 unless TF32 is asked for);
 * derivative: ``W = U[I] V[J]^T``, ``s += sum W o K``, ``g_d += sum (W o H) o (z_Id - z_Jd)^2`` — the
   outputscale and per-dimension length-scale sums of :mod:`gpnys.kernels.operator` (FP32 tiles are reduced
@@ -25,7 +25,7 @@ registers only:
 
 ``TAIL``: with ``t = 2^m + 1`` columns (16 probes and one solve, say) the last column is not padded into a
 ``2^(m+1)``-wide ``tl.dot`` but accumulated elementwise (``k * v_j`` in a ``(BLOCK, BLOCK)`` register tile, one
-row sum at the end). The column count of an FP32 dot is most of a tile's instructions: on sm_90 the product at
+row sum at the end; float32 only). The column count of an FP32 dot is most of a tile's instructions: on sm_90 the product at
 ``t = 17`` issues 1148 instructions per tile and thread instead of 2467 (``benchmarks/kernel_model.py``).
 """
 
