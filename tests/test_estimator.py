@@ -163,6 +163,33 @@ def test_estimate_is_within_its_error_bars_of_cholesky(method, dtype):
         assert bool(((g - torch.as_tensor(r, dtype=F64).reshape(-1)).abs() <= 4 * s + 10 * tol).all()), key
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_triton_backend_gives_the_torch_tiles_estimate(dtype, monkeypatch):
+    """A whole value + gradient with error bars through the Triton kernels (the interpreter on CPU; CG's 16 probes
+    and ``y`` are 17 columns, so its products and per-probe sums run with the elementwise last column in float32)
+    against the same evaluation on the torch tiles, and Cholesky within the error bars."""
+    from gpnys.kernels.backends.triton_fused import TritonBackend
+
+    seen = []
+    columns = TritonBackend._columns
+    monkeypatch.setattr(TritonBackend, "_columns", staticmethod(lambda *a: seen.append(a) or columns(*a)))
+    X, y = data(n=300, dtype=dtype)
+    ref = evaluate(X.double(), y.double(), "exact", **KW)
+    out = {}
+    for backend in ("torch", "triton"):
+        st = EstimatorSettings(kernel_backend=backend, dense_limit_bytes=0)
+        out[backend] = evaluate(X, y, "afn", seed=0, k=60, settings=st, **KW)
+    assert (17, 64, dtype) in seen  # the Triton passes ran, with CG's 17 columns
+    a, b = out["triton"], out["torch"]
+    tol = 1e-9 if dtype == F64 else 1e-4
+    assert abs(a["loss"] - b["loss"]) <= tol * max(1.0, abs(b["loss"]))
+    assert abs(a["loss_std_error"] - b["loss_std_error"]) <= 1e-3 * b["loss_std_error"] + tol
+    for key, r in b["grad"].items():
+        ga, gb = (torch.as_tensor(v["grad"][key], dtype=F64).reshape(-1) for v in (a, b))
+        assert bool(((ga - gb).abs() <= 10 * tol * (1 + gb.abs())).all()), key
+    assert abs(a["loss"] - ref["loss"]) <= 4 * a["loss_std_error"] + (1e-4 if dtype == F64 else 3e-3)
+
+
 def test_standard_errors_cover_the_true_error():
     """Over 12 seeds at least 9 loss errors lie within 2 SE (about 11 expected): fails when the SE is too small."""
     X, y = data(300)
