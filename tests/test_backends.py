@@ -148,11 +148,11 @@ def test_selection_errors(monkeypatch):
 
 
 # -- the Triton kernels against dense references ---------------------------------------------------------------
-def setup(name, dtype, ard, n=150, spread=5.0, seed=0, device="cpu"):
+def setup(name, dtype, ard, n=150, spread=5.0, seed=0, device="cpu", t=5):
     g = torch.Generator().manual_seed(seed)
     X = (torch.rand(n, 3, generator=g, dtype=torch.float64) * spread + 2.0).to(dtype)
-    U = torch.randn(n, 5, generator=g, dtype=torch.float64).to(dtype)
-    V = torch.randn(n, 5, generator=g, dtype=torch.float64).to(dtype)
+    U = torch.randn(n, t, generator=g, dtype=torch.float64).to(dtype)
+    V = torch.randn(n, t, generator=g, dtype=torch.float64).to(dtype)
     kern = make_kernel(name, 3 if ard else None).to(dtype)
     kern.outputscale = 1.3
     kern.base_kernel.lengthscale = torch.tensor([0.5, 0.8, 1.1]) if ard else 0.7
@@ -183,6 +183,29 @@ def autograd_reference(X, kern, U, V, name):
     g_s2, g_ls = torch.autograd.grad(loss, [s2, ls])
     with torch.no_grad():
         return K.detach(), g_s2, g_ls
+
+
+def check_every_pass(X, U, V, kern, name, dtype, backend, expect):
+    """The product, the derivative sums and the per-column sums of ``backend`` (``expect``: the one chosen) against
+    dense float64 references, with no fallback warning; returns the per-column outputscale sums and their
+    reference."""
+    K, g_s2, g_ls = autograd_reference(X, kern, U, V, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the torch tiles
+        op = op_for(X, kern, backend)
+        assert op.backend.name == expect
+        with torch.no_grad():
+            KV = op.matmul(V)
+        _, d_s2, d_ls = op._bilinear_derivative(U, V)
+        _, c_s2, c_ls = op.column_derivatives(U, V)
+    ref = K @ V.double()
+    assert float((KV.double() - ref).abs().max()) <= TOL[dtype] * float(ref.abs().max())
+    assert float((d_s2.double() - g_s2).abs()) <= GTOL[dtype] * float(g_s2.abs())
+    assert float((d_ls.double() - g_ls).abs().max()) <= GTOL[dtype] * float(g_ls.abs().max())
+    ref_s2, ref_ls = per_column_reference(X, kern, U, V, name)
+    assert float((c_s2.double() - ref_s2).abs().max()) <= GTOL[dtype] * float(ref_s2.abs().max())
+    assert float((c_ls.double() - ref_ls).abs().max()) <= GTOL[dtype] * float(ref_ls.abs().max())
+    return c_s2, ref_s2
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -243,21 +266,7 @@ def test_triton_tail_column_and_unhoisted_coordinates_match_dense(name, d, t, dt
     kern = make_kernel(name, d).to(dtype)
     kern.outputscale = 1.3
     kern.base_kernel.lengthscale = torch.linspace(0.6, 1.4, d)
-    K, g_s2, g_ls = autograd_reference(X, kern, U, V, name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the torch tiles
-        op = op_for(X, kern, "triton")
-        with torch.no_grad():
-            KV = op.matmul(V)
-        _, d_s2, d_ls = op._bilinear_derivative(U, V)
-        _, c_s2, c_ls = op.column_derivatives(U, V)
-    ref = K @ V.double()
-    assert float((KV.double() - ref).abs().max()) <= TOL[dtype] * float(ref.abs().max())
-    assert float((d_s2.double() - g_s2).abs()) <= GTOL[dtype] * float(g_s2.abs())
-    assert float((d_ls.double() - g_ls).abs().max()) <= GTOL[dtype] * float(g_ls.abs().max())
-    ref_s2, ref_ls = per_column_reference(X, kern, U, V, name)
-    assert float((c_s2.double() - ref_s2).abs().max()) <= GTOL[dtype] * float(ref_s2.abs().max())
-    assert float((c_ls.double() - ref_ls).abs().max()) <= GTOL[dtype] * float(ref_ls.abs().max())
+    c_s2, ref_s2 = check_every_pass(X, U, V, kern, name, dtype, "triton", "triton")
     last = float((c_s2[-1].double() - ref_s2[-1]).abs())  # the elementwise column on its own
     assert last <= GTOL[dtype] * float(ref_s2.abs().max())
 
@@ -401,24 +410,11 @@ def test_budget_is_device_aware(monkeypatch):
 # -- the same on a GPU, compiled ------------------------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", NAMES)
-def test_cuda_triton_matches_dense_autograd(name, dtype, cuda_device):
-    X, U, V, kern = setup(name, dtype, True, n=700, device=cuda_device)
-    K, g_s2, g_ls = autograd_reference(X, kern, U, V, name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        op = op_for(X, kern, None)
-        assert op.backend.name == ("triton" if cuda_device.type == "cuda" else "torch")
-        with torch.no_grad():
-            KV = op.matmul(V)
-        _, d_s2, d_ls = op._bilinear_derivative(U, V)
-        _, c_s2, c_ls = op.column_derivatives(U, V)
-    ref = K @ V.double()
-    assert float((KV.double() - ref).abs().max()) <= TOL[dtype] * float(ref.abs().max())
-    assert float((d_s2.double() - g_s2).abs()) <= GTOL[dtype] * float(g_s2.abs())
-    assert float((d_ls.double() - g_ls).abs().max()) <= GTOL[dtype] * float(g_ls.abs().max())
-    ref_s2, ref_ls = per_column_reference(X, kern, U, V, name)
-    assert float((c_s2.double() - ref_s2).abs().max()) <= GTOL[dtype] * float(ref_s2.abs().max())
-    assert float((c_ls.double() - ref_ls).abs().max()) <= GTOL[dtype] * float(ref_ls.abs().max())
+@pytest.mark.parametrize("t", [5, 17])
+def test_cuda_triton_matches_dense_autograd(name, t, dtype, cuda_device):
+    """Compiled: the inline ``ex2.approx.ftz`` exponentials, and with 17 columns the elementwise last column."""
+    X, U, V, kern = setup(name, dtype, True, n=700, device=cuda_device, t=t)
+    check_every_pass(X, U, V, kern, name, dtype, None, "triton" if cuda_device.type == "cuda" else "torch")
 
 
 # -- the compiled path, without a GPU ---------------------------------------------------------------------------
