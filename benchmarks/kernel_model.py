@@ -2,22 +2,22 @@
 
 Triton compiles each kernel for sm_90 (TTIR -> PTX -> cubin with the ptxas it ships), ``nvdisasm`` lists the SASS,
 and the script counts the instructions one thread issues per ``64 x 64`` tile: the column-block loop's body, each
-loop nested in it weighted by its trip count (the per-dimension loops of kernels whose ``d`` is a runtime value).
-The tiles are issue-bound -- the FP32 ``tl.dot``'s FFMAs and the elementwise work share the FMA pipe, one warp
-instruction per scheduler and cycle -- so a tile's time is taken proportional to its instruction count, which holds
-only while nothing spills: the ``spills`` column counts the kernel's stores to local memory (before / after). Calibration:
-the H100's measured product, Matérn-3/2, d = 3, 32 columns, float32 (3.41e11 entries/s at n = 10^6, session 12,
+loop nested in it weighted by its trip count (the loops over the dimensions or column chunks). The tiles are
+issue-bound -- the FP32 ``tl.dot``'s FFMAs and the elementwise work share the FMA pipe, one warp instruction per
+scheduler and cycle -- so a tile's time is taken proportional to its instruction count, which holds only while
+nothing spills: the ``spills`` column counts the kernel's stores to local memory (before / after). Calibration: the
+H100's measured product, Matérn-3/2, d = 3, 32 columns, float32 (3.41e11 entries/s at n = 10^6, session 12,
 ``gpu_h100_product_specialised.json``); check: the same with TF32, measured 5.80e11 entries/s.
 
 Then one MLL value + gradient at n = 10^6 (every pair, error bars on: ``--cg-iterations`` products of 17 columns
-and one per-probe pass of 17 columns with two planes (isotropic), plus the measured setup; session 16's code had one more
-derivative pass of one column, which the model adds for its check against the measured 48.6 s) for the baseline
-revision and this tree, and the cost model of ``benchmarks/distributed.py`` at 10^7 points on 8 GPUs.
+and one per-probe pass of 17 columns with two planes (isotropic), plus the measured setup; session 16's code had
+one more derivative pass of one column, which the model adds for its check against the measured 48.6 s) for the
+baseline revision and this tree, and the cost model of ``benchmarks/distributed.py`` at 10^7 points on 8 GPUs.
 
-This predicts; it does not measure. The GPU run that checks it is ``PARTS=product,mll`` of
+This predicts; it does not measure. The GPU run that checks it is ``PARTS=kernels`` of
 ``benchmarks/gpu_check.sh``.
 
-Run:  python benchmarks/kernel_model.py --before 3479e1d     (~1 minute: ~20 compilations)
+Run:  python benchmarks/kernel_model.py --before 3479e1d     (~10 s to a minute: ~20 compilations)
       python benchmarks/kernel_model.py --quick              (this tree's product kernel only; the test suite)
 """
 

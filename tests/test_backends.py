@@ -257,7 +257,9 @@ def test_triton_tail_column_and_unhoisted_coordinates_match_dense(name, d, t, dt
     references, with ``n`` not a multiple of the tile."""
     from gpnys.kernels.backends.triton_fused import TritonBackend
 
-    assert TritonBackend._columns(t, 32, dtype)[1] == (dtype == torch.float32) and TritonBackend._coords(torch.zeros(5, d, dtype=dtype))[1]["HOIST"] == (d <= 4 and dtype == torch.float32)
+    f32 = dtype == torch.float32
+    assert TritonBackend._columns(t, 32, dtype)[1] == f32  # the elementwise column: float32 only
+    assert TritonBackend._coords(torch.zeros(5, d, dtype=dtype))[1]["HOIST"] == (d <= 4 and f32)
     g = torch.Generator().manual_seed(7)
     n = 150
     X = (torch.rand(n, d, generator=g, dtype=torch.float64) * 3.0).to(dtype)

@@ -170,8 +170,7 @@ class TritonBackend(KernelBackend):
                 rows: tuple[int, int] | None = None) -> torch.Tensor:
         from gpnys.kernels.backends.triton_kernels import kv_kernel
 
-        n, d = Z.shape
-        t = R.shape[1]
+        n, t = Z.shape[0], R.shape[1]
         row0, local = self._blocks(n, rows)
         a, b = check_rows(n, rows)
         out = R.new_empty(b - a, t, dtype=Z.dtype)
@@ -180,9 +179,9 @@ class TritonBackend(KernelBackend):
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
         ZT, dims = self._coords(Z)
         bt, tail = self._columns(t, 64, Z.dtype)
-        kv_kernel[(local, -(-(t - tail) // bt))](ZT, self._padded(R, ZT.shape[1], Z.dtype), out, n, ZT.shape[1], t, ptr, idx, nblocks, row0,
-                                                 SPARSE=sparse, BLOCK=BLOCK, BT=bt, TAIL=tail, **dims,
-                                                 **self._constants(Z.dtype))
+        kv_kernel[(local, -(-(t - tail) // bt))](ZT, self._padded(R, ZT.shape[1], Z.dtype), out, n, ZT.shape[1], t,
+                                                 ptr, idx, nblocks, row0, SPARSE=sparse, BLOCK=BLOCK, BT=bt,
+                                                 TAIL=tail, **dims, **self._constants(Z.dtype))
         return out
 
     def _derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,

@@ -25,8 +25,8 @@ registers only:
 
 ``TAIL``: with ``t = 2^m + 1`` columns (16 probes and one solve, say) the last column is not padded into a
 ``2^(m+1)``-wide ``tl.dot`` but accumulated elementwise (``k * v_j`` in a ``(BLOCK, BLOCK)`` register tile, one
-row sum at the end; float32 only). The column count of an FP32 dot is most of a tile's instructions: on sm_90 the product at
-``t = 17`` issues 1148 instructions per tile and thread instead of 2467 (``benchmarks/kernel_model.py``).
+row sum at the end; float32 only). The column count of an FP32 dot is most of a tile's instructions: on sm_90 the
+product at ``t = 17`` issues 1148 instructions per tile and thread instead of 2467 (``benchmarks/kernel_model.py``).
 """
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ def kv_kernel(ZT, V, OUT, n, npad, t, ptr, idx, nblocks, row0,
     start, stop = _block_range(ptr, i, nblocks, SPARSE)
     for p in range(start, stop):
         cols = _column_block(idx, p, offs, BLOCK, SPARSE)
-        k, _ = _kh(_sq_dist(zi, ZT, rows, cols, npad, p, BLOCK, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
+        r2 = _sq_dist(zi, ZT, rows, cols, npad, p, BLOCK, D, HOIST)
+        k, _ = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         v = tl.load(V + cols[:, None] * t + tcol[None, :], mask=tmask[None, :], other=0.0)
         acc = tl.dot(k, v, acc, input_precision=PREC, out_dtype=DT)
         if TAIL:
@@ -224,7 +225,8 @@ def derivative_kernel(ZT, U, V, S_OUT, G_OUT, n, npad, t, ptr, idx, nblocks, row
             w = tl.dot(u, vt, w, input_precision=PREC, out_dtype=DT)
         if TAIL:
             w += ut[:, None] * tl.load(V + cols * t + main)[None, :]
-        k, h = _kh(_sq_dist(zi, ZT, rows, cols, npad, p, BLOCK, D, HOIST), RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
+        r2 = _sq_dist(zi, ZT, rows, cols, npad, p, BLOCK, D, HOIST)
+        k, h = _kh(r2, RBF, SINGULAR, C, C2, P0, P1, P2, NP, Q0, Q1, NQ)
         s_acc += tl.sum(w * k, axis=1).to(tl.float64)  # padded rows/cols have w = 0
         a = w * h
         if HOIST:
