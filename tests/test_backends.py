@@ -306,13 +306,15 @@ def test_triton_block_sparse_plan_matches_torch_tiles_and_dense(name, t, dtype):
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "plan"])
-def test_triton_row_ranges_add_up_to_the_full_pass(sparse):
+@pytest.mark.parametrize("dtype,t", [(torch.float64, 3), (torch.float32, 17)], ids=["f64-t3", "f32-t17"])
+def test_triton_row_ranges_add_up_to_the_full_pass(sparse, dtype, t):
     """``rows=`` (a rank's share of a partitioned operator) on the Triton kernels: the row blocks of the product
-    stack to the whole product, and the sums over the ranges add up to the whole sums."""
+    stack to the whole product, and the sums over the ranges add up to the whole sums (float32 with 17 columns:
+    with the elementwise last column)."""
     g = torch.Generator().manual_seed(5)
-    X = torch.rand(200, 2, generator=g, dtype=torch.float64) * torch.tensor([300.0 if sparse else 3.0, 4.0])
-    V = torch.randn(200, 3, generator=g, dtype=torch.float64)
-    kern = make_kernel("matern32", 2).double()
+    X = (torch.rand(200, 2, generator=g, dtype=torch.float64) * torch.tensor([300.0 if sparse else 3.0, 4.0])).to(dtype)
+    V = torch.randn(200, t, generator=g, dtype=torch.float64).to(dtype)
+    kern = make_kernel("matern32", 2).to(dtype)
     op = op_for(X, kern, "triton", prune_tol=None)
     perm, Z, plan = op._working()
     assert (plan is not None) == sparse
