@@ -90,8 +90,8 @@ def _kh(r2, RBF: tl.constexpr, SINGULAR: tl.constexpr, C: tl.constexpr, C2: tl.c
 @triton.jit
 def _row_coords(ZT, rows, npad, D: tl.constexpr, HOIST: tl.constexpr):
     """The row block's coordinates: a tuple of ``D`` ``(BLOCK,)`` vectors, loaded once per program (``HOIST``), or
-    ``()`` (loaded per tile by :func:`_diff`: with the tile layout a thread holds 32 rows, so more than 4 dimensions
-    kept in registers spill on sm_90)."""
+    ``()`` (loaded per tile by :func:`_diff`: with the tile layout a thread holds 32 rows, so more than 4 dimensions,
+    or float64 ones, kept in registers spill on sm_90)."""
     zi = ()
     if HOIST:
         for dd in tl.static_range(D):
