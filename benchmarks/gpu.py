@@ -173,6 +173,9 @@ def versions() -> dict[str, str | None]:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             out[pkg] = None
+    import gpnys
+
+    out["gpnys_path"] = str(Path(gpnys.__file__).resolve().parent)  # the tree timed (a baseline's on PYTHONPATH)
     return out
 
 

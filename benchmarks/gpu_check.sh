@@ -4,8 +4,9 @@
 #   dist   issue 22: one MLL value + gradient at n = 200 000 with the multi-GPU path as P = 1 over NCCL against no
 #          process group (`benchmarks/distributed.py --device cuda`, about a minute, alone on the GPU);
 #   kernels  session 22's Triton kernels: one product of 17 and of 32 columns at n = 10^4 .. 10^6 (`gpu.py --parts
-#          product`), then one MLL value + gradient at 25 000 (kin40k) and 2 x 10^5, 10^6 (synthetic3d), with and
-#          without the cutoff (`--parts mll`), alone on the GPU (about 4 minutes); `benchmarks/kernel_model.py`
+#          product`), this tree's and, where git can check it out, BEFORE's (default 3479e1d: the kernels before
+#          session 22), then one MLL value + gradient at 25 000 (kin40k) and 2 x 10^5, 10^6 (synthetic3d), with and
+#          without the cutoff (`--parts mll`), alone on the GPU (about 5 minutes); `benchmarks/kernel_model.py`
 #          predicted them (RESULTS.md "Session 22");
 #   suite  the `cuda` test suite (in the background, beside the fit);
 #   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
@@ -47,9 +48,16 @@ case $PARTS in *dist*)
       --repeats 3 --out "$OUT/distributed_cuda.json" > "$OUT/distributed_cuda.log" 2>&1
 esac
 case $PARTS in *kernels*)
-  for t in 17 32; do
-    timeout "$(left)" python -u benchmarks/gpu.py --parts product --product-columns $t --repeats 3 --max-seconds 60 \
-        --out "$OUT/gpu_product_t$t.json" > "$OUT/product_t$t.log" 2>&1
+  trees="$PWD:after"  # and the kernels before session 22 (BEFORE), when this copy has the git history to check out
+  if git worktree add --detach -f "$KEEP/before" "${BEFORE:-3479e1d}" > "$KEEP/worktree.log" 2>&1; then
+    trees="$trees $KEEP/before:before"
+  fi
+  for tree in $trees; do
+    for t in 17 32; do  # (this tree's gpu.py; the tree on PYTHONPATH gives the gpnys package it times)
+      name="product_t${t}_${tree##*:}"
+      PYTHONPATH=${tree%%:*} timeout "$(left)" python -u benchmarks/gpu.py --parts product --product-columns $t \
+          --repeats 3 --max-seconds 60 --out "$OUT/gpu_$name.json" > "$OUT/$name.log" 2>&1
+    done
   done
   timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes 200000,1000000 \
       --max-seconds 100 --budget-s 240 --out "$OUT/gpu_mll.json" > "$OUT/mll.log" 2>&1
