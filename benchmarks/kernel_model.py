@@ -160,13 +160,15 @@ CASES = [  # (label, kernel, columns, isotropic, tf32)
 
 
 def model(args) -> dict:
+    """Instructions and spills per case and revision, the modelled entries/s (d = 3) and :func:`mll_model`."""
     revs = ([("before", args.before)] if args.before else []) + [("after", None)]
+    mods = {tag: load_kernels(rev) for tag, rev in revs}
     cases = CASES[2:3] if args.quick else CASES
     rows = []
     for label, kind, t, iso, tf32 in cases:
         row = {"case": label, "kernel": kind, "columns": t, "d": args.d}
-        for tag, rev in revs:
-            mod = load_kernels(rev)
+        for tag, _ in revs:
+            mod = mods[tag]
             consts, trips, programs = case_constants(mod, kind, t, args.d, iso, tf32)
             text = sass(getattr(mod, f"{kind}_kernel"), consts, torch.float32)
             row[f"{tag}_instructions"] = programs * per_tile(text, trips)
