@@ -4,10 +4,11 @@
 #   dist   issue 22: one MLL value + gradient at n = 200 000 with the multi-GPU path as P = 1 over NCCL against no
 #          process group (`benchmarks/distributed.py --device cuda`, about a minute, alone on the GPU);
 #   kernels  session 22's Triton kernels: one product of 17 and of 32 columns at n = 10^4 .. 10^6 (`gpu.py --parts
-#          product`), this tree's and, where git can check it out, BEFORE's (default 3479e1d: the kernels before
-#          session 22), then one MLL value + gradient at 25 000 (kin40k) and 2 x 10^5, 10^6 (synthetic3d), with and
-#          without the cutoff (`--parts mll`), alone on the GPU (about 5 minutes); `benchmarks/kernel_model.py`
-#          predicted them (RESULTS.md "Session 22");
+#          product`), then one MLL value + gradient at 25 000 (kin40k) and 2 x 10^5, 10^6 (synthetic3d), with and
+#          without the cutoff (`--parts mll`), then the same products by BEFORE's package (default 3479e1d: the
+#          kernels before session 22) where this copy has the git history to check it out (worktree.log says why
+#          not); alone on the GPU, about 5 minutes; `benchmarks/kernel_model.py` predicted them (RESULTS.md
+#          "Session 22");
 #   suite  the `cuda` test suite (in the background, beside the fit);
 #   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
 #   paths  every other public path at 10^6 (`gpu.py --parts paths`);
@@ -19,7 +20,7 @@
 # machine, copy the returned checkpoint into the checkout and rerun with FIT_CKPT=<that path> PARTS=fit: the fit
 # resumes at its last step, clock included. FIT_ARGS adds gpu.py arguments (a CPU test: "--device cpu
 # --fit-1e6-n 2000 --fit-1e6-steps 4").
-#   LIMIT=420 PARTS=dist,kernels bash benchmarks/gpu_check.sh           # session 22's checks, then PARTS=suite
+#   LIMIT=480 PARTS=dist,kernels bash benchmarks/gpu_check.sh           # session 22's checks, then PARTS=suite
 #   LIMIT=540 DETACH=1 PARTS=suite,fit bash benchmarks/gpu_check.sh      # call 1
 #   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
 set -u
@@ -48,19 +49,20 @@ case $PARTS in *dist*)
       --repeats 3 --out "$OUT/distributed_cuda.json" > "$OUT/distributed_cuda.log" 2>&1
 esac
 case $PARTS in *kernels*)
-  trees="$PWD:after"  # and the kernels before session 22 (BEFORE), when this copy has the git history to check out
-  if git worktree add --detach -f "$KEEP/before" "${BEFORE:-3479e1d}" > "$KEEP/worktree.log" 2>&1; then
-    trees="$trees $KEEP/before:before"
-  fi
-  for tree in $trees; do
-    for t in 17 32; do  # (this tree's gpu.py; the tree on PYTHONPATH gives the gpnys package it times)
-      name="product_t${t}_${tree##*:}"
-      PYTHONPATH=${tree%%:*} timeout "$(left)" python -u benchmarks/gpu.py --parts product --product-columns $t \
-          --repeats 3 --max-seconds 60 --out "$OUT/gpu_$name.json" > "$OUT/$name.log" 2>&1
+  products() {  # products of 17 and 32 columns by the gpnys package of tree $1 (this tree's gpu.py), tagged $2
+    for t in 17 32; do
+      name="product_t${t}_$2"
+      PYTHONPATH=$1 timeout "$(left)" python -u benchmarks/gpu.py --parts product --product-columns $t --repeats 3 \
+          --max-seconds 60 --out "$OUT/gpu_$name.json" > "$OUT/$name.log" 2>&1
     done
-  done
+  }
+  products "$PWD" after
   timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes 200000,1000000 \
       --max-seconds 100 --budget-s 240 --out "$OUT/gpu_mll.json" > "$OUT/mll.log" 2>&1
+  # the kernels before session 22 (BEFORE), last: only where this copy has the git history to check them out
+  [ -d "$KEEP/before/gpnys" ] ||
+      git worktree add --detach -f "$KEEP/before" "${BEFORE:-3479e1d}" > "$OUT/worktree.log" 2>&1
+  if [ -d "$KEEP/before/gpnys" ]; then products "$KEEP/before" before; fi
 esac
 pids=()
 case $PARTS in *suite*)

@@ -187,8 +187,7 @@ def autograd_reference(X, kern, U, V, name):
 
 def check_every_pass(X, U, V, kern, name, dtype, backend, expect):
     """The product, the derivative sums and the per-column sums of ``backend`` (``expect``: the one chosen) against
-    dense float64 references, with no fallback warning; returns the per-column outputscale sums and their
-    reference."""
+    dense float64 references, with no fallback warning."""
     K, g_s2, g_ls = autograd_reference(X, kern, U, V, name)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback to the torch tiles
@@ -205,7 +204,6 @@ def check_every_pass(X, U, V, kern, name, dtype, backend, expect):
     ref_s2, ref_ls = per_column_reference(X, kern, U, V, name)
     assert float((c_s2.double() - ref_s2).abs().max()) <= GTOL[dtype] * float(ref_s2.abs().max())
     assert float((c_ls.double() - ref_ls).abs().max()) <= GTOL[dtype] * float(ref_ls.abs().max())
-    return c_s2, ref_s2
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -268,9 +266,7 @@ def test_triton_tail_column_and_unhoisted_coordinates_match_dense(name, d, t, dt
     kern = make_kernel(name, d).to(dtype)
     kern.outputscale = 1.3
     kern.base_kernel.lengthscale = torch.linspace(0.6, 1.4, d)
-    c_s2, ref_s2 = check_every_pass(X, U, V, kern, name, dtype, "triton", "triton")
-    last = float((c_s2[-1].double() - ref_s2[-1]).abs())  # the elementwise column on its own
-    assert last <= GTOL[dtype] * float(ref_s2.abs().max())
+    check_every_pass(X, U, V, kern, name, dtype, "triton", "triton")  # (the per-column check includes the last)
 
 
 @pytest.mark.parametrize("name,t", [("rbf", 3), ("matern32", 3), ("matern32", 17)])
@@ -294,7 +290,8 @@ def test_triton_block_sparse_plan_matches_torch_tiles_and_dense(name, t, dtype):
     scale = float(ref.abs().max())
     assert float((a.double() - ref).abs().max()) <= TOL[dtype] * scale
     # the torch tiles' float32 distances are centred expanded forms: at |x| ~ 300 and 17 columns they are 5.4e-5 off
-    assert float((a.double() - b.double()).abs().max()) <= 3 * TOL[dtype] * scale
+    loose = 3 if dtype == torch.float32 and t == 17 else 1
+    assert float((a.double() - b.double()).abs().max()) <= loose * TOL[dtype] * scale
     _, ts2, tls = tri._bilinear_derivative(V, V)
     _, ps2, pls = tor._bilinear_derivative(V, V)
     assert float((ts2 - ps2).abs()) <= GTOL[dtype] * float(ps2.abs())
@@ -453,7 +450,8 @@ for arch in (80, 90):
         if kind == "column":
             sig.update(planes="i32")
         tf32 = flag and kind != "column"
-        consts = dict(SPARSE=sparse, BLOCK=BLOCK, BT=32, D=d, HOIST=d <= 4 and dtype == torch.float32, TAIL=tail,
+        consts = dict(SPARSE=sparse, BLOCK=BLOCK, BT=16 if tail else 32, D=d, HOIST=d <= 4 and dtype == torch.float32,
+                      TAIL=tail,
                       **TritonBackend(formula(nu), tf32)._constants(dtype))
         if kind == "derivative":
             consts["DP"] = 16

@@ -39,7 +39,7 @@ import triton.language as tl
 __all__ = ["kv_kernel", "derivative_kernel", "column_kernel", "fps_kernel"]
 
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # triton.jit reads the same switch
+if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on"):  # triton.jit reads this switch
 
     @triton.jit
     def _exp2(x):
