@@ -6,8 +6,9 @@ loop nested in it weighted by its trip count (the loops over the dimensions or c
 issue-bound -- the FP32 ``tl.dot``'s FFMAs and the elementwise work share the FMA pipe, one warp instruction per
 scheduler and cycle -- so a tile's time is taken proportional to its instruction count, which holds only while
 nothing spills: the ``spills`` column counts the kernel's stores to local memory (before / after; the calibration
-kernel itself has 4, all outside its loop). Calibration: the H100's measured product, Matérn-3/2, d = 3, 32 columns, float32 (3.41e11 entries/s at n = 10^6, session 12,
-``gpu_h100_product_specialised.json``); check: the same with TF32, measured 5.80e11 entries/s.
+kernel itself has 4, all outside its loop). Calibration: the H100's measured product, Matérn-3/2, d = 3, 32
+columns, float32 (3.41e11 entries/s at n = 10^6, session 12, ``gpu_h100_product_specialised.json``); check: the
+same with TF32, measured 5.80e11 entries/s.
 
 Then one MLL value + gradient at n = 10^6 (every pair, error bars on: ``--cg-iterations`` products of 17 columns
 and one per-probe pass of 17 columns with two planes (isotropic), plus the measured setup; session 16's code had
