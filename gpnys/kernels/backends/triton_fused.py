@@ -144,6 +144,17 @@ class TritonBackend(KernelBackend):
             return t - 1, 1
         return _pow2(t, 16, hi), 0
 
+    def _operands(self, Z: torch.Tensor, mats: tuple[torch.Tensor, ...], hi: int
+                  ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, Any], int]:
+        """What a pass launches with: ``ZT`` (:meth:`_coords`), ``mats`` (``(n, t)`` each) zero-padded to its rows
+        (:meth:`_padded`), the compile-time constants (``BLOCK``, ``D``, ``HOIST``, ``BT`` and ``TAIL`` of
+        :meth:`_columns` for column blocks of at most ``hi``, the formula's) and the number of column blocks."""
+        t = mats[0].shape[1]
+        ZT, consts = self._coords(Z)
+        bt, tail = self._columns(t, hi, Z.dtype)
+        consts.update(BLOCK=BLOCK, BT=bt, TAIL=tail, **self._constants(Z.dtype))
+        return ZT, [self._padded(A, ZT.shape[1], Z.dtype) for A in mats], consts, -(-(t - tail) // bt)
+
     def _column_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                      isotropic: bool, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch over (row block, column block, plane): plane 0 gives ``s``, planes ``1..`` give ``g``
@@ -157,12 +168,9 @@ class TritonBackend(KernelBackend):
         row0, local = self._blocks(n, rows)
         out = torch.zeros(nblocks, planes, t, dtype=torch.float64, device=Z.device)
         if local and t:
-            ZT, dims = self._coords(Z)
-            U, V = (self._padded(A, ZT.shape[1], Z.dtype) for A in (U, V))
-            bt, tail = self._columns(t, 64, Z.dtype)
-            column_kernel[(local, -(-(t - tail) // bt), planes)](
-                ZT, U, V, out, n, ZT.shape[1], t, ptr, idx, nblocks, row0, planes, SPARSE=sparse, BLOCK=BLOCK,
-                BT=bt, TAIL=tail, ISO=isotropic, **dims, **self._constants(Z.dtype))
+            ZT, (U, V), consts, blocks = self._operands(Z, (U, V), 64)
+            column_kernel[(local, blocks, planes)](ZT, U, V, out, n, ZT.shape[1], t, ptr, idx, nblocks, row0, planes,
+                                                   SPARSE=sparse, ISO=isotropic, **consts)
         total = out.sum(0)  # (planes, t)
         return total[0], total[1:].mT
 
@@ -177,11 +185,8 @@ class TritonBackend(KernelBackend):
         if local == 0 or t == 0:
             return out.zero_()
         sparse, ptr, idx, nblocks = self._lists(Z, plan)
-        ZT, dims = self._coords(Z)
-        bt, tail = self._columns(t, 64, Z.dtype)
-        kv_kernel[(local, -(-(t - tail) // bt))](ZT, self._padded(R, ZT.shape[1], Z.dtype), out, n, ZT.shape[1], t,
-                                                 ptr, idx, nblocks, row0, SPARSE=sparse, BLOCK=BLOCK, BT=bt,
-                                                 TAIL=tail, **dims, **self._constants(Z.dtype))
+        ZT, (R,), consts, blocks = self._operands(Z, (R,), 64)
+        kv_kernel[(local, blocks)](ZT, R, out, n, ZT.shape[1], t, ptr, idx, nblocks, row0, SPARSE=sparse, **consts)
         return out
 
     def _derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
@@ -196,9 +201,7 @@ class TritonBackend(KernelBackend):
         s = torch.zeros(nblocks, dtype=torch.float64, device=Z.device)
         g = torch.zeros(nblocks, dp, dtype=torch.float64, device=Z.device)
         if local and t:
-            ZT, dims = self._coords(Z)
-            U, V = (self._padded(A, ZT.shape[1], Z.dtype) for A in (U, V))
-            bt, tail = self._columns(t, 32, Z.dtype)
+            ZT, (U, V), consts, _ = self._operands(Z, (U, V), 32)  # (one program loops over the column blocks)
             derivative_kernel[(local,)](ZT, U, V, s, g, n, ZT.shape[1], t, ptr, idx, nblocks, row0, SPARSE=sparse,
-                                        BLOCK=BLOCK, BT=bt, TAIL=tail, DP=dp, **dims, **self._constants(Z.dtype))
+                                        DP=dp, **consts)
         return s.sum(), g.sum(0)[:d]
