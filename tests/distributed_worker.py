@@ -4,7 +4,8 @@
 
 * ``passes``: the partitioned operator's product, derivative sums and per-probe sums, dense and with a cutoff plan;
 * ``mll``: one MLL value + gradient through ``use_preconditioner`` with ``gpnys.distributed.settings()``;
-* ``precond``: AFN (scalar and per-point shifts) and FSAI built with the rows split, and what they compute;
+* ``precond``: AFN (scalar and per-point shifts), FSAI and Nyström (column, per-point, RAN, sketch) built with
+  the rows split, and what they compute;
 * ``fail``: rank 1's share of a row-split computation, then its per-probe derivative pass, raises; every
   rank records what it got;
 * ``mismatch``: rank-dependent right-hand sides, which must raise;
@@ -82,7 +83,7 @@ def mll(group):
 
 
 def precond(group):
-    from gpnys.precond import AFNPreconditioner, FSAIPreconditioner
+    from gpnys.precond import AFNPreconditioner, FSAIPreconditioner, NystromPreconditioner
 
     X, _, V = data()
     kern = make_kernel("matern32", 3).double().base_kernel
@@ -91,9 +92,17 @@ def precond(group):
     out = {}
     for name, P in (("afn", AFNPreconditioner(X, kern, 0.1, k=40, w=20, group=group)),
                     ("afn_diag", AFNPreconditioner(X, kern, 0.1, k=40, w=20, diag=per_point, group=group)),
-                    ("fsai", FSAIPreconditioner(X, kern, 0.1, w=25, group=group))):
-        out[f"{name}_G"] = P.G.to_dense()
+                    ("fsai", FSAIPreconditioner(X, kern, 0.1, w=25, group=group)),
+                    # rank 1's 108 rows are fewer than k = 120: its R factor is padded (RowGroup.tall_svd)
+                    ("nystrom", NystromPreconditioner(X, kern, 0.1, 120, group=group)),
+                    ("nystrom_diag", NystromPreconditioner(X, kern, 0.1, 40, diag=per_point, group=group)),
+                    ("ran", NystromPreconditioner(X, kern, 0.1, 50, landmarks="uniform", scaling="ran", seed=3,
+                                                  group=group)),
+                    ("sketch", NystromPreconditioner(X, kern, 0.1, 50, sampling="sketch", scaling="ran", seed=3,
+                                                     group=group))):
+        out[f"{name}_G"] = P.G.to_dense() if hasattr(P, "G") else None
         out[f"{name}_V"] = getattr(P, "V", None)
+        out[f"{name}_lam"] = getattr(P, "lam", None)
         out[f"{name}_logdet"] = P.logdet()
         out[f"{name}_solve"] = P.solve(V)
         out[f"{name}_matmul"] = P.matmul(V)

@@ -165,12 +165,16 @@ def test_one_nccl_rank_gives_the_plain_mll_on_cuda(tmp_path, cuda_device):
 
 
 def test_two_gloo_ranks_build_the_one_process_preconditioners(tmp_path):
-    """AFN's V rows (its K12 columns) and the FSAI rows of G computed per rank and gathered: the same factors and
-    the same solve / matmul / log det as one process, with scalar and per-point shifts."""
+    """AFN's V rows (its K12 columns), the FSAI rows of G and Nyström's rows of Y and B (its SVD a TSQR)
+    computed per rank and gathered: the same factors and the same solve / matmul / log det as one process, with
+    scalar and per-point shifts."""
     ref = reference("precond", tmp_path / "ref.pt")
     assert run_ranks("precond", tmp_path / "dist.pt") == [0, 0]
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
-    assert ref["calls"]["gather_rows"] == 0 and got["calls"]["gather_rows"] == 5, got["calls"]  # 2 AFN x 2, FSAI
+    # gathered rows: 2 AFN x 2, FSAI, 4 Nyström U; sums: 3 column Nyström ||Y||, the sketch's split K Omega
+    assert ref["calls"]["gather_rows"] == 0 and got["calls"]["gather_rows"] == 9, got["calls"]
+    assert got["calls"]["gather_sum"] == 4 and got["calls"]["matmul"] == 1, got["calls"]
+    assert ref["nystrom_lam"].shape == (120,) and float(ref["nystrom_lam"][-1]) > 0
     for key in ref:
         if key != "calls":
             assert (ref[key] is None) == (got[key] is None), key

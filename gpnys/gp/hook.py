@@ -295,7 +295,7 @@ class PreconditionerHook(HookPrediction):
                options: dict[str, Any], diag: torch.Tensor | None = None) -> tuple[Preconditioner, bool]:
         extra = {} if diag is None else {"diag": diag}
         if self.settings.kernel_group is not None and isinstance(self.method, str):
-            extra["group"] = self.settings.kernel_group  # FSAI / AFN rows built per rank (issue 22)
+            extra["group"] = self.settings.kernel_group  # FSAI / AFN / Nyström rows built per rank (issue 22)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("default", NumericalWarning)

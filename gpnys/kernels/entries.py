@@ -8,11 +8,13 @@ outputscale is stripped off and reported) without autograd, in the dtype and dev
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import gpytorch
 import torch
 
 from gpnys.budget import block_rows
+from gpnys.kernels.backends.partitioned import RowGroup
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 
 __all__ = ["KernelEntries", "split_outputscale", "evaluate", "computation_dtype"]
@@ -87,19 +89,38 @@ class KernelEntries:
         P = self.X[idx]
         return self.points(P, P)
 
-    def matmul(self, V: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    def matmul(self, V: torch.Tensor, block: int | None = None, group: Any = None) -> torch.Tensor:
         """``K @ V`` for ``V: (n, t)``: dense when ``K`` fits one block, else recomputed on the fly — by the
         kernel operator's backends (:mod:`gpnys.kernels.backends`, cutoff included) for a plain RBF/Matérn kernel
-        and no explicit ``block``, otherwise in GPyTorch row blocks (memory ``O(block * n)``). ``(n, t)``"""
+        and no explicit ``block``, otherwise in GPyTorch row blocks (memory ``O(block * n)``). ``(n, t)``
+
+        ``group`` (a :class:`~gpnys.kernels.backends.partitioned.RowGroup`, or a ``torch.distributed`` group /
+        ``True``): every rank computes its rows and one gather assembles ``K V`` on all (issue 22)."""
         n = self.n
+        ranks = RowGroup.of(group)
+        if ranks is not None and ranks.size > 1:
+            if block is None and supported(self.kernel):  # the partitioned operator (no dense cache)
+                return self._operator_matmul(V, ranks.group)
+            return ranks.gather_rows("kernel product", n, lambda a, b: self._rows_matmul(a, b, V, block), [V],
+                                     (V.shape[1],))
         explicit = block is not None
         block = block or block_rows(n, cap=n, device=self.X.device)
         if block >= n:
             return self(slice(None), slice(None)) @ V
         if not explicit and supported(self.kernel):
-            with torch.no_grad():
-                one = torch.ones((), dtype=self.X.dtype, device=self.X.device)
-                op = StationaryKernelOperator(self.X, one, self.kernel.lengthscale.detach().to(self.X.dtype),
-                                              base=self.kernel, cache=self._op_cache, dense_limit_bytes=0)
-                return op.matmul(V.to(self.X.dtype))
-        return torch.cat([self(slice(i, i + block), slice(None)) @ V for i in range(0, n, block)])
+            return self._operator_matmul(V, None)
+        return self._rows_matmul(0, n, V, block)
+
+    def _operator_matmul(self, V: torch.Tensor, group: Any) -> torch.Tensor:
+        """``K @ V`` by the on-the-fly operator of the unit-variance kernel (``dense_limit_bytes=0``), its passes
+        split over ``group`` (``None``: not split)."""
+        one = torch.ones((), dtype=self.X.dtype, device=self.X.device)
+        with torch.no_grad():
+            op = StationaryKernelOperator(self.X, one, self.kernel.lengthscale.detach().to(self.X.dtype),
+                                          base=self.kernel, cache=self._op_cache, dense_limit_bytes=0, group=group)
+            return op.matmul(V.to(self.X.dtype))
+
+    def _rows_matmul(self, a: int, b: int, V: torch.Tensor, block: int | None) -> torch.Tensor:
+        """Rows ``[a, b)`` of ``K @ V`` in GPyTorch row blocks of ``block`` rows (default: the memory budget's)."""
+        block = block or block_rows(self.n, cap=self.n, device=self.X.device)
+        return torch.cat([self(slice(i, min(i + block, b)), slice(None)) @ V for i in range(a, b, block)])

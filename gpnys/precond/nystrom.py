@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import gpytorch
 import torch
 
 from gpnys import landmarks as _landmarks
+from gpnys.kernels.backends.partitioned import RowGroup
 from gpnys.kernels.entries import KernelEntries, evaluate
 from gpnys.linalg import thin_matmul
 from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
@@ -92,6 +93,11 @@ class NystromPreconditioner(Preconditioner):
             ``K + D``; ``mu`` then only labels the preconditioner.
         landmark_indices: optional ``(m,)`` integer tensor, ``m >= k``, of distinct row indices of ``X``
             (e.g. a cached FPS order); the first ``k`` are used. Only with ``sampling="column"``.
+        group: split the build by rows over the ranks of a ``torch.distributed`` group (``True``: the default
+            group; issue 22). Each rank evaluates its rows of ``Y`` (column sampling) or of the product ``K Omega``
+            (sketch), and of ``B``, whose thin SVD is a TSQR (:meth:`~gpnys.kernels.backends.partitioned.RowGroup.tall_svd`);
+            ``U`` is gathered, the ``k x k`` core and its factor are computed on every rank (as is the sketch's
+            ``Omega``). The same preconditioner as one process, to rounding.
 
     Attributes:
         U: ``(n, k)`` orthonormal basis of the Nyström range.
@@ -116,6 +122,7 @@ class NystromPreconditioner(Preconditioner):
         seed: int = 0,
         landmark_indices: torch.Tensor | None = None,
         diag: torch.Tensor | None = None,
+        group: Any = None,
     ) -> None:
         super().__init__()
         self._start(X, mu, diag)
@@ -134,6 +141,9 @@ class NystromPreconditioner(Preconditioner):
         self.s = None if self.diag is None else self.diag.rsqrt()
         self.seed = seed
         self.rank = self.k
+        ranks = RowGroup.of(group)
+        #: the ranks splitting the build's rows (``None``: one process, or a group of one)
+        self._ranks = ranks if ranks is not None and ranks.size > 1 else None
 
         _sync(self.device)
         t0 = time.perf_counter()
@@ -224,19 +234,29 @@ class NystromPreconditioner(Preconditioner):
             raise ValueError("landmark_indices must be distinct (the first k entries)")
         return idx
 
-    def _factor(self, Y_nu: torch.Tensor, core: torch.Tensor, nu: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _factor(self, Y_nu: Callable[[int, int], torch.Tensor], core: torch.Tensor,
+                nu: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Shared tail of the stable construction: ``C = chol(core)``, ``B = Y_nu C^{-T}``, SVD, shift back.
 
-        ``Y_nu: (n, k)``, ``core = Omega^T Y_nu: (k, k)``. Returns ``U (n, k)``, ``lam (k,)``.
+        ``Y_nu(a, b)``: rows ``[a, b)`` of ``Y_nu (n, k)``; ``core = Omega^T Y_nu: (k, k)``. With a group each rank
+        computes its rows of ``B`` and the SVD is a TSQR (:meth:`RowGroup.tall_svd`). Returns ``U (n, k)``,
+        ``lam (k,)``.
         """
         core = 0.5 * (core + core.mT)
         C = safe_cholesky(core, "Nystrom core chol(Omega^T Y_nu)", self.shifts)
-        B = torch.linalg.solve_triangular(C.mT, Y_nu, upper=True, left=False)  # B C^T = Y_nu
+
+        def b_rows(a: int, b: int) -> torch.Tensor:  # B C^T = Y_nu
+            return torch.linalg.solve_triangular(C.mT, Y_nu(a, b), upper=True, left=False)
+
         # Thin SVD of B (more accurate than the eig(B^T B) shortcut of the authors' code, digest §2.1 step 5);
         # through B = QR first when B is tall, which a GPU's SVD of an (n, k) matrix with n >> k needs.
         # On CUDA the QR-iteration driver: torch's default there (Jacobi, gesvdj) stops at a tolerance and left U
         # further from orthonormal, which P's solve(matmul(v)) amplifies by cond(P) (4e-3 in float32 on an H100).
-        driver = "gesvd" if B.is_cuda else None
+        driver = "gesvd" if core.is_cuda else None
+        if self._ranks is not None:
+            U, sigma = self._ranks.tall_svd("Nystrom B", self.n, self.k, b_rows, self._inputs(), driver)
+            return U, (sigma.square() - nu).clamp_min(0)
+        B = b_rows(0, self.n)
         if B.shape[0] > 2 * B.shape[1]:
             Q, R = torch.linalg.qr(B)
             Ur, sigma, _ = torch.linalg.svd(R, driver=driver)
@@ -246,36 +266,62 @@ class NystromPreconditioner(Preconditioner):
         lam = (sigma.square() - nu).clamp_min(0)
         return U, lam
 
-    def _nu(self, Y: torch.Tensor) -> float:
+    def _nu(self, norm: float) -> float:
         """``nu = sqrt(n) * eps(dtype) * ||Y||_F`` (Frangella et al. use ``eps(||Y||_F)``; see module notes)."""
-        norm = float(torch.linalg.matrix_norm(Y))
         nu = math.sqrt(self.n) * torch.finfo(self.dtype).eps * norm
         return nu if nu > 0 else torch.finfo(self.dtype).tiny
 
+    def _inputs(self) -> list[torch.Tensor]:
+        """What every rank of a split build must hold alike (checked on each gather): the points, the shifts."""
+        return [self.X] + ([] if self.s is None else [self.s[:, None]])
+
+    def _columns(self, entries: KernelEntries, rows: slice, idx: torch.Tensor) -> torch.Tensor:
+        """``K1[rows] = K(X[rows], X_k)`` (of ``D^{-1/2} K D^{-1/2}`` with per-point shifts), a fresh tensor."""
+        Y = entries(rows, idx)
+        if self.s is not None:
+            Y = self.s[rows, None] * Y * self.s[idx]
+        return Y.clone() if Y._is_view() else Y  # never write into a kernel's cached storage
+
     def _build_column(self, entries: KernelEntries, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Column Nyström: ``Omega = I[:, idx]``, ``Y = K(X, X_k)``. Returns ``U (n, k)``, ``lam (k,)``, ``nu``."""
-        Y = entries(slice(None), idx)  # (n, k) = K1
-        if self.s is not None:  # columns of D^{-1/2} K D^{-1/2}
-            Y = self.s[:, None] * Y * self.s[idx]
-        nu = self._nu(Y)
-        ar = torch.arange(self.k, device=Y.device)
-        if Y._is_view():  # never write into a kernel's cached storage
-            Y = Y.clone()
-        Y[idx, ar] += nu  # Y_nu = Y + nu * Omega: shift the landmark rows only (K1 is a fresh tensor)
-        core = Y[idx]  # Omega^T Y_nu = K11 + nu I
-        U, lam = self._factor(Y, core, nu)
-        return U, lam, nu
+        """Column Nyström: ``Omega = I[:, idx]``, ``Y = K(X, X_k)``. Returns ``U (n, k)``, ``lam (k,)``, ``nu``.
+        With a group each rank evaluates its rows of ``Y`` only, and one gather adds the ranks' ``||Y_r||_F^2``."""
+        ar = torch.arange(self.k, device=idx.device)
+        if self._ranks is None:
+            Y = self._columns(entries, slice(None), idx)  # (n, k) = K1
+            nu = self._nu(float(torch.linalg.matrix_norm(Y)))
+            Y[idx, ar] += nu  # Y_nu = Y + nu * Omega: shift the landmark rows only
+            return (*self._factor(lambda a, b: Y[a:b], Y[idx], nu), nu)  # core = Omega^T Y_nu = K11 + nu I
+        a, b = self._ranks.rows(self.n)
+        mine: dict[str, torch.Tensor] = {}
+
+        def square_norm() -> torch.Tensor:
+            mine["Y"] = self._columns(entries, slice(a, b), idx)
+            return mine["Y"].square().sum().reshape(1)
+
+        sq = self._ranks.gather_sum("Nystrom ||Y||", square_norm, lambda: self.X.new_zeros(1), self._inputs())
+        nu = self._nu(float(sq[0].sqrt()))
+        core = self._columns(entries, idx, idx)  # K11, on every rank
+        core[ar, ar] += nu
+        here = (idx >= a) & (idx < b)  # the landmark rows among this rank's
+
+        def y_nu(a_: int, b_: int) -> torch.Tensor:
+            Y = mine["Y"]
+            Y[idx[here] - a, ar[here]] += nu
+            return Y
+
+        return (*self._factor(y_nu, core, nu), nu)
 
     def _build_sketch(self, entries: KernelEntries, seed: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Randomized Nyström: orthonormalised Gaussian ``Omega (n, k)``, ``Y = K Omega`` (blocked)."""
         gen = torch.Generator(device=self.device).manual_seed(int(seed))
         Omega = torch.randn(self.n, self.k, dtype=self.dtype, device=self.device, generator=gen)
         Omega, _ = torch.linalg.qr(Omega)
-        Y = entries.matmul(Omega) if self.s is None else self.s[:, None] * entries.matmul(self.s[:, None] * Omega)
-        nu = self._nu(Y)
+        Y = (entries.matmul(Omega, group=self._ranks) if self.s is None
+             else self.s[:, None] * entries.matmul(self.s[:, None] * Omega, group=self._ranks))
+        nu = self._nu(float(torch.linalg.matrix_norm(Y)))
         Y = Y + nu * Omega
         core = Omega.mT @ Y
-        U, lam = self._factor(Y, core, nu)
+        U, lam = self._factor(lambda a, b: Y[a:b], core, nu)
         return U, lam, nu
 
     # ----------------------------------------------------------------------------------------- applying

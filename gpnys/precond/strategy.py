@@ -54,8 +54,8 @@ class AutoPreconditioner(Preconditioner):
             estimate and Nyström use ``mu`` (pass their mean). Nyström on ``D^{-1/2} K D^{-1/2} + I`` was measured
             worse than on ``K + mean(D) I`` when ``D`` spans more than a decade at a low rank (condition number 3365
             against 413 for ``D`` in [1e-4, 0.1], rank 60 of n = 300), and AFN better in every case tried.
-        group: split AFN's build over the ranks of a ``torch.distributed`` group (:class:`AFNPreconditioner`); the
-            rank estimate and Nyström are computed on every rank.
+        group: split the chosen build over the ranks of a ``torch.distributed`` group (:class:`AFNPreconditioner`,
+            :class:`NystromPreconditioner`); the rank estimate (``m`` points) is computed on every rank.
 
     Attributes:
         estimate: the :class:`RankEstimate`; inner: the chosen preconditioner; choice: ``"nystrom"``/``"afn"``.
@@ -89,7 +89,7 @@ class AutoPreconditioner(Preconditioner):
             k = max(1, min(k, self.n))
             self.choice = "nystrom"
             self.inner: Preconditioner = NystromPreconditioner(
-                X, kernel, self.mu, k, landmarks="fps", landmark_indices=cache.fps(k)
+                X, kernel, self.mu, k, landmarks="fps", landmark_indices=cache.fps(k), group=group
             )
         else:
             self.choice = "afn"
@@ -152,8 +152,8 @@ def make_preconditioner(
     ``fsai`` -> FSAI of K + mu I (``w`` default 400); ``afn`` -> AFN (``k`` landmarks, ``w`` default 100);
     ``auto`` -> :class:`AutoPreconditioner` (switch threshold ``k``, ``w`` default 100).
 
-    ``group`` (a ``torch.distributed`` group, ``True`` for the default one) splits the FSAI and AFN builds by rows
-    over its ranks; the others are computed on every rank.
+    ``group`` (a ``torch.distributed`` group, ``True`` for the default one) splits the FSAI, AFN and Nyström builds
+    (``nystrom``, ``ran``, ``sketch``, ``auto``) by rows over its ranks; ``pivchol`` is computed on every rank.
     """
     if name not in PRECONDITIONERS:
         raise ValueError(f"preconditioner must be one of {PRECONDITIONERS}, got {name!r}")
@@ -169,12 +169,12 @@ def make_preconditioner(
             rank = estimate_rank(X, kernel, mu, max_k=k, seed=seed).k
         r = max(1, min(int(rank), n))
         lm = cache.fps(r) if cache is not None else None
-        return NystromPreconditioner(X, kernel, mu, r, landmarks="fps", landmark_indices=lm, diag=diag)
+        return NystromPreconditioner(X, kernel, mu, r, landmarks="fps", landmark_indices=lm, diag=diag, group=group)
     if name in ("ran", "sketch"):
         r = min(_default(rank, 3000), n)
         if name == "ran":
-            return NystromPreconditioner(X, kernel, mu, r, landmarks="uniform", scaling="ran", seed=seed)
-        return NystromPreconditioner(X, kernel, mu, r, sampling="sketch", scaling="ran", seed=seed)
+            return NystromPreconditioner(X, kernel, mu, r, landmarks="uniform", scaling="ran", seed=seed, group=group)
+        return NystromPreconditioner(X, kernel, mu, r, sampling="sketch", scaling="ran", seed=seed, group=group)
     if name == "fsai":
         return FSAIPreconditioner(X, kernel, mu, w=min(_default(w, 400), n), cache=cache, diag=diag, group=group)
     wd = min(100, n) if w is None else w  # a default never exceeds n; an explicit w is validated

@@ -146,30 +146,65 @@ class RowGroup:
         if self.size == 1:  # (gather's shortcut, without the copy into a padded block)
             return compute(0, n) if n else inputs[0].new_zeros(0, *tail)
         a, b = self.rows(n)
-        local = inputs[0].new_zeros(row_range(n, 0, self.size)[1], *tail)
-        failure = None
-        if b > a:
-            try:
+
+        def zeros() -> torch.Tensor:
+            return inputs[0].new_zeros(row_range(n, 0, self.size)[1], *tail)
+
+        def block() -> torch.Tensor:
+            local = zeros()
+            if b > a:
                 local[: b - a] = compute(a, b)
-            except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
-                failure = err
-        return torch.cat(self.gather(what, local, inputs, failure))[:n]
+            return local
+
+        return torch.cat(self._gather_computed(what, block, zeros, inputs))[:n]
+
+    def _gather_computed(self, what: str, compute: Callable[[], torch.Tensor], zeros: Callable[[], torch.Tensor],
+                         inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`gather` of this rank's ``compute()``; an error in it rides the gather (``zeros()`` standing in
+        for the block), so that no rank waits for the group's timeout."""
+        failure = None
+        try:
+            local = compute()
+        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
+            failure, local = err, zeros()
+        return self.gather(what, local, inputs, failure)
 
     def gather_sum(self, what: str, compute: Callable[[], torch.Tensor], zeros: Callable[[], torch.Tensor],
                    inputs: list[torch.Tensor]) -> torch.Tensor:
         """Every rank's ``compute()`` (equal shapes), added in rank order on all ranks, so that every rank holds the
         same bits (an all-reduce's order would be the library's). An error in ``compute`` rides the gather as in
         :meth:`gather_rows`, ``zeros()`` standing in for the failed block."""
-        failure = None
-        try:
-            local = compute()
-        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
-            failure, local = err, zeros()
-        parts = self.gather(what, local, inputs, failure)
+        parts = self._gather_computed(what, compute, zeros, inputs)
         total = parts[0]
         for part in parts[1:]:
             total = total + part
         return total
+
+    def tall_svd(self, what: str, n: int, k: int, compute: Callable[[int, int], torch.Tensor],
+                 inputs: list[torch.Tensor], driver: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Thin SVD ``B = U diag(sigma) W^T`` of an ``(n, k)`` matrix whose rows ``[a, b)`` this rank computes
+        (``compute(a, b)``): ``U (n, k)`` on every rank, ``sigma (k,)`` descending. By TSQR (Demmel, Grigori, Hoemmen
+        & Langou 2012): ``B_r = Q_r R_r`` on each rank, one gather of the ``k x k`` factors ``R_r``, the stacked
+        ``[R_0; ...; R_{P-1}] = Q' R`` and ``R = U_R diag(sigma) W^T`` on every rank, ``U_r = Q_r Q'_r U_R`` and one
+        gather of ``U``'s rows: ``O(n k^2 / P)`` per rank, ``P k^2 + n k`` values received. ``driver``: as
+        ``torch.linalg.svd``'s, for the ``k x k`` SVD."""
+        a, b = self.rows(n)
+        like = inputs[0]
+        local: dict[str, torch.Tensor] = {}
+
+        def r_factor() -> torch.Tensor:
+            R = like.new_zeros(k, k)
+            if b > a:
+                local["Q"], R_r = torch.linalg.qr(compute(a, b))  # (m, min(m, k)), (min(m, k), k)
+                R[: R_r.shape[0]] = R_r  # a short block's R padded with zero rows
+            return R
+
+        Rs = self._gather_computed(f"{what} R factors", r_factor, lambda: like.new_zeros(k, k), inputs)
+        Q2, R = torch.linalg.qr(torch.cat(Rs))
+        U_R, sigma, _ = torch.linalg.svd(R, driver=driver)
+        W = Q2[self.rank * k : (self.rank + 1) * k] @ U_R  # (k, k): this rank's Q'_r U_R
+        U = self.gather_rows(f"{what} U rows", n, lambda a_, b_: local["Q"] @ W[: local["Q"].shape[1]], inputs, (k,))
+        return U, sigma
 
 
 def gather_rows(group: RowGroup | None, what: str, n: int, compute: Callable[[int, int], torch.Tensor],
