@@ -8,10 +8,12 @@ calls, bytes received, seconds inside them); rank 0 reports. The baseline is the
 group (``P = 1, plain``), in the same run.
 
 Columns: seconds per evaluation (median), the share of it spent in collectives, MiB received per evaluation, the
-share spent in the preconditioner's applies (the replicated work: what partitioned PCG vectors could split), the
+share spent in the preconditioner's applies (the replicated work: what partitioned PCG vectors could split) and in
+the forward of the control variate's differentiable terms (replicated too; their backward is not timed), the
 loss / gradient difference from the plain run (the target: identical to rounding); then one AFN build
-(``--build-k`` landmarks, w = 100) with its rows split over the ranks: seconds, MiB received, and its log det's
-relative difference from the plain build.
+(``--build-k`` landmarks, w = 100) and one column Nyström build (rank ``--build-k``, FPS) with their rows split over
+the ranks: seconds, rank 0's CPU seconds (the work split: the ranks share the machine's cores), MiB received, and
+the log det's relative difference from the plain build.
 
 Then a cost model for 1-8 GPUs at n = 10^6 .. 10^7: per evaluation, the single-GPU time measured in issue 19
 (``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H100, float32; ``--gpu-cutoff-1e6-s`` with the cutoff)
@@ -68,37 +70,47 @@ def worker(args) -> None:
     model.train()
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
     settings = EstimatorSettings(dense_limit_bytes=0) if plain else gd.settings(dense_limit_bytes=0)
-    # the preconditioner build alone, split by rows (AFN's K12 columns and FSAI rows) or not: once, timed
-    from gpnys.precond import AFNPreconditioner
+    # the preconditioner builds alone, split by rows (AFN's K12 columns and FSAI rows; Nyström's Y and B rows,
+    # its SVD a TSQR) or not: once each, timed
+    from gpnys.precond import AFNPreconditioner, NystromPreconditioner
     from gpnys.precond.base import Preconditioner
 
-    kern = model.covar_module.base_kernel
-    partitioned.reset_stats()
-    _sync(device)
-    t0 = time.perf_counter()
-    P = AFNPreconditioner(X, kern, 0.1, k=min(args.build_k, args.n - 1), w=min(100, args.n - 1),
-                          group=None if plain else True)
-    _sync(device)
-    build = {"build_s": time.perf_counter() - t0, "build_logdet": float(P.logdet()),
-             "build_mib_received": partitioned.STATS["bytes_received"] / 2**20}
-    del P
-    # the replicated work of an evaluation: the preconditioner's applies (PCG's, SLQ's and the control variate's)
-    applied = {"seconds": 0.0}
-    solve = Preconditioner.solve
+    kern, group, k = model.covar_module.base_kernel, None if plain else True, min(args.build_k, args.n - 1)
+    build = {}
+    for name, make in (("build", lambda: AFNPreconditioner(X, kern, 0.1, k=k, w=min(100, args.n - 1), group=group)),
+                       ("nystrom", lambda: NystromPreconditioner(X, kern, 0.1, k, group=group))):
+        partitioned.reset_stats()
+        _sync(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        P = make()
+        _sync(device)
+        build.update({f"{name}_s": time.perf_counter() - t0, f"{name}_cpu_s": time.process_time() - c0,
+                      f"{name}_logdet": float(P.logdet()),
+                      f"{name}_mib_received": partitioned.STATS["bytes_received"] / 2**20})
+        del P
+    # the replicated work of an evaluation: the preconditioner's applies (PCG's, SLQ's and the control variate's),
+    # and the forward of the control variate's differentiable terms (its backward runs inside loss.backward())
+    from gpnys.gp.hook import PreconditionerHook
 
-    def timed_solve(self, R, _solve=solve):
-        t = time.perf_counter()
-        try:
-            return _solve(self, R)
-        finally:
-            applied["seconds"] += time.perf_counter() - t
-    Preconditioner.solve = timed_solve
-    times, records, apply_s = [], [], []
+    applied = {"seconds": 0.0, "cv_seconds": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                _sync(device)
+                applied[key] += time.perf_counter() - t
+        return wrapper
+    Preconditioner.solve = timed(Preconditioner.solve, "seconds")
+    PreconditionerHook.control_variate_terms = timed(PreconditionerHook.control_variate_terms, "cv_seconds")
+    times, records, apply_s, cv_s = [], [], [], []
     with use_preconditioner(model, "auto", settings=settings, seed=args.seed):
         for rep in range(args.repeats + 1):
             torch.manual_seed(args.seed + rep)
             partitioned.reset_stats()
-            applied["seconds"] = 0.0
+            applied.update(seconds=0.0, cv_seconds=0.0)
             for p in model.parameters():
                 p.grad = None
             _sync(device)
@@ -111,6 +123,7 @@ def worker(args) -> None:
                 times.append(dt)
                 records.append(dict(partitioned.STATS))
                 apply_s.append(applied["seconds"])
+                cv_s.append(applied["cv_seconds"])
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
     if rank == 0:
         med = statistics.median(times)
@@ -120,6 +133,7 @@ def worker(args) -> None:
                "collectives": records[-1]["collectives"], "mib_received": records[-1]["bytes_received"] / 2**20,
                "comm_s": records[-1]["seconds"],
                "apply_share": statistics.median(a / t for a, t in zip(apply_s, times)),
+               "cv_forward_share": statistics.median(a / t for a, t in zip(cv_s, times)),
                "loss": float(loss), "grad": grad, **build}
         Path(args.worker_out).write_text(json.dumps(out))
     if not plain:
@@ -176,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads shared by the ranks")
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--build-k", type=int, default=1000, help="AFN landmarks of the timed build")
+    ap.add_argument("--build-k", type=int, default=1000, help="AFN landmarks and Nyström rank of the timed builds")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: every rank on cuda:LOCAL_RANK over NCCL (P = 1 on a single GPU)")
     ap.add_argument("--timeout", type=float, default=3600.0)
@@ -208,17 +222,23 @@ def main(argv=None) -> int:
     base = rows[0]
     where = "one GPU per rank (NCCL)" if args.device == "cuda" else f"{args.threads} threads shared by the ranks (gloo)"
     print(f"one MLL value + gradient, synthetic3d n = {args.n}, Matérn-3/2, {args.dtype}, {where}")
-    print("| P | s / evaluation | in collectives | MiB received | collectives | preconditioner applies | loss diff "
-          "| max grad diff | AFN build s | build MiB received | build log det diff |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| P | s / evaluation | in collectives | MiB received | collectives | preconditioner applies "
+          "| control variate (forward) | loss diff | max grad diff | AFN build s | CPU s | MiB received | log det diff "
+          "| Nyström build s | CPU s | MiB received | log det diff |")
+    print("| --- |" + " ---: |" * 17)
     for r in rows:
         r["loss_diff"] = abs(r["loss"] - base["loss"])
         r["grad_diff"] = max(abs(a - b) for a, b in zip(r["grad"], base["grad"]))
-        r["build_logdet_diff"] = abs(r["build_logdet"] - base["build_logdet"]) / max(1.0, abs(base["build_logdet"]))
         label = f"{r['procs']}{' plain' if r['plain'] else ''}"
-        print(f"| {label} | {r['time_s']:.2f} | {r['comm_share']:.1%} | {r['mib_received']:.1f} | {r['collectives']} "
-              f"| {r['apply_share']:.1%} | {r['loss_diff']:.1e} | {r['grad_diff']:.1e} | {r['build_s']:.2f} "
-              f"| {r['build_mib_received']:.1f} | {r['build_logdet_diff']:.1e} |")
+        cells = [label, f"{r['time_s']:.2f}", f"{r['comm_share']:.1%}", f"{r['mib_received']:.1f}",
+                 str(r["collectives"]), f"{r['apply_share']:.1%}", f"{r['cv_forward_share']:.1%}",
+                 f"{r['loss_diff']:.1e}", f"{r['grad_diff']:.1e}"]
+        for name in ("build", "nystrom"):
+            r[f"{name}_logdet_diff"] = (abs(r[f"{name}_logdet"] - base[f"{name}_logdet"])
+                                        / max(1.0, abs(base[f"{name}_logdet"])))
+            cells += [f"{r[f'{name}_s']:.2f}", f"{r[f'{name}_cpu_s']:.2f}", f"{r[f'{name}_mib_received']:.1f}",
+                      f"{r[f'{name}_logdet_diff']:.1e}"]
+        print("| " + " | ".join(cells) + " |")
     model = cost_model(args)
     print("\ncost model per evaluation (s): n, GPUs, every pair, with the cutoff, all-gathers")
     for m in model:

@@ -13,8 +13,9 @@ cutoff plan splits by leaves and Triton by tiles. Then
   values per rank, ``t (d + 1)`` for the per-probe sums) lets every rank add them in rank order.
 
 The preconditioner builds split the same way (:class:`RowGroup`, :func:`gather_rows`): AFN's ``V = K21 L^{-T}``
-and the FSAI rows of ``G`` are computed for a rank's rows and gathered (``n (k + w)`` values per build); the
-``k x k`` factors are computed on every rank. Everything downstream (PCG, SLQ, the preconditioner applies) then
+and the FSAI rows of ``G`` are computed for a rank's rows and gathered (``n (k + w)`` values per build), and
+Nyström's ``U`` by a TSQR of its rows (:meth:`RowGroup.tall_svd`, ``n k + P k^2`` values); the ``k x k`` factors
+are computed on every rank. Everything downstream (PCG, SLQ, the preconditioner applies) then
 runs unchanged on replicated vectors, so its results match one process to rounding. That needs identical inputs on
 every rank: each gathered block carries
 :data:`SAMPLE_ROWS` evenly spaced rows of the vectors its rank used, compared exactly (vectors from differently
