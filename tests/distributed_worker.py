@@ -6,6 +6,7 @@
 * ``mll``: one MLL value + gradient through ``use_preconditioner`` with ``gpnys.distributed.settings()``;
 * ``precond``: AFN (scalar and per-point shifts), FSAI and Nyström (column, per-point, RAN, sketch) built with
   the rows split, and what they compute;
+* ``tsqr``: a TSQR over 3 ranks (one without rows), a failing rank in it, ranks with different landmarks;
 * ``fail``: rank 1's share of a row-split computation, then its per-probe derivative pass, raises; every
   rank records what it got;
 * ``mismatch``: rank-dependent right-hand sides, which must raise;
@@ -109,6 +110,35 @@ def precond(group):
     return out
 
 
+def tsqr(rank):
+    """``RowGroup.tall_svd`` of a graded ``(100, 40)`` matrix (3 ranks: 64, 36 and 0 rows), a rank whose rows fail,
+    and a Nyström build whose ranks pass different landmarks."""
+    from gpnys.kernels.backends.partitioned import RowGroup
+    from gpnys.precond import NystromPreconditioner
+
+    g = torch.Generator().manual_seed(5)
+    B = torch.randn(100, 40, generator=g, dtype=torch.float64) * torch.logspace(0, -8, 40, dtype=torch.float64)
+    ranks = RowGroup.of(True)
+    U, sigma = ranks.tall_svd("test", 100, 40, lambda a, b: B[a:b], [B])
+    out = {"B": B, "U": U, "sigma": sigma, "rows": ranks.rows(100)}
+
+    def rows(a, b):
+        if rank == 1:
+            raise torch.linalg.LinAlgError("rank 1's rows failed")
+        return B[a:b]
+
+    for key, run in (("error", lambda: ranks.tall_svd("failing", 100, 40, rows, [B])),
+                     ("mismatch", lambda: NystromPreconditioner(data()[0], make_kernel("matern32", 3).double(), 0.1,
+                                                                30, landmark_indices=torch.arange(30) + rank,
+                                                                group=True))):
+        try:
+            run()
+            out[key] = None
+        except Exception as err:  # noqa: BLE001 - the test reads the type and message
+            out[key] = f"{type(err).__name__}: {err}"
+    return out
+
+
 def fail(rank):
     from gpnys.kernels.backends.partitioned import RowGroup
     from gpnys.kernels.backends.torch_tiles import TorchTiles
@@ -176,9 +206,9 @@ def main():
         res = mll(group)
     elif mode == "precond":
         res = precond(group)
-    elif mode == "fail":
-        res = fail(rank)
-        torch.save(res, f"{out_path}.{rank}")
+    elif mode in ("fail", "tsqr"):
+        res = fail(rank) if mode == "fail" else tsqr(rank)
+        torch.save(to_cpu(res), f"{out_path}.{rank}")
     elif mode in ("mismatch", "die"):
         X, _, V = data()
         kern = make_kernel("rbf").double()

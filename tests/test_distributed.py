@@ -171,9 +171,10 @@ def test_two_gloo_ranks_build_the_one_process_preconditioners(tmp_path):
     ref = reference("precond", tmp_path / "ref.pt")
     assert run_ranks("precond", tmp_path / "dist.pt") == [0, 0]
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
-    # gathered rows: 2 AFN x 2, FSAI, 4 Nyström U; sums: 3 column Nyström ||Y||, the sketch's split K Omega
-    assert ref["calls"]["gather_rows"] == 0 and got["calls"]["gather_rows"] == 9, got["calls"]
-    assert got["calls"]["gather_sum"] == 4 and got["calls"]["matmul"] == 1, got["calls"]
+    # gathered rows: 2 AFN x 2, FSAI, 4 Nyström U, the sketch's Omega; sums: 3 column Nyström ||Y||, the sketch's
+    # split K Omega and its core
+    assert ref["calls"]["gather_rows"] == 0 and got["calls"]["gather_rows"] == 10, got["calls"]
+    assert got["calls"]["gather_sum"] == 5 and got["calls"]["matmul"] == 1, got["calls"]
     assert ref["nystrom_lam"].shape == (120,) and float(ref["nystrom_lam"][-1]) > 0
     for key in ref:
         if key != "calls":
@@ -181,6 +182,25 @@ def test_two_gloo_ranks_build_the_one_process_preconditioners(tmp_path):
             if ref[key] is not None:
                 assert _close(got[key], ref[key]), key
     assert float(ref["afn_G"].diagonal().min()) > 0 and ref["afn_V"].shape == (260, 40)
+
+
+def test_tsqr_over_three_ranks_one_without_rows(tmp_path):
+    """RowGroup.tall_svd (Nyström's SVD) with 64, 36 (< k = 40) and 0 rows: every rank holds the same orthonormal
+    U and the singular values of a graded matrix (10^0 .. 10^-8) to float64 rounding; a rank whose rows fail raises
+    its error, the others a RuntimeError naming it; ranks passing different landmarks raise ValueError."""
+    assert run_ranks("tsqr", tmp_path / "dist.pt", size=3) == [0, 0, 0]
+    got = [torch.load(f"{tmp_path / 'dist.pt'}.{r}", weights_only=False) for r in range(3)]
+    assert [tuple(g["rows"]) for g in got] == [(0, 64), (64, 100), (100, 100)]
+    B, U, sigma = got[0]["B"], got[0]["U"], got[0]["sigma"]
+    ref = torch.linalg.svdvals(B)
+    assert float(((sigma - ref) / ref).abs().max()) <= 1e-6 and float((sigma - ref).abs().max()) <= 1e-13
+    assert float((U.mT @ U - torch.eye(40, dtype=U.dtype)).abs().max()) <= 1e-13
+    assert float((B - U @ (U.mT @ B)).abs().max()) <= 1e-13 * float(B.abs().max())
+    assert all(torch.equal(g["U"], U) and torch.equal(g["sigma"], sigma) for g in got[1:])
+    assert "LinAlgError" in got[1]["error"].split(":")[0] and "rank 1's rows failed" in got[1]["error"]
+    for g in (got[0], got[2]):
+        assert g["error"].startswith("RuntimeError") and "rank 1 of 3 failed computing its failing R" in g["error"]
+    assert all(g["mismatch"].startswith("ValueError") and "same inputs" in g["mismatch"] for g in got)
 
 
 def test_a_failure_on_one_rank_raises_on_every_rank_without_a_hang(tmp_path):

@@ -94,10 +94,11 @@ class NystromPreconditioner(Preconditioner):
         landmark_indices: optional ``(m,)`` integer tensor, ``m >= k``, of distinct row indices of ``X``
             (e.g. a cached FPS order); the first ``k`` are used. Only with ``sampling="column"``.
         group: split the build by rows over the ranks of a ``torch.distributed`` group (``True``: the default
-            group; issue 22). Each rank evaluates its rows of ``Y`` (column sampling) or of the product ``K Omega``
-            (sketch), and of ``B``, whose thin SVD is a TSQR (:meth:`~gpnys.kernels.backends.partitioned.RowGroup.tall_svd`);
-            ``U`` is gathered, the ``k x k`` core and its factor are computed on every rank (as is the sketch's
-            ``Omega``). The same preconditioner as one process, to rounding.
+            group; issue 22). Each rank evaluates its rows of ``Y`` (column sampling) or of the product
+            ``K Omega`` (sketch; ``Omega`` orthonormalised by TSQR, its core summed over the ranks), and of ``B``,
+            whose thin SVD is a TSQR (:meth:`~gpnys.kernels.backends.partitioned.RowGroup.tall_svd`); ``U`` is
+            gathered, the ``k x k`` core's factor is computed on every rank. The same preconditioner as one
+            process, to rounding.
 
     Attributes:
         U: ``(n, k)`` orthonormal basis of the Nyström range.
@@ -234,27 +235,28 @@ class NystromPreconditioner(Preconditioner):
             raise ValueError("landmark_indices must be distinct (the first k entries)")
         return idx
 
-    def _factor(self, Y_nu: Callable[[int, int], torch.Tensor], core: torch.Tensor,
-                nu: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _factor(self, Y_nu: Callable[[int, int], torch.Tensor], core: Callable[[], torch.Tensor],
+                nu: float, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Shared tail of the stable construction: ``C = chol(core)``, ``B = Y_nu C^{-T}``, SVD, shift back.
 
-        ``Y_nu(a, b)``: rows ``[a, b)`` of ``Y_nu (n, k)``; ``core = Omega^T Y_nu: (k, k)``. With a group each rank
-        computes its rows of ``B`` and the SVD is a TSQR (:meth:`RowGroup.tall_svd`). Returns ``U (n, k)``,
-        ``lam (k,)``.
+        ``Y_nu(a, b)``: rows ``[a, b)`` of ``Y_nu (n, k)``; ``core()``: ``Omega^T Y_nu (k, k)``. With a group each
+        rank computes ``C`` and its rows of ``B`` inside the TSQR's first gather (an error there is raised on every
+        rank, not left to the group's timeout), the SVD is a TSQR (:meth:`RowGroup.tall_svd`), and the ranks'
+        ``inputs`` are compared. Returns ``U (n, k)``, ``lam (k,)``.
         """
-        core = 0.5 * (core + core.mT)
-        C = safe_cholesky(core, "Nystrom core chol(Omega^T Y_nu)", self.shifts)
 
         def b_rows(a: int, b: int) -> torch.Tensor:  # B C^T = Y_nu
+            c = core()
+            C = safe_cholesky(0.5 * (c + c.mT), "Nystrom core chol(Omega^T Y_nu)", self.shifts)
             return torch.linalg.solve_triangular(C.mT, Y_nu(a, b), upper=True, left=False)
 
         # Thin SVD of B (more accurate than the eig(B^T B) shortcut of the authors' code, digest §2.1 step 5);
         # through B = QR first when B is tall, which a GPU's SVD of an (n, k) matrix with n >> k needs.
         # On CUDA the QR-iteration driver: torch's default there (Jacobi, gesvdj) stops at a tolerance and left U
         # further from orthonormal, which P's solve(matmul(v)) amplifies by cond(P) (4e-3 in float32 on an H100).
-        driver = "gesvd" if core.is_cuda else None
+        driver = "gesvd" if self.X.is_cuda else None
         if self._ranks is not None:
-            U, sigma = self._ranks.tall_svd("Nystrom B", self.n, self.k, b_rows, self._inputs(), driver)
+            U, sigma = self._ranks.tall_svd("Nystrom B", self.n, self.k, b_rows, inputs, driver)
             return U, (sigma.square() - nu).clamp_min(0)
         B = b_rows(0, self.n)
         if B.shape[0] > 2 * B.shape[1]:
@@ -271,9 +273,10 @@ class NystromPreconditioner(Preconditioner):
         nu = math.sqrt(self.n) * torch.finfo(self.dtype).eps * norm
         return nu if nu > 0 else torch.finfo(self.dtype).tiny
 
-    def _inputs(self) -> list[torch.Tensor]:
-        """What every rank of a split build must hold alike (checked on each gather): the points, the shifts."""
-        return [self.X] + ([] if self.s is None else [self.s[:, None]])
+    def _inputs(self, *more: torch.Tensor) -> list[torch.Tensor]:
+        """What every rank of a split build must hold alike (checked on each gather): the points, the shifts,
+        ``more`` (the landmarks, the sketch)."""
+        return [self.X] + ([] if self.s is None else [self.s[:, None]]) + list(more)
 
     def _columns(self, entries: KernelEntries, rows: slice, idx: torch.Tensor) -> torch.Tensor:
         """``K1[rows] = K(X[rows], X_k)`` (of ``D^{-1/2} K D^{-1/2}`` with per-point shifts), a fresh tensor."""
@@ -290,38 +293,51 @@ class NystromPreconditioner(Preconditioner):
             Y = self._columns(entries, slice(None), idx)  # (n, k) = K1
             nu = self._nu(float(torch.linalg.matrix_norm(Y)))
             Y[idx, ar] += nu  # Y_nu = Y + nu * Omega: shift the landmark rows only
-            return (*self._factor(lambda a, b: Y[a:b], Y[idx], nu), nu)  # core = Omega^T Y_nu = K11 + nu I
+            return (*self._factor(lambda a, b: Y[a:b], lambda: Y[idx], nu, []), nu)  # core = K11 + nu I
         a, b = self._ranks.rows(self.n)
+        inputs = self._inputs(idx.to(self.dtype)[:, None])  # the ranks' landmarks compared too
         mine: dict[str, torch.Tensor] = {}
 
         def square_norm() -> torch.Tensor:
             mine["Y"] = self._columns(entries, slice(a, b), idx)
             return mine["Y"].square().sum().reshape(1)
 
-        sq = self._ranks.gather_sum("Nystrom ||Y||", square_norm, lambda: self.X.new_zeros(1), self._inputs())
+        sq = self._ranks.gather_sum("Nystrom ||Y||", square_norm, lambda: self.X.new_zeros(1), inputs)
         nu = self._nu(float(sq[0].sqrt()))
-        core = self._columns(entries, idx, idx)  # K11, on every rank
-        core[ar, ar] += nu
-        here = (idx >= a) & (idx < b)  # the landmark rows among this rank's
 
-        def y_nu(a_: int, b_: int) -> torch.Tensor:
-            Y = mine["Y"]
-            Y[idx[here] - a, ar[here]] += nu
+        def core() -> torch.Tensor:  # K11 + nu I, on every rank
+            c = self._columns(entries, idx, idx)
+            c[ar, ar] += nu
+            return c
+
+        def y_nu(a_: int, b_: int) -> torch.Tensor:  # this rank's rows, shifted on its landmark rows (once)
+            Y, here = mine.pop("Y"), (idx >= a_) & (idx < b_)
+            Y[idx[here] - a_, ar[here]] += nu
             return Y
 
-        return (*self._factor(y_nu, core, nu), nu)
+        return (*self._factor(y_nu, core, nu, inputs), nu)
 
     def _build_sketch(self, entries: KernelEntries, seed: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Randomized Nyström: orthonormalised Gaussian ``Omega (n, k)``, ``Y = K Omega`` (blocked)."""
         gen = torch.Generator(device=self.device).manual_seed(int(seed))
         Omega = torch.randn(self.n, self.k, dtype=self.dtype, device=self.device, generator=gen)
-        Omega, _ = torch.linalg.qr(Omega)
-        Y = (entries.matmul(Omega, group=self._ranks) if self.s is None
-             else self.s[:, None] * entries.matmul(self.s[:, None] * Omega, group=self._ranks))
+        ranks = self._ranks
+        if ranks is None:
+            Omega, _ = torch.linalg.qr(Omega)
+        else:  # an orthonormal basis of the same range by TSQR (P depends on range(Omega) only)
+            Omega = ranks.tall_svd("Nystrom sketch", self.n, self.k, lambda a, b: Omega[a:b], self._inputs(Omega))[0]
+        Y = (entries.matmul(Omega, group=ranks) if self.s is None
+             else self.s[:, None] * entries.matmul(self.s[:, None] * Omega, group=ranks))
         nu = self._nu(float(torch.linalg.matrix_norm(Y)))
         Y = Y + nu * Omega
-        core = Omega.mT @ Y
-        U, lam = self._factor(lambda a, b: Y[a:b], core, nu)
+        if ranks is None:
+            U, lam = self._factor(lambda a, b: Y[a:b], lambda: Omega.mT @ Y, nu, [])
+            return U, lam, nu
+        a, b = ranks.rows(self.n)
+        inputs = self._inputs(Omega)
+        core = ranks.gather_sum("Nystrom sketch core", lambda: Omega[a:b].mT @ Y[a:b],
+                               lambda: Omega.new_zeros(self.k, self.k), inputs)  # Omega^T Y_nu, O(n k^2 / P)
+        U, lam = self._factor(lambda a_, b_: Y[a_:b_], lambda: core, nu, inputs)
         return U, lam, nu
 
     # ----------------------------------------------------------------------------------------- applying

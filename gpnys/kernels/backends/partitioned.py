@@ -187,17 +187,18 @@ class RowGroup:
         (``compute(a, b)``): ``U (n, k)`` on every rank, ``sigma (k,)`` descending. By TSQR (Demmel, Grigori, Hoemmen
         & Langou 2012): ``B_r = Q_r R_r`` on each rank, one gather of the ``k x k`` factors ``R_r``, the stacked
         ``[R_0; ...; R_{P-1}] = Q' R`` and ``R = U_R diag(sigma) W^T`` on every rank, ``U_r = Q_r Q'_r U_R`` and one
-        gather of ``U``'s rows: ``O(n k^2 / P)`` per rank, ``P k^2 + n k`` values received. ``driver``: as
-        ``torch.linalg.svd``'s, for the ``k x k`` SVD."""
+        gather of ``U``'s rows: ``O(n k^2 / P)`` per rank, ``P k^2 + n k`` values received. ``compute`` is called
+        once on every rank, with an empty range ``a = b`` on a rank without rows, so that an error in the work it
+        shares (say, a factor every rank needs) rides the gather too; ``inputs[0]`` gives dtype and device.
+        ``driver``: as ``torch.linalg.svd``'s, for the ``k x k`` SVD."""
         a, b = self.rows(n)
         like = inputs[0]
         local: dict[str, torch.Tensor] = {}
 
         def r_factor() -> torch.Tensor:
+            local["Q"], R_r = torch.linalg.qr(compute(a, b))  # (m, min(m, k)), (min(m, k), k)
             R = like.new_zeros(k, k)
-            if b > a:
-                local["Q"], R_r = torch.linalg.qr(compute(a, b))  # (m, min(m, k)), (min(m, k), k)
-                R[: R_r.shape[0]] = R_r  # a short block's R padded with zero rows
+            R[: R_r.shape[0]] = R_r  # a short block's R padded with zero rows
             return R
 
         Rs = self._gather_computed(f"{what} R factors", r_factor, lambda: like.new_zeros(k, k), inputs)
@@ -206,7 +207,6 @@ class RowGroup:
         W = Q2[self.rank * k : (self.rank + 1) * k] @ U_R  # (k, k): this rank's Q'_r U_R
         U = self.gather_rows(f"{what} U rows", n, lambda a_, b_: local["Q"] @ W[: local["Q"].shape[1]], inputs, (k,))
         return U, sigma
-
 
 def gather_rows(group: RowGroup | None, what: str, n: int, compute: Callable[[int, int], torch.Tensor],
                 inputs: list[torch.Tensor], tail: tuple[int, ...] = ()) -> torch.Tensor:
