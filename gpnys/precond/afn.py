@@ -305,7 +305,7 @@ class AFNPreconditioner(Preconditioner):
         (the Cholesky's backward) each: 3.8 s of a 6.5 s BoTorch evaluation at n = 5010, k = 1500, t = 16.
         ``None`` for a kernel outside the formula table (then autograd it is)."""
         from gpnys.kernels.backends.torch_tiles import TorchTiles
-        from gpnys.kernels.formulas import k_and_h
+        from gpnys.kernels.formulas import k_and_h, k_of_r2
         from gpnys.kernels.operator import supported
 
         if not supported(kernel):
@@ -319,8 +319,10 @@ class AFNPreconditioner(Preconditioner):
             Zl, Zr = Zs[lm], Zs[rest]
             acc = torch.promote_types(Zs.dtype, torch.float64)
 
-            def block(Za: torch.Tensor, Zb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            def block(Za: torch.Tensor, Zb: torch.Tensor, h: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
                 r2 = torch.cdist(Za.to(acc), Zb.to(acc)).square()
+                if not h:  # K alone (the first pass over K21)
+                    return k_of_r2(r2, nu).to(Zs.dtype), None
                 kv, hv = k_and_h(r2, nu)
                 if nu == 0.5:  # h's pole only ever multiplies (z_a - z_b)^2 = 0: zero, as the kernel operator does
                     hv = hv.masked_fill(r2 <= torch.finfo(Zs.dtype).eps * float(Zs.abs().max()) ** 2, 0.0)
@@ -343,7 +345,7 @@ class AFNPreconditioner(Preconditioner):
             # k = 500, with its temporaries the peak of an evaluation)
             chunk = block_rows(k, parts=4, device=Zs.device)
             parts = [slice(a, min(a + chunk, Zr.shape[0])) for a in range(0, Zr.shape[0], chunk)]
-            x = torch.cat([z2[c] - thin_matmul(block(Zr[c], Zl)[0], u) for c in parts]) if parts else z2
+            x = torch.cat([z2[c] - thin_matmul(block(Zr[c], Zl, h=False)[0], u) for c in parts]) if parts else z2
             d0 = 1.0 + shift_at(mu, rest) - self.V.square().sum(1)  # the held Schur diagonal
             y = self.factor.mm(x)
             g = self.factor.tmm(y)
