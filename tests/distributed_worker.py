@@ -4,6 +4,7 @@
 
 * ``passes``: the partitioned operator's product, derivative sums and per-probe sums, dense and with a cutoff plan;
 * ``mll``: one MLL value + gradient through ``use_preconditioner`` with ``gpnys.distributed.settings()``;
+* ``mll_cv``: the same with the control variate's rows split (the diag and frozen families, a requested accuracy);
 * ``precond``: AFN (scalar and per-point shifts), FSAI and Nyström (column, per-point, RAN, sketch) built with
   the rows split, and what they compute;
 * ``tsqr``: a TSQR over 3 ranks (one without rows), a failing rank in it, ranks with different landmarks;
@@ -66,21 +67,38 @@ def passes(group):
     return out
 
 
-def mll(group):
+def mll(group, **options):
     X, y, _ = data()
     torch.manual_seed(0)
     lik = __import__("gpytorch").likelihoods.GaussianLikelihood().double()
     model = ExactGPModel(X, y, lik, kernel="matern32", ard=True, mean="constant").double().to(X.device)
     model.train()
-    settings = gd.settings(group, num_probes=8, dense_limit_bytes=0) if group else \
-        __import__("gpnys").EstimatorSettings(num_probes=8, dense_limit_bytes=0)
+    options = {"num_probes": 8, "dense_limit_bytes": 0, **options}
+    settings = gd.settings(group, **options) if group else __import__("gpnys").EstimatorSettings(**options)
     mll_fn = __import__("gpytorch").mlls.ExactMarginalLogLikelihood(lik, model)
     with use_preconditioner(model, "afn", settings=settings, seed=0, k=30) as hook:
         loss = -mll_fn(model(X), y)
         loss.backward()
         est = hook.last_estimate
     return {"loss": loss.detach(), "grads": [p.grad.detach().clone() for p in model.parameters()],
-            "std_error": None if est is None else float(est.std_error)}
+            "std_error": None if est is None else float(est.std_error),
+            "grad_se": None if est is None else [v.detach() for _, v in sorted(est.grad_std_error.items())],
+            "probes": None if est is None else est.probes}
+
+
+def mll_cv(group):
+    """The control variate's diag and frozen families with their non-landmark rows split (issue 22): the diag
+    family with its error-bar rows from the frozen closed form (the proxy, forced here at n = 300), once with a
+    requested accuracy (several probe batches, a backward per batch)."""
+    import gpnys.gp.estimator as estimator
+
+    estimator.PROXY_ABOVE = 0
+    out = {}
+    for name, options in (("diag", {"control_variate": "diag"}), ("frozen", {"control_variate": "frozen"}),
+                          ("target", {"control_variate": "diag", "target_rel_error": 0.02, "max_probes": 24})):
+        for key, value in mll(group, **options).items():
+            out[f"{name}_{key}"] = value
+    return out
 
 
 def precond(group):
@@ -174,7 +192,8 @@ def fail(rank):
     return out
 
 
-CALLS = {"matmul": 0, "derivative_sums": 0, "column_derivative_sums": 0, "gather_rows": 0, "gather_sum": 0}
+CALLS = {"matmul": 0, "derivative_sums": 0, "column_derivative_sums": 0, "gather_rows": 0, "gather_sum": 0,
+         "share": 0, "autograd_sum": 0}
 
 
 def count_partitioned_passes():
@@ -183,7 +202,7 @@ def count_partitioned_passes():
     from gpnys.kernels.backends.partitioned import PartitionedBackend, RowGroup
 
     for name in CALLS:
-        cls = RowGroup if name.startswith("gather") else PartitionedBackend
+        cls = RowGroup if name.startswith(("gather", "share", "autograd")) else PartitionedBackend
 
         def counted(self, *args, _orig=getattr(cls, name), _name=name, **kwargs):
             CALLS[_name] += 1
@@ -204,6 +223,8 @@ def main():
         res = passes(group)
     elif mode == "mll":
         res = mll(group)
+    elif mode == "mll_cv":
+        res = mll_cv(group)
     elif mode == "precond":
         res = precond(group)
     elif mode in ("fail", "tsqr"):

@@ -153,6 +153,22 @@ def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
     assert ref["std_error"] is not None and _close(got["std_error"], ref["std_error"], 1e-8)
 
 
+def test_two_gloo_ranks_split_the_control_variate_rows(tmp_path):
+    """AFN's diag and frozen control-variate families with their non-landmark rows split over the ranks (their
+    derivatives added in the backward, RowGroup.share / autograd_sum): the one-process loss, gradient and standard
+    errors to 1e-10, also over several probe batches (a requested accuracy: a backward per batch). A backward that
+    keeps each rank's own rows' gradient (no sum) is 1e-3 off."""
+    ref = reference("mll_cv", tmp_path / "ref.pt")
+    assert run_ranks("mll_cv", tmp_path / "dist.pt") == [0, 0]
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert ref["calls"]["share"] == 0 and got["calls"]["share"] == got["calls"]["autograd_sum"] == 4, got["calls"]
+    assert ref["target_probes"] == got["target_probes"] == 16 and ref["diag_probes"] == 8
+    for name in ("diag", "frozen", "target"):
+        assert _close(got[f"{name}_loss"], ref[f"{name}_loss"]) and _close(got[f"{name}_grads"], ref[f"{name}_grads"])
+        assert _close(got[f"{name}_std_error"], ref[f"{name}_std_error"], 1e-8)
+        assert _close(got[f"{name}_grad_se"], ref[f"{name}_grad_se"], 1e-8)
+
+
 @pytest.mark.cuda
 def test_one_nccl_rank_gives_the_plain_mll_on_cuda(tmp_path, cuda_device):
     """The multi-GPU path on one GPU (P = 1 over NCCL; gloo where the suite runs on the CPU) against no group."""

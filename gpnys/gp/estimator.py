@@ -305,16 +305,20 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 J = _jacobian([o for o, _ in outs], [g for _, g in outs], tensors, batch)
             if hook.variance_reduction and tensors:
                 hook.last_probes = Z
-                terms = hook.control_variate_terms()
+                inner = getattr(P, "inner", P)
+                afn = isinstance(inner, AFNPreconditioner)
+                proxy = (afn and settings.control_variate != "frozen"
+                         and (inner.n - inner.k) * inner.w**2 * inner.k * settings.num_probes > PROXY_ABOVE)
+                # the per-probe rows then come from the frozen family's closed form (AFN splits only for a kernel of
+                # the formula table, which has it), never through these terms: their rows may be split over the
+                # ranks (their backward gathers; a per-probe backward through vmap could not)
+                terms = hook.control_variate_terms(split=proxy or (afn and settings.control_variate == "frozen"))
                 if terms is not None:
                     cv_logdet = terms[0] if cv_logdet is None else cv_logdet
                     cv.append(terms[1])
                     spread = terms[1]
-                    inner = getattr(P, "inner", P)
-                    proxy = (isinstance(inner, AFNPreconditioner) and settings.control_variate != "frozen"
-                             and (inner.n - inner.k) * inner.w**2 * inner.k * settings.num_probes > PROXY_ABOVE)
                     frozen_terms = None
-                    if proxy or (isinstance(inner, AFNPreconditioner) and settings.control_variate == "frozen"):
+                    if proxy or (afn and settings.control_variate == "frozen"):
                         # the frozen family's rows in closed form: no backward pass per probe (or per parameter)
                         frozen_terms = hook.frozen_jacobian_terms(Z)
                     if frozen_terms is not None:

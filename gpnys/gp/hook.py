@@ -180,10 +180,12 @@ class PreconditionerHook(HookPrediction):
         terms = self.control_variate_terms()
         return None if terms is None else terms[0] + terms[1].mean()
 
-    def control_variate_terms(self, schur: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def control_variate_terms(self, schur: str | None = None,
+                              split: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(log det P̂(θ), [z_jᵀ P̂(θ)⁻¹ z_j]_j)`` (0-dim and ``(t,)``, with autograd) on the last probes, the parts
         of :meth:`control_variate`; consumes the probes. ``None`` as there. ``schur``: AFN's family (default
-        ``settings.control_variate``)."""
+        ``settings.control_variate``); ``split``: AFN's rows split over ``kernel_group``'s ranks (only for a caller
+        that takes no per-probe Jacobian through the terms; :meth:`AFNPreconditioner.differentiable_terms`)."""
         if self._current is None or self.last_probes is None:
             return None
         P, _ = self._current
@@ -196,7 +198,7 @@ class PreconditionerHook(HookPrediction):
         try:
             own = schur is None  # the estimate's own family, not a proxy for its error bars
             schur = self.settings.control_variate if own else schur
-            kw = {"schur": schur} if isinstance(P, AFNPreconditioner) else {}
+            kw = {"schur": schur, "split": split} if isinstance(P, AFNPreconditioner) else {}
             logdet, quad = P.differentiable_terms(base, mu, Z, **kw)
         except (NotImplementedError, torch.linalg.LinAlgError):  # e.g. RAN scaling, or K11 too ill-conditioned
             return None

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Formula", "FORMULAS", "formula", "unit_kernel", "k_and_h", "k_of_r2"]
+__all__ = ["Formula", "FORMULAS", "formula", "unit_kernel", "k_and_h", "k_of_r2", "k_of_r"]
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,14 @@ def k_and_h(r2: Any, nu: float | None, tiny: float = 1e-30) -> tuple[Any, Any]:
 
 def k_of_r2(r2: Any, nu: float | None) -> Any:
     """``k`` alone from squared distances ``r2`` (torch tensors): :func:`k_and_h` without the derivative factor."""
+    return (-0.5 * r2).exp() if formula(nu).rbf else k_of_r(r2.sqrt(), nu)
+
+
+def k_of_r(r: Any, nu: float | None) -> Any:
+    """``k`` from distances ``r`` (torch tensors): differentiable at ``r = 0`` where ``r`` is (``torch.cdist``'s
+    is), unlike a square root of ``r2``."""
     f = formula(nu)
     if f.rbf:
-        return (-0.5 * r2).exp()
-    a = f.c * r2.sqrt()
+        return (-0.5 * r * r).exp()
+    a = f.c * r
     return _horner(f.p, a) * (-a).exp() if len(f.p) > 1 else (-a).exp()

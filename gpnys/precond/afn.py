@@ -27,6 +27,7 @@ import torch
 from gpnys.budget import block_rows
 from gpnys.kernels.backends.partitioned import RowGroup, gather_rows
 from gpnys.kernels.entries import evaluate
+from gpnys.kernels.operator import supported
 from gpnys.linalg import thin_matmul
 from gpnys.precond.base import Preconditioner, add_diag, safe_cholesky, shift_at, validate_count
 from gpnys.precond.cache import PointCache
@@ -91,6 +92,8 @@ class AFNPreconditioner(Preconditioner):
         super().__init__()
         t0 = self._start(X, mu, diag)
         ranks = RowGroup.of(group)
+        #: the ranks splitting the build's rows (``None``: one process, or a group of one)
+        self._ranks = ranks if ranks is not None and ranks.size > 1 else None
         n, d = X.shape
         if n < 2:
             raise ValueError(f"X must have at least 2 points for AFN, got n={n}")
@@ -198,7 +201,8 @@ class AFNPreconditioner(Preconditioner):
         return 2.0 * self.L.diagonal().log().sum() - 2.0 * self.factor.logdiag()
 
     def differentiable_terms(
-        self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor, Z: torch.Tensor, schur: str = "full"
+        self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor, Z: torch.Tensor, schur: str = "full",
+        split: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``log det P(theta)`` and the per-probe ``z_j^T P(theta)^{-1} z_j``, differentiable in the kernel's parameters and ``mu``.
 
@@ -231,6 +235,9 @@ class AFNPreconditioner(Preconditioner):
             schur: ``"full"`` (rebuild the FSAI rows), ``"diag"`` (diagonal-scaled FSAI, see above), ``"frozen"``
                 (``diag`` with the landmark part of the Schur diagonal held) or ``"auto"``:
                 full while ``(n - k) w^2 k <= 2e9`` (about 2-3 s here, n ~ 4000 at k = 500, w = 30), else diag.
+            split: with a build split over a process group, the ``diag`` and ``frozen`` families' non-landmark rows
+                are split too (:meth:`_split_schur_terms`; a kernel in the formula table). Only where no per-probe
+                Jacobian is taken through these terms: their backward gathers across the ranks.
 
         Returns:
             ``(logdet, quad)``: a 0-dim tensor and a ``(t,)`` one, carrying gradients.
@@ -245,6 +252,8 @@ class AFNPreconditioner(Preconditioner):
         L = torch.linalg.cholesky(add_diag(evaluate(kernel, X[lm], X[lm]), shift_at(mu, lm)))
         Zp = Z[self.perm]
         w1 = torch.linalg.solve_triangular(L, Zp[: self.k], upper=False)
+        if split and self._ranks is not None and schur in ("diag", "frozen") and supported(kernel):
+            return self._split_schur_terms(kernel, mu, Zp, L, w1, schur)
         if schur == "frozen":
             # V w1 = K21 (K11 + mu I)^{-1} z1: no (n-k) x k triangular solve, forward or backward
             u = torch.linalg.solve_triangular(L.mT, w1, upper=True)
@@ -291,6 +300,56 @@ class AFNPreconditioner(Preconditioner):
             quad = quad + q
         return 2.0 * L.diagonal().log().sum() - 2.0 * logg, quad
 
+    def _split_schur_terms(self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor, Zp: torch.Tensor,
+                           L: torch.Tensor, w1: torch.Tensor, schur: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`differentiable_terms`' ``diag`` / ``frozen`` families with the non-landmark rows split over the
+        ranks (issue 22): each rank computes its rows of ``s x`` (``O(n k (k + t) / P)``, from the formula table's
+        kernel of the shared length-scale), one gather assembles their values for the sparse ``G`` products, and
+        the zero-valued terms that carry the rows' derivatives are added over the ranks with autograd
+        (:meth:`RowGroup.share` / :meth:`RowGroup.autograd_sum`). ``Zp``: the permuted probes; ``L``, ``w1``: the
+        landmark factor and ``L^{-1} z1``, computed alike on every rank. Same values and gradients as one process,
+        to rounding."""
+        from gpnys.kernels.formulas import k_of_r
+
+        ranks, X, lm, rest, k = self._ranks, self.X, self.landmark_idx, self.rest_idx, self.k
+        nu = None if isinstance(kernel, gpytorch.kernels.RBFKernel) else float(kernel.nu)
+        t, inputs = Zp.shape[1], [X, Zp]
+        shared = ranks.share("AFN control variate", kernel.lengthscale, mu, L, w1)
+        ls_, mu_, L_, w1_ = shared
+        centre = X.mean(0)  # the kernel operator's centring (distances are translation invariant)
+        rows: dict[str, torch.Tensor] = {}
+
+        def sx_rows(a: int, b: int) -> torch.Tensor:  # this rank's rows of s x, kept with their graph
+            Zr, Zl = (X[rest[a:b]] - centre) / ls_.reshape(-1), (X[lm] - centre) / ls_.reshape(-1)
+            K21 = k_of_r(torch.cdist(Zr, Zl), nu).to(X.dtype)
+            if schur == "frozen":  # V w1 = K21 (K11 + mu I)^{-1} z1; |V_i|^2 held at its value
+                x = Zp[k + a : k + b] - K21 @ torch.linalg.solve_triangular(L_.mT, w1_, upper=True)
+                v2 = self.V[a:b].square().sum(1)
+            else:
+                V = torch.linalg.solve_triangular(L_, K21.mT, upper=False).mT
+                x, v2 = Zp[k + a : k + b] - V @ w1_, V.square().sum(1)
+            d = 1.0 + shift_at(mu_, rest[a:b]) - v2  # unit-variance stationary kernel: K_ii = 1
+            scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
+            rows["sx"], rows["log_scale"] = scale[:, None] * x, scale.log().sum()
+            return rows["sx"].detach()
+
+        sx = ranks.gather_rows("AFN control variate rows", rest.shape[0], sx_rows, inputs, (t,))
+        with torch.no_grad():
+            y = self.factor.mm(sx)
+            gty = self.factor.tmm(y)
+        a, b = ranks.rows(rest.shape[0])
+
+        def partial() -> torch.Tensor:  # value 0: 2 (G^T y)^T d(s x) and -2 sum log s over this rank's rows
+            if "sx" not in rows:  # no rows here
+                return Zp.new_zeros(t + 1)
+            sxr = rows["sx"]
+            return torch.cat([2.0 * (gty[a:b] * (sxr - sxr.detach())).sum(0), -2.0 * rows["log_scale"].reshape(1)])
+
+        total = ranks.autograd_sum("AFN control variate", partial, lambda: Zp.new_zeros(t + 1), inputs, shared)
+        quad = w1.square().sum(0) + y.square().sum(0) + total[:t]
+        logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() + total[t]
+        return logdet, quad
+
     def frozen_derivatives(self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor,
                            Z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The ``"frozen"`` family's per-probe ``q_j = z_jᵀ P(θ)⁻¹ z_j`` (:meth:`differentiable_terms`) with its
@@ -306,7 +365,6 @@ class AFNPreconditioner(Preconditioner):
         ``None`` for a kernel outside the formula table (then autograd it is)."""
         from gpnys.kernels.backends.torch_tiles import TorchTiles
         from gpnys.kernels.formulas import k_and_h, k_of_r2
-        from gpnys.kernels.operator import supported
 
         if not supported(kernel):
             return None

@@ -30,12 +30,14 @@ socket. Written by hand because no library partitions a recomputed kernel by row
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from gpnys.kernels.backends import LEAF, KernelBackend, Rows
 from gpnys.kernels.cutoff import LeafPlan
@@ -71,6 +73,46 @@ def row_range(n: int, rank: int, size: int) -> Rows:
     chunk = -(-(-(-n // size)) // LEAF) * LEAF
     a = min(rank * chunk, n)
     return a, min(a + chunk, n)
+
+
+class _SumGrads(torch.autograd.Function):
+    """``f`` of the pair in :meth:`RowGroup.share`: the identity forward; backward, the ranks' gradients added in
+    rank order (one gather), so every rank holds the gradient of all ranks' rows."""
+
+    @staticmethod
+    def forward(ctx: Any, ranks: "RowGroup", what: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.ranks, ctx.what = ranks, what
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    @once_differentiable  # a double backward through a collective is not offered: it raises, not cut silently
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        acc = functools.reduce(torch.promote_types, [g.dtype for g in grads])
+        flat = torch.cat([g.reshape(-1).to(acc) for g in grads])
+        total = ctx.ranks.gather_sum(f"{ctx.what} gradients", lambda: flat, lambda: torch.zeros_like(flat), [])
+        out, i = [], 0
+        for g in grads:
+            out.append(total[i : i + g.numel()].view_as(g).to(g.dtype))
+            i += g.numel()
+        return (None, None, *out)
+
+
+class _RankSum(torch.autograd.Function):
+    """``g`` of the pair in :meth:`RowGroup.autograd_sum`: forward, the ranks' partial results added in rank order;
+    backward, the identity (every rank's upstream gradient is the same: what follows is replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, ranks: "RowGroup", what: str, inputs: list[torch.Tensor], failure: BaseException | None,
+                local: torch.Tensor) -> torch.Tensor:
+        parts = ranks.gather(what, local.detach(), inputs, failure)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return None, None, None, None, grad
 
 
 class CollectiveError(RuntimeError):
@@ -180,6 +222,30 @@ class RowGroup:
         for part in parts[1:]:
             total = total + part
         return total
+
+    def share(self, what: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``tensors`` (computed alike on every rank, with autograd) for a computation split over the ranks, as
+        copies whose backward adds the ranks' gradients (one gather): with :meth:`autograd_sum` the conjugate pair
+        of Megatron-LM's tensor parallelism (Shoeybi et al. 2019, ``f`` and ``g``). Every rank must run the same
+        backward passes (they do, with replicated losses), and a double backward through them raises."""
+        return _SumGrads.apply(self, what, *tensors)
+
+    def autograd_sum(self, what: str, compute: Callable[[], torch.Tensor], zeros: Callable[[], torch.Tensor],
+                     inputs: list[torch.Tensor], shared: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """Every rank's ``compute()`` (equal shapes; a function of :meth:`share`'s copies ``shared`` with
+        autograd) added in rank order, differentiable: the backward hands each rank's partial the same upstream
+        gradient, and :meth:`share` adds the ranks' gradients. Each ``shared`` copy joins the partial with weight
+        0, so that a rank without rows still takes part in the backward's gather. An error in ``compute`` rides the
+        gather as in :meth:`gather_sum`."""
+        failure = None
+        try:
+            local = compute()
+            for c in shared:
+                if c.requires_grad:
+                    local = local + 0.0 * c.sum()
+        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
+            failure, local = err, zeros()
+        return _RankSum.apply(self, what, inputs, failure, local)
 
     def tall_svd(self, what: str, n: int, k: int, compute: Callable[[int, int], torch.Tensor],
                  inputs: list[torch.Tensor], driver: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
