@@ -155,13 +155,13 @@ def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
 
 def test_two_gloo_ranks_split_the_control_variate_rows(tmp_path):
     """AFN's diag and frozen control-variate families with their non-landmark rows split over the ranks (their
-    derivatives added in the backward, RowGroup.share / autograd_sum): the one-process loss, gradient and standard
-    errors to 1e-10, also over several probe batches (a requested accuracy: a backward per batch). A backward that
-    keeps each rank's own rows' gradient (no sum) is 1e-3 off."""
+    derivatives added in the backward, RowGroup.split_sum): the one-process loss, gradient and standard errors to
+    1e-10, also over several probe batches (a requested accuracy: a backward per batch). A backward that keeps each
+    rank's own rows' gradient (no sum) is 1e-3 off."""
     ref = reference("mll_cv", tmp_path / "ref.pt")
     assert run_ranks("mll_cv", tmp_path / "dist.pt") == [0, 0]
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
-    assert ref["calls"]["share"] == 0 and got["calls"]["share"] == got["calls"]["autograd_sum"] == 4, got["calls"]
+    assert ref["calls"]["split_sum"] == 0 and got["calls"]["split_sum"] == 4, got["calls"]
     assert ref["target_probes"] == got["target_probes"] == 16 and ref["diag_probes"] == 8
     for name in ("diag", "frozen", "target"):
         assert _close(got[f"{name}_loss"], ref[f"{name}_loss"]) and _close(got[f"{name}_grads"], ref[f"{name}_grads"])
@@ -231,6 +231,12 @@ def test_a_failure_on_one_rank_raises_on_every_rank_without_a_hang(tmp_path):
     assert (other["sums_error"].startswith("RuntimeError")
             and "rank 1 of 2 failed computing its per-probe derivative sums" in other["sums_error"])
     assert other["sums_seconds"] < 30
+    # and for a split sum's backward (the control variate's): its gradient gather carries rank 1's error
+    assert mine["split_sum"] == other["split_sum"] == 12.0  # two ranks' 2 * (1 + 1 + 1)
+    assert "OutOfMemoryError" in mine["backward_error"].split(":")[0] and "backward ran out" in mine["backward_error"]
+    assert (other["backward_error"].startswith("RuntimeError")
+            and "rank 1 of 2 failed computing its test sum gradients" in other["backward_error"])
+    assert other["backward_seconds"] < 30
     assert time.perf_counter() - t0 <= 60  # well before the group's 60 s timeout: no rank waited for it
 
 

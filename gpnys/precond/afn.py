@@ -306,47 +306,46 @@ class AFNPreconditioner(Preconditioner):
         ranks (issue 22): each rank computes its rows of ``s x`` (``O(n k (k + t) / P)``, from the formula table's
         kernel of the shared length-scale), one gather assembles their values for the sparse ``G`` products, and
         the zero-valued terms that carry the rows' derivatives are added over the ranks with autograd
-        (:meth:`RowGroup.share` / :meth:`RowGroup.autograd_sum`). ``Zp``: the permuted probes; ``L``, ``w1``: the
-        landmark factor and ``L^{-1} z1``, computed alike on every rank. Same values and gradients as one process,
-        to rounding."""
+        (:meth:`RowGroup.split_sum`). ``Zp``: the permuted probes; ``L``, ``w1``: the landmark factor and
+        ``L^{-1} z1``, computed alike on every rank. Same values and gradients as one process, to rounding."""
         from gpnys.kernels.formulas import k_of_r
 
         ranks, X, lm, rest, k = self._ranks, self.X, self.landmark_idx, self.rest_idx, self.k
         nu = None if isinstance(kernel, gpytorch.kernels.RBFKernel) else float(kernel.nu)
-        t, inputs = Zp.shape[1], [X, Zp]
-        shared = ranks.share("AFN control variate", kernel.lengthscale, mu, L, w1)
-        ls_, mu_, L_, w1_ = shared
+        t, m, inputs = Zp.shape[1], rest.shape[0], [X, Zp]
+        a, b = ranks.rows(m)
         centre = X.mean(0)  # the kernel operator's centring (distances are translation invariant)
-        rows: dict[str, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
 
-        def sx_rows(a: int, b: int) -> torch.Tensor:  # this rank's rows of s x, kept with their graph
-            Zr, Zl = (X[rest[a:b]] - centre) / ls_.reshape(-1), (X[lm] - centre) / ls_.reshape(-1)
-            K21 = k_of_r(torch.cdist(Zr, Zl), nu).to(X.dtype)
-            if schur == "frozen":  # V w1 = K21 (K11 + mu I)^{-1} z1; |V_i|^2 held at its value
-                x = Zp[k + a : k + b] - K21 @ torch.linalg.solve_triangular(L_.mT, w1_, upper=True)
-                v2 = self.V[a:b].square().sum(1)
-            else:
-                V = torch.linalg.solve_triangular(L_, K21.mT, upper=False).mT
-                x, v2 = Zp[k + a : k + b] - V @ w1_, V.square().sum(1)
-            d = 1.0 + shift_at(mu_, rest[a:b]) - v2  # unit-variance stationary kernel: K_ii = 1
-            scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
-            rows["sx"], rows["log_scale"] = scale[:, None] * x, scale.log().sum()
-            return rows["sx"].detach()
+        def partial(ls: torch.Tensor, mu: torch.Tensor, L: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+            rows: dict[str, torch.Tensor] = {}
 
-        sx = ranks.gather_rows("AFN control variate rows", rest.shape[0], sx_rows, inputs, (t,))
-        with torch.no_grad():
-            y = self.factor.mm(sx)
-            gty = self.factor.tmm(y)
-        a, b = ranks.rows(rest.shape[0])
+            def sx_rows(a: int, b: int) -> torch.Tensor:  # this rank's rows of s x, kept with their graph
+                Zr, Zl = (X[rest[a:b]] - centre) / ls.reshape(-1), (X[lm] - centre) / ls.reshape(-1)
+                K21 = k_of_r(torch.cdist(Zr, Zl), nu)
+                if schur == "frozen":  # V w1 = K21 (K11 + mu I)^{-1} z1; |V_i|^2 held at its value
+                    x = Zp[k + a : k + b] - K21 @ torch.linalg.solve_triangular(L.mT, w1, upper=True)
+                    v2 = self.V[a:b].square().sum(1)
+                else:
+                    V = torch.linalg.solve_triangular(L, K21.mT, upper=False).mT
+                    x, v2 = Zp[k + a : k + b] - V @ w1, V.square().sum(1)
+                d = 1.0 + shift_at(mu, rest[a:b]) - v2  # unit-variance stationary kernel: K_ii = 1
+                scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
+                rows["sx"], rows["log_scale"] = scale[:, None] * x, scale.log().sum()
+                return rows["sx"].detach()
 
-        def partial() -> torch.Tensor:  # value 0: 2 (G^T y)^T d(s x) and -2 sum log s over this rank's rows
-            if "sx" not in rows:  # no rows here
+            sx = ranks.gather_rows("AFN control variate rows", m, sx_rows, inputs, (t,))
+            with torch.no_grad():
+                out["y"] = self.factor.mm(sx)
+                gty = self.factor.tmm(out["y"])
+            if "sx" not in rows:  # no rows on this rank
                 return Zp.new_zeros(t + 1)
-            sxr = rows["sx"]
+            sxr = rows["sx"]  # value 0: 2 (G^T y)^T d(s x) and -2 sum log s over this rank's rows
             return torch.cat([2.0 * (gty[a:b] * (sxr - sxr.detach())).sum(0), -2.0 * rows["log_scale"].reshape(1)])
 
-        total = ranks.autograd_sum("AFN control variate", partial, lambda: Zp.new_zeros(t + 1), inputs, shared)
-        quad = w1.square().sum(0) + y.square().sum(0) + total[:t]
+        total = ranks.split_sum("AFN control variate", partial, (kernel.lengthscale, mu, L, w1),
+                                lambda: Zp.new_zeros(t + 1), inputs)
+        quad = w1.square().sum(0) + out["y"].square().sum(0) + total[:t]
         logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() + total[t]
         return logdet, quad
 

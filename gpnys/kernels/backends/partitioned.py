@@ -37,7 +37,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from gpnys.kernels.backends import LEAF, KernelBackend, Rows
 from gpnys.kernels.cutoff import LeafPlan
@@ -75,35 +74,22 @@ def row_range(n: int, rank: int, size: int) -> Rows:
     return a, min(a + chunk, n)
 
 
-class _SumGrads(torch.autograd.Function):
-    """``f`` of the pair in :meth:`RowGroup.share`: the identity forward; backward, the ranks' gradients added in
-    rank order (one gather), so every rank holds the gradient of all ranks' rows."""
+class _SplitSum(torch.autograd.Function):
+    """:meth:`RowGroup.split_sum`: forward, every rank's ``compute(*shared)`` added in rank order; backward, every
+    rank's gradient of its own partial with respect to ``shared``, added in rank order, so each rank holds the
+    gradient of all ranks' rows. One gather each way, and an error on one rank, forward or backward, rides it."""
 
     @staticmethod
-    def forward(ctx: Any, ranks: "RowGroup", what: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.ranks, ctx.what = ranks, what
-        return tuple(t.clone() for t in tensors)
-
-    @staticmethod
-    @once_differentiable  # a double backward through a collective is not offered: it raises, not cut silently
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        acc = functools.reduce(torch.promote_types, [g.dtype for g in grads])
-        flat = torch.cat([g.reshape(-1).to(acc) for g in grads])
-        total = ctx.ranks.gather_sum(f"{ctx.what} gradients", lambda: flat, lambda: torch.zeros_like(flat), [])
-        out, i = [], 0
-        for g in grads:
-            out.append(total[i : i + g.numel()].view_as(g).to(g.dtype))
-            i += g.numel()
-        return (None, None, *out)
-
-
-class _RankSum(torch.autograd.Function):
-    """``g`` of the pair in :meth:`RowGroup.autograd_sum`: forward, the ranks' partial results added in rank order;
-    backward, the identity (every rank's upstream gradient is the same: what follows is replicated)."""
-
-    @staticmethod
-    def forward(ctx: Any, ranks: "RowGroup", what: str, inputs: list[torch.Tensor], failure: BaseException | None,
-                local: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, ranks: "RowGroup", what: str, compute: Callable[..., torch.Tensor],
+                zeros: Callable[[], torch.Tensor], inputs: list[torch.Tensor], *shared: torch.Tensor) -> torch.Tensor:
+        leaves = [x.detach().requires_grad_(x.requires_grad) for x in shared]
+        failure = None
+        with torch.enable_grad():  # the rank's own graph, from the shared tensors as leaves
+            try:
+                local = compute(*leaves)
+            except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
+                failure, local = err, zeros()
+        ctx.ranks, ctx.what, ctx.local, ctx.leaves = ranks, what, local, leaves
         parts = ranks.gather(what, local.detach(), inputs, failure)
         total = parts[0]
         for part in parts[1:]:
@@ -112,7 +98,32 @@ class _RankSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return None, None, None, None, grad
+        if torch.is_grad_enabled():  # create_graph: a double backward through the ranks' sum is not offered
+            raise RuntimeError("gpnys row partition: no double backward through a sum over the ranks")
+        leaves, local = ctx.leaves, ctx.local
+        need = [x for x in leaves if x.requires_grad]
+        acc = functools.reduce(torch.promote_types, [x.dtype for x in leaves])
+        zeros = torch.zeros(sum(x.numel() for x in need), dtype=acc, device=grad.device)
+        failure, flat = None, zeros
+        try:
+            if need and local.requires_grad:
+                gs = torch.autograd.grad(local, need, grad, retain_graph=True, allow_unused=True)
+                flat = torch.cat([(torch.zeros_like(x) if g is None else g).reshape(-1).to(acc)
+                                  for x, g in zip(need, gs)])
+        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
+            failure, flat = err, zeros
+        parts = ctx.ranks.gather(f"{ctx.what} gradients", flat, [], failure)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        out, i = [], 0
+        for x in leaves:
+            if x.requires_grad:
+                out.append(total[i : i + x.numel()].view_as(x).to(x.dtype))
+                i += x.numel()
+            else:
+                out.append(None)
+        return (None, None, None, None, None, *out)
 
 
 class CollectiveError(RuntimeError):
@@ -223,29 +234,16 @@ class RowGroup:
             total = total + part
         return total
 
-    def share(self, what: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``tensors`` (computed alike on every rank, with autograd) for a computation split over the ranks, as
-        copies whose backward adds the ranks' gradients (one gather): with :meth:`autograd_sum` the conjugate pair
-        of Megatron-LM's tensor parallelism (Shoeybi et al. 2019, ``f`` and ``g``). Every rank must run the same
-        backward passes (they do, with replicated losses), and a double backward through them raises."""
-        return _SumGrads.apply(self, what, *tensors)
-
-    def autograd_sum(self, what: str, compute: Callable[[], torch.Tensor], zeros: Callable[[], torch.Tensor],
-                     inputs: list[torch.Tensor], shared: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-        """Every rank's ``compute()`` (equal shapes; a function of :meth:`share`'s copies ``shared`` with
-        autograd) added in rank order, differentiable: the backward hands each rank's partial the same upstream
-        gradient, and :meth:`share` adds the ranks' gradients. Each ``shared`` copy joins the partial with weight
-        0, so that a rank without rows still takes part in the backward's gather. An error in ``compute`` rides the
-        gather as in :meth:`gather_sum`."""
-        failure = None
-        try:
-            local = compute()
-            for c in shared:
-                if c.requires_grad:
-                    local = local + 0.0 * c.sum()
-        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
-            failure, local = err, zeros()
-        return _RankSum.apply(self, what, inputs, failure, local)
+    def split_sum(self, what: str, compute: Callable[..., torch.Tensor], shared: tuple[torch.Tensor, ...],
+                  zeros: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's ``compute(*shared)`` (equal shapes; its share of a sum over rows) added in rank order on all
+        ranks, differentiable in ``shared`` (tensors computed alike on every rank, with autograd): the backward
+        hands each rank's partial the same upstream gradient and adds the ranks' gradients with respect to
+        ``shared``, so every rank holds the whole gradient — the conjugate ``f`` / ``g`` pair of Megatron-LM's
+        tensor parallelism (Shoeybi et al. 2019) in one function. Every rank must run the same backward passes (they
+        do, with replicated losses); a double backward through it raises. An error in ``compute`` or in its
+        backward on one rank is raised there after the gather, and a ``RuntimeError`` naming it on the others."""
+        return _SplitSum.apply(self, what, compute, zeros, inputs, *shared)
 
     def tall_svd(self, what: str, n: int, k: int, compute: Callable[[int, int], torch.Tensor],
                  inputs: list[torch.Tensor], driver: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
