@@ -154,6 +154,19 @@ def tsqr(rank):
             out[key] = None
         except Exception as err:  # noqa: BLE001 - the test reads the type and message
             out[key] = f"{type(err).__name__}: {err}"
+    # a split sum: every rank's 2 p_r q^2 with p_r = r + 1, summed; its gradient in q holds all ranks' terms, and a
+    # batched or double backward through it raises on every rank before any collective
+    q = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    total = ranks.split_sum("test sum", lambda q_: (2.0 * (rank + 1)) * q_.square(), (q,), lambda: q.new_zeros(2), [])
+    out["split_value"] = total.detach()
+    out["split_grad"] = torch.autograd.grad(total.sum(), q, retain_graph=True)[0]
+    for key, kw in (("batched", {"grad_outputs": torch.eye(2, dtype=q.dtype), "is_grads_batched": True}),
+                    ("double", {"grad_outputs": torch.ones(2, dtype=q.dtype), "create_graph": True})):
+        try:
+            torch.autograd.grad(total, q, retain_graph=True, **kw)
+            out[key] = None
+        except RuntimeError as err:
+            out[key] = str(err)
     return out
 
 

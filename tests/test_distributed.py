@@ -217,6 +217,11 @@ def test_tsqr_over_three_ranks_one_without_rows(tmp_path):
     for g in (got[0], got[2]):
         assert g["error"].startswith("RuntimeError") and "rank 1 of 3 failed computing its failing R" in g["error"]
     assert all(g["mismatch"].startswith("ValueError") and "same inputs" in g["mismatch"] for g in got)
+    # RowGroup.split_sum (the control variate's): sum_r 2 (r + 1) q^2 = 12 q^2 on every rank, gradient 24 q
+    for g in got:
+        assert torch.equal(g["split_value"], torch.tensor([12.0, 48.0], dtype=torch.float64))
+        assert torch.equal(g["split_grad"], torch.tensor([24.0, 48.0], dtype=torch.float64))
+        assert "no batched backward" in g["batched"] and "no double backward" in g["double"]
 
 
 def test_a_failure_on_one_rank_raises_on_every_rank_without_a_hang(tmp_path):

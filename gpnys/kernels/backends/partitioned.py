@@ -74,6 +74,15 @@ def row_range(n: int, rank: int, size: int) -> Rows:
     return a, min(a + chunk, n)
 
 
+def _is_batched(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a batched tensor: ``autograd.grad(is_grads_batched=True)`` (torch's legacy vmap) or
+    ``torch.func.vmap``. Checked alike on every rank before any collective, so that a caller such as the estimator's
+    Jacobian falls back to one backward pass per row on all ranks. (torch's private predicates, hence guarded.)"""
+    functorch = getattr(torch._C, "_functorch", None)
+    checks = [getattr(functorch, name, None) for name in ("is_legacy_batchedtensor", "is_batchedtensor")]
+    return any(bool(check(x)) for check in checks if check is not None)
+
+
 class _SplitSum(torch.autograd.Function):
     """:meth:`RowGroup.split_sum`: forward, every rank's ``compute(*shared)`` added in rank order; backward, every
     rank's gradient of its own partial with respect to ``shared``, added in rank order, so each rank holds the
@@ -100,6 +109,8 @@ class _SplitSum(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         if torch.is_grad_enabled():  # create_graph: a double backward through the ranks' sum is not offered
             raise RuntimeError("gpnys row partition: no double backward through a sum over the ranks")
+        if _is_batched(grad):  # a vmapped backward (is_grads_batched): a collective has no batching rule
+            raise RuntimeError("gpnys row partition: no batched backward through a sum over the ranks")
         leaves, local = ctx.leaves, ctx.local
         need = [x for x in leaves if x.requires_grad]
         acc = functools.reduce(torch.promote_types, [x.dtype for x in leaves])
@@ -241,7 +252,8 @@ class RowGroup:
         hands each rank's partial the same upstream gradient and adds the ranks' gradients with respect to
         ``shared``, so every rank holds the whole gradient — the conjugate ``f`` / ``g`` pair of Megatron-LM's
         tensor parallelism (Shoeybi et al. 2019) in one function. Every rank must run the same backward passes (they
-        do, with replicated losses); a double backward through it raises. An error in ``compute`` or in its
+        do, with replicated losses); a double or batched (``is_grads_batched``) backward through it raises
+        ``RuntimeError`` on every rank before any collective. An error in ``compute`` or in its
         backward on one rank is raised there after the gather, and a ``RuntimeError`` naming it on the others."""
         return _SplitSum.apply(self, what, compute, zeros, inputs, *shared)
 
