@@ -343,8 +343,12 @@ class AFNPreconditioner(Preconditioner):
             sxr = rows["sx"]  # value 0: 2 (G^T y)^T d(s x) and -2 sum log s over this rank's rows
             return torch.cat([2.0 * (gty[a:b] * (sxr - sxr.detach())).sum(0), -2.0 * rows["log_scale"].reshape(1)])
 
-        total = ranks.split_sum("AFN control variate", partial, (kernel.lengthscale, mu, L, w1),
-                                lambda: Zp.new_zeros(t + 1), inputs)
+        try:
+            total = ranks.split_sum("AFN control variate", partial, (kernel.lengthscale, mu, L, w1),
+                                    lambda: Zp.new_zeros(t + 1), inputs)
+        except (torch.linalg.LinAlgError, NotImplementedError) as err:  # the hook would recover from these on this
+            # rank alone, while the others raise RuntimeError naming it: raise alike everywhere
+            raise RuntimeError(f"AFN control variate: this rank's rows failed: {err}") from err
         quad = w1.square().sum(0) + out["y"].square().sum(0) + total[:t]
         logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() + total[t]
         return logdet, quad
