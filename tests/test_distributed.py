@@ -155,13 +155,16 @@ def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
 
 def test_two_gloo_ranks_split_the_control_variate_rows(tmp_path):
     """AFN's diag and frozen control-variate families with their non-landmark rows split over the ranks (their
-    derivatives added in the backward, RowGroup.split_sum): the one-process loss, gradient and standard errors to
-    1e-10, also over several probe batches (a requested accuracy: a backward per batch). A backward that keeps each
-    rank's own rows' gradient (no sum) is 1e-3 off."""
+    derivatives added in the backward, RowGroup.split_sum), and the frozen family's closed-form per-probe rows
+    (the error bars') split too: the one-process loss, gradient and standard errors to 1e-10, also over several
+    probe batches (a requested accuracy: a backward per batch). A backward that keeps each rank's own rows'
+    gradient (no sum) is 1e-3 off; closed-form rows without the ranks' sum put the gradients' errors 0.1 off."""
     ref = reference("mll_cv", tmp_path / "ref.pt")
     assert run_ranks("mll_cv", tmp_path / "dist.pt") == [0, 0]
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
     assert ref["calls"]["split_sum"] == 0 and got["calls"]["split_sum"] == 4, got["calls"]
+    # rows gathered: 3 AFN builds x 2 (V, G), 4 x the split terms' s x, 4 x the frozen closed-form rows' x
+    assert got["calls"]["gather_rows"] == 14, got["calls"]
     assert ref["target_probes"] == got["target_probes"] == 16 and ref["diag_probes"] == 8
     for name in ("diag", "frozen", "target"):
         assert _close(got[f"{name}_loss"], ref[f"{name}_loss"]) and _close(got[f"{name}_grads"], ref[f"{name}_grads"])

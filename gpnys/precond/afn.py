@@ -403,19 +403,34 @@ class AFNPreconditioner(Preconditioner):
 
             # the (n - k) x k block K21 (and H21) in row chunks of one memory block, twice (x needs all of
             # K21 u before g exists): O(n k d) recomputed against O(n k) float64 storage (1.6 GB at n = 10^5,
-            # k = 500, with its temporaries the peak of an evaluation)
-            chunk = block_rows(k, parts=4, device=Zs.device)
-            parts = [slice(a, min(a + chunk, Zr.shape[0])) for a in range(0, Zr.shape[0], chunk)]
-            x = torch.cat([z2[c] - thin_matmul(block(Zr[c], Zl, h=False)[0], u) for c in parts]) if parts else z2
+            # k = 500, with its temporaries the peak of an evaluation). With a group, each rank its rows: one
+            # gather of x's rows, one of the sums (issue 22)
+            chunk, m, ranks = block_rows(k, parts=4, device=Zs.device), Zr.shape[0], self._ranks
+            inputs = [self.X, Z]
+
+            def parts(a: int, b: int) -> list[slice]:
+                return [slice(c, min(c + chunk, b)) for c in range(a, b, chunk)]
+
+            def x_rows(a: int, b: int) -> torch.Tensor:
+                return torch.cat([z2[c] - thin_matmul(block(Zr[c], Zl, h=False)[0], u) for c in parts(a, b)])
+
+            x = gather_rows(ranks, "AFN frozen rows", m, x_rows, inputs, (t,)) if m else z2
             d0 = 1.0 + shift_at(mu, rest) - self.V.square().sum(1)  # the held Schur diagonal
             y = self.factor.mm(x)
             g = self.factor.tmm(y)
-            K12g = z1.new_zeros(k, t)
-            gd = Zs.new_zeros(t, ls.numel(), dtype=acc)
-            for c in parts:
-                K21, H21 = block(Zr[c], Zl)
-                K12g += thin_matmul(K21.mT, g[c])
-                gd += sums(Zr[c], Zl, K21, H21, -2.0 * g[c], u)
+
+            def row_sums() -> torch.Tensor:  # K21^T g (k, t) and the rows' length-scale sums (t, d_l)
+                K12g = z1.new_zeros(k, t, dtype=acc)
+                gd = Zs.new_zeros(t, ls.numel(), dtype=acc)
+                for c in parts(*((0, m) if ranks is None else ranks.rows(m))):
+                    K21, H21 = block(Zr[c], Zl)
+                    K12g += thin_matmul(K21.mT, g[c])
+                    gd += sums(Zr[c], Zl, K21, H21, -2.0 * g[c], u)
+                return torch.cat([K12g.reshape(-1), gd.reshape(-1)])
+
+            both = row_sums() if ranks is None else ranks.gather_sum(
+                "AFN frozen sums", row_sums, lambda: Zs.new_zeros(k * t + t * ls.numel(), dtype=acc), inputs)
+            K12g, gd = both[: k * t].reshape(k, t).to(Zs.dtype), both[k * t :].reshape(t, ls.numel())
             v = torch.cholesky_solve(K12g, L)
             q = (z1 * u).sum(0) + y.square().sum(0)
             gd = gd + sums(Zl, Zl, K11, H11, 2.0 * v - u, u)
