@@ -16,7 +16,7 @@ model, computes its rows of every kernel product and derivative sum, and the col
 What is split: the training kernel operator's recomputed passes (``K V``, the closed-form derivative sums and the
 per-probe sums of the error bars), the row blocks of the AFN, FSAI and Nyström builds (Nyström's thin SVD by
 TSQR), and the rows of AFN's control variate (``diag`` / ``frozen`` families, its derivatives added over the ranks
-in the backward). What is replicated: the small ``k x k`` factors, the rank estimate, PCG and SLQ on ``(n, t)``
+in the backward, and the frozen family's closed-form per-probe rows). What is replicated: the small ``k x k`` factors, the rank estimate, PCG and SLQ on ``(n, t)``
 vectors, the optimiser step. Results match one process
 to rounding (tested to 1e-10 in float64 with two gloo processes).
 """
