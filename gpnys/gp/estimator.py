@@ -312,13 +312,14 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 # the per-probe rows then come from the frozen family's closed form (AFN splits only for a kernel of
                 # the formula table, which has it), never through these terms: their rows may be split over the
                 # ranks (their backward gathers; a per-probe backward through vmap could not)
-                terms = hook.control_variate_terms(split=proxy or (afn and settings.control_variate == "frozen"))
+                closed_rows = proxy or (afn and settings.control_variate == "frozen")
+                terms = hook.control_variate_terms(split=closed_rows)
                 if terms is not None:
                     cv_logdet = terms[0] if cv_logdet is None else cv_logdet
                     cv.append(terms[1])
                     spread = terms[1]
                     frozen_terms = None
-                    if proxy or (afn and settings.control_variate == "frozen"):
+                    if closed_rows:
                         # the frozen family's rows in closed form: no backward pass per probe (or per parameter)
                         frozen_terms = hook.frozen_jacobian_terms(Z)
                     if frozen_terms is not None:

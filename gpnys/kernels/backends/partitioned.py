@@ -74,6 +74,15 @@ def row_range(n: int, rank: int, size: int) -> Rows:
     return a, min(a + chunk, n)
 
 
+def _added(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The ranks' blocks added in rank order (every rank the same bits; an all-reduce's order would be the
+    library's)."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def _is_batched(x: torch.Tensor) -> bool:
     """Whether ``x`` is a batched tensor: ``autograd.grad(is_grads_batched=True)`` (torch's legacy vmap) or
     ``torch.func.vmap``. Checked alike on every rank before any collective, so that a caller such as the estimator's
@@ -92,18 +101,16 @@ class _SplitSum(torch.autograd.Function):
     def forward(ctx: Any, ranks: "RowGroup", what: str, compute: Callable[..., torch.Tensor],
                 zeros: Callable[[], torch.Tensor], inputs: list[torch.Tensor], *shared: torch.Tensor) -> torch.Tensor:
         leaves = [x.detach().requires_grad_(x.requires_grad) for x in shared]
-        failure = None
-        with torch.enable_grad():  # the rank's own graph, from the shared tensors as leaves
-            try:
-                local = compute(*leaves)
-            except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
-                failure, local = err, zeros()
-        ctx.ranks, ctx.what, ctx.local, ctx.leaves = ranks, what, local, leaves
-        parts = ranks.gather(what, local.detach(), inputs, failure)
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        return total
+        kept: dict[str, torch.Tensor] = {}
+
+        def local() -> torch.Tensor:  # the rank's own graph, from the shared tensors as leaves
+            with torch.enable_grad():
+                kept["local"] = compute(*leaves)
+            return kept["local"].detach()
+
+        parts = ranks._gather_computed(what, local, zeros, inputs)  # (raises on every rank if one failed)
+        ctx.ranks, ctx.what, ctx.local, ctx.leaves = ranks, what, kept["local"], leaves
+        return _added(parts)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -114,19 +121,17 @@ class _SplitSum(torch.autograd.Function):
         leaves, local = ctx.leaves, ctx.local
         need = [x for x in leaves if x.requires_grad]
         acc = functools.reduce(torch.promote_types, [x.dtype for x in leaves])
-        zeros = torch.zeros(sum(x.numel() for x in need), dtype=acc, device=grad.device)
-        failure, flat = None, zeros
-        try:
-            if need and local.requires_grad:
-                gs = torch.autograd.grad(local, need, grad, retain_graph=True, allow_unused=True)
-                flat = torch.cat([(torch.zeros_like(x) if g is None else g).reshape(-1).to(acc)
-                                  for x, g in zip(need, gs)])
-        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
-            failure, flat = err, zeros
-        parts = ctx.ranks.gather(f"{ctx.what} gradients", flat, [], failure)
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
+
+        def zeros() -> torch.Tensor:
+            return torch.zeros(sum(x.numel() for x in need), dtype=acc, device=grad.device)
+
+        def flat() -> torch.Tensor:  # this rank's gradient of its own partial, flattened
+            if not (need and local.requires_grad):
+                return zeros()
+            gs = torch.autograd.grad(local, need, grad, retain_graph=True, allow_unused=True)
+            return torch.cat([(torch.zeros_like(x) if g is None else g).reshape(-1).to(acc) for x, g in zip(need, gs)])
+
+        total = _added(ctx.ranks._gather_computed(f"{ctx.what} gradients", flat, zeros, []))
         out, i = [], 0
         for x in leaves:
             if x.requires_grad:
@@ -239,11 +244,7 @@ class RowGroup:
         """Every rank's ``compute()`` (equal shapes), added in rank order on all ranks, so that every rank holds the
         same bits (an all-reduce's order would be the library's). An error in ``compute`` rides the gather as in
         :meth:`gather_rows`, ``zeros()`` standing in for the failed block."""
-        parts = self._gather_computed(what, compute, zeros, inputs)
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        return total
+        return _added(self._gather_computed(what, compute, zeros, inputs))
 
     def split_sum(self, what: str, compute: Callable[..., torch.Tensor], shared: tuple[torch.Tensor, ...],
                   zeros: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> torch.Tensor:
