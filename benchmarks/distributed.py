@@ -77,8 +77,10 @@ def worker(args) -> None:
 
     kern, group, k = model.covar_module.base_kernel, None if plain else True, min(args.build_k, args.n - 1)
     build = {}
-    for name, make in (("build", lambda: AFNPreconditioner(X, kern, 0.1, k=k, w=min(100, args.n - 1), group=group)),
-                       ("nystrom", lambda: NystromPreconditioner(X, kern, 0.1, k, group=group))):
+    builds = () if args.memory_only else (
+        ("build", lambda: AFNPreconditioner(X, kern, 0.1, k=k, w=min(100, args.n - 1), group=group)),
+        ("nystrom", lambda: NystromPreconditioner(X, kern, 0.1, k, group=group)))
+    for name, make in builds:
         partitioned.reset_stats()
         _sync(device)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -106,8 +108,9 @@ def worker(args) -> None:
     Preconditioner.solve = timed(Preconditioner.solve, "seconds")
     PreconditionerHook.control_variate_terms = timed(PreconditionerHook.control_variate_terms, "cv_seconds")
     times, records, apply_s, cv_s = [], [], [], []
+    base_mib = _reset_peak(device)
     with use_preconditioner(model, "auto", settings=settings, seed=args.seed):
-        for rep in range(args.repeats + 1):
+        for rep in range(1 if args.memory_only else args.repeats + 1):  # rep 0 warms up
             torch.manual_seed(args.seed + rep)
             partitioned.reset_stats()
             applied.update(seconds=0.0, cv_seconds=0.0)
@@ -124,8 +127,12 @@ def worker(args) -> None:
                 records.append(dict(partitioned.STATS))
                 apply_s.append(applied["seconds"])
                 cv_s.append(applied["cv_seconds"])
+    peak_mib = _peak_mib(device)
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
-    if rank == 0:
+    if rank == 0 and args.memory_only:
+        Path(args.worker_out).write_text(json.dumps({"procs": size, "plain": plain, "n": args.n,
+                                                     "eval_mib": None if peak_mib is None else peak_mib - base_mib}))
+    elif rank == 0:
         med = statistics.median(times)
         share = statistics.median(r["seconds"] / t for r, t in zip(records, times))
         out = {"procs": size, "plain": plain, "n": args.n, "dtype": args.dtype, "device": str(device),
@@ -134,7 +141,8 @@ def worker(args) -> None:
                "comm_s": records[-1]["seconds"],
                "apply_share": statistics.median(a / t for a, t in zip(apply_s, times)),
                "cv_forward_share": statistics.median(a / t for a, t in zip(cv_s, times)),
-               "loss": float(loss), "grad": grad, **build}
+               "loss": float(loss), "grad": grad, "base_mib": base_mib, "peak_mib": peak_mib,
+               "eval_mib": None if peak_mib is None else peak_mib - base_mib, **build}
         Path(args.worker_out).write_text(json.dumps(out))
     if not plain:
         torch.distributed.destroy_process_group()
@@ -145,19 +153,57 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _reset_peak(device: torch.device) -> float:
+    """Start a peak-memory window: MiB in use now (CUDA: allocated by torch; CPU: resident set, after returning
+    the heap's free pages to the system, Linux only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident set (Linux >= 4.0)
+        return _status_mib("VmRSS")
+    except OSError:
+        return float("nan")
+
+
+def _peak_mib(device: torch.device) -> float | None:
+    """The window's peak in MiB (CUDA: torch's allocations; CPU: the resident set's high-water mark)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        return _status_mib("VmHWM")
+    except OSError:
+        return None
+
+
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise OSError(f"{field} not in /proc/self/status")
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def launch(args, procs: int, plain: bool, out: Path) -> dict:
-    """Run ``procs`` worker processes (``plain``: one, without a process group); rank 0's record."""
+def launch(args, procs: int, plain: bool, out: Path, mem_n: int | None = None) -> dict:
+    """Run ``procs`` worker processes (``plain``: one, without a process group); rank 0's record. ``mem_n``: one
+    untimed evaluation at that n, no builds, for its memory only."""
     port = _port()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out), "--n", str(args.n),
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+           "--n", str(mem_n or args.n),
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--seed", str(args.seed),
            "--dtype", args.dtype, "--build-k", str(args.build_k), "--device", args.device]
     cmd += ["--plain"] if plain else []
+    cmd += [] if args.dense_gib is None else ["--dense-gib", str(args.dense_gib)]
+    cmd += [] if mem_n is None else ["--memory-only"]
     ps = []
     for rank in range(procs):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(procs), "LOCAL_RANK": str(rank),
@@ -169,15 +215,38 @@ def launch(args, procs: int, plain: bool, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def cost_model(args) -> list[dict]:
-    """Projected seconds per MLL evaluation on P GPUs (module docstring)."""
+def memory_model(runs: list[dict]) -> dict | None:
+    """Bytes per point per rank, ``a + b / P``: ``a`` replicated, ``b`` split over the ranks, from the measured
+    slopes of one process (``s1``) and of two ranks (``s2``): ``a = 2 s2 - s1``, ``b = 2 (s1 - s2)``. Without a
+    two-rank run (or where two ranks hold more per point than one) everything counts as replicated, an upper
+    bound. ``intercept_mib``: the largest peak not proportional to n (blocks, workspaces)."""
+    ok = [r for r in runs if r.get("bytes_per_point") is not None]
+    one = next((r for r in ok if r["plain"]), None)
+    if one is None:
+        return None
+    two = next((r for r in ok if r["procs"] == 2), None)
+    s1 = one["bytes_per_point"]
+    s2 = two["bytes_per_point"] if two is not None else None
+    a, b = (2 * s2 - s1, 2 * (s1 - s2)) if s2 is not None and s1 / 2 <= s2 < s1 else (max(s1, s2 or 0.0), 0.0)
+    intercept = max(r["mem_n_eval_mib"] - r["bytes_per_point"] * r["mem_n"] / 2**20 for r in ok)
+    return {"replicated_bytes_per_point": a, "split_bytes_per_point": b, "intercept_mib": max(0.0, intercept),
+            "from": "P = 1 and 2" if b > 0 else "P = 1 (all counted as replicated)"}
+
+
+def cost_model(args, memory: dict | None = None) -> list[dict]:
+    """Projected seconds per MLL evaluation on P GPUs (module docstring), and memory per rank (:func:`memory_model`)."""
     rows = []
     for n in (1_000_000, 3_000_000, 10_000_000):
         for procs in (1, 2, 4, 8):
             comm = args.products * (procs - 1) / procs * n * args.columns * 4 / (args.link_gbs * 1e9)
             dense = args.gpu_mll_1e6_s * (n / 1e6) ** 2 / procs + comm
             cut = args.gpu_cutoff_1e6_s * (n / 1e6) / procs + comm
-            rows.append({"n": n, "gpus": procs, "no_cutoff_s": dense, "cutoff_s": cut, "allgather_s": comm})
+            row = {"n": n, "gpus": procs, "no_cutoff_s": dense, "cutoff_s": cut, "allgather_s": comm}
+            if memory is not None:
+                per_point = memory["replicated_bytes_per_point"] + memory["split_bytes_per_point"] / procs
+                row["rank_gib"] = (n * per_point + memory["intercept_mib"] * 2**20) / 2**30
+                row["fits"] = row["rank_gib"] <= args.gpu_gib
+            rows.append(row)
     return rows
 
 
@@ -193,6 +262,12 @@ def main(argv=None) -> int:
     ap.add_argument("--build-k", type=int, default=1000, help="AFN landmarks and Nyström rank of the timed builds")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: every rank on cuda:LOCAL_RANK over NCCL (P = 1 on a single GPU)")
+    ap.add_argument("--dense-gib", type=float, default=None,
+                    help="gpnys.memory_budget(dense_bytes=) in the workers (default: the library's; 0: every large "
+                         "cache off, the control variate's rows checkpointed)")
+    ap.add_argument("--mem-n", type=int, default=None,
+                    help="a second, memory-only evaluation per P at this n, for bytes per point (default n / 5)")
+    ap.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU in the model (H100: 80)")
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--gpu-mll-1e6-s", type=float, default=48.6, help="H100, session 16: no cutoff")
     ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.57, help="H100, session 16: default cutoff")
@@ -203,14 +278,21 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.n = args.n or (2000 if args.quick else 50_000)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.mem_n = args.mem_n or max(2, args.n // 5)
     if args.worker:
-        worker(args)
+        from gpnys import memory_budget
+
+        with memory_budget(dense_bytes=None if args.dense_gib is None else int(args.dense_gib * 2**30)):
+            worker(args)
         return 0
     if args.n < 1 or args.repeats < 1 or args.threads < 1:
         raise SystemExit("--n, --repeats and --threads must be positive")
+    if not 2 <= args.mem_n < args.n:
+        raise SystemExit("--mem-n must be at least 2 and below --n")
     procs = [int(p) for p in args.procs.split(",") if p]
     out = Path(args.out) if args.out else RESULTS / ("distributed_quick.json" if args.quick else "distributed.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -218,6 +300,11 @@ def main(argv=None) -> int:
     rows = [launch(args, 1, True, tmp)]
     for p in procs:
         rows.append(launch(args, p, False, tmp))
+    for r in rows:  # bytes per point per rank: the slope of the evaluation's peak between mem_n and n
+        small = launch(args, r["procs"], r["plain"], tmp, mem_n=args.mem_n)
+        r["mem_n"], r["mem_n_eval_mib"] = args.mem_n, small["eval_mib"]
+        r["bytes_per_point"] = (None if r["eval_mib"] is None or small["eval_mib"] is None
+                                else (r["eval_mib"] - small["eval_mib"]) * 2**20 / (args.n - args.mem_n))
     tmp.unlink(missing_ok=True)
     base = rows[0]
     where = "one GPU per rank (NCCL)" if args.device == "cuda" else f"{args.threads} threads shared by the ranks (gloo)"
@@ -239,15 +326,27 @@ def main(argv=None) -> int:
             cells += [f"{r[f'{name}_s']:.2f}", f"{r[f'{name}_cpu_s']:.2f}", f"{r[f'{name}_mib_received']:.1f}",
                       f"{r[f'{name}_logdet_diff']:.1e}"]
         print("| " + " | ".join(cells) + " |")
-    model = cost_model(args)
-    print("\ncost model per evaluation (s): n, GPUs, every pair, with the cutoff, all-gathers")
+    memory = memory_model(rows)
+    print(f"\nmemory per rank (peak of an evaluation, above what was resident before it; {args.device}): "
+          f"n = {args.mem_n} / {args.n}")
+    for r in rows:
+        bpp = r["bytes_per_point"]
+        print(f"  P = {r['procs']}{' plain' if r['plain'] else ''}: {r['mem_n_eval_mib']:.0f} / {r['eval_mib']:.0f} MiB"
+              + ("" if bpp is None else f", {bpp:.0f} bytes per point"))
+    if memory is not None:
+        print(f"  model: {memory['replicated_bytes_per_point']:.0f} bytes per point replicated + "
+              f"{memory['split_bytes_per_point']:.0f} / P split + {memory['intercept_mib']:.0f} MiB ({memory['from']})")
+    model = cost_model(args, memory)
+    print(f"\ncost model per evaluation (s): n, GPUs, every pair, with the cutoff, all-gathers"
+          + ("" if memory is None else f", GiB per rank (against {args.gpu_gib:g})"))
     for m in model:
-        print(f"  {m['n']:>9} {m['gpus']} {m['no_cutoff_s']:10.1f} {m['cutoff_s']:8.2f} {m['allgather_s']:.4f}")
+        print(f"  {m['n']:>9} {m['gpus']} {m['no_cutoff_s']:10.1f} {m['cutoff_s']:8.2f} {m['allgather_s']:.4f}"
+              + ("" if "rank_gib" not in m else f" {m['rank_gib']:8.1f}{'' if m['fits'] else ' (does not fit)'}"))
     meta = {"command": "python " + " ".join([Path(sys.argv[0]).name if argv is None else "benchmarks/distributed.py",
                                              *(sys.argv[1:] if argv is None else argv)]),
             "torch": torch.__version__, "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                        time.gmtime())}
-    out.write_text(json.dumps({"meta": meta, "runs": rows, "cost_model": model}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "runs": rows, "memory_model": memory, "cost_model": model}, indent=1))
     try:
         import matplotlib
 

@@ -4,7 +4,8 @@
 
 * ``passes``: the partitioned operator's product, derivative sums and per-probe sums, dense and with a cutoff plan;
 * ``mll``: one MLL value + gradient through ``use_preconditioner`` with ``gpnys.distributed.settings()``;
-* ``mll_cv``: the same with the control variate's rows split (the diag and frozen families, a requested accuracy);
+* ``mll_cv``: the same with the control variate's rows split (the diag and frozen families, a requested accuracy,
+  the diag family's rows in checkpointed batches);
 * ``precond``: AFN (scalar and per-point shifts), FSAI and Nyström (column, per-point, RAN, sketch) built with
   the rows split, and what they compute;
 * ``tsqr``: a TSQR over 3 ranks (one without rows), a failing rank in it, ranks with different landmarks;
@@ -98,6 +99,20 @@ def mll_cv(group):
                           ("target", {"control_variate": "diag", "target_rel_error": 0.02, "max_probes": 24})):
         for key, value in mll(group, **options).items():
             out[f"{name}_{key}"] = value
+    # the diag family's rows in checkpointed batches (no dense budget; 64 KiB blocks: 34 rows of 8 x 30 entries)
+    from unittest import mock
+
+    from torch.utils import checkpoint as ckpt
+
+    import gpnys
+    import gpnys.precond.afn as afn
+
+    calls, real = [], ckpt.checkpoint
+    with mock.patch.object(afn, "dense_limit_bytes", lambda device=None: 0), gpnys.memory_budget(block_bytes=1 << 16), \
+            mock.patch.object(ckpt, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw)):
+        for key, value in mll(group, control_variate="diag").items():
+            out[f"batched_{key}"] = value
+    out["batched_checkpoints"] = len(calls)
     return out
 
 

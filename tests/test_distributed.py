@@ -162,11 +162,13 @@ def test_two_gloo_ranks_split_the_control_variate_rows(tmp_path):
     ref = reference("mll_cv", tmp_path / "ref.pt")
     assert run_ranks("mll_cv", tmp_path / "dist.pt") == [0, 0]
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
-    assert ref["calls"]["split_sum"] == 0 and got["calls"]["split_sum"] == 4, got["calls"]
-    # rows gathered: 3 AFN builds x 2 (V, G), 4 x the split terms' s x, 4 x the frozen closed-form rows' x
-    assert got["calls"]["gather_rows"] == 14, got["calls"]
+    assert ref["calls"]["split_sum"] == 0 and got["calls"]["split_sum"] == 5, got["calls"]
+    # rows gathered: 4 AFN builds x 2 (V, G), 5 x the split terms' s x, 5 x the frozen closed-form rows' x
+    assert got["calls"]["gather_rows"] == 18, got["calls"]
     assert ref["target_probes"] == got["target_probes"] == 16 and ref["diag_probes"] == 8
-    for name in ("diag", "frozen", "target"):
+    # checkpointed batches of 34 rows (64 KiB of 8 x 30 float64 entries): 270 rows in one process, rank 0's 192
+    assert ref["batched_checkpoints"] == 8 and got["batched_checkpoints"] == 6
+    for name in ("diag", "frozen", "target", "batched"):
         assert _close(got[f"{name}_loss"], ref[f"{name}_loss"]) and _close(got[f"{name}_grads"], ref[f"{name}_grads"])
         assert _close(got[f"{name}_std_error"], ref[f"{name}_std_error"], 1e-8)
         assert _close(got[f"{name}_grad_se"], ref[f"{name}_grad_se"], 1e-8)

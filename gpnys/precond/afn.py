@@ -19,12 +19,12 @@ Memory is ``O(k^2 + n k + n w)``: no ``n x n`` matrix is ever formed.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import gpytorch
 import torch
 
-from gpnys.budget import block_rows
+from gpnys.budget import block_rows, dense_limit_bytes
 from gpnys.kernels.backends.partitioned import RowGroup, gather_rows
 from gpnys.kernels.entries import evaluate
 from gpnys.kernels.operator import supported
@@ -37,6 +37,7 @@ __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
 
 LANDMARK_RULES = ("auto", "fps", "uniform")
 CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
+CV_ROW_ARRAYS = 8  # (rows, k) arrays a diag-family row's graph holds, forward and backward (measured: 6-7)
 
 
 def _gather_rows(V: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
@@ -254,26 +255,23 @@ class AFNPreconditioner(Preconditioner):
         w1 = torch.linalg.solve_triangular(L, Zp[: self.k], upper=False)
         if split and self._ranks is not None and schur in ("diag", "frozen") and supported(kernel):
             return self._split_schur_terms(kernel, mu, Zp, L, w1, schur)
-        if schur == "frozen":
-            # V w1 = K21 (K11 + mu I)^{-1} z1: no (n-k) x k triangular solve, forward or backward
-            u = torch.linalg.solve_triangular(L.mT, w1, upper=True)
-            x = Zp[self.k :] - evaluate(kernel, X[rest], X[lm]) @ u
-        else:
-            V = torch.linalg.solve_triangular(L, evaluate(kernel, X[lm], X[rest]), upper=False).mT
-            x = Zp[self.k :] - V @ w1
         if schur in ("diag", "frozen"):
-            Vd = self.V if schur == "frozen" else V  # frozen: |V_i|^2 held at its value
-            d = evaluate(kernel, X[rest], X[rest], diag=True) + shift_at(mu, rest) - Vd.square().sum(1)
-            scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
+            def family_rows(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+                I = rest[a:b]
+                return self._family_rows(evaluate(kernel, X[I], X[lm]), evaluate(kernel, X[I], X[I], diag=True),
+                                         shift_at(mu, I), Zp[self.k + a : self.k + b], L, w1, a, b, schur)
+
+            sx, log_scale = self._family_batches(family_rows, 0, self.n - self.k)
             # ||G s x||^2 with the fixed sparse G out of the graph: value ||y||^2, derivative 2 (G^T y)^T d(s x)
             # (a sparse product has no batching rule, so it would stop the per-probe Jacobian's vmap)
-            sx = scale[:, None] * x
             with torch.no_grad():
                 y = self.factor.mm(sx)
                 gty = self.factor.tmm(y)
             quad = w1.square().sum(0) + y.square().sum(0) + 2.0 * (gty * (sx - sx.detach())).sum(0)
-            logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() - 2.0 * scale.log().sum()
+            logdet = 2.0 * L.diagonal().log().sum() - 2.0 * self.factor.logdiag() - 2.0 * log_scale
             return logdet, quad
+        V = torch.linalg.solve_triangular(L, evaluate(kernel, X[lm], X[rest]), upper=False).mT
+        x = Zp[self.k :] - V @ w1
         idx, valid = self.pattern
         w = idx.shape[1]
         eye_w = torch.eye(w, dtype=X.dtype, device=X.device)
@@ -300,6 +298,39 @@ class AFNPreconditioner(Preconditioner):
             quad = quad + q
         return 2.0 * L.diagonal().log().sum() - 2.0 * logg, quad
 
+    def _family_rows(self, K21: torch.Tensor, kdiag: torch.Tensor | float, mu: torch.Tensor, Zr: torch.Tensor,
+                     L: torch.Tensor, w1: torch.Tensor, a: int, b: int,
+                     schur: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[a, b)`` of the non-landmarks in the ``diag`` / ``frozen`` family (:meth:`differentiable_terms`):
+        ``(s x (b - a, t), sum log s)`` with ``x = z2 - V L^{-1} z1``, ``s = D^{-1/2}`` (1 in value), from
+        ``K21 = K(X_rest[a:b], X_lm)`` ``(b - a, k)``, ``K_ii`` (``kdiag``) and the shifts ``mu``, all with autograd."""
+        if schur == "frozen":  # V w1 = K21 (K11 + mu I)^{-1} z1, no (n-k) x k triangular solve; |V_i|^2 held
+            x = Zr - K21 @ torch.linalg.solve_triangular(L.mT, w1, upper=True)
+            v2 = self.V[a:b].square().sum(1)
+        else:
+            V = torch.linalg.solve_triangular(L, K21.mT, upper=False).mT
+            x, v2 = Zr - V @ w1, V.square().sum(1)
+        d = kdiag + mu - v2
+        scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
+        return scale[:, None] * x, scale.log().sum()
+
+    def _family_batches(self, rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], a: int,
+                        b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows(a, b)`` (:meth:`_family_rows`), in activation-checkpointed batches when its autograd graph
+        (about ``CV_ROW_ARRAYS`` arrays of ``(b - a, k)``, forward and backward) would exceed the dense budget
+        (:func:`gpnys.budget.dense_limit_bytes`): each batch then keeps only its ``(rows, t)`` output and recomputes
+        its ``(rows, k)`` arrays during the backward (``torch.utils.checkpoint``; one more forward of the rows),
+        so the family's memory is ``O(block + n t)`` instead of ``O(n k)``. Same values and gradients."""
+        width = CV_ROW_ARRAYS * self.k
+        if (b - a) * width * 8 <= dense_limit_bytes(self.X.device):  # sizes in float64 entries, as the budget's
+            return rows(a, b)
+        from torch.utils.checkpoint import checkpoint
+
+        step = block_rows(width, device=self.X.device)
+        parts = [checkpoint(rows, c, min(c + step, b), use_reentrant=False, preserve_rng_state=False)
+                 for c in range(a, b, step)]
+        return torch.cat([p[0] for p in parts]), torch.stack([p[1] for p in parts]).sum()
+
     def _split_schur_terms(self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor, Zp: torch.Tensor,
                            L: torch.Tensor, w1: torch.Tensor, schur: str) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`differentiable_terms`' ``diag`` / ``frozen`` families with the non-landmark rows split over the
@@ -320,18 +351,13 @@ class AFNPreconditioner(Preconditioner):
         def partial(ls: torch.Tensor, mu: torch.Tensor, L: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
             rows: dict[str, torch.Tensor] = {}
 
-            def sx_rows(a: int, b: int) -> torch.Tensor:  # this rank's rows of s x, kept with their graph
+            def family_rows(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
                 Zr, Zl = (X[rest[a:b]] - centre) / ls.reshape(-1), (X[lm] - centre) / ls.reshape(-1)
-                K21 = k_of_r(torch.cdist(Zr, Zl), nu)
-                if schur == "frozen":  # V w1 = K21 (K11 + mu I)^{-1} z1; |V_i|^2 held at its value
-                    x = Zp[k + a : k + b] - K21 @ torch.linalg.solve_triangular(L.mT, w1, upper=True)
-                    v2 = self.V[a:b].square().sum(1)
-                else:
-                    V = torch.linalg.solve_triangular(L, K21.mT, upper=False).mT
-                    x, v2 = Zp[k + a : k + b] - V @ w1, V.square().sum(1)
-                d = 1.0 + shift_at(mu, rest[a:b]) - v2  # unit-variance stationary kernel: K_ii = 1
-                scale = (d / d.detach()).rsqrt()  # D^{-1/2}, equal to 1 in value
-                rows["sx"], rows["log_scale"] = scale[:, None] * x, scale.log().sum()
+                K21 = k_of_r(torch.cdist(Zr, Zl), nu)  # unit-variance stationary kernel: K_ii = 1
+                return self._family_rows(K21, 1.0, shift_at(mu, rest[a:b]), Zp[k + a : k + b], L, w1, a, b, schur)
+
+            def sx_rows(a: int, b: int) -> torch.Tensor:  # this rank's rows of s x, kept with their graph
+                rows["sx"], rows["log_scale"] = self._family_batches(family_rows, a, b)
                 return rows["sx"].detach()
 
             sx = ranks.gather_rows("AFN control variate rows", m, sx_rows, inputs, (t,))

@@ -17,8 +17,9 @@ and the FSAI rows of ``G`` are computed for a rank's rows and gathered (``n (k +
 Nyström's ``U`` by a TSQR of its rows (:meth:`RowGroup.tall_svd`, ``n k + P k^2`` values); the ``k x k`` factors
 are computed on every rank. Everything downstream (PCG, SLQ, the preconditioner applies) then
 runs unchanged on replicated vectors, so its results match one process to rounding. That needs identical inputs on
-every rank: each gathered block carries
-:data:`SAMPLE_ROWS` evenly spaced rows of the vectors its rank used, compared exactly (vectors from differently
+every rank: each gather carries
+:data:`SAMPLE_ROWS` evenly spaced rows of the vectors its rank used (a row gather, in a small gather before its
+rows, which then land in place in one buffer), compared exactly (vectors from differently
 seeded generators differ in all of them), and ranks that disagree raise ``ValueError`` rather than return a
 product of mixed vectors. A collective that fails (a rank died, or the group's timeout passed) raises
 ``RuntimeError`` naming the pass and the rank. A group of one rank exchanges and compares nothing: the
@@ -65,6 +66,10 @@ def resolve_group(group: Any) -> Any:
         raise ValueError("kernel_group needs torch.distributed initialised (torch.distributed.init_process_group, "
                          "e.g. under torchrun)")
     return dist.group.WORLD if group is True else group
+
+
+# one output tensor for every rank's block (torch >= 2.13's name; all_gather_into_tensor before)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def row_range(n: int, rank: int, size: int) -> Rows:
@@ -211,22 +216,29 @@ class RowGroup:
     def gather_rows(self, what: str, n: int, compute: Callable[[int, int], torch.Tensor],
                     inputs: list[torch.Tensor], tail: tuple[int, ...] = ()) -> torch.Tensor:
         """``(n, *tail)``: every rank computes its rows ``compute(a, b)`` (``(b - a, *tail)``, called only for a
-        non-empty range) and one ``all_gather`` stacks them on all ranks; ``inputs[0]`` gives dtype and device.
-        An error in ``compute`` is raised on its rank after the gather, and a ``RuntimeError`` on the others."""
+        non-empty range) into its block of the result, and one ``all_gather_single`` fills the others' blocks on
+        all ranks, after a small gather of the input checks; ``inputs[0]`` gives dtype and device. An error in
+        ``compute`` is raised on its rank after the checks' gather, and a ``RuntimeError`` on the others."""
         if self.size == 1:  # (gather's shortcut, without the copy into a padded block)
             return compute(0, n) if n else inputs[0].new_zeros(0, *tail)
         a, b = self.rows(n)
-
-        def zeros() -> torch.Tensor:
-            return inputs[0].new_zeros(row_range(n, 0, self.size)[1], *tail)
-
-        def block() -> torch.Tensor:
-            local = zeros()
+        chunk = row_range(n, 0, self.size)[1]
+        # every rank's rows land in one buffer, this rank's block in place (all_gather_single): (n, *tail) received
+        # once, where a list of blocks and their concatenation held it twice (2 n k at AFN's V: 40 GB at n = 10^7)
+        out = inputs[0].new_empty(self.size * chunk, *tail)
+        mine = out[self.rank * chunk : (self.rank + 1) * chunk]  # rows past n (the last ranks') are cut below
+        failure = None
+        try:
             if b > a:
-                local[: b - a] = compute(a, b)
-            return local
-
-        return torch.cat(self._gather_computed(what, block, zeros, inputs))[:n]
+                mine[: b - a] = compute(a, b)
+        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
+            failure = err
+        # the input checks and failure flags first, in a small gather of their own: a failure stops every rank
+        # before the rows travel, and the rows need no room for the checks
+        self.gather(f"{what} checks", out.new_zeros(0), inputs, failure)
+        self._collective(what, _all_gather_single, out, mine)
+        STATS["bytes_received"] += (self.size - 1) * mine.numel() * mine.element_size()
+        return out[:n]
 
     def _gather_computed(self, what: str, compute: Callable[[], torch.Tensor], zeros: Callable[[], torch.Tensor],
                          inputs: list[torch.Tensor]) -> list[torch.Tensor]:
