@@ -15,13 +15,22 @@ loss / gradient difference from the plain run (the target: identical to rounding
 the ranks: seconds, rank 0's CPU seconds (the work split: the ranks share the machine's cores), MiB received, and
 the log det's relative difference from the plain build.
 
+Memory, in separate runs (one untimed evaluation each, no builds, at n and at ``--mem-n`` points): each rank's
+peak above what it held before the evaluation (CPU: the resident set's high-water mark, reset through
+``/proc/self/clear_refs`` after ``malloc_trim``, Linux only; CUDA: ``max_memory_allocated``); the difference gives
+bytes per point per rank (:func:`memory_model`: replicated ``a`` and split ``b / P``, from P = 1 and 2). ``--dense-gib 0``
+runs the workers under ``gpnys.memory_budget(dense_bytes=0)``, as a rank at 10^7 / 8 GPUs would run by default
+(its rows' arrays exceed half the free memory): the control variate's rows in checkpointed batches.
+
 Then a cost model for 1-8 GPUs at n = 10^6 .. 10^7: per evaluation, the single-GPU time measured in issue 19
 (``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H100, float32; ``--gpu-cutoff-1e6-s`` with the cutoff)
 scaled by ``(n / 10^6)^2`` (every pair) or ``n / 10^6`` (cutoff, fixed density) and divided by P, plus the
 all-gathers: ``--products`` products of ``t`` columns, each receiving ``(P - 1) / P n t`` float32 values at
-``--link-gbs`` GB/s. Prints a table, writes JSON (and a PNG of the model).
+``--link-gbs`` GB/s; and the memory per rank against ``--gpu-gib``. Prints a table, writes JSON (and a PNG of
+the model).
 
 Run:  python benchmarks/distributed.py                  (n = 50 000, P = 1, 2; ~10 minutes on 2 cores)
+      python benchmarks/distributed.py --dtype float32 --dense-gib 0   (memory as a rank at 10^7 / 8 GPUs)
       python benchmarks/distributed.py --device cuda --procs 1 --n 200000 --dtype float32
                                                         (P = 1 over NCCL on one GPU against no group)
       python benchmarks/distributed.py --quick          (n = 2000; run by the test suite)
@@ -108,7 +117,7 @@ def worker(args) -> None:
     Preconditioner.solve = timed(Preconditioner.solve, "seconds")
     PreconditionerHook.control_variate_terms = timed(PreconditionerHook.control_variate_terms, "cv_seconds")
     times, records, apply_s, cv_s = [], [], [], []
-    base_mib = _reset_peak(device)
+    base_mib = _reset_peak(device) if args.memory_only else None
     with use_preconditioner(model, "auto", settings=settings, seed=args.seed):
         for rep in range(1 if args.memory_only else args.repeats + 1):  # rep 0 warms up
             torch.manual_seed(args.seed + rep)
@@ -127,11 +136,11 @@ def worker(args) -> None:
                 records.append(dict(partitioned.STATS))
                 apply_s.append(applied["seconds"])
                 cv_s.append(applied["cv_seconds"])
-    peak_mib = _peak_mib(device)
+    peak_mib = _peak_mib(device) if args.memory_only else None
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
     if rank == 0 and args.memory_only:
-        Path(args.worker_out).write_text(json.dumps({"procs": size, "plain": plain, "n": args.n,
-                                                     "eval_mib": None if peak_mib is None else peak_mib - base_mib}))
+        Path(args.worker_out).write_text(json.dumps({"procs": size, "plain": plain, "n": args.n, "eval_mib":
+                                                     None if peak_mib is None else peak_mib - base_mib}))
     elif rank == 0:
         med = statistics.median(times)
         share = statistics.median(r["seconds"] / t for r, t in zip(records, times))
@@ -141,8 +150,7 @@ def worker(args) -> None:
                "comm_s": records[-1]["seconds"],
                "apply_share": statistics.median(a / t for a, t in zip(apply_s, times)),
                "cv_forward_share": statistics.median(a / t for a, t in zip(cv_s, times)),
-               "loss": float(loss), "grad": grad, "base_mib": base_mib, "peak_mib": peak_mib,
-               "eval_mib": None if peak_mib is None else peak_mib - base_mib, **build}
+               "loss": float(loss), "grad": grad, **build}
         Path(args.worker_out).write_text(json.dumps(out))
     if not plain:
         torch.distributed.destroy_process_group()
@@ -195,7 +203,9 @@ def _port() -> int:
 
 def launch(args, procs: int, plain: bool, out: Path, mem_n: int | None = None) -> dict:
     """Run ``procs`` worker processes (``plain``: one, without a process group); rank 0's record. ``mem_n``: one
-    untimed evaluation at that n, no builds, for its memory only."""
+    untimed evaluation at that n, no builds, for its memory only, with glibc's mmap threshold fixed at 64 KiB (its
+    default moves up to 32 MiB after the first large free, and the heap then keeps freed blocks resident: the
+    peak resident set varied by 50 % between runs; fixed, by 1 %)."""
     port = _port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
            "--n", str(mem_n or args.n),
@@ -207,7 +217,8 @@ def launch(args, procs: int, plain: bool, out: Path, mem_n: int | None = None) -
     ps = []
     for rank in range(procs):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(procs), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               **({} if mem_n is None else {"MALLOC_MMAP_THRESHOLD_": "65536"})}
         ps.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=args.timeout)[1] for p in ps]
     if any(p.returncode for p in ps):
@@ -300,11 +311,10 @@ def main(argv=None) -> int:
     rows = [launch(args, 1, True, tmp)]
     for p in procs:
         rows.append(launch(args, p, False, tmp))
-    for r in rows:  # bytes per point per rank: the slope of the evaluation's peak between mem_n and n
-        small = launch(args, r["procs"], r["plain"], tmp, mem_n=args.mem_n)
-        r["mem_n"], r["mem_n_eval_mib"] = args.mem_n, small["eval_mib"]
-        r["bytes_per_point"] = (None if r["eval_mib"] is None or small["eval_mib"] is None
-                                else (r["eval_mib"] - small["eval_mib"]) * 2**20 / (args.n - args.mem_n))
+    for r in rows:  # bytes per point per rank: the slope of an evaluation's peak between mem_n and n
+        big, small = (launch(args, r["procs"], r["plain"], tmp, mem_n=m)["eval_mib"] for m in (args.n, args.mem_n))
+        r.update(mem_n=args.mem_n, eval_mib=big, mem_n_eval_mib=small,
+                 bytes_per_point=None if big is None or small is None else (big - small) * 2**20 / (args.n - args.mem_n))
     tmp.unlink(missing_ok=True)
     base = rows[0]
     where = "one GPU per rank (NCCL)" if args.device == "cuda" else f"{args.threads} threads shared by the ranks (gloo)"
@@ -331,8 +341,9 @@ def main(argv=None) -> int:
           f"n = {args.mem_n} / {args.n}")
     for r in rows:
         bpp = r["bytes_per_point"]
-        print(f"  P = {r['procs']}{' plain' if r['plain'] else ''}: {r['mem_n_eval_mib']:.0f} / {r['eval_mib']:.0f} MiB"
-              + ("" if bpp is None else f", {bpp:.0f} bytes per point"))
+        print(f"  P = {r['procs']}{' plain' if r['plain'] else ''}: "
+              + ("not measured" if bpp is None else
+                 f"{r['mem_n_eval_mib']:.0f} / {r['eval_mib']:.0f} MiB, {bpp:.0f} bytes per point"))
     if memory is not None:
         print(f"  model: {memory['replicated_bytes_per_point']:.0f} bytes per point replicated + "
               f"{memory['split_bytes_per_point']:.0f} / P split + {memory['intercept_mib']:.0f} MiB ({memory['from']})")

@@ -220,7 +220,9 @@ class AFNPreconditioner(Preconditioner):
         i.e. the family ``P(theta) = [[L L^T, L V^T], [V L^T, V V^T + D^{1/2} (G^T G)^{-1} D^{1/2}]]``, equal to
         ``P`` at the current hyperparameters. Any such family gives an unbiased control variate (its
         derivative only decides how much variance is removed); this one costs ``O(n k (k + t))`` instead of
-        the full rebuild's ``O(n w^2 k)`` forward and backward.
+        the full rebuild's ``O(n w^2 k)`` forward and backward. Its autograd graph holds about
+        :data:`CV_ROW_ARRAYS` ``(n - k, k)`` arrays; above the dense budget the rows run in checkpointed batches
+        (:meth:`_family_batches`), ``O(block + n t)``.
 
         ``schur="frozen"`` is the same family with ``|V_i|^2`` in ``S_ii`` held at its current value (the landmark
         term of the Schur diagonal no longer moves with theta). ``V`` is then never rebuilt: ``V L^{-1} z1 =
