@@ -2,7 +2,8 @@
 # Device calls for issues 19 and 22, run on the GPU machine from the repository root. Logs and JSON go to $OUT
 # (default benchmarks/results/gpu_check). PARTS (comma-separated, in this order):
 #   dist   issue 22: one MLL value + gradient at n = 200 000 with the multi-GPU path as P = 1 over NCCL against no
-#          process group (`benchmarks/distributed.py --device cuda`, about a minute, alone on the GPU);
+#          process group (`benchmarks/distributed.py --device cuda`), then untimed evaluations at 200 000 and
+#          40 000 for the bytes per point on the GPU (max_memory_allocated); about two minutes, alone on the GPU;
 #   kernels  session 22's Triton kernels: one product of 17 and of 32 columns at n = 10^4 .. 10^6 (`gpu.py --parts
 #          product`), then one MLL value + gradient at 25 000 (kin40k) and 2 x 10^5, 10^6 (synthetic3d), with and
 #          without the cutoff (`--parts mll`), then the same products by BEFORE's package (default 3479e1d: the
@@ -20,7 +21,7 @@
 # machine, copy the returned checkpoint into the checkout and rerun with FIT_CKPT=<that path> PARTS=fit: the fit
 # resumes at its last step, clock included. FIT_ARGS adds gpu.py arguments (a CPU test: "--device cpu
 # --fit-1e6-n 2000 --fit-1e6-steps 4").
-#   LIMIT=480 PARTS=dist,kernels bash benchmarks/gpu_check.sh           # session 22's checks, then PARTS=suite
+#   LIMIT=540 PARTS=dist,kernels bash benchmarks/gpu_check.sh           # session 22's checks, then PARTS=suite
 #   LIMIT=540 DETACH=1 PARTS=suite,fit bash benchmarks/gpu_check.sh      # call 1
 #   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
 set -u
