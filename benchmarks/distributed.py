@@ -140,7 +140,7 @@ def worker(args) -> None:
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
     if rank == 0 and args.memory_only:
         Path(args.worker_out).write_text(json.dumps({"procs": size, "plain": plain, "n": args.n, "eval_mib":
-                                                     None if peak_mib is None else peak_mib - base_mib}))
+                                                     None if None in (peak_mib, base_mib) else peak_mib - base_mib}))
     elif rank == 0:
         med = statistics.median(times)
         share = statistics.median(r["seconds"] / t for r, t in zip(records, times))
@@ -161,7 +161,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _reset_peak(device: torch.device) -> float:
+def _reset_peak(device: torch.device) -> float | None:
     """Start a peak-memory window: MiB in use now (CUDA: allocated by torch; CPU: resident set, after returning
     the heap's free pages to the system, Linux only)."""
     if device.type == "cuda":
@@ -175,7 +175,7 @@ def _reset_peak(device: torch.device) -> float:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak resident set (Linux >= 4.0)
         return _status_mib("VmRSS")
     except OSError:
-        return float("nan")
+        return None
 
 
 def _peak_mib(device: torch.device) -> float | None:

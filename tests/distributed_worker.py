@@ -100,16 +100,9 @@ def mll_cv(group):
         for key, value in mll(group, **options).items():
             out[f"{name}_{key}"] = value
     # the diag family's rows in checkpointed batches (no dense budget; 64 KiB blocks: 34 rows of 8 x 30 entries)
-    from unittest import mock
+    from helpers import cv_rows_checkpointed
 
-    from torch.utils import checkpoint as ckpt
-
-    import gpnys
-    import gpnys.precond.afn as afn
-
-    calls, real = [], ckpt.checkpoint
-    with mock.patch.object(afn, "dense_limit_bytes", lambda device=None: 0), gpnys.memory_budget(block_bytes=1 << 16), \
-            mock.patch.object(ckpt, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw)):
+    with cv_rows_checkpointed() as calls:
         for key, value in mll(group, control_variate="diag").items():
             out[f"batched_{key}"] = value
     out["batched_checkpoints"] = len(calls)

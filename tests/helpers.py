@@ -4,6 +4,8 @@ Imported as ``from helpers import ...``: ``tests/`` has no ``__init__.py``, so p
 mode puts this directory on ``sys.path`` when it collects the test modules.
 """
 
+import contextlib
+
 import gpytorch
 import torch
 
@@ -30,6 +32,24 @@ def make_kernel(name, lengthscale, dtype=None):
         kern = kern.to(dtype)
     kern.lengthscale = lengthscale
     return kern
+
+
+@contextlib.contextmanager
+def cv_rows_checkpointed(batched=True):
+    """AFN's control-variate rows forced into checkpointed blocks (no dense budget, 64 KiB blocks), or kept in one
+    piece (a budget no test reaches); yields the list that counts the ``torch.utils.checkpoint`` calls."""
+    from unittest import mock
+
+    from torch.utils import checkpoint as ckpt
+
+    import gpnys
+    import gpnys.precond.afn as afn
+
+    calls, real = [], ckpt.checkpoint
+    with mock.patch.object(afn, "dense_limit_bytes", lambda device=None: 0 if batched else 1 << 40), \
+            mock.patch.object(ckpt, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw)), \
+            gpnys.memory_budget(block_bytes=1 << 16):
+        yield calls
 
 
 def dense_A(X, kern, mu):

@@ -237,13 +237,7 @@ def test_control_variate_rows_checkpointed_in_batches(schur, per_point, dtype):
     """Above the dense budget the diag / frozen families' non-landmark rows run in checkpointed batches (their
     (rows, k) arrays recomputed in the backward): the same log det, quads, gradient and per-probe Jacobian as in
     one piece, and the built preconditioner's values (a dense reference through P.solve)."""
-    from unittest import mock
-
-    from helpers import make_kernel, points
-    from torch.utils import checkpoint as ckpt
-
-    import gpnys
-    import gpnys.precond.afn as afn
+    from helpers import cv_rows_checkpointed, make_kernel, points
 
     n = 400
     X = points(n, 3, scale=5.0, dtype=dtype)
@@ -251,23 +245,19 @@ def test_control_variate_rows_checkpointed_in_batches(schur, per_point, dtype):
     shifts = 0.02 + 0.05 * torch.rand(n, generator=torch.Generator().manual_seed(2), dtype=dtype)
     P = AFNPreconditioner(X, kern, 1e-2, k=40, w=10, diag=shifts if per_point else None)
     Z = torch.randn(n, 3, dtype=dtype, generator=torch.Generator().manual_seed(0))
-    calls, real = [], ckpt.checkpoint
-
     def run(batched):
         mu = (shifts if per_point else torch.tensor(1e-2, dtype=dtype)).clone().requires_grad_(True)
         kern.raw_lengthscale.grad = None
-        budget = mock.patch.object(afn, "dense_limit_bytes", lambda device=None: 0 if batched else 1 << 40)
-        with budget, mock.patch.object(ckpt, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw)), \
-                gpnys.memory_budget(block_bytes=1 << 16):
+        with cv_rows_checkpointed(batched) as calls:
             logdet, quad = P.differentiable_terms(kern, mu, Z, schur=schur)
             jac = torch.autograd.grad(quad, [kern.raw_lengthscale, mu], torch.eye(3, dtype=dtype),
                                       is_grads_batched=True, retain_graph=True)
             (logdet + quad.sum()).backward()
-        return [logdet.detach(), quad.detach(), kern.raw_lengthscale.grad.clone(), mu.grad.clone(), *jac]
+        return [logdet.detach(), quad.detach(), kern.raw_lengthscale.grad.clone(), mu.grad.clone(), *jac], calls
 
-    whole = run(False)
+    whole, calls = run(False)
     assert not calls
-    batched = run(True)
+    batched, calls = run(True)
     assert len(calls) == -(-(n - 40) // 25)  # one checkpoint per batch: 25 rows of 8 x 40 entries in 64 KiB
     tol = 1e-10 if dtype == torch.float64 else 2e-5
     for a, b in zip(batched, whole):

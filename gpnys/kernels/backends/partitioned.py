@@ -227,15 +227,15 @@ class RowGroup:
         # once, where a list of blocks and their concatenation held it twice (2 n k at AFN's V: 40 GB at n = 10^7)
         out = inputs[0].new_empty(self.size * chunk, *tail)
         mine = out[self.rank * chunk : (self.rank + 1) * chunk]  # rows past n (the last ranks') are cut below
-        failure = None
-        try:
+
+        def fill() -> torch.Tensor:
             if b > a:
                 mine[: b - a] = compute(a, b)
-        except Exception as err:  # noqa: BLE001 - any error: the other ranks wait in the gather otherwise
-            failure = err
+            return out.new_zeros(0)
+
         # the input checks and failure flags first, in a small gather of their own: a failure stops every rank
         # before the rows travel, and the rows need no room for the checks
-        self.gather(f"{what} checks", out.new_zeros(0), inputs, failure)
+        self._gather_computed(f"{what} checks", fill, lambda: out.new_zeros(0), inputs)
         self._collective(what, _all_gather_single, out, mine)
         STATS["bytes_received"] += (self.size - 1) * mine.numel() * mine.element_size()
         return out[:n]
