@@ -23,7 +23,7 @@ runs the workers under ``gpnys.memory_budget(dense_bytes=0)``, as a rank at 10^7
 (its rows' arrays exceed half the free memory): the control variate's rows in checkpointed batches.
 
 Then a cost model for 1-8 GPUs at n = 10^6 .. 10^7: per evaluation, the single-GPU time measured in issue 19
-(``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H100, float32; ``--gpu-cutoff-1e6-s`` with the cutoff)
+(``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H200, float32; ``--gpu-cutoff-1e6-s`` with the cutoff)
 scaled by ``(n / 10^6)^2`` (every pair) or ``n / 10^6`` (cutoff, fixed density) and divided by P, plus the
 all-gathers: ``--products`` products of ``t`` columns, each receiving ``(P - 1) / P n t`` float32 values at
 ``--link-gbs`` GB/s; and the memory per rank against ``--gpu-gib``. Prints a table, writes JSON (and a PNG of
@@ -33,6 +33,8 @@ Run:  python benchmarks/distributed.py                  (n = 50 000, P = 1, 2; ~
       python benchmarks/distributed.py --dtype float32 --dense-gib 0   (memory as a rank at 10^7 / 8 GPUs)
       python benchmarks/distributed.py --device cuda --procs 1 --n 200000 --dtype float32
                                                         (P = 1 over NCCL on one GPU against no group)
+      python benchmarks/distributed.py --model-from results/distributed_h200.json --memory-from A.json,B.json
+                                                        (no runs: the model from a device run's records)
       python benchmarks/distributed.py --quick          (n = 2000; run by the test suite)
 """
 
@@ -278,13 +280,19 @@ def main(argv=None) -> int:
                          "cache off, the control variate's rows checkpointed)")
     ap.add_argument("--mem-n", type=int, default=None,
                     help="a second, memory-only evaluation per P at this n, for bytes per point (default n / 5)")
-    ap.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU in the model (H100: 80)")
+    ap.add_argument("--gpu-gib", type=float, default=139.8, help="memory per GPU in the model (H200: 139.8; H100: 79.2)")
     ap.add_argument("--timeout", type=float, default=3600.0)
-    ap.add_argument("--gpu-mll-1e6-s", type=float, default=48.6, help="H100, session 16: no cutoff")
-    ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.57, help="H100, session 16: default cutoff")
+    ap.add_argument("--gpu-mll-1e6-s", type=float, default=30.04, help="H200, session 25: no cutoff (H100, session 16: 48.6)")
+    ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.21, help="H200, session 25: default cutoff (H100, 16: 2.57)")
     ap.add_argument("--products", type=int, default=17, help="products (all-gathers) per evaluation in the model")
     ap.add_argument("--columns", type=int, default=17, help="columns per product in the model (probes + 1)")
     ap.add_argument("--link-gbs", type=float, default=100.0, help="all-gather bandwidth per GPU in the model")
+    ap.add_argument("--model-from", default=None, metavar="JSON",
+                    help="no runs: the cost model from this earlier run's JSON (its runs' memory) with this call's model "
+                         "flags")
+    ap.add_argument("--memory-from", default=None, metavar="A.json,B.json",
+                    help="with --model-from: the memory per point from two memory-only worker records (one process, "
+                         "two sizes) instead")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
@@ -307,6 +315,8 @@ def main(argv=None) -> int:
     procs = [int(p) for p in args.procs.split(",") if p]
     out = Path(args.out) if args.out else RESULTS / ("distributed_quick.json" if args.quick else "distributed.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.model_from:
+        return model_only(args, out, argv)
     tmp = out.with_suffix(".worker.tmp")
     rows = [launch(args, 1, True, tmp)]
     for p in procs:
@@ -347,17 +357,58 @@ def main(argv=None) -> int:
     if memory is not None:
         print(f"  model: {memory['replicated_bytes_per_point']:.0f} bytes per point replicated + "
               f"{memory['split_bytes_per_point']:.0f} / P split + {memory['intercept_mib']:.0f} MiB ({memory['from']})")
+    model = print_model(args, memory)
+    out.write_text(json.dumps({"meta": _meta(argv), "runs": rows, "memory_model": memory, "cost_model": model},
+                              indent=1))
+    plot_model(model, out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _meta(argv) -> dict:
+    return {"command": "python " + " ".join([Path(sys.argv[0]).name if argv is None else "benchmarks/distributed.py",
+                                             *(sys.argv[1:] if argv is None else argv)]),
+            "torch": torch.__version__, "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                                       time.gmtime())}
+
+
+def print_model(args, memory: dict | None) -> list[dict]:
+    """:func:`cost_model`'s rows, printed."""
     model = cost_model(args, memory)
     print(f"\ncost model per evaluation (s): n, GPUs, every pair, with the cutoff, all-gathers"
           + ("" if memory is None else f", GiB per rank (against {args.gpu_gib:g})"))
     for m in model:
         print(f"  {m['n']:>9} {m['gpus']} {m['no_cutoff_s']:10.1f} {m['cutoff_s']:8.2f} {m['allgather_s']:.4f}"
               + ("" if "rank_gib" not in m else f" {m['rank_gib']:8.1f}{'' if m['fits'] else ' (does not fit)'}"))
-    meta = {"command": "python " + " ".join([Path(sys.argv[0]).name if argv is None else "benchmarks/distributed.py",
-                                             *(sys.argv[1:] if argv is None else argv)]),
-            "torch": torch.__version__, "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                                       time.gmtime())}
-    out.write_text(json.dumps({"meta": meta, "runs": rows, "memory_model": memory, "cost_model": model}, indent=1))
+    return model
+
+
+def model_only(args, out: Path, argv) -> int:
+    """``--model-from``: the cost model from an earlier run's JSON, its memory from that run's records or from two
+    memory-only worker records (``--memory-from``: one process at two sizes, as :func:`launch` writes them)."""
+    runs = json.loads(Path(args.model_from).read_text())["runs"]
+    if args.memory_from:
+        recs = sorted((json.loads(Path(p).read_text()) for p in args.memory_from.split(",")), key=lambda r: r["n"])
+        if len(recs) != 2 or recs[0]["n"] == recs[1]["n"] or recs[0]["procs"] != recs[1]["procs"]:
+            raise SystemExit("--memory-from needs two records of one process count at two sizes")
+        small, big = recs
+        runs = [{"procs": big["procs"], "plain": big["plain"], "mem_n": small["n"], "eval_mib": big["eval_mib"],
+                 "mem_n_eval_mib": small["eval_mib"],
+                 "bytes_per_point": (big["eval_mib"] - small["eval_mib"]) * 2**20 / (big["n"] - small["n"])}]
+    memory = memory_model(runs)
+    if memory is not None:
+        print(f"memory: {memory['replicated_bytes_per_point']:.0f} bytes per point replicated + "
+              f"{memory['split_bytes_per_point']:.0f} / P split + {memory['intercept_mib']:.0f} MiB ({memory['from']})")
+    model = print_model(args, memory)
+    out.write_text(json.dumps({"meta": {**_meta(argv), "model_from": args.model_from, "memory_from": args.memory_from},
+                               "memory_model": memory, "cost_model": model}, indent=1))
+    plot_model(model, out)
+    print(f"wrote {out}")
+    return 0
+
+
+def plot_model(model: list[dict], out: Path) -> None:
+    """The cost model against GPUs (``out`` with ``.png``), the 5-minute line marked."""
     try:
         import matplotlib
 
@@ -377,8 +428,6 @@ def main(argv=None) -> int:
         plt.close(fig)
     except ImportError:  # pragma: no cover - matplotlib is a test dependency
         pass
-    print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Error bars on the marginal likelihood, a requested accuracy, and training that stops at the noise.
 
-1. one value + gradient of -MLL/n with gpnys, its standard errors, and Cholesky's answer beside it;
+1. one value + gradient of -MLL/n with gpnys, its standard errors, and Cholesky's answer beside it; then the same
+   with the fixed floor of 10 Lanczos steps (``lanczos_share=None``): the quadrature test stops CG earlier with the
+   same answer;
 2. the same with ``target_rel_error`` (``--accuracy`` on the command line): more probes, smaller errors;
 3. Adam under the one-line switch until the gradient is within its noise (the RMS of g / SE at most 1).
 
@@ -23,8 +25,10 @@ from gpnys.gp.mll import evaluate
 
 def show(name: str, out: dict) -> None:
     se = out.get("loss_std_error", 0.0)
+    its = out["extra"].get("cg_iterations_max")
     print(f"{name:>10}: loss {out['loss']:.6f} ± {se:.1e}   d/d raw_noise {out['grad']['raw_noise']:+.5f}"
-          f" ± {out.get('grad_std_error', {}).get('raw_noise', 0.0):.1e}   ({out['time_s']:.2f} s)")
+          f" ± {out.get('grad_std_error', {}).get('raw_noise', 0.0):.1e}   ({out['time_s']:.2f} s"
+          + ("" if its is None else f", {its} CG iterations") + ")")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
     show("Cholesky", evaluate(X, y, "exact", **common))
     show("gpnys", evaluate(X, y, "auto", seed=0, **common))
+    show("floor 10", evaluate(X, y, "auto", seed=0, settings=gpnys.EstimatorSettings(lanczos_share=None), **common))
     acc = evaluate(X, y, "auto", seed=0, settings=gpnys.EstimatorSettings(target_rel_error=args.accuracy), **common)
     show(f"τ={args.accuracy:g}", acc)
     print(f"            ({acc['extra']['probes']} probes to reach it)")

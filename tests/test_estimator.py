@@ -59,6 +59,54 @@ def test_pcg_miniter_and_bad_input():
         pcg(lambda V: A @ V, b, miniter=-1)
 
 
+def test_pcg_quadrature_test_lifts_the_floor():
+    A = spd()
+    b = torch.ones(A.shape[0], 2, dtype=F64)  # (tol 2: every step meets it, so only the floor holds a column)
+    seen = []
+
+    def after(m):
+        def test(tridiagonal, steps):
+            seen.append((tridiagonal[0].shape[0], steps.tolist()))
+            return int(steps.min()) >= m
+        return test
+
+    full = pcg(lambda V: A @ V, b, tol=2.0, miniter=12, lanczos=True)
+    assert full.iterations == 12
+    early = pcg(lambda V: A @ V, b, tol=2.0, miniter=12, lanczos=True, quadrature=after(3))
+    assert early.iterations == 3 and seen == [(1, [1, 1]), (2, [2, 2]), (3, [3, 3])]
+    # the tridiagonals it saw are the first steps of the full run's
+    torch.testing.assert_close(early.tridiagonal[0], full.tridiagonal[0][:3])
+    assert pcg(lambda V: A @ V, b, tol=2.0, miniter=12, lanczos=True, quadrature=after(99)).iterations == 12
+    with pytest.raises(ValueError, match="quadrature"):
+        pcg(lambda V: A @ V, b, tol=2.0, miniter=12, quadrature=after(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_quadrature_stops_at_the_noise_with_the_floors_answer(dtype):
+    """The quadrature test (``lanczos_share``) ends CG steps before the floor of 10 once the Lanczos truncation
+    estimate is under a tenth of the probes' standard error: fewer kernel passes, the same estimate to well within
+    its error bars, both within them of Cholesky, and the same bits again for the same seed."""
+    X, y = data(n=600, dtype=dtype)
+    ref = evaluate(X.double(), y.double(), "exact", **KW)
+    out = {}
+    for share in (None, 0.1, 0.1):
+        st = EstimatorSettings(lanczos_share=share)
+        rec = evaluate(X, y, "afn", seed=0, k=100, settings=st, **KW)
+        out.setdefault(share, []).append(rec)
+    floor, (fast, again) = out[None][0], out[0.1]
+    assert fast["loss"] == again["loss"] and fast["grad"] == again["grad"]
+    assert fast["extra"]["cg_iterations_max"] < floor["extra"]["cg_iterations_max"] == 10
+    se = fast["loss_std_error"]
+    assert abs(fast["loss"] - floor["loss"]) <= 0.1 * se
+    tol = 1e-4 if dtype == F64 else 3e-3
+    assert abs(fast["loss"] - ref["loss"]) <= 4 * se + tol
+    for key, r in ref["grad"].items():
+        g, g0, s = (torch.as_tensor(v[key], dtype=F64).reshape(-1)
+                    for v in (fast["grad"], floor["grad"], fast["grad_std_error"]))
+        assert bool(((g - g0).abs() <= 0.2 * s).all()), key
+        assert bool(((g - torch.as_tensor(r, dtype=F64).reshape(-1)).abs() <= 4 * s + 10 * tol).all()), key
+
+
 def test_slq_terms_pad_columns_of_different_lengths():
     A = spd(30)
     B = torch.randn(30, 2, generator=torch.Generator().manual_seed(2), dtype=F64)
@@ -260,7 +308,8 @@ def test_no_grad_evaluation_and_settings_bad_input():
     with use_preconditioner(model, "afn", k=30, w=8) as hook, torch.no_grad():
         value = mll(model(X), y)
     assert math.isfinite(float(value)) and hook.last_estimate.grad_std_error == {}
-    for bad in ({"target_rel_error": 0.0}, {"target_rel_error": 1.5}, {"max_probes": 1}, {"num_probes": 0}):
+    for bad in ({"target_rel_error": 0.0}, {"target_rel_error": 1.5}, {"max_probes": 1}, {"num_probes": 0},
+                {"lanczos_share": 0.0}, {"lanczos_share": 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EstimatorSettings(**bad)
 
@@ -341,7 +390,8 @@ def test_cli_mll_and_fit_report_error_bars(capsys):
 
 
 @pytest.mark.parametrize("argv, flag", [(["--accuracy", "2"], "--accuracy"), (["--max-probes", "1"], "--max-probes"),
-                                        (["--accuracy", "1e-2", "--no-error-bars"], "--accuracy")])
+                                        (["--accuracy", "1e-2", "--no-error-bars"], "--accuracy"),
+                                        (["--lanczos-share", "1"], "--lanczos-share")])
 def test_cli_bad_accuracy_flags(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["mll", "--data", "concrete", "--n", "100", "--method", "afn", *argv])

@@ -90,6 +90,9 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes, help="SLQ probe vectors")
     p.add_argument("--lanczos-steps", type=int, default=EstimatorSettings.lanczos_steps,
                    help="Lanczos quadrature steps (also GPyTorch's minimum CG iterations)")
+    p.add_argument("--lanczos-share", type=float, default=EstimatorSettings.lanczos_share, metavar="SHARE",
+                   help="stop the quadrature before --lanczos-steps once its truncation estimate is below SHARE of "
+                        "the probes' standard error (0: always --lanczos-steps)")
     p.add_argument("--probe-dist", choices=("rademacher", "gaussian"), default=EstimatorSettings.probes,
                    help="probe distribution (covariance P either way)")
     p.add_argument("--control-variate", choices=("auto", "diag", "frozen", "full", "none"), default=EstimatorSettings.control_variate,
@@ -116,6 +119,8 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
     for name in ("cg_tol", "probes", "lanczos_steps"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.lanczos_share < 1:
+        raise ValueError(f"--lanczos-share must be in [0, 1), got {args.lanczos_share}")
     if args.prune_tol is not None and not args.prune_tol >= 0:
         raise ValueError(f"--prune-tol must be >= 0, got {args.prune_tol}")
     if args.accuracy is not None and not 0 < args.accuracy < 1:
@@ -127,7 +132,8 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
     cv = args.control_variate
     settings = EstimatorSettings(error_bars=not args.no_error_bars, target_rel_error=args.accuracy,
                                  max_probes=args.max_probes, cg_tolerance=args.cg_tol, num_probes=args.probes,
-                                 lanczos_steps=args.lanczos_steps, probes=args.probe_dist,
+                                 lanczos_steps=args.lanczos_steps, lanczos_share=args.lanczos_share or None,
+                                 probes=args.probe_dist,
                                  variance_reduction=cv != "none", control_variate="auto" if cv == "none" else cv,
                                  kernel_prune_tol=args.prune_tol,
                                  kernel_backend=None if args.kernel_backend == "auto" else args.kernel_backend,

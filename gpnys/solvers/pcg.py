@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import gpytorch
 import torch
@@ -46,6 +46,8 @@ from gpnys.precond.base import (
 __all__ = ["PCGResult", "ConvergenceWarning", "pcg", "KernelSystem", "kernel_system"]
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
+#: ``((diag, offdiag), steps) -> bool``: whether the Lanczos quadrature of the tridiagonals so far has converged
+QuadratureTest = Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor], bool]
 PrecondLike = Union[Preconditioner, Matmul, None]
 
 
@@ -107,6 +109,7 @@ def pcg(
     record_history: bool = False,
     lanczos: bool = False,
     miniter: int = 0,
+    quadrature: Optional[QuadratureTest] = None,
 ) -> PCGResult:
     """Solve ``A X = B`` (``A`` SPD, given by ``matmul``) by preconditioned CG, column by column.
 
@@ -129,6 +132,9 @@ def pcg(
             stochastic Lanczos quadrature.
         miniter: no column stops before this many iterations (unless it breaks down): a floor on the Lanczos
             steps of a quadrature.
+        quadrature: with ``lanczos``, lifts that floor early: called with the tridiagonals so far (the layout of
+            ``PCGResult.tridiagonal``) and each column's steps once a column has met its tolerance but not the floor;
+            from its first ``True`` on, columns stop at their tolerance alone.
 
     Returns:
         :class:`PCGResult`.
@@ -182,6 +188,8 @@ def pcg(
     floor = int(miniter)
     if floor > 0:
         converged = converged & (rel == 0)
+    if quadrature is not None and not lanczos:
+        raise ValueError("quadrature needs lanczos=True")
 
     active = ~converged
     for step in range(int(maxiter)):
@@ -200,11 +208,15 @@ def pcg(
         its[idx] += (~bad).long()
         rel_a = torch.linalg.vector_norm(Ra, dim=0) / denom[idx]
         rel[idx] = rel_a
-        conv_a = (rel_a <= tol_col[idx]) & ((step + 1 >= floor) | (rel_a == 0))
-        converged[idx] = conv_a
         if lanczos:
             alphas.append(torch.full_like(rz, math.nan).index_put((idx,), alpha))
             betas.append(torch.full_like(rz, math.nan))
+        met = rel_a <= tol_col[idx]
+        if quadrature is not None and step + 1 < floor and bool((met & (rel_a > 0)).any()):
+            if quadrature(_tridiagonal(alphas, betas, Bm), its.clone()):
+                floor = 0  # the quadrature has converged: the tolerances alone stop the columns from here
+        conv_a = met & ((step + 1 >= floor) | (rel_a == 0))
+        converged[idx] = conv_a
         breakdown[idx] = bad & ~conv_a
         still = ~conv_a & ~bad
         active[idx] = still
