@@ -14,7 +14,8 @@ reset (``None`` on the CPU):
 2. mll: ``-MLL/n`` and its raw-parameter gradient at fixed hyperparameters (ScaleKernel(Matérn-3/2), Gaussian
    likelihood, zero mean; ``--lengthscale``, ``--outputscale``, ``--noise``) by
    ``gpnys`` (``use_preconditioner(model, "auto")``, default backend; at the synthetic sizes also ``gpnys_prune0``,
-   ``EstimatorSettings(kernel_prune_tol=0)``), ``gpytorch_cholesky`` (GPyTorch's exact path, float64, only where
+   ``EstimatorSettings(kernel_prune_tol=0)``: every pair, and ``gpnys_prune0_floor10``, the same with the fixed
+   floor of 10 Lanczos steps, ``lanczos_share=None``: the estimator before session 25), ``gpytorch_cholesky`` (GPyTorch's exact path, float64, only where
    3 n^2 x 8 bytes fit in the free memory, else ``skipped (memory)``), ``cholesky_closed`` (the same exact loss by
    :func:`gpnys.gp.exact.cholesky_loss`, float64, closed-form gradient, where 4 n^2 x 8 bytes fit), ``gpytorch_cg``
    (``max_cholesky_size(0)``, GPyTorch's defaults; an OOM is recorded as ``OOM``) and, with ``--keops``,
@@ -385,8 +386,11 @@ def load_hypers(model, hypers: dict):
     return model
 
 
-def gpnys_settings(args, prune0: bool) -> EstimatorSettings:
-    return EstimatorSettings(kernel_backend=args.gpnys_backend, kernel_prune_tol=0.0 if prune0 else None)
+def gpnys_settings(args, prune0: bool, floor10: bool = False) -> EstimatorSettings:
+    """The gpnys rows' settings: ``prune0`` computes every pair (no cutoff); ``floor10`` keeps the fixed floor of 10
+    Lanczos steps (``lanczos_share=None``: the estimator before session 25, a same-run baseline)."""
+    return EstimatorSettings(kernel_backend=args.gpnys_backend, kernel_prune_tol=0.0 if prune0 else None,
+                             lanczos_share=None if floor10 else EstimatorSettings.lanczos_share)
 
 
 def mll_eval(X, y, method: str, hypers: dict, seed: int, settings: EstimatorSettings | None = None) -> dict:
@@ -510,11 +514,12 @@ def part_mll(args, bench) -> None:
             continue
         n = X.shape[0]
         methods = ["gpytorch_cholesky", "cholesky_closed", "gpnys"]
-        methods += ["gpnys_prune0"] if data == "synthetic3d" else []
+        methods += ["gpnys_prune0", "gpnys_prune0_floor10"] if data == "synthetic3d" else []
         methods += ["gpytorch_cg"] + (["gpytorch_keops"] if args.keops else [])
         ref = None
         for method in methods:
-            settings = gpnys_settings(args, method == "gpnys_prune0") if method.startswith("gpnys") else None
+            settings = (gpnys_settings(args, method.startswith("gpnys_prune0"), method.endswith("floor10"))
+                        if method.startswith("gpnys") else None)
             row: dict[str, Any] = {"data": data, "n": n, "d": X.shape[1], "method": method,
                                    "dtype": "float64" if method in REFERENCES else args.dtype}
             exponent = 1 if method == "gpnys" and data == "synthetic3d" else 2

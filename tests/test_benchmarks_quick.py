@@ -253,6 +253,24 @@ def test_distributed_quick(tmp_path):
     assert ten[1] >= ten[8] > 0
     assert out.with_suffix(".png").exists()
 
+    # the model alone from that run, with another single-GPU time; and the memory from two worker records
+    bench = load("distributed")
+    model = tmp_path / "model.json"
+    bench.main(["--model-from", str(out), "--gpu-mll-1e6-s", "17", "--out", str(model)])
+    again = json.loads(model.read_text())
+    assert again["memory_model"] == mem
+    row = next(m for m in again["cost_model"] if (m["n"], m["gpus"]) == (10_000_000, 8))
+    assert row["no_cutoff_s"] == pytest.approx(17 * 100 / 8 + row["allgather_s"])
+    recs = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, n, mib in zip(recs, (200_000, 40_000), (2731.5, 1103.0)):
+        path.write_text(json.dumps({"procs": 1, "plain": True, "n": n, "eval_mib": mib}))
+    bench.main(["--model-from", str(out), "--memory-from", ",".join(map(str, recs)), "--out", str(model)])
+    got = json.loads(model.read_text())["memory_model"]
+    assert got["replicated_bytes_per_point"] == pytest.approx((2731.5 - 1103.0) * 2**20 / 160_000)
+    recs[1].write_text(json.dumps({"procs": 1, "plain": True, "n": 200_000, "eval_mib": 1.0}))  # one size twice
+    with pytest.raises(SystemExit, match="two sizes"):
+        bench.main(["--model-from", str(out), "--memory-from", ",".join(map(str, recs)), "--out", str(model)])
+
 
 def test_ab_quick(tmp_path):
     """This tree against itself: the same loss and gradient to the bit (same seeds, same code), ratios near 1."""
