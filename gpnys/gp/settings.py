@@ -33,9 +33,9 @@ class EstimatorSettings:
             spectrum is clustered enough that 10 steps matched 30 and 80 in the measured errors.
         lanczos_share: gpnys's estimator (``error_bars``) lifts that floor once the quadrature's truncation
             estimate is below this share of the probes' standard error and decaying (the estimator's
-            ``_quadrature_test``): with a strong preconditioner the solves converge in 3-5 steps, and the floor
-            was most of an evaluation's kernel passes (13 of 13 at n = 20 000, synthetic3d, l = 1: 10 forced steps,
-            the residual and the two derivative planes; 7 with the test). ``None``: always ``lanczos_steps``.
+            ``_quadrature_test``). With a strong preconditioner the solves converge in 3-5 steps, so the floor
+            set most of an evaluation's kernel passes: 13 on synthetic3d (l = 1, n = 20 000 to 100 000: 10 steps,
+            the true residual, two per-probe derivative planes), 7 with the test. ``None``: always ``lanczos_steps``.
         variance_reduction: add the preconditioner control variate to the log-det gradient
             (:meth:`PreconditionerHook.control_variate`) when the preconditioner supports it.
         probes: ``"rademacher"`` (``z = R e`` with random signs ``e``) or ``"gaussian"`` (``z ~ N(0, P)``); both
