@@ -215,6 +215,7 @@ def launch(args, procs: int, plain: bool, out: Path, mem_n: int | None = None) -
            "--dtype", args.dtype, "--build-k", str(args.build_k), "--device", args.device]
     cmd += ["--plain"] if plain else []
     cmd += [] if args.dense_gib is None else ["--dense-gib", str(args.dense_gib)]
+    cmd += [] if args.block_mib is None else ["--block-mib", str(args.block_mib)]
     cmd += [] if mem_n is None else ["--memory-only"]
     ps = []
     for rank in range(procs):
@@ -278,6 +279,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-gib", type=float, default=None,
                     help="gpnys.memory_budget(dense_bytes=) in the workers (default: the library's; 0: every large "
                          "cache off, the control variate's rows checkpointed)")
+    ap.add_argument("--block-mib", type=float, default=None,
+                    help="the workers' temporary block budget in MiB (default: the device's; a GPU's is 1 GiB, whole "
+                         "passes at 2 x 10^5 points that a rank at 10^7 runs in blocks)")
     ap.add_argument("--mem-n", type=int, default=None,
                     help="a second, memory-only evaluation per P at this n, for bytes per point (default n / 5)")
     ap.add_argument("--gpu-gib", type=float, default=139.8, help="memory per GPU in the model (H200: 139.8; H100: 79.2)")
@@ -305,7 +309,8 @@ def main(argv=None) -> int:
     if args.worker:
         from gpnys import memory_budget
 
-        with memory_budget(dense_bytes=None if args.dense_gib is None else int(args.dense_gib * 2**30)):
+        with memory_budget(dense_bytes=None if args.dense_gib is None else int(args.dense_gib * 2**30),
+                           block_bytes=None if args.block_mib is None else int(args.block_mib * 2**20)):
             worker(args)
         return 0
     if args.n < 1 or args.repeats < 1 or args.threads < 1:

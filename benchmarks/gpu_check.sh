@@ -3,7 +3,8 @@
 # (default benchmarks/results/gpu_check). PARTS (comma-separated, run in this order):
 #   dist   issue 22: one MLL value + gradient at n = 200 000 with the multi-GPU path as P = 1 over NCCL against no
 #          process group (`benchmarks/distributed.py --device cuda`), then untimed evaluations at 200 000 and
-#          40 000 for the bytes per point on the GPU (max_memory_allocated); about two minutes, alone on the GPU;
+#          40 000 for the bytes per point on the GPU (max_memory_allocated), by default and as a rank at 10^7 / 8
+#          GPUs runs (`--dense-gib 0 --block-mib 32`); about three minutes, alone on the GPU;
 #   mll    one MLL value + gradient at 25 000 (kin40k) and 2 x 10^5, 10^6 (synthetic3d), with the cutoff, every
 #          pair, and every pair with the fixed floor of 10 Lanczos steps (the estimator before session 25) (`gpu.py
 #          --parts mll`); alone on the GPU, about 2 minutes: the 10^6 every-pair time is the cost model's
@@ -51,6 +52,10 @@ case $PARTS in *collect*) wait_fit ;; esac
 case $PARTS in *dist*)
   timeout "$(left)" python -u benchmarks/distributed.py --device cuda --procs 1 --n 200000 --dtype float32 \
       --repeats 3 --out "$OUT/distributed_cuda.json" > "$OUT/distributed_cuda.log" 2>&1
+  # one process as a rank at 10^7 / 8 GPUs runs: rows checkpointed, passes in blocks (the GPU's 1 GiB blocks hold
+  # whole passes at 2 x 10^5, which a rank at 10^7 runs in blocks)
+  timeout "$(left)" python -u benchmarks/distributed.py --device cuda --procs '' --n 200000 --dtype float32 \
+      --repeats 1 --dense-gib 0 --block-mib 32 --out "$OUT/distributed_cuda_lean.json" > "$OUT/distributed_cuda_lean.log" 2>&1
 esac
 case $PARTS in *mll*)
   timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes 200000,1000000 \
