@@ -10,6 +10,7 @@ import torch
 from helpers import points
 
 from gpnys.cli.main import main
+from gpnys.gp import estimator
 from gpnys.gp.estimator import _jacobian, _jacobian_by_columns, gradient_at_noise, slq_terms
 from gpnys.gp.exact import ExactGPModel, fit
 from gpnys.gp.hook import EstimatorSettings, use_preconditioner
@@ -65,8 +66,9 @@ def test_pcg_quadrature_test_lifts_the_floor():
     seen = []
 
     def after(m):
-        def test(tridiagonal, steps):
+        def test(tridiagonal, steps, rel):
             seen.append((tridiagonal[0].shape[0], steps.tolist()))
+            assert rel.shape == (2,) and bool((rel <= 2.0).all())
             return int(steps.min()) >= m
         return test
 
@@ -82,17 +84,27 @@ def test_pcg_quadrature_test_lifts_the_floor():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_quadrature_stops_at_the_noise_with_the_floors_answer(dtype):
+def test_quadrature_stops_at_the_noise_with_the_floors_answer(dtype, monkeypatch):
     """The quadrature test (``lanczos_share``) ends CG steps before the floor of 10 once the Lanczos truncation
     estimate is under a tenth of the probes' standard error: fewer kernel passes, the same estimate to well within
     its error bars, both within them of Cholesky, and the same bits again for the same seed."""
     X, y = data(n=600, dtype=dtype)
     ref = evaluate(X.double(), y.double(), "exact", **KW)
-    out = {}
+    out, steps = {}, {}
+    solve = estimator.pcg
+
+    def recorded(*args, **kw):
+        res = solve(*args, **kw)
+        steps.setdefault(share, res.iterations_per_column)
+        return res
+
+    monkeypatch.setattr(estimator, "pcg", recorded)
     for share in (None, 0.1, 0.1):
         st = EstimatorSettings(lanczos_share=share)
         rec = evaluate(X, y, "afn", seed=0, k=100, settings=st, **KW)
         out.setdefault(share, []).append(rec)
+    # the floor lifts only once the solve with r (column 0) has converged: the probes' solves run as long as it
+    assert bool((steps[None] >= 10).all()) and bool((steps[0.1][1:] >= steps[0.1][0]).all())
     floor, (fast, again) = out[None][0], out[0.1]
     assert fast["loss"] == again["loss"] and fast["grad"] == again["grad"]
     assert fast["extra"]["cg_iterations_max"] < floor["extra"]["cg_iterations_max"] == 10

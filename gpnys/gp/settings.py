@@ -35,7 +35,9 @@ class EstimatorSettings:
             estimate is below this share of the probes' standard error and decaying (the estimator's
             ``_quadrature_test``). With a strong preconditioner the solves converge in 3-5 steps, so the floor
             set most of an evaluation's kernel passes: 13 on synthetic3d (l = 1, n = 20 000 to 100 000: 10 steps,
-            the true residual, two per-probe derivative planes), 7 with the test. ``None``: always ``lanczos_steps``.
+            the true residual, two per-probe derivative planes), 7 with the test. Only in the first probe batch and
+            once the solve with ``r`` has converged, so the probes' solves run as long as it (their bias in the
+            gradient is first order in their residual). ``None``: always ``lanczos_steps``.
         variance_reduction: add the preconditioner control variate to the log-det gradient
             (:meth:`PreconditionerHook.control_variate`) when the preconditioner supports it.
         probes: ``"rademacher"`` (``z = R e`` with random signs ``e``) or ``"gaussian"`` (``z ~ N(0, P)``); both

@@ -46,8 +46,9 @@ from gpnys.precond.base import (
 __all__ = ["PCGResult", "ConvergenceWarning", "pcg", "KernelSystem", "kernel_system"]
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
-#: ``((diag, offdiag), steps) -> bool``: whether the Lanczos quadrature of the tridiagonals so far has converged
-QuadratureTest = Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor], bool]
+#: ``((diag, offdiag), steps, rel) -> bool``: whether the Lanczos quadrature of the tridiagonals so far has converged
+#: (``rel``: each column's relative residual now)
+QuadratureTest = Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor], bool]
 PrecondLike = Union[Preconditioner, Matmul, None]
 
 
@@ -133,8 +134,8 @@ def pcg(
         miniter: no column stops before this many iterations (unless it breaks down): a floor on the Lanczos
             steps of a quadrature.
         quadrature: with ``lanczos``, lifts that floor early: called with the tridiagonals so far (the layout of
-            ``PCGResult.tridiagonal``) and each column's steps once a column has met its tolerance but not the floor;
-            from its first ``True`` on, columns stop at their tolerance alone.
+            ``PCGResult.tridiagonal``), each column's steps and relative residual once a column has met its
+            tolerance but not the floor; from its first ``True`` on, columns stop at their tolerance alone.
 
     Returns:
         :class:`PCGResult`.
@@ -213,7 +214,7 @@ def pcg(
             betas.append(torch.full_like(rz, math.nan))
         met = rel_a <= tol_col[idx]
         if quadrature is not None and step + 1 < floor and bool((met & (rel_a > 0)).any()):
-            if quadrature(_tridiagonal(alphas, betas, Bm), its.clone()):
+            if quadrature(_tridiagonal(alphas, betas, Bm), its.clone(), rel.clone()):
                 floor = 0  # the quadrature has converged: the tolerances alone stop the columns from here
         conv_a = met & ((step + 1 >= floor) | (rel_a == 0))
         converged[idx] = conv_a
