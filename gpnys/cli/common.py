@@ -92,7 +92,7 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
                    help="Lanczos quadrature steps (also GPyTorch's minimum CG iterations)")
     p.add_argument("--lanczos-share", type=float, default=EstimatorSettings.lanczos_share, metavar="SHARE",
                    help="stop the quadrature before --lanczos-steps once its truncation estimate is below SHARE of "
-                        "the probes' standard error (0: always --lanczos-steps)")
+                        "the probes' standard error and the solve with y has converged (0: always --lanczos-steps)")
     p.add_argument("--probe-dist", choices=("rademacher", "gaussian"), default=EstimatorSettings.probes,
                    help="probe distribution (covariance P either way)")
     p.add_argument("--control-variate", choices=("auto", "diag", "frozen", "full", "none"), default=EstimatorSettings.control_variate,
