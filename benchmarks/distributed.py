@@ -20,7 +20,9 @@ peak above what it held before the evaluation (CPU: the resident set's high-wate
 ``/proc/self/clear_refs`` after ``malloc_trim``, Linux only; CUDA: ``max_memory_allocated``); the difference gives
 bytes per point per rank (:func:`memory_model`: replicated ``a`` and split ``b / P``, from P = 1 and 2). ``--dense-gib 0``
 runs the workers under ``gpnys.memory_budget(dense_bytes=0)``, as a rank at 10^7 / 8 GPUs would run by default
-(its rows' arrays exceed half the free memory): the control variate's rows in checkpointed batches.
+(its rows' arrays exceed half the free memory): the control variate's rows in checkpointed batches. ``--block-mib``
+sets their temporary blocks: a GPU's default (1 GiB) holds whole passes at 2 x 10^5 points, which a rank at 10^7
+runs in blocks, so ``--block-mib 32`` measures that rank's bytes per point.
 
 Then a cost model for 1-8 GPUs at n = 10^6 .. 10^7: per evaluation, the single-GPU time measured in issue 19
 (``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H200, float32; ``--gpu-cutoff-1e6-s`` with the cutoff)
@@ -51,6 +53,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from gpnys.cli.common import add_budget_args
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -229,6 +233,11 @@ def launch(args, procs: int, plain: bool, out: Path, mem_n: int | None = None) -
     return json.loads(out.read_text())
 
 
+def _bytes_per_point(big_mib: float | None, small_mib: float | None, n: int, small_n: int) -> float | None:
+    """Bytes per point per rank: the slope of an evaluation's peak between ``small_n`` and ``n`` points."""
+    return None if big_mib is None or small_mib is None else (big_mib - small_mib) * 2**20 / (n - small_n)
+
+
 def memory_model(runs: list[dict]) -> dict | None:
     """Bytes per point per rank, ``a + b / P``: ``a`` replicated, ``b`` split over the ranks, from the measured
     slopes of one process (``s1``) and of two ranks (``s2``): ``a = 2 s2 - s1``, ``b = 2 (s1 - s2)``. Without a
@@ -276,12 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--build-k", type=int, default=1000, help="AFN landmarks and Nyström rank of the timed builds")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: every rank on cuda:LOCAL_RANK over NCCL (P = 1 on a single GPU)")
-    ap.add_argument("--dense-gib", type=float, default=None,
-                    help="gpnys.memory_budget(dense_bytes=) in the workers (default: the library's; 0: every large "
-                         "cache off, the control variate's rows checkpointed)")
-    ap.add_argument("--block-mib", type=float, default=None,
-                    help="the workers' temporary block budget in MiB (default: the device's; a GPU's is 1 GiB, whole "
-                         "passes at 2 x 10^5 points that a rank at 10^7 runs in blocks)")
+    add_budget_args(ap)  # the workers' gpnys.memory_budget (module docstring)
     ap.add_argument("--mem-n", type=int, default=None,
                     help="a second, memory-only evaluation per P at this n, for bytes per point (default n / 5)")
     ap.add_argument("--gpu-gib", type=float, default=139.8, help="memory per GPU in the model (H200: 139.8; H100: 79.2)")
@@ -308,9 +312,9 @@ def main(argv=None) -> int:
     args.mem_n = args.mem_n or max(2, args.n // 5)
     if args.worker:
         from gpnys import memory_budget
+        from gpnys.cli.main import budget_from_args
 
-        with memory_budget(dense_bytes=None if args.dense_gib is None else int(args.dense_gib * 2**30),
-                           block_bytes=None if args.block_mib is None else int(args.block_mib * 2**20)):
+        with memory_budget(**budget_from_args(args)):
             worker(args)
         return 0
     if args.n < 1 or args.repeats < 1 or args.threads < 1:
@@ -326,10 +330,10 @@ def main(argv=None) -> int:
     rows = [launch(args, 1, True, tmp)]
     for p in procs:
         rows.append(launch(args, p, False, tmp))
-    for r in rows:  # bytes per point per rank: the slope of an evaluation's peak between mem_n and n
+    for r in rows:
         big, small = (launch(args, r["procs"], r["plain"], tmp, mem_n=m)["eval_mib"] for m in (args.n, args.mem_n))
         r.update(mem_n=args.mem_n, eval_mib=big, mem_n_eval_mib=small,
-                 bytes_per_point=None if big is None or small is None else (big - small) * 2**20 / (args.n - args.mem_n))
+                 bytes_per_point=_bytes_per_point(big, small, args.n, args.mem_n))
     tmp.unlink(missing_ok=True)
     base = rows[0]
     where = "one GPU per rank (NCCL)" if args.device == "cuda" else f"{args.threads} threads shared by the ranks (gloo)"
@@ -399,7 +403,7 @@ def model_only(args, out: Path, argv) -> int:
         small, big = recs
         runs = [{"procs": big["procs"], "plain": big["plain"], "mem_n": small["n"], "eval_mib": big["eval_mib"],
                  "mem_n_eval_mib": small["eval_mib"],
-                 "bytes_per_point": (big["eval_mib"] - small["eval_mib"]) * 2**20 / (big["n"] - small["n"])}]
+                 "bytes_per_point": _bytes_per_point(big["eval_mib"], small["eval_mib"], big["n"], small["n"])}]
     memory = memory_model(runs)
     if memory is not None:
         print(f"memory: {memory['replicated_bytes_per_point']:.0f} bytes per point replicated + "

@@ -47,6 +47,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu); on CUDA the kernel products run as fused "
                         "Triton kernels")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    add_budget_args(p)
+
+
+def add_budget_args(p: argparse.ArgumentParser) -> None:
+    """``--block-mib`` / ``--dense-gib``: the memory budget (``gpnys.cli.main.budget_from_args`` reads them)."""
     p.add_argument("--block-mib", type=int, default=None,
                    help="memory budget: MiB per temporary block (default 32 on CPU, 1/16 of the free GPU memory "
                         "up to 1024 on CUDA; gpnys.memory_budget)")
