@@ -45,7 +45,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def one_iteration(model, Y: torch.Tensor, args, timeout: float | None) -> dict:
     """Fit from the model's initialisation, then one qLogEI ``optimize_acqf``; times and results."""
-    bounds = torch.stack([torch.zeros(6), torch.ones(6)]).to(Y)
+    bounds = torch.stack([torch.zeros(6), torch.ones(6)]).to(Y)  # on Y's device and dtype
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -56,7 +56,7 @@ def one_iteration(model, Y: torch.Tensor, args, timeout: float | None) -> dict:
                                 num_restarts=args.num_restarts, raw_samples=args.raw_samples)
     t2 = time.perf_counter()
     rec = {"fit_s": t1 - t0, "acq_s": t2 - t1, "total_s": t2 - t0, "acq_value": float(value),
-           "candidate_value": float(Hartmann(dim=6, negate=True)(cand).reshape(-1)[0]),
+           "candidate_value": float(Hartmann(dim=6, negate=True).to(cand)(cand).reshape(-1)[0]),
            "lengthscale": model.covar_module.lengthscale.detach().reshape(-1).tolist(),
            "noise": float(model.likelihood.noise.detach().reshape(-1)[0]),
            "fit_warnings": sorted({f"{w.category.__name__}: {str(w.message)[:120]}" for w in caught})}
@@ -105,7 +105,8 @@ def warm_iterations(args) -> dict:
 def posterior_check(ref: SingleTaskGP, model: PreconditionedSingleTaskGP, n_test: int, seed: int) -> dict:
     """Mean / variance of ``model`` with ``ref``'s hyperparameters vs ``ref`` at ``n_test`` random points."""
     model.load_state_dict(ref.state_dict())
-    Xt = torch.rand(n_test, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    train_X = ref.train_inputs[0]
+    Xt = torch.rand(n_test, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1)).to(train_X)
     out = {}
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--singletask-timeout", type=float, default=None,
                     help="stop SingleTaskGP's L-BFGS-B after this many seconds (its time is then a lower bound)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="torch device of the data and models (e.g. cuda)")
     ap.add_argument("--warm-from", default=None, help="checkpoint directory of examples/bo_large_n.py: time a warm "
                     "iteration from each model's last state")
     ap.add_argument("--seeds", default="0,1,2", help="campaign seeds for --warm-from")
@@ -177,10 +179,11 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(threads)
         return res
     X = SobolEngine(6, scramble=True, seed=args.seed).draw(args.n, dtype=torch.float64)
-    Y = f(X).unsqueeze(-1)
+    X, Y = X.to(args.device), f(X).unsqueeze(-1).to(args.device)
     models = {"singletask": lambda: SingleTaskGP(X, Y),
               "gpnys": lambda: PreconditionedSingleTaskGP(X, Y, max_cholesky_size=args.max_cholesky_size)}
-    res: dict = {"n": args.n, "d": 6, "seed": args.seed, "num_restarts": args.num_restarts,
+    res: dict = {"n": args.n, "d": 6, "seed": args.seed, "device": str(X.device),
+                 "device_name": torch.cuda.get_device_name(X.device) if X.device.type == "cuda" else platform.processor(), "num_restarts": args.num_restarts,
                  "raw_samples": args.raw_samples, "threads": torch.get_num_threads(), "machine": platform.platform(),
                  "methods": {}}
     fitted = {}
