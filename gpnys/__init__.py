@@ -19,7 +19,7 @@ from gpnys.precond import (
 )
 from gpnys.solvers import pcg
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "datasets",
