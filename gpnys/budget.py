@@ -59,7 +59,24 @@ def _validate(value: int | None, name: str, minimum: int) -> int | None:
 @contextlib.contextmanager
 def memory_budget(block_bytes: int | None = None, dense_bytes: int | None = None) -> Iterator[None]:
     """Within the block, temporary blocks use at most ``block_bytes`` (>= 8) and the dense kernel is cached only
-    up to ``dense_bytes`` (>= 0; 0: always on the fly). ``None`` keeps the current value."""
+    up to ``dense_bytes`` (>= 0; 0: always on the fly). ``None`` keeps the current value.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpnys import memory_budget
+        >>> from gpnys.budget import DEFAULT_BLOCK_BYTES, block_bytes, block_rows
+        >>> from gpnys.kernels.entries import KernelEntries
+        >>> X = torch.rand(300, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> entries = KernelEntries(X, gpytorch.kernels.RBFKernel().double())
+        >>> V = torch.eye(300, dtype=torch.float64)[:, :5]
+        >>> dense = entries(slice(None), slice(None)) @ V
+        >>> with memory_budget(block_bytes=8 << 10, dense_bytes=0):  # 8 KiB blocks: 3 rows of 300 entries
+        ...     rows, product = block_rows(300), entries.matmul(V)  # K recomputed block by block
+        >>> rows, torch.allclose(product, dense)
+        (3, True)
+        >>> block_bytes() == DEFAULT_BLOCK_BYTES  # restored on exit
+        True
+    """
     new = {"block_bytes": _validate(block_bytes, "block_bytes", _ENTRY_BYTES),
            "dense_bytes": _validate(dense_bytes, "dense_bytes", 0)}
     old = dict(_state)

@@ -98,7 +98,13 @@ class Dataset:
 
 
 def available() -> list[str]:
-    """Names of the bundled data sets plus the synthetic generators."""
+    """Names of the bundled data sets plus the synthetic generators.
+
+    Example:
+        >>> from gpnys.datasets import available
+        >>> "elevators" in available(), available()[-1]
+        (True, 'synthetic3d')
+    """
     bundled = sorted(p.name for p in DATA_DIR.iterdir() if (p / "data.csv.gz").exists())
     return bundled + list(SYNTHETIC)
 
@@ -205,6 +211,19 @@ def load(
 
     Returns:
         A :class:`Dataset` with tensors of ``dtype`` on ``device``.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.datasets import load
+        >>> ds = load("synthetic3d", n=200, seed=0)
+        >>> ds.describe()
+        'synthetic3d split 0: n_train=200, n_test=23, d=3'
+        >>> ds.train_x.dtype, bool(ds.train_x.mean(0).abs().max() < 1e-12)  # standardised on the training rows
+        (torch.float64, True)
+        >>> torch.allclose(ds.train_x.std(0), torch.ones(3, dtype=torch.float64))
+        True
+        >>> load("concrete", split=3, n=300).describe()  # a bundled set: its split 3, 300 training rows
+        'concrete split 3: n_train=300 (seeded subsample), n_test=103, d=8'
     """
     _check_int(split, "split", 0)
     _check_int(n, "n", 1)

@@ -1,4 +1,4 @@
-"""Training across processes and GPUs with ``torch.distributed`` (issue 22): the kernel split by rows.
+"""Training across processes and GPUs with ``torch.distributed``: the kernel split by rows (docs/scaling.md).
 
 Run the same script on every rank (``torchrun --nproc-per-node P script.py``); each rank holds the data and the
 model, computes its rows of every kernel product and derivative sum, and the collectives of

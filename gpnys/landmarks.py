@@ -84,6 +84,24 @@ def fps(X: torch.Tensor, k: int, start: int | None = None) -> FPSResult:
 
     Returns:
         :class:`FPSResult` with ``indices (k,)`` and ``fill_distances (k,)``, the latter in X's dtype.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.landmarks import fill_distance, fps
+        >>> X = torch.rand(300, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> res = fps(X, 10)
+        >>> res.indices.unique().numel()  # distinct rows of X
+        10
+        >>> int(res.indices[0]) == int((X - X.mean(0)).norm(dim=1).argmin())  # start: nearest the centroid
+        True
+
+        Each landmark is the point farthest from the ones before it, at the previous fill distance:
+
+        >>> far = torch.cdist(X[res.indices[5:6]], X[res.indices[:5]]).min()
+        >>> torch.allclose(far, res.fill_distances[4])
+        True
+        >>> torch.allclose(res.fill_distances[-1], fill_distance(X, X[res.indices]))
+        True
     """
     _validate(X, k)
     n = X.shape[0]
@@ -146,7 +164,15 @@ def _fps_triton(X: torch.Tensor, k: int, start: int) -> FPSResult | None:
 
 
 def uniform(n: int, k: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
-    """``k`` distinct indices drawn uniformly from ``range(n)`` with a seeded generator. Returns ``(k,)`` long."""
+    """``k`` distinct indices drawn uniformly from ``range(n)`` with a seeded generator. Returns ``(k,)`` long.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.landmarks import uniform
+        >>> idx = uniform(300, 10, seed=1)
+        >>> idx.unique().numel(), torch.equal(idx, uniform(300, 10, seed=1))
+        (10, True)
+    """
     if isinstance(n, bool) or int(n) != n or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
     if isinstance(k, bool) or int(k) != k or k < 1:
@@ -196,6 +222,17 @@ def kmeans(X: torch.Tensor, k: int, iters: int = 20, seed: int = 0, tol: float =
 
     Returns:
         :class:`KMeansResult` with ``centers (k, d)`` in X's dtype.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.landmarks import kmeans
+        >>> X = torch.rand(300, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> res = kmeans(X, 5, seed=0)
+        >>> res.centers.shape
+        torch.Size([5, 2])
+        >>> d2 = torch.cdist(X, res.centers).square()  # every point is labelled with its nearest centre
+        >>> torch.equal(res.labels, d2.argmin(1)), abs(res.inertia - float(d2.min(1).values.sum())) < 1e-9
+        (True, True)
     """
     _validate(X, k)
     if isinstance(iters, bool) or int(iters) != iters or iters < 0:

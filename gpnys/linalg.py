@@ -2,18 +2,8 @@
 
 ``A @ B`` with a large ``A (m, k)`` and a thin ``B (k, t)`` (t ~ 5-64 columns: the probes of the MLL estimator, the
 CG block, a q-batch) is computed by torch's CPU BLAS far below memory bandwidth; the same product written as
-``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view) is not. Measured with the torch 2.13 CPU wheel, float64, 2 threads:
-
-========================  ======  ======  ======
-``A``                     t = 5   t = 17  t = 64
-========================  ======  ======  ======
-10000 x 10000 (kernel)    89/97   327/115 390/163 ms
-3500 x 1500 (AFN ``V``)   7.2/5.3 15.5/6.4
-9500 x 500 (AFN ``V``)    4.6/3.8 14.0/6.6
-========================  ======  ======  ======
-
-(direct / transposed). float32 is within ±15 % either way. The hot products of the kernel operator, the kernel
-system and the Nyström / AFN preconditioners go through :func:`thin_matmul`.
+``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view) is not (timings: docs/scaling.md). The hot products of the kernel
+operator, the kernel system and the Nyström / AFN preconditioners go through :func:`thin_matmul`.
 """
 
 from __future__ import annotations

@@ -7,15 +7,14 @@ unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(
 * **training** — ``fit_gpytorch_mll(mll)`` calls the model's ``custom_fit`` (BoTorch's hook for model-specific
   fitting): BoTorch's default routine (``_fit_fallback``: L-BFGS-B through ``fit_gpytorch_mll_scipy``, retries
   on failure) inside :meth:`PreconditionedSingleTaskGP.preconditioned`, i.e. GPyTorch's CG + SLQ with
-  the gpnys preconditioner, the exact ``log det P`` and the preconditioner control variate (issue 4). Probes
-  are drawn from a fixed seed at every evaluation (common random numbers,
+  the gpnys preconditioner, the exact ``log det P`` and the preconditioner control variate (Wenger et al. 2022;
+  :mod:`gpnys.gp.estimator`). Probes are drawn from a fixed seed at every evaluation (common random numbers,
   :attr:`gpnys.gp.hook.EstimatorSettings.probe_seed`), so BoTorch's L-BFGS-B sees a deterministic objective.
 * **posterior** up to ``posterior_cholesky_size`` points (default :data:`POSTERIOR_CHOLESKY_SIZE`): BoTorch's
   exact path, one Cholesky of ``K̂`` per data and hyperparameters (GPyTorch's prediction caches), then triangular
   solves per call. A fit needs a factorisation *and its backward pass* per evaluation, tens of them; an acquisition
-  optimisation needs one at fixed hyperparameters and then hundreds of solves, each of which PCG would pay in full:
-  Hartmann-6, n = 5000, one factorisation is ~0.7 s on 2 CPU cores against 14-27 s of PCG posteriors per
-  ``optimize_acqf`` (benchmarks/RESULTS.md, issue 6 target 2).
+  optimisation needs one at fixed hyperparameters and then hundreds of solves, each of which PCG would pay in full,
+  so up to this size the one factorisation is the cheaper (docs/bo.md; benchmarks/RESULTS.md, "BoTorch").
 * **posterior** above it at ``X* (*b, q, d)`` — mean ``m(X*) + K(X*, X) α`` with ``α = K̂⁻¹ (y − m(X))`` by PCG, cached
   while data and hyperparameters are unchanged; joint covariance in the variational form
 
@@ -67,22 +66,17 @@ from gpnys.solvers.pcg import pcg
 __all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS", "BO_LANDMARK_CAP", "POSTERIOR_CHOLESKY_SIZE"]
 
 #: training points up to which the posterior (fixed hyperparameters) factorises ``K̂`` once instead of solving by
-#: PCG per call: ``n³/3`` flops (10 000: ~5 s on 2 CPU cores, 0.8 GB in float64) against PCG solves per acquisition
-#: call (module docstring)
+#: PCG per call: ``n³/3`` flops and ``8 n²`` bytes in float64 (0.8 GB at 10 000) against PCG solves per acquisition
+#: call (module docstring; docs/bo.md)
 POSTERIOR_CHOLESKY_SIZE = 10_000
 
 #: landmark / neighbour counts of ``afn`` and ``auto`` in :class:`PreconditionedSingleTaskGP` unless given (``k`` is
 #: capped at a fraction of ``n``, :data:`BO_LANDMARK_CAP`). BO data are often nearly noiseless (BoTorch's noise
 #: floor is 1e-4 after ``Standardize``), so ``mu`` is far below the 1e-3..1e-1 that
-#: :data:`gpnys.gp.hook.GP_DEFAULTS` (k = 500) was chosen for. Measured at Hartmann-6, n = 5000, fitted
-#: length-scales, noise 2.4e-4 (1 thread; BoTorch's L-BFGS-B runs with one BLAS thread anyway): one MLL evaluation
-#: with k = 500 / 1000 / 1500 / 2000 (w = 30) took 6.1 / 3.1 / 3.2 / 4.1 s (60 / 21 / 14 / 13 CG iterations;
-#: Cholesky: 15 s), and k = 1500 had the smaller gradient error (noise gradient 10 % vs 37 % off for k = 1000 at
-#: noise 2.1e-4, 16 probes). The posterior preconditioner is built once per data and hyperparameters and then
-#: applied in every PCG iteration of an acquisition optimisation, so it gets more landmarks: noise 1.55e-4, 2
-#: threads, tolerance 1e-6, a 5-column solve took 31 / 19 / 14 / 7 / 4 PCG iterations with k = 1500 / 2000 /
-#: 2500 / 3500 / 4000 (w = 60, 60, 60, 90, 120; ~40 ms per iteration for all) after a 1.4 / 1.7 / 1.8 / 2.8 /
-#: 2.9 s build.
+#: :data:`gpnys.gp.hook.GP_DEFAULTS` (k = 500) was chosen for, and more landmarks pay for themselves in fewer CG
+#: iterations and a smaller gradient error. The posterior preconditioner is built once per data and hyperparameters
+#: and then applied in every PCG iteration of an acquisition optimisation, so it gets more still (docs/bo.md,
+#: "Posterior").
 BO_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {"k": 1500, "w": 30},
     "posterior": {"k": 3500, "w": 90},
@@ -114,9 +108,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             with a fixed ``probe_seed`` (= ``seed``) so the training objective is deterministic for L-BFGS-B.
         seed: seed of the preconditioner (rank estimation, landmarks) and of the probes.
         posterior_tolerance: relative PCG residual for ``B = K̂⁻¹ K*``. The covariance error is second order in
-            it but scales like ``tol² |k*|² / σ²``. Hartmann-6, n = 5000, noise 2.1e-4, 1000 test points: tolerance
-            1e-6 / 1e-7 / 1e-8 left maximum relative variance errors 6.6e-5 / 1.2e-6 / 8.2e-9 in 20 / 26 / 32 PCG
-            iterations. ``α`` is solved to ``tol²``. Both are floored at ``1000 eps`` of the dtype.
+            it but scales like ``tol² |k*|² / σ²`` (measured errors in docs/bo.md). ``α`` is solved to ``tol²``.
+            Both are floored at ``1000 eps`` of the dtype.
         posterior_options: preconditioner options for the posterior solves only, over ``**precond_options``
             (which apply to both) and the defaults for ``afn`` / ``auto`` (``k=3500, w=90``, at most ``0.7 n``
             landmarks, :data:`BO_DEFAULTS`);
@@ -133,6 +126,32 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     Attributes:
         posterior_iterations: PCG iterations of the latest posterior solve (``B``), for diagnostics.
+
+    Example:
+        Above ``max_cholesky_size`` the posterior comes from PCG; it matches ``SingleTaskGP``'s Cholesky posterior
+        at the same hyperparameters. (``fit_gpytorch_mll(ExactMarginalLogLikelihood(gp.likelihood, gp))`` trains
+        it as it trains a ``SingleTaskGP``.)
+
+        >>> import torch
+        >>> from botorch.models import SingleTaskGP
+        >>> from gpnys.bo import PreconditionedSingleTaskGP
+        >>> _ = torch.manual_seed(0)
+        >>> X = torch.rand(100, 3, dtype=torch.float64)
+        >>> Y = X.sin().sum(-1, keepdim=True) + 0.05 * torch.randn(100, 1, dtype=torch.float64)
+        >>> gp = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=50, posterior_cholesky_size=0)
+        >>> gp.uses_preconditioner()  # n = 100 > 50
+        True
+        >>> exact = SingleTaskGP(X, Y)
+        >>> _ = exact.load_state_dict(gp.state_dict())
+        >>> Xt = torch.rand(5, 3, dtype=torch.float64)
+        >>> with torch.no_grad():
+        ...     post, ref = gp.posterior(Xt), exact.posterior(Xt)
+        >>> bool((post.mean - ref.mean).abs().max() < 1e-6)
+        True
+        >>> bool((post.variance - ref.variance).abs().max() < 1e-6)
+        True
+        >>> gp.hook().history[-1].kind  # the posterior solves' preconditioner (BO_DEFAULTS["posterior"])
+        'afn'
     """
 
     def __init__(

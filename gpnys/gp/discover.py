@@ -25,7 +25,25 @@ def training_kernel(model: gpytorch.models.ExactGP) -> tuple[gpytorch.kernels.Ke
     """``(kernel, inputs)`` of ``model``'s prior covariance at its training inputs: the kernel object its
     ``forward`` evaluated and the ``(n, d)`` points it passed to it. No kernel entry is computed (the covariance
     stays lazy). ``ValueError`` when the covariance is not a single kernel evaluated on one set of points (e.g.
-    ``k1(x) + k2(x)`` added outside a kernel object: wrap them in one kernel, ``k1 + k2``)."""
+    ``k1(x) + k2(x)`` added outside a kernel object: wrap them in one kernel, ``k1 + k2``).
+
+    Example:
+        A ``forward`` that scales its inputs before the kernel sees them:
+
+        >>> import gpytorch, torch
+        >>> from gpnys.gp.discover import training_kernel
+        >>> class Scaled(gpytorch.models.ExactGP):
+        ...     def __init__(self, x, y):
+        ...         super().__init__(x, y, gpytorch.likelihoods.GaussianLikelihood())
+        ...         self.cov = gpytorch.kernels.RBFKernel()
+        ...     def forward(self, x):
+        ...         return gpytorch.distributions.MultivariateNormal(torch.zeros(x.shape[0]), self.cov(20 * x))
+        >>> X = torch.rand(30, 2)
+        >>> model = Scaled(X, X.sum(-1))
+        >>> kernel, inputs = training_kernel(model)
+        >>> kernel is model.cov, torch.equal(inputs, 20 * X)
+        (True, True)
+    """
     X = model.train_inputs[0]
     # forward() in the model's current mode: toggling it would have side effects (BoTorch models transform their
     # stored training inputs when they enter eval mode)

@@ -145,8 +145,8 @@ def _parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 class _RepGradient(torch.autograd.Function):
     """``θ -> 0`` whose gradient with respect to ``op.representation()`` is given: the surrogate that carries the
     estimator's gradient. Its terms ``Σ_c l_cᵀ ∂K̂ r_c`` are sums of the per-column derivatives the error bars need
-    anyway (:func:`_column_rep_grads`), so no kernel pass is spent on them again (a whole pass over ``K``: up to a
-    sixth of a CPU evaluation, benchmarks/RESULTS.md "Session 21")."""
+    anyway (:func:`_column_rep_grads`), so no kernel pass is spent on them again (a whole pass over ``K``;
+    docs/accuracy.md)."""
 
     @staticmethod
     def forward(ctx, grads, like, *reps):  # type: ignore[override]
@@ -176,9 +176,9 @@ def _jacobian(outputs: list[torch.Tensor], grads: list[torch.Tensor], params: li
     With fewer parameter entries ``p`` than rows, by reverse-over-reverse: ``g(u) = Σ_j u_j rows_j`` is one
     backward pass with ``create_graph``, linear in ``u``, and column ``c`` of the result is ``∂g_c/∂u`` — ``p + 1``
     passes instead of ``t`` (the AFN / Nyström control variate's rows cost a backward through the ``n x k`` build
-    each: 12 s of a 23 s evaluation at n = 10 000, k = 245, t = 32). Otherwise (or where an op has no double
-    backward) one backward pass per row: on CPU a plain loop (measured 2-4x faster than torch's vmap-batched
-    passes), elsewhere batches of ``chunk`` rows (a batch holds ``chunk`` copies of the graph's buffers)."""
+    each, a large share of an evaluation). Otherwise (or where an op has no double backward) one backward pass per
+    row: on CPU a plain loop (faster there than torch's vmap-batched passes), elsewhere batches of ``chunk`` rows
+    (a batch holds ``chunk`` copies of the graph's buffers); see docs/accuracy.md."""
     width = sum(p.numel() for p in params)
     if not outputs:
         return params[0].new_zeros(t, width) if params else torch.zeros(t, 0)
@@ -198,7 +198,7 @@ def _jacobian(outputs: list[torch.Tensor], grads: list[torch.Tensor], params: li
                                            is_grads_batched=True)
             except (RuntimeError, NotImplementedError):  # an op without a batching rule
                 rows = None
-        if rows is None:  # one row at a time: on CPU 2-4x faster than vmap (AFN / Nyström builds, n = 10 000)
+        if rows is None:  # one row at a time: on CPU faster than vmap (docs/accuracy.md)
             per = [torch.autograd.grad(outputs, params, grad_outputs=[g[j] for g in gs], retain_graph=True,
                                        allow_unused=True) for j in range(m)]
             rows = tuple(None if per[0][i] is None else torch.stack([r[i] for r in per])
@@ -273,7 +273,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     maxiter = settings.max_cg_iterations
     target = settings.target_rel_error
     # the inverse quadratic's column rides along with the first probes (same kernel passes), at a tighter
-    # tolerance: its gradient -a^T dK a is first order in the solve's error (3e-2 left a 7 % bias in dL/dnoise)
+    # tolerance: its gradient -a^T dK a is first order in the solve's error (at cg_tolerance it would be biased)
     tol_r = 1e-2 * settings.cg_tolerance if target is None else min(target, 1e-2 * settings.cg_tolerance)
     bound = 0.0
     iterations = 0
@@ -306,8 +306,8 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 tols[0] = tol_r
             # the floor lifts only in the first batch, and only once the solve with r has converged too: the probes'
             # solves then run as long as it (no pass of their own) instead of stopping at cg_tolerance, where their
-            # bias in the gradient showed (concrete, n = 927, noise 0.01: 79 % of the gradient components within
-            # 2 SE of Cholesky instead of 92 %); later batches (target_rel_error) keep the floor
+            # bias in the gradient would show against the error bars; later batches (target_rel_error) keep the
+            # floor
             quad = (None if settings.lanczos_share is None or not first
                     else _quadrature_test(n, settings.lanczos_share, tol_r))
             sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, lanczos=True, miniter=floor, quadrature=quad)
@@ -358,9 +358,9 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                     else:
                         # proxy: the per-probe Jacobian through AFN's "frozen" family (here by autograd, for a kernel
                         # outside the formula table): t backward passes through the "full" family's rebuilt FSAI
-                        # rows cost twice the whole evaluation at concrete (n = 927: 4.4 s against 2.2 s). The
-                        # families differ only in how much variance they remove, "frozen" the least, so the standard
-                        # error is overstated, not understated (by 5-10x at n = 300, k = 60, where "full" is cheap)
+                        # rows would cost more than the rest of the evaluation. The families differ only in how much
+                        # variance they remove, "frozen" the least, so the standard error is overstated, not
+                        # understated (docs/accuracy.md, "Where the error bars come from")
                         if proxy:
                             hook.last_probes = Z
                             frozen = hook.control_variate_terms(schur="frozen")
@@ -444,7 +444,7 @@ def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, level: 
     Why a test and not the mean ``≤ 1``: at a point where the gradient *is* pure noise the mean of ``m`` squared
     standard normals exceeds 1 about 40 % of the time (``m = 7``), and with common random numbers the estimate
     barely changes between nearby iterates, so the mean could hover above 1 while L-BFGS-B spends its line
-    searches on the estimator's own error (Hartmann-6, n = 5010: 46 evaluations, 300 s, at a statistic of 1.02).
+    searches on the estimator's own error (docs/accuracy.md, "Optimisers that stop at the noise").
 
     ``bounds``: ``{parameter name: (lower, upper)}`` (numbers or tensors, ``None`` for none) of a bounded optimiser
     (BoTorch's L-BFGS-B works on the constrained values themselves): a component at a bound whose gradient points

@@ -54,8 +54,27 @@ class HookPrediction:
 
         A model whose ``forward`` transforms x gets GPyTorch's own predictive variances (the fast paths evaluate
         ``kernel(X, test_x)`` on the raw inputs; no bound). ``prediction_time``: ``{"total_s", "variance_s"}`` of
-        the latest call (the variances alone: cache, evaluation, solves). GPyTorch's LOVE was 10 % off in NLL on
-        elevators, so it is not used.
+        the latest call (the variances alone: cache, evaluation, solves). GPyTorch's LOVE is not used: its
+        variances were too far off (docs/accuracy.md, "Predictive variances with error bounds").
+
+        Example:
+            Against the Cholesky prediction (:func:`gpnys.gp.predict`), variances by PCG:
+
+            >>> import gpytorch, torch
+            >>> from gpnys.gp import ExactGPModel, predict
+            >>> from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+            >>> _ = torch.manual_seed(0)
+            >>> X = torch.rand(200, 2, dtype=torch.float64)
+            >>> y = torch.sin(6 * X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64)
+            >>> model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+            >>> X_test = torch.rand(30, 2, dtype=torch.float64)
+            >>> with use_preconditioner(model, "auto", settings=EstimatorSettings(variance_method="pcg")) as hook:
+            ...     mean, var = hook.predict(X_test)
+            >>> mean_ref, var_ref = predict(model, X_test)
+            >>> torch.allclose(mean, mean_ref, rtol=1e-5), torch.allclose(var, var_ref, rtol=1e-3)
+            (True, True)
+            >>> bool(((var - var_ref).abs() <= hook.variance_bound + 1e-12).all())  # within the reported bound
+            True
         """
         model, lik = self.model, self.model.likelihood
         model.eval()

@@ -23,21 +23,19 @@ class EstimatorSettings:
     Attributes:
         cg_tolerance: mean relative residual at which GPyTorch's CG stops (its training default is 1.0, a large
             part of its error). With a gpnys preconditioner 3e-2 already puts the solve error far below the
-            probe noise: at elevators n = 10000 (RBF, noise 0.1, 5 seeds) tolerances 3e-2, 1e-2 and 1e-3 gave the
-            same median loss and gradient errors (l = 1: 2.1e-4 / 2.0e-4 / 3e-4, every component <= 0.7 %;
-            l = 3: 7.5e-4 / 7.2e-4, <= 0.9 %) in 17 / 23 / 33 CG iterations.
+            probe noise (tighter tolerances only add iterations; docs/accuracy.md).
         max_cg_iterations: CG iteration cap.
         num_probes: Hutchinson / SLQ probe vectors (``num_trace_samples``).
         lanczos_steps: Lanczos steps kept for the quadrature (``max_lanczos_quadrature_iterations``). GPyTorch
             runs CG for at least this many iterations, so it also sets the minimum cost; the preconditioned
-            spectrum is clustered enough that 10 steps matched 30 and 80 in the measured errors.
+            spectrum is clustered enough that 10 steps suffice (docs/accuracy.md).
         lanczos_share: gpnys's estimator (``error_bars``) lifts that floor once the quadrature's truncation
             estimate is below this share of the probes' standard error and decaying (the estimator's
-            ``_quadrature_test``). With a strong preconditioner the solves converge in 3-5 steps, so the floor
-            set most of an evaluation's kernel passes: 13 on synthetic3d (l = 1, n = 20 000 to 100 000: 10 steps,
-            the true residual, two per-probe derivative planes), 7 with the test. Only in the first probe batch and
-            once the solve with ``r`` has converged, so the probes' solves run as long as it (their bias in the
-            gradient is first order in their residual). ``None``: always ``lanczos_steps``.
+            ``_quadrature_test``). With a strong preconditioner the solves converge in a few steps, so the floor
+            would otherwise set most of an evaluation's kernel passes (docs/accuracy.md, "Lanczos steps: stopped at
+            the noise"). Only in the first probe batch and once the solve with ``r`` has converged, so the probes'
+            solves run as long as it (their bias in the gradient is first order in their residual). ``None``:
+            always ``lanczos_steps``.
         variance_reduction: add the preconditioner control variate to the log-det gradient
             (:meth:`PreconditionerHook.control_variate`) when the preconditioner supports it.
         probes: ``"rademacher"`` (``z = R e`` with random signs ``e``) or ``"gaussian"`` (``z ~ N(0, P)``); both
@@ -67,13 +65,11 @@ class EstimatorSettings:
             (:class:`gpnys.gp.variance.LocalVariance`); variance_rel_error: recompute by PCG the cached variances
             whose error bound exceeds this share of the variance (``None``: keep them, with their bound).
         control_variate: for AFN, ``"diag"`` (cheap, ``O(nk(k + t))``), ``"full"`` (rebuild the FSAI rows with
-            autograd, ``O(n w^2 k)``: removes more variance — on concrete, n = 927, l = 2, the worst gradient
-            component fell from 5.6 % to 0.3 % — but took 7 s at n = 10000, twice the CG solve), ``"frozen"``
-            (``diag`` without rebuilding the ``(n - k) x k`` block ``V``, ``O(k^2 (k + t) + n k t)``: the same
-            gradient errors as ``diag`` to within 0.1 points on elevators n = 10000, l = 1, k = 500 (3 seeds; 6.5 s
-            instead of 6.8 s per value + gradient) and to within 0.5 points at Hartmann-6, n = 5000, noise 1.55e-4,
-            k = 1500 (2.28 s instead of 2.68 s)) or ``"auto"`` (full while ``(n - k) w^2 k <= 2e9``, else diag);
-            see :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms`.
+            autograd, ``O(n w^2 k)``: removes the most variance, at a cost that grows past the CG solve's for
+            large ``n``), ``"frozen"`` (``diag`` without rebuilding the ``(n - k) x k`` block ``V``,
+            ``O(k^2 (k + t) + n k t)``: about ``diag``'s gradient errors, a little cheaper) or ``"auto"`` (full
+            while ``(n - k) w^2 k <= 2e9``, else diag); see
+            :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms` and docs/training.md.
         error_bars: estimate the MLL with gpnys's own PCG + SLQ (:mod:`gpnys.gp.estimator`), which gives every
             value and gradient component a standard error (``hook.last_estimate``) and honours
             ``target_rel_error``; ``False``: GPyTorch's ``InvQuadLogdet`` with the same preconditioner (no error bars).
@@ -81,6 +77,30 @@ class EstimatorSettings:
             with ``y``; CG and Lanczos tightened where they dominate) until the loss's standard error is below this
             share of ``|loss|`` and the gradient's (the norm of its components' standard errors) below this share of
             ``||gradient||``; ``None``: one batch. max_probes: the cap on probes per evaluation.
+
+    Example:
+        Ask for standard errors below 0.2 % of the loss and of the gradient's norm; probes are added in batches
+        until they are, and the Cholesky loss lies within three of the reported standard errors:
+
+        >>> import gpytorch, torch
+        >>> from gpnys.gp import ExactGPModel
+        >>> from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+        >>> _ = torch.manual_seed(0)
+        >>> X = torch.rand(200, 2, dtype=torch.float64)
+        >>> y = torch.sin(6 * X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64)
+        >>> model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+        >>> mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+        >>> settings = EstimatorSettings(num_probes=4, target_rel_error=2e-3, probe_seed=0)
+        >>> with use_preconditioner(model, "auto", settings=settings) as hook:
+        ...     loss = -mll(model(X), y)
+        ...     loss.backward()
+        >>> est = hook.last_estimate  # an Estimate of the total -log p(y); the loss is est.value / est.n
+        >>> est.probes > settings.num_probes
+        True
+        >>> with torch.no_grad(), gpytorch.settings.max_cholesky_size(10_000):
+        ...     loss_chol = (-mll(model(X), y)).item()
+        >>> abs(loss.item() - loss_chol) < 3 * est.std_error / est.n
+        True
     """
 
     cg_tolerance: float = 3e-2

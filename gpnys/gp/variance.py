@@ -22,9 +22,8 @@ from gpnys.precond.base import safe_cholesky, validate_count
 __all__ = ["LocalVariance", "VarianceEstimate", "VARIANCE_NEIGHBOURS"]
 
 #: ``(w, w2)``: the neighbours a test point is conditioned on exactly, and the wider neighbourhood on which the
-#: remainder is estimated. Measured on elevators (n = 3000, ARD Matérn-3/2 fitted, AFN k = 500, 1659 test points):
-#: median / largest relative variance error 1.6 % / 9.5 % with (30, 120), 0.7 % / 7.3 % with (50, 200), 0.3 % /
-#: 4.8 % with (100, 400); the Galerkin part alone (the rigorous upper bound) 6.7 % / 26 % at w = 50.
+#: remainder is estimated. Larger values cut the error at a cost of ``O(w2 w k + w³)`` per point; the default's
+#: errors are in docs/accuracy.md ("Predictive variances with error bounds").
 VARIANCE_NEIGHBOURS: tuple[int, int] = (50, 200)
 
 
@@ -62,8 +61,8 @@ class LocalVariance:
     the bound is ``max(r̂, r_max − r̂)``: rigorous above (``σ²_G``), an estimate below (``c̃`` for ``c``).
 
     Storage trick. The landmark root ``F = L_Z⁻¹ K̂_{Z,X}`` (``k x n``, ``L_Z L_Zᵀ = K̂_ZZ``) is built once
-    (``k² n`` flops; LOVE-style, but from the landmarks instead of one Lanczos vector, which in measurements barely
-    reduced the error). Per point, only ``w2`` columns of ``F``, a ``w2 x w`` kernel block and one ``w x w``
+    (``k² n`` flops; LOVE-style, but from the landmarks instead of one Lanczos vector, which reduces the error
+    less; docs/accuracy.md). Per point, only ``w2`` columns of ``F``, a ``w2 x w`` kernel block and one ``w x w``
     Cholesky of the local Schur complement ``K̂_NN − F_Nᵀ F_N`` are formed, plus one application of ``P̂⁻¹``:
     ``O(k² + w2 w k + w³)`` flops and ``P̂⁻¹``'s cost per point, against ``n²`` per PCG iteration per point.
 

@@ -1,4 +1,4 @@
-"""Kernels: GPyTorch kernel construction by name (and, in later modules, kernel operators).
+"""Kernels: GPyTorch kernel construction by name; the kernel operator and its backends are in the submodules.
 
 Length-scales follow GPyTorch's convention: RBF ``exp(-r^2 / (2 l^2))``; Matérn ``nu`` with ``r / l``.
 The AFN paper's Gaussian ``exp(-r^2 / l_paper^2)`` corresponds to ``l = l_paper / sqrt(2)``; convert at the

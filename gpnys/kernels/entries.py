@@ -95,7 +95,8 @@ class KernelEntries:
         and no explicit ``block``, otherwise in GPyTorch row blocks (memory ``O(block * n)``). ``(n, t)``
 
         ``group`` (a :class:`~gpnys.kernels.backends.partitioned.RowGroup`, or a ``torch.distributed`` group /
-        ``True``): every rank computes its rows and one gather assembles ``K V`` on all (issue 22)."""
+        ``True``): every rank computes its rows and one gather assembles ``K V`` on all (docs/scaling.md, "Across
+        processes and GPUs")."""
         n = self.n
         ranks = RowGroup.of(group)
         if ranks is not None and ranks.size > 1:

@@ -1,9 +1,9 @@
 """``s^2 k(X, X; l)`` as a ``LinearOperator`` with a blocked, closed-form hyperparameter derivative.
 
 GPyTorch's CG path evaluates the training kernel as a dense tensor *with autograd*: every elementwise step of the
-kernel (distances, exponentials, polynomial factors, ...) keeps an ``n x n`` temporary for the backward pass —
-about 16 GB at n = 15 000 for a Matérn-3/2 ARD kernel, and the backward through them was half of a training step
-(measured 10.5 of 21 s at elevators n = 14 940). :class:`StationaryKernelOperator` instead
+kernel (distances, exponentials, polynomial factors, ...) keeps an ``n x n`` temporary for the backward pass, and
+the backward through them is a large share of a training step (docs/training.md). :class:`StationaryKernelOperator`
+instead
 
 * keeps the ``n x n`` unit-variance kernel ``K`` and ``H = k'(R)/R`` (below; RBF's ``H = -K`` is not stored)
   without autograd, computed in one pass (or, above ``dense_limit_bytes``, recomputes row blocks on the fly:
@@ -107,8 +107,8 @@ class StationaryKernelOperator(LinearOperator):
     #: the cutoff plan is used only when it skips at least this share of the n^2 entries
     MIN_SKIPPED = 0.25
     #: with the Triton backend the dense cache is skipped when the cutoff plan computes at most this share of the
-    #: entries: a fused product makes ~3.4e11 entries/s, a product with a stored float32 K reads ~7.5e11 entries/s
-    #: (H100, 3 TB/s), so recomputing 40 % of them costs about as much as reading all, and forming K is saved
+    #: entries: recomputing that share in the fused kernels costs about as much as reading a stored K, and forming
+    #: K is saved (docs/gpu.md)
     FUSED_SHARE = 0.4
 
     def __init__(

@@ -1,4 +1,5 @@
-"""Adaptive factorized Nyström (AFN) preconditioner, AFN paper Algorithms 2 and 3 (digest §4.2-4.3).
+"""Adaptive factorized Nyström (AFN) preconditioner: Zhao, Xu, Huang, Chow & Xi (2024), "An adaptive factorized
+Nyström preconditioner for regularized kernel matrices" (the AFN paper), Algorithms 2 and 3 (§3.2 of the paper).
 
 With the ``k`` landmarks ordered first, ``K + mu I`` is approximated by (eq. 9/12)
 
@@ -8,8 +9,8 @@ where ``L = chol(K11 + mu I)`` (``k x k``), ``V = K12^T L^{-T}`` (``(n-k) x k``)
 (Algorithm 1) of the Schur complement ``S = K22 + mu I - V V^T``, evaluated only on a causal kNN pattern
 of the non-landmarks. ``R_f`` is lower triangular with a positive diagonal, so ``M`` is SPD, and
 
-* ``solve``: ``w1 = L^{-1} r1; s2 = G^T G (r2 - V w1); s1 = L^{-T}(w1 - V^T s2)`` (the cheaper form of
-  Algorithm 3, digest §4.3),
+* ``solve``: ``w1 = L^{-1} r1; s2 = G^T G (r2 - V w1); s1 = L^{-T}(w1 - V^T s2)`` (Algorithm 3 with ``V`` stored
+  in place of ``K12``, since ``V^T = L^{-1} K12``: two triangular solves with ``L`` instead of four),
 * ``matmul``: ``M r = R_f (R_f^T r)`` (two sparse triangular solves with ``G``),
 * ``logdet() = 2 sum log L_ii - 2 sum log G_ii``, ``sample`` draws ``R_f Z``.
 
@@ -37,12 +38,12 @@ __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
 
 LANDMARK_RULES = ("auto", "fps", "uniform")
 CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
-CV_ROW_ARRAYS = 8  # (rows, k) arrays a diag-family row's graph holds, forward and backward (measured: 6-7)
+CV_ROW_ARRAYS = 8  # (rows, k) arrays a diag-family row's graph holds, forward and backward (an upper bound)
 
 
 def _gather_rows(V: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
     """``V[I]`` for ``V: (m, k)``, ``I: (b, w)`` -> ``(b, w, k)``: ``index_select`` copies whole rows and its adjoint
-    is ``index_add``; advanced indexing measured 2.3x slower forward here (the same backward)."""
+    is ``index_add``, faster forward than advanced indexing (docs/scaling.md)."""
     return V.index_select(0, I.reshape(-1)).view(*I.shape, V.shape[1])
 
 
@@ -72,6 +73,30 @@ class AFNPreconditioner(Preconditioner):
     Attributes:
         landmark_idx: ``(k,)`` landmark rows of X; rest_idx: ``(n-k,)`` the others in data order;
         L: ``(k, k)``; V: ``(n-k, k)``; factor: :class:`SparseTriangular` holding ``G`` (``(n-k, n-k)`` CSR).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpnys.precond import AFNPreconditioner
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(150, 2, dtype=torch.float64, generator=g)
+        >>> kernel = gpytorch.kernels.RBFKernel().double()
+        >>> kernel.lengthscale = 0.5
+        >>> A = kernel(X).to_dense().detach() + 0.01 * torch.eye(150, dtype=torch.float64)  # K + mu I
+        >>> v = torch.randn(150, dtype=torch.float64, generator=g)
+
+        With ``w >= n - k`` the FSAI of the Schur complement is exact, so ``M = K + mu I``:
+
+        >>> P = AFNPreconditioner(X, kernel, mu=0.01, k=30, w=120)
+        >>> torch.allclose(P.solve(v), torch.linalg.solve(A, v))
+        True
+        >>> torch.allclose(P.logdet(), torch.logdet(A))
+        True
+
+        A sparse ``G`` (``w = 10`` nonzeros per row) approximates ``K + mu I``; ``solve`` inverts ``matmul`` exactly:
+
+        >>> P = AFNPreconditioner(X, kernel, mu=0.01, k=30, w=10)
+        >>> torch.allclose(P.solve(P.matmul(v)), v)
+        True
     """
 
     kind = "afn"
@@ -152,8 +177,8 @@ class AFNPreconditioner(Preconditioner):
             Kb = add_diag(ke.batched(rest[I]), shift_at(mu_r, I))
             return torch.baddbmm(Kb, Vs, Vs.mT, alpha=-1.0)
 
-        # gathered V rows per batch: half a block (16 MiB by default); the gather is memory-bound, and a buffer
-        # that stays in cache for the following bmm measured ~1.6x faster per row than 64 MiB batches on CPU
+        # gathered V rows per batch: half a block (16 MiB by default); the gather is memory-bound, so a buffer that
+        # stays in cache for the following bmm is faster per row than larger batches (docs/scaling.md)
         batch = block_rows(self.w * (self.w + self.k), parts=2, device=X.device)
         G = fsai_factor(schur_blocks, idx, valid, batch=batch, shifts=self.shifts, what="AFN: Schur block",
                          group=ranks, inputs=check)
@@ -237,7 +262,7 @@ class AFNPreconditioner(Preconditioner):
             Z: ``(n, t)`` fixed probe vectors.
             schur: ``"full"`` (rebuild the FSAI rows), ``"diag"`` (diagonal-scaled FSAI, see above), ``"frozen"``
                 (``diag`` with the landmark part of the Schur diagonal held) or ``"auto"``:
-                full while ``(n - k) w^2 k <= 2e9`` (about 2-3 s here, n ~ 4000 at k = 500, w = 30), else diag.
+                full while ``(n - k) w^2 k <= 2e9`` (:data:`CV_FULL_BUDGET`; docs/accuracy.md), else diag.
             split: with a build split over a process group, the ``diag`` and ``frozen`` families' non-landmark rows
                 are split too (:meth:`_split_schur_terms`; a kernel in the formula table). Only where no per-probe
                 Jacobian is taken through these terms: their backward gathers across the ranks.
@@ -335,11 +360,11 @@ class AFNPreconditioner(Preconditioner):
 
     def _split_schur_terms(self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor, Zp: torch.Tensor,
                            L: torch.Tensor, w1: torch.Tensor, schur: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`differentiable_terms`' ``diag`` / ``frozen`` families with the non-landmark rows split over the
-        ranks (issue 22): each rank computes its rows of ``s x`` (``O(n k (k + t) / P)``, from the formula table's
-        kernel of the shared length-scale), one gather assembles their values for the sparse ``G`` products, and
-        the zero-valued terms that carry the rows' derivatives are added over the ranks with autograd
-        (:meth:`RowGroup.split_sum`). ``Zp``: the permuted probes; ``L``, ``w1``: the landmark factor and
+        """:meth:`differentiable_terms`' ``diag`` / ``frozen`` families with the non-landmark rows split over the ranks
+        (docs/scaling.md, "Across processes and GPUs"): each rank computes its rows of ``s x`` (``O(n k (k + t) / P)``,
+        from the formula table's kernel of the shared length-scale), one gather assembles their values for the sparse
+        ``G`` products, and the zero-valued terms that carry the rows' derivatives are added over the ranks with
+        autograd (:meth:`RowGroup.split_sum`). ``Zp``: the permuted probes; ``L``, ``w1``: the landmark factor and
         ``L^{-1} z1``, computed alike on every rank. Same values and gradients as one process, to rounding."""
         from gpnys.kernels.formulas import k_of_r
 
@@ -392,7 +417,7 @@ class AFNPreconditioner(Preconditioner):
         ``-g_i x_i / S_ii`` per non-landmark), and each ``Σ_ab W_ab ∂K_ab/∂l_d`` with a rank-one ``W`` is a
         :meth:`~gpnys.kernels.backends.torch_tiles.TorchTiles.column_sums` over the ``k x k`` and ``(n-k) x k``
         blocks: ``O(n k t d)`` flops. A backward pass per probe through the family instead costs ``O(k³)``
-        (the Cholesky's backward) each: 3.8 s of a 6.5 s BoTorch evaluation at n = 5010, k = 1500, t = 16.
+        (the Cholesky's backward) each, most of a BoTorch evaluation (docs/bo.md).
         ``None`` for a kernel outside the formula table (then autograd it is)."""
         from gpnys.kernels.backends.torch_tiles import TorchTiles
         from gpnys.kernels.formulas import k_and_h, k_of_r2
@@ -430,9 +455,9 @@ class AFNPreconditioner(Preconditioner):
                 return TorchTiles.column_sums(Zs, iter([tile]), U, V, isotropic=ls.numel() == 1)[1]
 
             # the (n - k) x k block K21 (and H21) in row chunks of one memory block, twice (x needs all of
-            # K21 u before g exists): O(n k d) recomputed against O(n k) float64 storage (1.6 GB at n = 10^5,
-            # k = 500, with its temporaries the peak of an evaluation). With a group, each rank its rows: one
-            # gather of x's rows, one of the sums (issue 22)
+            # K21 u before g exists): O(n k d) recomputed against O(n k) float64 storage, which with its
+            # temporaries would be the peak of an evaluation. With a group, each rank its rows: one gather of
+            # x's rows, one of the sums (docs/scaling.md, "Across processes and GPUs")
             chunk, m, ranks = block_rows(k, parts=4, device=Zs.device), Zr.shape[0], self._ranks
             inputs = [self.X, Z]
 

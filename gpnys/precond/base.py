@@ -104,6 +104,17 @@ def safe_cholesky(
     On failure the shift of each failed block starts at ``10 eps(dtype) * mean|diag A|`` and grows 10x per
     try; blocks that factor are left unshifted. Each shift used is appended to ``shifts`` and reported by a
     :class:`NumericalWarning`. Raises ``RuntimeError`` (never returns NaNs) if ``max_tries`` do not help.
+
+    Example:
+        >>> import torch, warnings
+        >>> from gpnys.precond.base import safe_cholesky
+        >>> A = torch.ones(3, 3, dtype=torch.float64)  # rank one: not numerically SPD
+        >>> shifts = []
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")  # a NumericalWarning names the shift
+        ...     L = safe_cholesky(A, "example", shifts)
+        >>> len(shifts), shifts[0] < 1e-14, torch.allclose(L @ L.mT, A)
+        (1, True, True)
     """
     L, info = torch.linalg.cholesky_ex(A)
     if not bool((info > 0).any()):

@@ -1,14 +1,14 @@
-"""Reuse of everything that depends only on the points ``X`` across hyperparameter steps (digest §8).
+"""Reuse of everything that depends only on the points ``X`` across hyperparameter steps.
 
 FPS order, uniform landmark draws and causal kNN patterns do not depend on the noise, the outputscale or
-(for isotropic kernels) the length-scale, so a GP optimiser rebuilding AFN/FSAI every step can share one
-:class:`PointCache`. For ARD kernels the neighbour order depends on the length-scale vector, so patterns
-are computed on ``X / lengthscale`` and reused while every length-scale stays within a factor
-``1 + scale_rtol`` of the vector the pattern was computed for. An exact key would recompute the kNN search at
-every step, and, worse, make the estimated objective jump: a near-tie in the neighbour order that flips under
-a 1e-6 change of a length-scale changes the FSAI pattern, and with it ``log det P`` (by 0.04 at Hartmann-6,
-n = 5000, noise 1.2e-4) and the SLQ estimate (by ~1e-5 per datum), which kept BoTorch's L-BFGS-B cycling
-near the optimum for hundreds of evaluations.
+(for isotropic kernels) the length-scale (the AFN paper, §4, picks FPS partly for this independence), so a GP
+optimiser rebuilding AFN/FSAI every step can share one :class:`PointCache`. For ARD kernels the neighbour order
+depends on the length-scale vector, so patterns are computed on ``X / lengthscale`` and reused while every
+length-scale stays within a factor ``1 + scale_rtol`` of the vector the pattern was computed for. An exact key
+would recompute the kNN search at every step, and, worse, make the estimated objective jump: a near-tie in the
+neighbour order that flips under a tiny change of a length-scale changes the FSAI pattern, and with it
+``log det P`` and the SLQ estimate, which keeps a quasi-Newton optimiser such as BoTorch's L-BFGS-B cycling near
+the optimum (docs/bo.md, "Fixed FSAI patterns").
 """
 
 from __future__ import annotations
@@ -50,6 +50,21 @@ class PointCache:
     Args:
         X: ``(n, d)`` points.
         scale_rtol: ARD pattern reuse tolerance (``0``: recompute for every distinct length-scale vector).
+
+    Example:
+        >>> import torch
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.precond import PointCache
+        >>> X = torch.rand(200, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> cache = PointCache(X)
+        >>> first = cache.fps(20)
+        >>> torch.equal(first, fps(X, 20).indices), torch.equal(cache.fps(5), first[:5])  # a prefix, reused
+        (True, True)
+        >>> idx, valid = cache.knn("data", None, 8)  # the causal kNN pattern of X in data order, w = 8
+        >>> cache.knn("data", None, 8)[0] is idx
+        True
+        >>> cache.hits, cache.misses
+        (2, 2)
     """
 
     def __init__(self, X: torch.Tensor, scale_rtol: float = 0.1) -> None:

@@ -1,7 +1,8 @@
-"""Causal k-nearest-neighbour sparsity patterns for FSAI (AFN paper Algorithm 1, line 2; pitfall P8).
+"""Causal k-nearest-neighbour sparsity patterns for FSAI (AFN paper Algorithm 1 and §3.1).
 
 Row ``i`` of a lower-triangular FSAI factor may only use columns ``j <= i``, so its pattern is the
-``w - 1`` nearest neighbours of point ``i`` among the points *numbered before it* plus ``i`` itself.
+``w - 1`` nearest neighbours of point ``i`` among the points *numbered before it* plus ``i`` itself (the
+paper's §3.1), with ``i`` last so that Algorithm 1's unit vector ``e_w`` picks the diagonal.
 
 Hand-written on purpose: the maintained kNN libraries (scikit-learn, FAISS, pykeops, torch_cluster) answer
 "nearest among all points" and have no notion of "nearest among earlier-ordered points", which would need
@@ -11,7 +12,7 @@ one index per prefix. Three exact paths:
 * on the CPU from :data:`TREE_MIN_N` points on (and ``d <=`` :data:`TREE_MAX_D`): rows in chunks of
   :data:`TREE_CHUNK`; each chunk queries a ``scipy.spatial.cKDTree`` of all earlier chunks and brute-forces the
   pairs inside the chunk, then keeps the ``w - 1`` nearest of both. ``O(n^2 / C log n)`` tree builds,
-  ``O(n C d)`` brute force: at n = 200 000, d = 3 (w = 30) 9.1 s instead of 68 s (docs/scaling.md).
+  ``O(n C d)`` brute force, several times faster than the brute force in low dimension (docs/scaling.md).
   Exact distance ties between a tree candidate and another point may be broken differently from the brute
   force path (deterministically), which matters only for duplicated points.
 * on a GPU from :data:`GRID_MIN_N` points on (and ``d <=`` :data:`GRID_MAX_D`): the first :data:`GRID_FIRST`
@@ -19,9 +20,8 @@ one index per prefix. Three exact paths:
   ``w - 1`` of the ``s`` earlier points per cell, each row's candidates the earlier points of the ``3^d`` cells
   around its own, sorted by (distance, index). A row's answer is kept only when its ``(w - 1)``-th distance is
   below the distance to the edge of those cells (so no point outside can be nearer); the rest go to the brute
-  force. Distances are explicit differences. ``O(n 3^d w)`` work instead of ``O(n^2 d / 2)``: at n = 10^6, d = 3
-  (w = 30) 1.07 s on an H100 instead of 20.4 s. ``grid=True`` runs it on any device (the CPU keeps the tree by
-  default: 52 s against 15 s at n = 200 000 on 2 cores).
+  force. Distances are explicit differences. ``O(n 3^d w)`` work instead of ``O(n^2 d / 2)`` (docs/gpu.md).
+  ``grid=True`` runs it on any device (the CPU keeps the tree by default, which is faster there).
 """
 
 from __future__ import annotations
@@ -71,6 +71,19 @@ def causal_knn(X: torch.Tensor, w: int, block: int | None = None, tree: bool | N
 
     Returns:
         ``idx: (n, w)`` long and ``valid: (n, w)`` bool, on ``X``'s device. ``idx[i, -1] == i`` always.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.precond.knn import causal_knn
+        >>> X = torch.rand(200, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> idx, valid = causal_knn(X, 5)
+        >>> bool((idx[:, -1] == torch.arange(200)).all())  # each row's own index last
+        True
+        >>> valid[2].tolist()  # row 2 has only two earlier points: two pads before itself
+        [True, True, False, False, True]
+        >>> d = torch.cdist(X[50:51], X[:50])[0]  # row 50 against the points numbered before it
+        >>> torch.equal(idx[50, :4], d.argsort()[:4])
+        True
     """
     if X.dim() != 2:
         raise ValueError(f"X must be a 2-D tensor (n, d), got shape {tuple(X.shape)}")

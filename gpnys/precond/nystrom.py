@@ -2,7 +2,8 @@
 
 A rank-``k`` Nyström approximation is built directly as ``K_nys = U diag(lam) U^T`` (AFN paper eq. 7) with
 ``U (n, k)`` orthonormal, following the stable construction of Frangella, Tropp & Udell (2023, "Randomized
-Nyström preconditioning", SIMAX); see the digest §2.1. Two test matrices ``Omega (n, k)`` are offered:
+Nyström preconditioning", SIMAX, Algorithm 2.1), which the AFN paper defers to for eq. (7). Two test matrices
+``Omega (n, k)`` are offered:
 
 * ``sampling="column"``: ``Omega`` selects ``k`` landmark columns (FPS, uniform, or caller-given indices),
   so ``Y = K Omega = K(X, X_k)`` is just ``k`` kernel columns (sampling-based Nyström, eq. 4/6).
@@ -18,7 +19,7 @@ Both use the same steps, with a tiny shift ``nu`` that makes the core Cholesky w
     B     = U diag(sigma) V^T                 (thin SVD)
     lam   = max(sigma^2 - nu, 0)
 
-Choices made against the authors' C code (``Nys_precond_build_``, digest §2.1), following Frangella et al.:
+Choices made against the AFN authors' C code (H2Pack, ``Nys_precond_build_``), following Frangella et al.:
 
 * ``nu`` uses ``finfo(dtype).eps * ||Y||_F``, the dtype's unit roundoff scaled by the norm. This bounds the float
   spacing ``eps(||Y||_F)`` of Frangella et al. from above within a factor 2, and is available for any dtype and
@@ -37,8 +38,9 @@ The preconditioner is ``P = U diag(d) U^T + c (I - U U^T)`` with
 * ``scaling="ran"`` (the RAN baseline of Sec. 5): ``d = (lam + mu)/(lam_k + mu)``,
   ``c = 1``, i.e. ``P^{-1} = (lam_k + mu) U (Lam + mu I)^{-1} U^T + (I - U U^T)`` with ``lam_k = min(lam)``.
 
-The naive Sherman-Morrison-Woodbury inverse of eq. (4) is deliberately not offered (the paper calls it
-unstable; digest pitfall P5). Nothing of size ``n x n`` is ever formed: memory is ``O(n k)``.
+The naive Sherman-Morrison-Woodbury inverse of eq. (4) is deliberately not offered: it inverts the
+ill-conditioned ``K11`` and cancels catastrophically, which is why the AFN paper (§2, after eq. (8)) calls it
+unstable. Nothing of size ``n x n`` is ever formed: memory is ``O(n k)``.
 """
 
 from __future__ import annotations
@@ -94,11 +96,11 @@ class NystromPreconditioner(Preconditioner):
         landmark_indices: optional ``(m,)`` integer tensor, ``m >= k``, of distinct row indices of ``X``
             (e.g. a cached FPS order); the first ``k`` are used. Only with ``sampling="column"``.
         group: split the build by rows over the ranks of a ``torch.distributed`` group (``True``: the default
-            group; issue 22). Each rank evaluates its rows of ``Y`` (column sampling) or of the product
-            ``K Omega`` (sketch; ``Omega`` orthonormalised by TSQR, its core summed over the ranks), and of ``B``,
-            whose thin SVD is a TSQR (:meth:`~gpnys.kernels.backends.partitioned.RowGroup.tall_svd`); ``U`` is
-            gathered, the ``k x k`` core's factor is computed on every rank. The same preconditioner as one
-            process, to rounding.
+            group; docs/scaling.md, "Across processes and GPUs"). Each rank evaluates its rows of ``Y`` (column
+            sampling) or of the product ``K Omega`` (sketch; ``Omega`` orthonormalised by TSQR, its core summed over
+            the ranks), and of ``B``, whose thin SVD is a TSQR
+            (:meth:`~gpnys.kernels.backends.partitioned.RowGroup.tall_svd`); ``U`` is gathered, the ``k x k`` core's
+            factor is computed on every rank. The same preconditioner as one process, to rounding.
 
     Attributes:
         U: ``(n, k)`` orthonormal basis of the Nyström range.
@@ -107,6 +109,31 @@ class NystromPreconditioner(Preconditioner):
         complement_eig: eigenvalue ``c`` of ``P`` on the orthogonal complement of ``range(U)``.
         nu: the stabilising shift used in the construction.
         landmark_indices: ``(k,)`` long tensor of the landmarks (``None`` for ``sampling="sketch"``).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpnys.precond import NystromPreconditioner
+        >>> from gpnys.solvers import pcg
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> kernel = gpytorch.kernels.RBFKernel().double()
+        >>> A = kernel(X).to_dense().detach() + 1e-2 * torch.eye(200, dtype=torch.float64)  # K + mu I
+        >>> b = torch.randn(200, dtype=torch.float64, generator=g)
+
+        At full rank (``k = n``) the Nyström approximation reproduces ``K``, so ``P = K + mu I``:
+
+        >>> torch.allclose(NystromPreconditioner(X, kernel, mu=1e-2, k=200).matmul(b), A @ b)
+        True
+
+        At rank 40 (FPS landmarks), ``P = U diag(lam) U^T + mu I`` (inverted by eq. 8) cuts the CG iterations:
+
+        >>> P = NystromPreconditioner(X, kernel, mu=1e-2, k=40)
+        >>> torch.allclose(P.matmul(b), P.U @ (P.lam * (P.U.mT @ b)) + 1e-2 * b)
+        True
+        >>> torch.allclose(P.solve(P.matmul(b)), b)
+        True
+        >>> pcg(lambda V: A @ V, b, P).iterations < pcg(lambda V: A @ V, b).iterations
+        True
     """
 
     kind = "nystrom"
@@ -250,10 +277,10 @@ class NystromPreconditioner(Preconditioner):
             C = safe_cholesky(0.5 * (c + c.mT), "Nystrom core chol(Omega^T Y_nu)", self.shifts)
             return torch.linalg.solve_triangular(C.mT, Y_nu(a, b), upper=True, left=False)
 
-        # Thin SVD of B (more accurate than the eig(B^T B) shortcut of the authors' code, digest §2.1 step 5);
-        # through B = QR first when B is tall, which a GPU's SVD of an (n, k) matrix with n >> k needs.
-        # On CUDA the QR-iteration driver: torch's default there (Jacobi, gesvdj) stops at a tolerance and left U
-        # further from orthonormal, which P's solve(matmul(v)) amplifies by cond(P) (4e-3 in float32 on an H100).
+        # Thin SVD of B (more accurate than the eig(B^T B) shortcut of the AFN authors' C code, which squares the
+        # condition number); through B = QR first when B is tall, which a GPU's SVD of an (n, k) matrix with n >> k
+        # needs. On CUDA the QR-iteration driver: torch's default there (Jacobi, gesvdj) stops at a tolerance and
+        # leaves U further from orthonormal, an error P's solve(matmul(v)) amplifies by cond(P) (docs/gpu.md).
         driver = "gesvd" if self.X.is_cuda else None
         if self._ranks is not None:
             U, sigma = self._ranks.tall_svd("Nystrom B", self.n, self.k, b_rows, inputs, driver)

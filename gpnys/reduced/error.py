@@ -3,7 +3,7 @@
 The full-GP predictor of the centred targets is ``f* = sum_i alpha*_i k(x_i, .)`` with
 ``alpha* = (K + sigma^2 I)^{-1} (y - m)`` — a dense Cholesky solve for small n, AFN/Nyström-preconditioned CG
 (gpnys's ``auto`` preconditioner) above ``dense_max``. Distances in the RKHS ``H`` of ``k`` (outputscale
-included), from the closed forms of the SPA paper (digest §4.3-4.5):
+included), from the closed forms of the SPA paper (§III-D: Prop 3, eq. (15) and (19)):
 
 * LLA (= SPA), any ``alpha_hat`` with ``G alpha_hat = w_hat``:
   ``|f_LLA - f*|^2 = |w_hat|^2 + alpha*^T K alpha* - 2 w_hat^T G alpha*``  ([SPA] eq. (15), ``O(ns)`` form);
@@ -54,6 +54,23 @@ class ExactPosterior:
     Attributes:
         alpha: ``(n,)`` ``= (K + sigma^2 I)^{-1} (y - m)``; quad: ``alpha^T K alpha`` (``|f*|_H^2``);
         iterations: PCG iterations (0 for Cholesky).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> Z = 4 * torch.rand(5, 2, dtype=torch.float64, generator=g)  # test points
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.reduced import ExactPosterior
+        >>> exact = ExactPosterior(kernel, X, y, noise=0.01)  # n <= DENSE_MAX: a dense Cholesky
+        >>> A = k(X, X) + 0.01 * torch.eye(200, dtype=torch.float64)
+        >>> torch.allclose(exact.mean(Z), k(Z, X) @ torch.linalg.solve(A, y))
+        True
+        >>> reduction = (k(Z, X) * torch.linalg.solve(A, k(X, Z)).mT).sum(1)
+        >>> torch.allclose(exact.variance(Z), k(Z, Z).diagonal() - reduction)
+        True
     """
 
     def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
@@ -111,7 +128,26 @@ class ExactPosterior:
 
 def landmark_rkhs_error(kernel: gpytorch.kernels.Kernel, landmarks: torch.Tensor, beta: torch.Tensor,
                         exact: ExactPosterior) -> float:
-    """``|k(., C) beta - f*|_H`` for landmarks ``C (m, d)`` and coefficients ``beta (m,)``."""
+    """``|k(., C) beta - f*|_H`` for landmarks ``C (m, d)`` and coefficients ``beta (m,)``.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.reduced import ExactPosterior, NCRPosterior, landmark_rkhs_error, rkhs_error
+        >>> C = X[fps(X, 30).indices]  # 30 landmarks
+        >>> exact, ncr = ExactPosterior(kernel, X, y, 0.01), NCRPosterior(kernel, X, y, 0.01, C)
+        >>> d = torch.cat([ncr.beta, -exact.alpha])  # k(., C) beta - k(., X) alpha*, in the RKHS norm
+        >>> P = torch.cat([C, X])
+        >>> abs(landmark_rkhs_error(kernel, C, ncr.beta, exact) - float(d @ k(P, P) @ d) ** 0.5) < 1e-8
+        True
+        >>> abs(landmark_rkhs_error(kernel, C, ncr.beta, exact) - rkhs_error(ncr, exact)) < 1e-12
+        True
+    """
     Kmm = kernel_block(kernel, landmarks, landmarks)
     Kmn_a = kernel_block(kernel, landmarks, exact.X) @ exact.alpha
     sq = float(beta @ (Kmm @ beta)) - 2.0 * float(beta @ Kmn_a) + exact.quad
@@ -119,7 +155,30 @@ def landmark_rkhs_error(kernel: gpytorch.kernels.Kernel, landmarks: torch.Tensor
 
 
 def rkhs_error(posterior: LLAPosterior, exact: ExactPosterior) -> float:
-    """``|f - f*|_H`` for an LLA, NCR or GSA posterior built on the same data (module docstring)."""
+    """``|f - f*|_H`` for an LLA, NCR or GSA posterior built on the same data (module docstring).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.reduced import ExactPosterior, GSAPosterior, LLAPosterior, NCRPosterior, rkhs_error
+        >>> C = X[fps(X, 30).indices]  # 30 landmarks
+        >>> exact = ExactPosterior(kernel, X, y, 0.01)
+        >>> gsa = GSAPosterior(kernel, X, y, 0.01, C)
+        >>> d = exact.alpha - gsa.alpha  # [SPA] eq. (19): (alpha* - alpha)^T K (alpha* - alpha)
+        >>> abs(rkhs_error(gsa, exact) - float(d @ k(X, X) @ d) ** 0.5) < 1e-8
+        True
+
+        LLA (eq. (15), ``O(n s)``) and NCR (a landmark expansion) are the same function ([SPA] Prop 2):
+
+        >>> lla, ncr = LLAPosterior(kernel, X, y, 0.01, C), NCRPosterior(kernel, X, y, 0.01, C)
+        >>> abs(rkhs_error(lla, exact) - rkhs_error(ncr, exact)) < 1e-6
+        True
+    """
     if isinstance(posterior, GSAPosterior):
         d = exact.alpha - posterior.alpha
         sq = float(d @ exact.kernel_matmul(d[:, None])[:, 0])

@@ -1,8 +1,8 @@
 """Gaussian-process regression on an explicit feature map: the linear solver shared by LLA/NCR and RFF.
 
 With features ``phi(x) in R^s`` (rows of ``Phi``, ``(n, s)``) the model ``y = phi(x)^T w + eps``,
-``w ~ N(0, I_s)``, ``eps ~ N(0, sigma^2)`` is the GP with kernel ``phi(x)^T phi(x')``. Its posterior
-(SPA/NSL digest §3):
+``w ~ N(0, I_s)``, ``eps ~ N(0, sigma^2)`` is the GP with kernel ``phi(x)^T phi(x')``. Its posterior (the GP
+reading of [SPA]'s LLA with ``lambda_0 = sigma^2``; the papers themselves give no GP formulas):
 
 * ``w | y ~ N(w_hat, sigma^2 M^{-1})`` with ``M = Phi^T Phi + sigma^2 I_s`` and ``w_hat = M^{-1} Phi^T y``
   — the ridge (KRR, ``lambda_0 = sigma^2``) solution of LLA, [SPA] eq. (12);
@@ -38,6 +38,25 @@ class FeatureGP:
 
     Attributes:
         w: ``(s,)`` posterior mean of the weights.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.reduced.features import FeatureGP
+        >>> g = torch.Generator().manual_seed(0)
+        >>> Phi = torch.randn(50, 5, dtype=torch.float64, generator=g)  # training features
+        >>> Phi_z = torch.randn(3, 5, dtype=torch.float64, generator=g)  # test features
+        >>> y = torch.randn(50, dtype=torch.float64, generator=g)
+        >>> gp = FeatureGP(Phi, y, noise=0.1)
+
+        The same posterior as the GP with kernel ``Phi Phi^T`` in function space:
+
+        >>> A = Phi @ Phi.mT + 0.1 * torch.eye(50, dtype=torch.float64)
+        >>> torch.allclose(gp.mean(Phi_z), Phi_z @ Phi.mT @ torch.linalg.solve(A, y))
+        True
+        >>> Kz = Phi_z @ Phi.mT
+        >>> prior = (Phi_z * Phi_z).sum(1)
+        >>> torch.allclose(gp.sor_variance(Phi_z), prior - (Kz * torch.linalg.solve(A, Kz.mT).mT).sum(1))
+        True
     """
 
     def __init__(self, Phi: torch.Tensor, y: torch.Tensor, noise: float, solver: Solver | None = None) -> None:
@@ -77,6 +96,18 @@ def feature_nll(Phi: torch.Tensor, y: torch.Tensor, noise: torch.Tensor, trace_g
 
     Args:
         Phi: ``(n, s)``; y: ``(n,)`` (prior mean subtracted); noise: 0-dim tensor ``sigma^2``.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.reduced.features import feature_nll
+        >>> g = torch.Generator().manual_seed(0)
+        >>> Phi = torch.randn(50, 5, dtype=torch.float64, generator=g)
+        >>> y = torch.randn(50, dtype=torch.float64, generator=g)
+        >>> noise = torch.tensor(0.1, dtype=torch.float64)
+        >>> cov = Phi @ Phi.mT + noise * torch.eye(50, dtype=torch.float64)
+        >>> ref = -torch.distributions.MultivariateNormal(torch.zeros(50, dtype=torch.float64), cov).log_prob(y) / 50
+        >>> torch.allclose(feature_nll(Phi, y, noise), ref)
+        True
     """
     n, s = Phi.shape
     M = Phi.mT @ Phi + noise * torch.eye(s, dtype=Phi.dtype, device=Phi.device)

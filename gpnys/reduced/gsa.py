@@ -1,19 +1,22 @@
 """GSA: the Gram-matrix substitution ("naive") approach (Williams & Seeger 2001; [SPA] §II-D eq. (3), Cor 3).
 
 Substitute ``K~ = K_nm K_mm^+ K_mn = Phi Phi^T`` for ``K`` in the training solve and predict with the *exact*
-kernel against all n training points: ``f(z) = m + k(z, X) alpha``. The training solve is LLA's (digest §2.8,
-the "one term" identity: only ``X_H`` vs. ``X~_H`` differs). The coefficient is not unique (digest P4): every
-``alpha`` with ``G alpha = w_hat`` solves [SPA] (3), and they predict differently. Two choices:
+kernel against all n training points: ``f(z) = m + k(z, X) alpha``. The training solve is LLA's ([SPA] §III-D,
+Cor 3 and Algorithm 1: GSA and LLA differ in one term only, ``X_H`` vs. ``X~_H``). The coefficient is not unique:
+[SPA] (3) depends on ``alpha`` only through ``G alpha``, so every ``alpha`` with ``G alpha = w_hat`` solves it,
+and they predict differently. Two choices:
 
 * ``coef="woodbury"`` (the Nyström GP of Williams & Seeger): ``alpha = (K~ + sigma^2 I)^{-1} (y - m)
   = (y - m - Phi w_hat) / sigma^2`` ([NSL] eq. (23); the LLA training residual over sigma^2);
 * ``coef="min_norm"`` (default; [SPA] Algorithm 1, the papers' plots): ``alpha = G^+ w_hat``, the minimum-norm solution
-  of ``Phi^T alpha = w_hat`` (least squares, no ``n x s`` pseudo-inverse formed; digest P5).
+  of ``Phi^T alpha = w_hat`` (least squares through a QR of ``Phi``: the ``n x s`` pseudo-inverse of the possibly
+  ill-conditioned ``G`` is never formed).
 
 They differ by ``y_perp / sigma^2``, ``y_perp = (I - G^+ G)(y - m)``. Variance (both): the exact prior term
 minus the Nyström-GP reduction, ``k_zz - k_z^T (K~ + sigma^2 I)^{-1} k_z``
-``= k_zz - (|k_z|^2 - k_z^T Phi M^{-1} Phi^T k_z) / sigma^2``; the joint "covariance" it comes from is not PSD,
-so it can go negative (digest §3, §9): it is clamped at zero with a warning. It subtracts two terms of size
+``= k_zz - (|k_z|^2 - k_z^T Phi M^{-1} Phi^T k_z) / sigma^2``; the joint "covariance" it comes from mixes
+approximate and exact blocks and is not PSD (the Nyström GP is not a proper GP prior: Williams, Rasmussen,
+Schwaighofer & Tresp 2002), so it can go negative: it is clamped at zero with a warning. It subtracts two terms of size
 ``|k_z|^2 / sigma^2``, so expect cancellation error of ``eps |k_z|^2 / sigma^2`` (large in float32).
 """
 
@@ -38,6 +41,31 @@ class GSAPosterior(LLAPosterior):
 
     Attributes:
         alpha: ``(n,)`` coefficients on the training points.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> Z = 4 * torch.rand(5, 2, dtype=torch.float64, generator=g)  # test points
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.reduced import GSAPosterior
+        >>> C = X[fps(X, 30).indices]  # 30 landmarks
+        >>> gsa = GSAPosterior(kernel, X, y, 0.01, C, coef="woodbury")
+
+        The Nyström GP of Williams & Seeger: ``K~ = Phi Phi^T`` in the training solve, the exact kernel at ``Z``:
+
+        >>> alpha = torch.linalg.solve(gsa.Phi @ gsa.Phi.mT + 0.01 * torch.eye(200, dtype=torch.float64), y)
+        >>> torch.allclose(gsa.alpha, alpha), torch.allclose(gsa.mean(Z), k(Z, X) @ alpha)
+        (True, True)
+
+        The minimum-norm coefficient solves the same training problem ``Phi^T alpha = w_hat``:
+
+        >>> gsa = GSAPosterior(kernel, X, y, 0.01, C)  # coef="min_norm"
+        >>> torch.allclose(gsa.Phi.mT @ gsa.alpha, gsa.w)
+        True
     """
 
     method = "gsa"

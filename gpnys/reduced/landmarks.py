@@ -1,12 +1,13 @@
 """Landmark selection for the reduced (GSA / LLA / NCR) models, and ``m = auto``.
 
-Rules (SPA/NSL digest §5): ``"uniform"``, ``"fps"`` and ``"kmeans"`` delegate to :mod:`gpnys.landmarks`;
-``"leverage"`` is approximate ridge-leverage-score (RLS) sampling (Alaoui & Mahoney 2015; Musco & Musco 2017)
-at ridge ``lambda = noise``, the GP's own regulariser (``K + sigma^2 I``). Which leverage scores the papers use
-is not stated (digest §5); the choices made here are documented in :func:`ridge_leverage_scores`.
+Rules (the samplers of [SPA] §IV-A and [NSL] §4 and its supplement §5, plus FPS): ``"uniform"``, ``"fps"`` and
+``"kmeans"`` delegate to :mod:`gpnys.landmarks`; ``"leverage"`` is approximate ridge-leverage-score (RLS)
+sampling (Alaoui & Mahoney 2015; Musco & Musco 2017) at ridge ``lambda = noise``, the GP's own regulariser
+(``K + sigma^2 I``). Which leverage scores the papers use is not stated ([SPA] §IV-A defers to its refs. [24,
+33]); the choices made here are documented in :func:`ridge_leverage_scores`.
 
 Landmarks are always **distinct** rows of X (sampling without replacement): sampling with replacement, as in
-[NSL]'s supplement, duplicates landmarks and makes ``K_mm`` singular (digest pitfall P1).
+[NSL]'s supplement §5, duplicates landmarks and makes ``K_mm`` singular.
 
 :func:`choose_m` gives ``m = auto``: the AFN paper's numerical rank ``#{lambda_i(K) > 0.1 mu}`` of the
 unit-variance kernel (``mu = noise / outputscale``), from :func:`gpnys.precond.rank.estimate_rank`.
@@ -63,7 +64,8 @@ def _scores(X: torch.Tensor, kernel: gpytorch.kernels.Kernel, lam: float, sketch
     work = torch.promote_types(X.dtype, torch.float64)
     S = X[sketch]
     s = S.shape[0]
-    # Thresholded eigendecomposition K_SS = V diag(e) V^T (digest P1: keep e_j > rtol * e_max, no jitter).
+    # Thresholded eigendecomposition K_SS = V diag(e) V^T: keep e_j > rtol * e_max, no jitter (a rank-deficient
+    # K_SS is the normal case).
     K_SS = kernel_block(kernel, S, S).to(work)
     evals, V = torch.linalg.eigh(0.5 * (K_SS + K_SS.mT))
     if rtol is None:  # below s * eps(X.dtype) * e_max the kernel entries' own rounding dominates
@@ -89,7 +91,7 @@ def ridge_leverage_scores(X: torch.Tensor, kernel: gpytorch.kernels.Kernel, nois
     A seeded uniform sketch ``S`` of ``s = sketch_size`` distinct rows gives the Nyström approximation
     ``K~ = K_nS K_SS^+ K_Sn = Phi Phi^T`` with ``Phi = K_nS V_r E_r^{-1/2}`` (thresholded eigendecomposition
     ``K_SS = V E V^T`` in ``promote_types(X.dtype, float64)``, eigenvalues ``<= rtol * e_max`` dropped,
-    default ``rtol = s * eps(X.dtype)``; digest P1). The estimate is
+    default ``rtol = s * eps(X.dtype)``, no jitter). The estimate is
 
         tau~_i = phi_i^T (Phi^T Phi + lambda I_r)^{-1} phi_i  +  (k_ii - |phi_i|^2) / lambda,
 
@@ -113,6 +115,21 @@ def ridge_leverage_scores(X: torch.Tensor, kernel: gpytorch.kernels.Kernel, nois
 
     Returns:
         ``(n,)`` scores in X's dtype; their sum approximates the effective dimension ``tr K (K + lambda I)^{-1}``.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.reduced.landmarks import ridge_leverage_scores
+        >>> K = k(X, X)
+
+        With the whole set as the sketch (``rank K_SS = rank K``) the scores are exact:
+
+        >>> tau = ridge_leverage_scores(X, kernel, noise=0.01, sketch_size=200)
+        >>> torch.allclose(tau, (K @ torch.linalg.inv(K + 0.01 * torch.eye(200, dtype=torch.float64))).diagonal())
+        True
     """
     validate_points(X)
     _validate_kernel(kernel)
@@ -157,6 +174,23 @@ def select_landmarks(X: torch.Tensor, m: int, rule: str = "fps", kernel: gpytorc
 
     Returns:
         ``(C (m, d), idx (m,) long or None)`` with ``C = X[idx]``; ``idx`` is ``None`` for k-means.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.reduced import select_landmarks
+        >>> C, idx = select_landmarks(X, 20, "leverage", kernel=kernel, noise=0.01, seed=0)
+        >>> idx.unique().numel(), torch.equal(C, X[idx])  # distinct rows of X
+        (20, True)
+        >>> C, idx = select_landmarks(X, 20, "fps")
+        >>> torch.equal(idx, fps(X, 20).indices)
+        True
+        >>> C, idx = select_landmarks(X, 20, "kmeans", seed=0)  # centres, not data points
+        >>> C.shape, idx
+        (torch.Size([20, 2]), None)
     """
     validate_points(X)
     n = X.shape[0]
@@ -196,6 +230,21 @@ def choose_m(X: torch.Tensor, kernel: gpytorch.kernels.Kernel, noise: float, m_m
 
     Returns:
         ``m`` as an ``int``.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> from gpnys.reduced import choose_m
+        >>> kernel.outputscale = 2.0
+        >>> m = choose_m(X, kernel, noise=0.02)  # mu = noise / outputscale = 0.01
+
+        For ``n <= 500`` the estimate is exact: the eigenvalues of the unit-variance kernel matrix above ``0.1 mu``.
+
+        >>> eigenvalues = torch.linalg.eigvalsh(kernel.base_kernel(X).to_dense().detach())
+        >>> m == int((eigenvalues > 0.1 * 0.01).sum())
+        True
     """
     validate_points(X)
     _validate_kernel(kernel)

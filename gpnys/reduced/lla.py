@@ -3,12 +3,15 @@
 Map every point to ``phi(z) = Sigma^{-1} V^T k(C, z)`` (``K_mm = V Sigma^2 V^T``, the compact eigendecomposition
 of the landmark kernel, [SPA] Algorithm 1 step 3: ``A = V Sigma^{-1}``, ``A^T K_mm A = I``) and run Bayesian
 linear regression on the features (:class:`~gpnys.reduced.features.FeatureGP`). For GP regression
-(``lambda_0 = sigma^2``, digest §3) the posterior mean ``phi_z^T w_hat`` is the subset-of-regressors / DTC /
-SGPR mean; the variance is DTC (``v_SoR + k_zz - |phi_z|^2``, default) or SoR.
+(``lambda_0 = sigma^2``: [SPA]'s KRR with the GP noise variance as the ridge; the papers themselves give no GP
+formulas) the posterior mean ``phi_z^T w_hat`` is the subset-of-regressors / DTC / SGPR mean; the variance is DTC
+(``v_SoR + k_zz - |phi_z|^2``, default) or SoR.
 
-Rank-deficient ``K_mm`` (duplicated or near-duplicated landmarks, long length-scales) is the normal case
-(digest P1): eigenvalues at or below ``rtol * lambda_max`` are cut off with a :class:`NumericalWarning`, never
-replaced by a silent jitter (P2). ``rank`` keeps only the top eigenpairs (NSL truncation, digest §2.9).
+Rank-deficient ``K_mm`` (duplicated or near-duplicated landmarks, long length-scales) is the normal case, not an
+edge case: eigenvalues at or below ``rtol * lambda_max`` are cut off with a :class:`NumericalWarning` (the
+papers' compact eigendecomposition keeps the positive ones), never replaced by a silent jitter, which would
+make ``A^T K_mm A != I`` and break the identities of [SPA] Lemma 1, eq. (15) and NCR = LLA. ``rank`` keeps only
+the top eigenpairs (NSL truncation, [NSL] §3.2, Algorithm 1).
 """
 
 from __future__ import annotations
@@ -77,6 +80,26 @@ class NystromFeatureMap:
 
     Attributes:
         A: ``(m, s)``; s: kept directions; dropped: directions cut off as numerically zero.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> Z = 4 * torch.rand(5, 2, dtype=torch.float64, generator=g)  # test points
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.reduced import NystromFeatureMap
+        >>> C = X[fps(X, 30).indices]  # 30 landmarks
+        >>> phi = NystromFeatureMap(kernel, C)
+        >>> phi(X).shape, phi.dropped
+        (torch.Size([200, 30]), 0)
+
+        ``phi(x)^T phi(c) = k(x, c)`` for every landmark ``c``: the Nyström kernel is exact on the landmarks.
+
+        >>> torch.allclose(phi(X) @ phi(C).mT, k(X, C))
+        True
     """
 
     def __init__(self, kernel: gpytorch.kernels.Kernel, landmarks: torch.Tensor, rank: int | None = None,
@@ -125,6 +148,33 @@ class LLAPosterior:
         Phi: ``(n, s)`` training features (``G^T`` in the papers).
         gp: the :class:`~gpnys.reduced.features.FeatureGP`.
         w: ``(s,)`` ridge solution ``w_hat = (G G^T + sigma^2 I)^{-1} G y`` ([SPA] eq. (12)).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> Z = 4 * torch.rand(5, 2, dtype=torch.float64, generator=g)  # test points
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.reduced import LLAPosterior, NCRPosterior
+        >>> C = X[fps(X, 30).indices]  # 30 landmarks
+        >>> lla = LLAPosterior(kernel, X, y, 0.01, C)
+
+        The GP with the Nyström kernel ``Phi Phi^T``, and the NCR predictor computed independently ([SPA] Prop 2):
+
+        >>> Kt = lla.Phi @ lla.Phi.mT + 0.01 * torch.eye(200, dtype=torch.float64)
+        >>> torch.allclose(lla.mean(Z), lla.features(Z) @ lla.Phi.mT @ torch.linalg.solve(Kt, y))
+        True
+        >>> torch.allclose(lla.mean(Z), NCRPosterior(kernel, X, y, 0.01, C).mean(Z))
+        True
+
+        The DTC variance adds the projection residual ``k_zz - |phi_z|^2 >= 0`` to the SoR one:
+
+        >>> sor = LLAPosterior(kernel, X, y, 0.01, C, variance="sor")
+        >>> bool((lla.variance(Z) >= sor.variance(Z)).all())
+        True
     """
 
     method = "lla"

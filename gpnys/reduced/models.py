@@ -62,6 +62,28 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
 
     Returns:
         an object with ``mean(Z)`` and ``variance(Z)`` (``(nz,)`` each, latent) and ``method``.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> Z = 4 * torch.rand(5, 2, dtype=torch.float64, generator=g)  # test points
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.reduced import reduced_posterior, select_landmarks
+        >>> post = reduced_posterior("lla", kernel, X, y, noise=0.01, m=30)  # 30 FPS landmarks
+        >>> post.method, post.m, post.mean(Z).shape
+        ('lla', 30, torch.Size([5]))
+
+        LLA's mean is the subset-of-regressors / DTC mean ``k(z, C) (K_mn K_nm + sigma^2 K_mm)^{-1} K_mn y``:
+
+        >>> C, _ = select_landmarks(X, 30, "fps")
+        >>> beta = torch.linalg.solve(k(C, X) @ k(X, C) + 0.01 * k(C, C), k(C, X) @ y)
+        >>> torch.allclose(post.mean(Z), k(Z, C) @ beta)
+        True
+        >>> bool((post.variance(Z) > 0).all())
+        True
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -102,6 +124,37 @@ class ReducedGP(gpytorch.models.GP):
 
     Eval mode: ``model(x)`` returns ``MultivariateNormal(mean, diag(variance))`` of the latent function at
     ``x (b, d)`` (independent marginals); ``likelihood(model(x))`` adds the noise.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> Z = 4 * torch.rand(5, 2, dtype=torch.float64, generator=g)  # test points
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.reduced import ReducedGP, reduced_posterior
+        >>> likelihood = gpytorch.likelihoods.GaussianLikelihood().double()
+        >>> likelihood.noise = 0.01
+        >>> model = ReducedGP(X, y, likelihood, kernel, method="lla", m=30).eval()
+        >>> f = model(Z)  # the latent posterior at Z
+        >>> noise = likelihood.noise.item()
+        >>> torch.allclose(f.mean, reduced_posterior("lla", kernel, X, y, noise, m=30).mean(Z))
+        True
+        >>> torch.allclose(likelihood(f).variance, f.variance + noise)
+        True
+
+        :meth:`fit` trains the hyperparameters on :meth:`loss`: minus the DTC evidence per point (``"dtc"``), plus
+        ``tr(K - Q) / (2 sigma^2 n)`` for Titsias' bound (``"titsias"``), with ``Q = K_nm K_mm^{-1} K_mn``:
+
+        >>> C = X[:30]  # fixed landmark points
+        >>> Q = k(X, C) @ torch.linalg.solve(k(C, C), k(C, X))
+        >>> cov = Q + noise * torch.eye(200, dtype=torch.float64)
+        >>> dtc = -torch.distributions.MultivariateNormal(torch.zeros(200, dtype=torch.float64), cov).log_prob(y) / 200
+        >>> torch.allclose(model.loss(C, "dtc"), dtc)
+        True
+        >>> torch.allclose(model.loss(C), dtc + (k(X, X) - Q).trace() / (2 * noise * 200))
+        True
     """
 
     def __init__(self, train_x: torch.Tensor, train_y: torch.Tensor, likelihood: gpytorch.likelihoods.GaussianLikelihood,

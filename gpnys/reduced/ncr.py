@@ -27,6 +27,22 @@ class NCRPosterior(LLAPosterior):
 
     Attributes:
         beta: ``(m,)`` landmark coefficients.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> Z = 4 * torch.rand(5, 2, dtype=torch.float64, generator=g)  # test points
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.reduced import NCRPosterior
+        >>> C = X[fps(X, 30).indices]  # 30 landmarks
+        >>> ncr = NCRPosterior(kernel, X, y, 0.01, C)
+        >>> beta = torch.linalg.solve(k(C, X) @ k(X, C) + 0.01 * k(C, C), k(C, X) @ y)  # [SPA] eq. (11)
+        >>> torch.allclose(ncr.beta, beta), torch.allclose(ncr.mean(Z), k(Z, C) @ beta)
+        (True, True)
     """
 
     method = "ncr"

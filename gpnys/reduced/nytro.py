@@ -1,9 +1,10 @@
 """NYTRO — Nyström subsampling plus early stopping (Angles et al. 2015) — and Nyström kernel ridge regression.
 
 Both fit ``f(z) = k(z, C) alpha`` over ``m`` landmarks ``C`` ([NYTRO] eq. (17)) through ``R (m, k)`` with
-``R R^T = K_mm^+`` and ``A = K_nm R (n, k)`` (digest A.2):
+``R R^T = K_mm^+`` and ``A = K_nm R (n, k)`` ([NYTRO] §2.3, eq. (16), and its appendix Prop. 1):
 
-* **NYTRO** ([NYTRO] eq. (18)-(19), with eq. (18)'s size error corrected, digest A.3 / N1): gradient descent on
+* **NYTRO** ([NYTRO] §3.1, eq. (18)-(19); eq. (18) as printed applies ``K_nm`` to ``beta (k,)``, a size error,
+  corrected to ``A = K_nm R``): gradient descent on
   the unpenalised ``(1/2n) ||A beta - y||^2`` from ``beta_0 = 0``,
 
       beta_t = beta_{t-1} - (gamma / n) A^T (A beta_{t-1} - y),     alpha_t = R beta_t,
@@ -15,9 +16,9 @@ Both fit ``f(z) = k(z, C) alpha`` over ``m`` landmarks ``C`` ([NYTRO] eq. (17)) 
 * **Nyström KRR / NKRLS** ([NYTRO] eq. (16)): ``alpha = R (A^T A + lambda n I)^{-1} A^T y``, which equals
   ``(K_mn K_nm + lambda n K_mm)^+ K_mn y``; a whole ``lambda`` grid costs one eigendecomposition of ``A^T A``.
 
-``R`` comes from a thresholded eigendecomposition of ``K_mm`` (digest N4, "robust" choice: ``R = V_k
-diag(e_k^{-1/2})`` keeping ``e > rtol * e_max``), not the paper's QR + Cholesky, which needs ``K_mm`` of full
-numerical rank. Any ``R`` with ``R R^T = K_mm^+`` gives the same ``alpha`` path.
+``R`` comes from a thresholded eigendecomposition of ``K_mm`` (``R = V_k diag(e_k^{-1/2})`` keeping
+``e > rtol * e_max``), not the paper's QR + Cholesky (§2.3), which needs ``K_mm`` of full numerical rank. Any
+``R`` with ``R R^T = K_mm^+`` gives the same ``alpha`` path.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _validate_data(X: torch.Tensor, y: torch.Tensor, landmarks: torch.Tensor) ->
 
 def landmark_factor(kernel: gpytorch.kernels.Kernel, landmarks: torch.Tensor,
                     rtol: float | None = None) -> NystromFeatureMap:
-    """``R (m, k)`` with ``R R^T = K_mm^+`` (digest N4) as the ``.A`` of a Nyström feature map on ``landmarks``.
+    """``R (m, k)`` with ``R R^T = K_mm^+`` as the ``.A`` of a Nyström feature map on ``landmarks``.
 
     ``K_mm = V diag(e) V^T`` is decomposed in at least float64; eigenvalues ``e <= rtol * e_max`` are dropped with
     a :class:`NumericalWarning` giving their number, and ``R = V_k diag(e_k^{-1/2})``. The default ``rtol`` is
@@ -120,7 +121,8 @@ def nytro(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, lan
           t_max: int = 500, gamma: float | None = None, X_val: torch.Tensor | None = None,
           y_val: torch.Tensor | None = None, Z: torch.Tensor | None = None, stop: str = "threshold",
           tau: float = 0.05, rtol: float | None = None) -> NytroPath:
-    """NYTRO ([NYTRO] eq. (17)-(19), eq. (18) corrected; digest A.3-A.4): the early-stopping path on landmarks.
+    """NYTRO ([NYTRO] §3.1, eq. (17)-(19), eq. (18) corrected; the validation protocol of §4): the early-stopping
+    path on landmarks.
 
     Args:
         kernel: GPyTorch kernel (outputscale included).
@@ -132,14 +134,45 @@ def nytro(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, lan
         y_val: ``(n_val,)`` validation targets; required with ``X_val``.
         Z: ``(nz, d)`` points at which to predict after every step.
         stop: ``"threshold"`` — first ``t`` whose relative validation-RMSE decrease
-            ``(e_{t-1} - e_t) / e_{t-1}`` is below ``tau``, with ``e_0`` the RMSE of ``alpha_0 = 0`` (digest N7
-            reading (a)); the path ends there. ``"best"`` — run ``t_max`` steps, pick ``argmin_t e_t``.
+            ``(e_{t-1} - e_t) / e_{t-1}`` is below ``tau``, with ``e_0`` the RMSE of ``alpha_0 = 0`` (one reading of
+            §4's "validation error ceases to be decreasing up to a given threshold"); the path ends there.
+            ``"best"`` — run ``t_max`` steps, pick ``argmin_t e_t``.
             ``"none"`` — run ``t_max`` steps, pick the last.
         tau: threshold of ``"threshold"`` (paper: 5%).
         rtol: eigenvalue cut-off of :func:`landmark_factor`.
 
     Returns:
         :class:`NytroPath` with ``alpha (T, m)``, validation RMSEs ``(T,)`` and predictions ``(T, nz)``.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.reduced import nytro
+        >>> from gpnys.reduced.nytro import landmark_factor
+        >>> C = X[fps(X, 30).indices]  # 30 landmarks
+        >>> y = y - y.mean()  # the model has no bias
+        >>> path = nytro(kernel, X, y, C, t_max=100, stop="none")
+        >>> path.alpha.shape, path.t_stop
+        (torch.Size([100, 30]), 100)
+
+        After ``t`` steps the fitted values are the spectral filter ``[I - (I - (gamma/n) A A^T)^t] y``:
+
+        >>> A = k(X, C) @ landmark_factor(kernel, C).A
+        >>> S = torch.eye(200, dtype=torch.float64) - path.gamma / 200 * A @ A.mT
+        >>> fit = y - torch.linalg.matrix_power(S, 100) @ y
+        >>> torch.allclose(k(X, C) @ path.alpha_stop, fit)
+        True
+
+        With a validation set, ``stop="best"`` picks the step of least validation RMSE:
+
+        >>> path = nytro(kernel, X[50:], y[50:], C, t_max=100, X_val=X[:50], y_val=y[:50], stop="best")
+        >>> path.t_stop == int(path.val_rmse.argmin()) + 1
+        True
     """
     _validate_data(X, y, landmarks)
     t_max = validate_count(t_max, "t_max")
@@ -211,7 +244,7 @@ def nystrom_krr(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tenso
                 lam: float | torch.Tensor | Sequence[float], rtol: float | None = None) -> torch.Tensor:
     """Nyström KRR / NKRLS ([NYTRO] eq. (16)): ``alpha = R (A^T A + lambda n I)^{-1} A^T y``.
 
-    Equals ``(K_mn K_nm + lambda n K_mm)^+ K_mn y`` (the SoR/DTC mean with noise ``n lambda``, digest N9). All
+    Equals ``(K_mn K_nm + lambda n K_mm)^+ K_mn y`` (the SoR/DTC mean with noise variance ``n lambda``). All
     ``lambda`` share one eigendecomposition ``A^T A = W diag(s) W^T`` (in at least float64):
     ``alpha = R W diag(1 / (s + lambda n)) W^T A^T y``. Cost ``O(n m^2 + m^3 + |lambda| m^2)``.
 
@@ -222,6 +255,23 @@ def nystrom_krr(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tenso
 
     Returns:
         ``(m,)`` for a number, ``(len(lam), m)`` for a 1-D ``lam``; in X's dtype.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.landmarks import fps
+        >>> from gpnys.reduced import nystrom_krr
+        >>> C = X[fps(X, 30).indices]  # 30 landmarks
+        >>> alpha = nystrom_krr(kernel, X, y, C, lam=1e-3)
+        >>> ref = torch.linalg.solve(k(C, X) @ k(X, C) + 1e-3 * 200 * k(C, C), k(C, X) @ y)
+        >>> torch.allclose(alpha, ref, atol=1e-6)
+        True
+        >>> nystrom_krr(kernel, X, y, C, lam=[1e-3, 1e-2, 1e-1]).shape  # a grid: one eigendecomposition
+        torch.Size([3, 30])
     """
     _validate_data(X, y, landmarks)
     values, scalar = _lam_values(lam)

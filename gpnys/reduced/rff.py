@@ -5,11 +5,13 @@ its normalised spectral density. With ``D`` draws ``Omega (D, d)`` the features
 
     phi(x) = sqrt(s^2 / D) [cos(Omega x); sin(Omega x)]   in R^{2D}                      ([YANG] eq. (3), scaled)
 
-give ``phi(x)^T phi(x') = (s^2 / D) sum_i cos(omega_i^T (x - x')) -> s^2 k(x, x')`` (digest R1: the normalised
-form; GPyTorch ``RFFKernel``'s order, all cosines then all sines, divided by ``sqrt(D)``).
+give ``phi(x)^T phi(x') = (s^2 / D) sum_i cos(omega_i^T (x - x')) -> s^2 k(x, x')``: the normalised form
+([YANG] §2's features carry no ``1 / sqrt(D)``, so their inner product is ``D`` times the kernel), in GPyTorch
+``RFFKernel``'s order, all cosines then all sines, divided by ``sqrt(D)``.
 
-Frequencies follow GPyTorch's length-scale convention (``r = ||(x - x') / l||``, one ``l`` or one per dimension,
-digest R2): ``omega = g / l`` with ``g ~ N(0, I_d)`` for RBF ``exp(-r^2 / 2)``. The Matérn-``nu`` spectral density
+Frequencies follow GPyTorch's length-scale convention (``r = ||(x - x') / l||``, one ``l`` or one per dimension;
+[YANG] §2 draws ``N(0, sigma^{-2} I)`` for ``exp(-||x - x'||^2 / (2 sigma^2))``, the same convention):
+``omega = g / l`` with ``g ~ N(0, I_d)`` for RBF ``exp(-r^2 / 2)``. The Matérn-``nu`` spectral density
 ``∝ (2 nu + ||l o omega||^2)^{-(nu + d/2)}`` is a multivariate Student-t with ``2 nu`` degrees of freedom, so
 ``omega = g sqrt(2 nu / u) / l`` with ``u ~ chi^2_{2 nu}`` independent of ``g``. For the supported
 ``nu in {1/2, 3/2, 5/2}`` the degrees of freedom ``2 nu`` are integers and ``u`` is drawn exactly as a sum of
@@ -72,6 +74,26 @@ class RandomFourierFeatures:
     Attributes:
         G: ``(D, d)`` standard normal draws; u: ``(D,)`` chi-square draws with ``2 nu`` degrees of freedom
         (Matérn) or ``None`` (RBF); nu: Matérn smoothness or ``None``; num_features: ``2D``.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpnys.reduced import RandomFourierFeatures
+        >>> X = torch.rand(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> kernel.outputscale = 2.0
+        >>> phi = RandomFourierFeatures(kernel, d=2, num_frequencies=50, seed=0, dtype=torch.float64)
+        >>> Phi, Omega = phi(X), phi.frequencies()
+        >>> Phi.shape, Omega.shape
+        (torch.Size([4, 100]), torch.Size([50, 2]))
+
+        ``phi(x)^T phi(x') = (s^2 / D) sum_i cos(omega_i^T (x - x'))``, a Monte Carlo estimate of ``s^2 k(x, x')``:
+
+        >>> diff = X[:, None, :] - X[None, :, :]
+        >>> torch.allclose(Phi @ Phi.mT, 2.0 / 50 * torch.cos(diff @ Omega.mT).sum(-1))
+        True
+        >>> Phi = RandomFourierFeatures(kernel, 2, 20000, seed=0, dtype=torch.float64)(X)
+        >>> bool((Phi @ Phi.mT - kernel(X).to_dense().detach()).abs().max() < 0.05)
+        True
     """
 
     def __init__(self, kernel: gpytorch.kernels.Kernel, d: int, num_frequencies: int, seed: int = 0,
@@ -145,6 +167,22 @@ class RFFPosterior:
     Attributes:
         features: the :class:`RandomFourierFeatures`; Phi: ``(n, 2D)``; gp: the :class:`FeatureGP`;
         w: ``(2D,)`` posterior mean of the weights; num_features: ``2D``.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64, generator=g)
+        >>> Z = 4 * torch.rand(5, 2, dtype=torch.float64, generator=g)  # test points
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
+        >>> from gpnys.reduced import RFFPosterior
+        >>> rff = RFFPosterior(kernel, X, y, 0.01, num_frequencies=100, seed=0)
+        >>> rff.num_features
+        200
+        >>> w = torch.linalg.solve(rff.Phi.mT @ rff.Phi + 0.01 * torch.eye(200, dtype=torch.float64), rff.Phi.mT @ y)
+        >>> torch.allclose(rff.mean(Z), rff.features(Z) @ w)  # ridge regression on the features
+        True
     """
 
     method = "rff"

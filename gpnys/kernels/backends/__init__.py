@@ -26,8 +26,8 @@ backend      what                                                               
 ``keops``    KeOps reductions (:mod:`.keops`); no cutoff skipping                only when asked for
 ===========  =================================================================  ===============================
 
-KeOps is never chosen automatically: pykeops 2.3 segfaults at its first reduction on CUDA 13 (issue 19), and a
-segfault cannot be caught.
+KeOps is never chosen automatically: some pykeops / CUDA combinations crash the process at the first reduction,
+and a segfault cannot be caught (docs/gpu.md, "Compute backends").
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The KeOps backend: fused reductions through pykeops, only on explicit request (``backend="keops"``).
 
 KeOps compiles the kernel formula into one reduction that never stores a tile in global memory, as GPyTorch's
-``gpytorch.kernels.keops`` kernels do. It is never chosen automatically (:mod:`gpnys.kernels.backends`): pykeops
-2.3 segfaults on CUDA 13. On the CPU (how the tests check the formulas) it measured 1.8 s per 20 000-point
-matvec here, a cached torch matmul with 11 right-hand sides 0.55 s. It computes every pair: the cutoff plan is
-not used (the products are the same, with the skipped entries included).
+``gpytorch.kernels.keops`` kernels do. It is never chosen automatically (:mod:`gpnys.kernels.backends`): some
+pykeops / CUDA combinations crash the process (docs/gpu.md). On the CPU (how the tests check the formulas) it is
+slower than the torch tiles. It computes every pair: the cutoff plan is not used (the products are the same,
+with the skipped entries included).
 
 Formulas (``D_ij = |z_i - z_j|^2`` from explicit differences, so no expanded-form cancellation and an exact zero
 diagonal; ``k`` and ``h = k'/r`` from :func:`gpnys.kernels.formulas.k_and_h`):

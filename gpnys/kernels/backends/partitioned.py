@@ -1,4 +1,5 @@
-"""Row-partitioned kernel passes across the processes of a ``torch.distributed`` group (issue 22).
+"""Row-partitioned kernel passes across the processes of a ``torch.distributed`` group (docs/scaling.md, "Across
+processes and GPUs").
 
 Every rank holds all of ``Z`` (``n x d``, small) and the right-hand sides; rank ``r`` of ``P`` owns the rows
 ``[r c, (r + 1) c)`` of the working order, ``c = ceil(n / P)`` rounded up to a whole leaf (:data:`LEAF`), so that a
@@ -187,8 +188,8 @@ class RowGroup:
         """All ranks' ``local`` blocks (equal shapes), after checking that every rank used the same ``inputs`` and
         that none failed computing its block (``failure``: this rank's error, re-raised here after the gather, so
         that the ranks stay in step; the others raise ``RuntimeError`` naming it)."""
-        if self.size == 1:  # nothing to exchange or compare: on a GPU a collective and its host read cost ~2 ms
-            if failure is not None:  # (measured: P = 1 over NCCL +11 % per evaluation at n = 200 000, H100)
+        if self.size == 1:  # nothing to exchange or compare: on a GPU a collective and its host read cost a
+            if failure is not None:  # host synchronisation each (docs/scaling.md)
                 raise failure
             return [local]
         # exact sample rows, not sums: a sum's rounding depends on the rank's thread count, a sample's bits do not

@@ -33,7 +33,7 @@ def k_and_h_inplace(r: torch.Tensor, f: Formula, k: torch.Tensor, h: torch.Tenso
 
     The formulas of :mod:`gpnys.kernels.formulas`, hand-fused in place and without temporaries: on CPU these
     elementwise passes over ``n x n`` are memory-bound and a fresh ``(b, n)`` allocation per block costs more than
-    the arithmetic (page faults: a per-block ``r.neg()`` was half of a matmul's time). RBF has ``h = -k``, so its
+    the arithmetic (page faults; docs/scaling.md). RBF has ``h = -k``, so its
     ``h`` is neither computed nor stored (``None``)."""
     if f.rbf:
         torch.exp(r.square_().mul_(-0.5), out=k)

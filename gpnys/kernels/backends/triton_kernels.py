@@ -3,7 +3,7 @@
 Imported lazily by :class:`gpnys.kernels.backends.TritonBackend` (``triton.jit`` decides at import time whether
 it compiles for the GPU or runs under the interpreter, ``TRITON_INTERPRET=1``, which is how CI checks these
 kernels on CPU tensors). Written by hand because no maintained library fuses distance, kernel formula and tile
-product for GPyTorch's kernels without KeOps: ``torch.compile`` of the tile loop was 2.2x slower on an H100.
+product for GPyTorch's kernels without KeOps; ``torch.compile`` of the tile loop is slower (docs/gpu.md).
 
 Each program owns one row block ``I`` (``BLOCK`` consecutive points of the working order) and loops over column
 blocks ``J``: all of them (dense), or the leaves the cutoff plan lists for ``I`` (block-sparse, CSR
@@ -25,8 +25,8 @@ registers only:
 
 ``TAIL``: with ``t = 2^m + 1`` columns (16 probes and one solve, say) the last column is not padded into a
 ``2^(m+1)``-wide ``tl.dot`` but accumulated elementwise (``k * v_j`` in a ``(BLOCK, BLOCK)`` register tile, one
-row sum at the end; float32 only). The column count of an FP32 dot is most of a tile's instructions: on sm_90 the
-product at ``t = 17`` issues 1148 instructions per tile and thread instead of 2467 (``benchmarks/kernel_model.py``).
+row sum at the end; float32 only): the column count of an FP32 dot is most of a tile's instructions, so the
+padded half would nearly double them (docs/gpu.md, "The kernels' instruction budget").
 """
 
 from __future__ import annotations
@@ -147,9 +147,8 @@ def _column_block(idx, p, offs, BLOCK: tl.constexpr, SPARSE: tl.constexpr):
     return j * BLOCK + offs
 
 
-# Sizes stay specialised (Triton compiles one variant per divisibility of n, n/64 and t by 16, ~1 s each, kept in its
-# disk cache). Turning that off for n and the block count cost 18 % of the product's throughput on an H100 (2.7e11
-# instead of 3.3e11 entries/s at n = 200 000, t = 32; one run specialised, two not).
+# Sizes stay specialised (Triton compiles one variant per divisibility of n, n/64 and t by 16, kept in its disk
+# cache): turning that off for n and the block count costs throughput of the product (docs/gpu.md).
 @triton.jit
 def kv_kernel(ZT, V, OUT, n, npad, t, ptr, idx, nblocks, row0,
               SPARSE: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, HOIST: tl.constexpr,
