@@ -52,8 +52,11 @@ def _site_packages(python: Path) -> Path:
 
 
 def _pip(python: Path, *args: str) -> subprocess.CompletedProcess:
+    """pip for ``python``, offline and without this machine's pip configuration (its constraints and links)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
     return subprocess.run([sys.executable, "-m", "pip", "--python", str(python), *args, "--no-index",
-                           "--disable-pip-version-check"], capture_output=True, text=True, timeout=300)
+                           "--disable-pip-version-check"], capture_output=True, text=True, timeout=300, env=env)
 
 
 def _requires(wheel: Path) -> list[str]:
@@ -111,6 +114,7 @@ def test_wheel_installs_beside_torch_and_runs_readme_example(wheel, tmp_path):
     script = tmp_path / "example.py"
     script.write_text("import gpnys, sys\nprint('GPNYS_AT', gpnys.__file__)\n" + readme_example())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"  # as the suite's own processes: a shared 2-core runner stalls small BLAS calls
     out = subprocess.run([str(python), str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                          env=env)
     assert out.returncode == 0, out.stdout + out.stderr
