@@ -158,6 +158,7 @@ class PreconditionerHook(HookPrediction):
         #: evaluations gave one (``settings.error_bars``)
         self.last_estimate: Estimate | None = None
         self.estimates = 0
+        self._warned_inputs = False  # one warning per hook for inputs that carry gradients (kernel_operator)
 
     @property
     def kernel_fraction(self) -> float | None:
@@ -427,6 +428,16 @@ class PreconditionerHook(HookPrediction):
                 and op.x1 is op.x2 and op.x1.dim() == 2 and op.x1.shape[0] == self.train_x.shape[0]):
             return op
         self._seen = (op.kernel, op.x1)
+        if op.x1.requires_grad:
+            # inputs that carry gradients (a feature extractor in forward(), a learnable input transform): the
+            # closed-form operator differentiates the hyperparameters only, so GPyTorch's own kernel tensor runs,
+            # whose derivative reaches x1 and through it every parameter before the kernel
+            if not self._warned_inputs:
+                self._warned_inputs = True
+                warnings.warn("gpnys: the kernel's inputs carry gradients (a feature extractor or a learnable input "
+                              "transform); the kernel runs through GPyTorch's operator so that they get theirs, "
+                              "slower than gpnys's closed-form kernel operator", NumericalWarning, stacklevel=4)
+            return op
         so = self.stationary_operator(op.x1)
         if so is not None:
             self._kernel_x = op.x1
