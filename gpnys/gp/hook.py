@@ -118,38 +118,17 @@ class PreconditionerHook(HookPrediction):
         self.settings = settings or EstimatorSettings()
         self.seed = seed
         self.options = {**GP_DEFAULTS.get(method, {}), **options} if isinstance(method, str) else options
-        X = model.train_inputs[0] if train_x is None else train_x
-        if X.dim() != 2 or X.shape[0] != model.train_inputs[0].shape[-2]:
-            raise ValueError(f"train inputs must be (n, d) (batched models are not supported), got {tuple(X.shape)}")
-        validate_training_data(X, model.train_targets, ("train_inputs", "train_targets"))
-        noise = model.likelihood.noise.detach()
-        if noise.numel() not in (1, X.shape[0]):
-            raise ValueError(f"likelihood.noise must be one variance or one per training point ({X.shape[0]}), got "
-                             f"shape {tuple(noise.shape)}")
-        if not bool((torch.isfinite(noise) & (noise > 0)).all()):
-            raise ValueError("likelihood.noise must be positive and finite")
+        self._set_data(model.train_inputs[0] if train_x is None else train_x)
         for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
             if options.get(key) is not None:
-                validate_count(options[key], key, 1, X.shape[0])
-        self._promotion: tuple | None = None
-        self.train_x = X.detach().to(computation_dtype(model, X))
-        self.cache = PointCache(self.train_x)
+                validate_count(options[key], key, 1, self.train_x.shape[0])
         self.builds = 0
         self.applications = 0
         self.samples = 0
         self.history: list[StepRecord] = []
-        self._key: tuple | None = None
-        self._current: tuple[Preconditioner, torch.Tensor] | None = None
-        # preconditioners built with other options (e.g. a stronger one for posterior solves): options -> (key, P, s2)
-        self._others: dict[tuple, tuple[tuple, tuple[Preconditioner, torch.Tensor]]] = {}
         self.last_probes: torch.Tensor | None = None
         self.variance_reduction = bool(self.settings.variance_reduction)
         self.control_variates = 0
-        self._kernel_cache: dict[str, Any] = {}
-        self._kernel_x: torch.Tensor | None = None
-        #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
-        #: the inputs as its forward() passed them)
-        self._seen: tuple[gpytorch.kernels.Kernel, torch.Tensor] | None = None
         self.variance_iterations = 0
         self.variance_method_used: str | None = None
         self.variance_bound: torch.Tensor | None = None  # (m,) error bound of the latest predict's variances
@@ -159,6 +138,48 @@ class PreconditionerHook(HookPrediction):
         self.last_estimate: Estimate | None = None
         self.estimates = 0
         self._warned_inputs = False  # one warning per hook for inputs that carry gradients (kernel_operator)
+
+    # -- the training data ------------------------------------------------------------------------------
+    def _data_key(self) -> tuple:
+        """Identity, storage, version, shape and device of the model's training tensors: any change (``set_train_data``
+        with the same or a new n, an in-place edit, ``model.to(device)``) changes the key."""
+        tensors = (*self.model.train_inputs, self.model.train_targets)
+        return tuple((id(t), t.data_ptr(), t._version, tuple(t.shape), str(t.device), t.dtype) for t in tensors)
+
+    def _set_data(self, X: torch.Tensor) -> None:
+        """Validate the training data (inputs ``X (n, d)`` as the kernel sees them) and start every cache that
+        depends on it afresh: points, preconditioners, kernel values and plans."""
+        model = self.model
+        if X.dim() != 2 or X.shape[0] != model.train_inputs[0].shape[-2]:
+            raise ValueError(f"train inputs must be (n, d) (batched models are not supported), got {tuple(X.shape)}")
+        validate_training_data(X, model.train_targets, ("train_inputs", "train_targets"))
+        noise = model.likelihood.noise.detach()
+        if noise.numel() not in (1, X.shape[0]):
+            raise ValueError(f"likelihood.noise must be one variance or one per training point ({X.shape[0]}), got "
+                             f"shape {tuple(noise.shape)}")
+        if not bool((torch.isfinite(noise) & (noise > 0)).all()):
+            raise ValueError("likelihood.noise must be positive and finite")
+        self._promotion: tuple | None = None
+        self.train_x = X.detach().to(computation_dtype(model, X))
+        self.cache = PointCache(self.train_x)
+        self._key: tuple | None = None
+        self._current: tuple[Preconditioner, torch.Tensor] | None = None
+        # preconditioners built with other options (e.g. a stronger one for posterior solves): options -> (key, P, s2)
+        self._others: dict[tuple, tuple[tuple, tuple[Preconditioner, torch.Tensor]]] = {}
+        self._kernel_cache: dict[str, Any] = {}
+        self._kernel_x: torch.Tensor | None = None
+        #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
+        #: the inputs as its forward() passed them)
+        self._seen: tuple[gpytorch.kernels.Kernel, torch.Tensor] | None = None
+        self._data = self._data_key()
+
+    def sync_data(self) -> bool:
+        """Follow the model's training data: when it changed since the caches were built (``set_train_data``, an
+        in-place edit, a device move), start them afresh on the new data. Returns whether they were reset."""
+        if self._data_key() == self._data:
+            return False
+        self._set_data(self.model.train_inputs[0])
+        return True
 
     @property
     def kernel_fraction(self) -> float | None:
@@ -454,6 +475,7 @@ class PreconditionerHook(HookPrediction):
         hook = self
 
         def marginal(function_dist, *args, **kwargs):
+            hook.sync_data()
             out = original(function_dist, *args, **kwargs)
             cov = out.lazy_covariance_matrix
             n = hook.model.train_inputs[0].shape[-2]

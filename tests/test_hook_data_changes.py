@@ -1,0 +1,119 @@
+"""The hook's caches follow the model's training data: ``set_train_data`` with the same n or a new n, in-place edits
+of the training tensors and a move to another dtype start the preconditioner, point and kernel caches afresh, so
+every loss matches Cholesky on the data the model holds at that call."""
+
+from __future__ import annotations
+
+import copy
+
+import gpytorch
+import pytest
+import torch
+
+import gpnys
+from gpnys.gp import ExactGPModel
+
+
+def _data(n, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(n, 2, generator=g, dtype=torch.float64)
+    y = torch.sin(6 * X[:, 0]) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    return X.to(dtype), y.to(dtype)
+
+
+def _cholesky_loss(model, X, y):
+    ref = copy.deepcopy(model)
+    ref.set_train_data(X, y, strict=False)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(ref.likelihood, ref)
+    with torch.no_grad(), gpytorch.settings.max_cholesky_size(10**6):
+        return float(-mll(ref(X), y))
+
+
+def _check(hook, model, X, y, loss, rounding):
+    est = hook.last_estimate
+    assert est.n == X.shape[0]
+    exact = _cholesky_loss(model, X, y)
+    assert abs(loss - exact) <= 5 * est.std_error / est.n + rounding, (loss, exact, est)
+
+
+def test_set_train_data_same_and_new_n_within_one_hook(dtype):
+    rounding = 1e-8 if dtype == torch.float64 else 2e-4
+    X, y = _data(300, 0, dtype)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).to(dtype)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    losses = []
+    with gpnys.use_preconditioner(model) as hook:
+        for n, seed in [(300, 0), (300, 1), (200, 2), (400, 3)]:
+            X, y = _data(n, seed, dtype)
+            model.set_train_data(X, y, strict=False)
+            loss = -mll(model(X), y)
+            loss.backward()
+            losses.append((hook, X, y, float(loss.detach()), hook.last_estimate))
+            assert hook.cache.X.shape[0] == n
+            assert hook.last_estimate.cg_iterations < 50
+    for hook_, X, y, loss, est in losses:
+        hook_.last_estimate = est
+        _check(hook_, model, X, y, loss, rounding)
+    assert hook.builds >= 4  # one preconditioner per data set
+
+
+def test_in_place_edit_of_training_targets_and_inputs():
+    X, y = _data(250, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with gpnys.use_preconditioner(model) as hook:
+        float(-mll(model(X), y))
+        builds = hook.builds
+        with torch.no_grad():
+            model.train_inputs[0].mul_(0.5)  # the same tensors, new values
+            model.train_targets.add_(1.0)
+        X2, y2 = model.train_inputs[0].clone(), model.train_targets.clone()
+        loss = float(-mll(model(model.train_inputs[0]), model.train_targets))
+        assert hook.builds == builds + 1
+        _check(hook, model, X2, y2, loss, 1e-8)
+
+
+def test_same_data_keeps_the_caches():
+    X, y = _data(250, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with gpnys.use_preconditioner(model) as hook:
+        float(-mll(model(X), y))
+        cache = hook.cache
+        second = float(-mll(model(X), y))
+        assert hook.cache is cache and hook.builds == 1
+        _check(hook, model, X, y, second, 1e-8)
+
+
+def test_new_data_is_validated():
+    X, y = _data(100, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with gpnys.use_preconditioner(model):
+        X2, y2 = _data(100, 1)
+        y2[3] = float("nan")
+        model.set_train_data(X2, y2, strict=False)
+        with pytest.raises(ValueError, match="train_targets"):
+            mll(model(X2), y2)
+
+
+def _move_within_one_hook(device, dtype_after):
+    X, y = _data(200, 0, torch.float32)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood())
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with gpnys.use_preconditioner(model) as hook:
+        float(-mll(model(X), y).detach())
+        model.to(device=device, dtype=dtype_after)  # ExactGP moves its training data too
+        X2, y2 = model.train_inputs[0], model.train_targets
+        loss = float(-mll(model(X2), y2).detach())
+        assert hook.train_x.device == X2.device and hook.train_x.dtype == dtype_after
+        _check(hook, model, X2, y2, loss, 1e-6)
+
+
+def test_dtype_move_within_one_hook():
+    _move_within_one_hook("cpu", torch.float64)
+
+
+@pytest.mark.cuda
+def test_device_move_within_one_hook(cuda_device):
+    _move_within_one_hook(cuda_device, torch.float64)
