@@ -138,6 +138,7 @@ class PreconditionerHook(HookPrediction):
         self.last_estimate: Estimate | None = None
         self.estimates = 0
         self._warned_inputs = False  # one warning per hook for inputs that carry gradients (kernel_operator)
+        self._warned_scale = False  # one warning per hook for an outputscale of 0 (hyperparameters_usable)
 
     # -- the training data ------------------------------------------------------------------------------
     def _data_key(self) -> tuple:
@@ -172,6 +173,32 @@ class PreconditionerHook(HookPrediction):
         #: the inputs as its forward() passed them)
         self._seen: tuple[gpytorch.kernels.Kernel, torch.Tensor] | None = None
         self._data = self._data_key()
+
+    def hyperparameters_usable(self) -> bool:
+        """Check the hyperparameters before an evaluation: a ``ValueError`` naming the parameter for a non-finite or
+        non-positive length-scale, outputscale or noise (the loss does not exist there, and the preconditioner's
+        ``mu = noise / outputscale`` would hide which one it was). An outputscale of exactly 0 leaves ``K̂ = σ² I``,
+        whose loss exists: ``False`` then, and the caller runs GPyTorch's own computation (one warning)."""
+        kernel = self.kernel
+        base, _ = split_outputscale(kernel)
+        checks = [("likelihood.noise", self.model.likelihood.noise)]
+        for name, module in (("lengthscale", base), ("outputscale", kernel)):
+            value = getattr(module, name, None) if name == "lengthscale" or isinstance(
+                module, gpytorch.kernels.ScaleKernel) else None
+            if isinstance(value, torch.Tensor):
+                checks.append((name, value))
+        zero_scale = False
+        for name, value in checks:
+            v = value.detach()
+            zero = bool((v == 0).any()) and name != "outputscale"
+            if not bool(torch.isfinite(v).all()) or bool((v < 0).any()) or zero:
+                raise ValueError(f"{name} must be positive and finite, got {v.reshape(-1)[:4].tolist()}")
+            zero_scale = zero_scale or (name == "outputscale" and bool((v == 0).all()))
+        if zero_scale and not self._warned_scale:
+            self._warned_scale = True
+            warnings.warn("gpnys: outputscale is 0, so K̂ = σ² I: GPyTorch's own computation gives its exact loss",
+                          NumericalWarning, stacklevel=4)
+        return not zero_scale
 
     def sync_data(self) -> bool:
         """Follow the model's training data: when it changed since the caches were built (``set_train_data``, an
@@ -479,7 +506,8 @@ class PreconditionerHook(HookPrediction):
             out = original(function_dist, *args, **kwargs)
             cov = out.lazy_covariance_matrix
             n = hook.model.train_inputs[0].shape[-2]
-            if isinstance(cov, AddedDiagLinearOperator) and cov.dim() == 2 and cov.shape[-1] == n:
+            if (isinstance(cov, AddedDiagLinearOperator) and cov.dim() == 2 and cov.shape[-1] == n
+                    and hook.hyperparameters_usable()):
                 cov = PreconditionedAddedDiag(hook.kernel_operator(cov._linear_op), cov._diag_tensor,
                                               preconditioner_override=hook.override)
                 out = PreconditionedMVN(out.mean, cov)
