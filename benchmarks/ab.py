@@ -1,7 +1,14 @@
-"""One MLL value + gradient and one kernel product, two code revisions side by side, interleaved.
+"""The speed-up of a code change: one MLL value + gradient and one kernel product timed under two code revisions,
+interleaved, with their losses and gradients compared.
 
-This machine's speed drifts between runs (up to 2x between sessions, ~15 % within minutes), so a speed-up is
-measured by running both revisions in alternation in the same session: ``--rounds`` rounds, each running every
+Run:  python benchmarks/ab.py --before HEAD~1                         (kin40k 10 000 Matérn-3/2 and RBF ARD,
+                                                                      synthetic3d 50 000 Matérn-3/2; ~20 minutes)
+      python benchmarks/ab.py --before REV --cases kin40k:20000:matern32:iso --rounds 3
+      python benchmarks/ab.py --before REV --no-error-bars          (GPyTorch's own estimator through the hook)
+      python benchmarks/ab.py --quick                                 (this tree against itself; the test suite)
+
+A shared machine's speed drifts between runs, often by more than a change gains, so a speed-up is measured by
+running both revisions in alternation within one invocation: ``--rounds`` rounds, each running every
 case once per revision, each run a fresh process (``PYTHONPATH`` pointing at that revision's tree) that times
 ``--repeats`` evaluations after a warm-up. The baseline revision is checked out with ``git worktree`` (``--before
 REV``) or given as a directory (``--before-path``); the other is this checkout.
@@ -13,12 +20,6 @@ passes (products, derivative sums, per-probe sums) and their seconds.
 
 Columns: per case and revision the median over rounds of the per-run medians; the ratio after / before; the loss
 and the largest gradient difference between the revisions (relative), which show whether a change kept the answer.
-
-Run:  python benchmarks/ab.py --before HEAD~1                         (kin40k 10 000 Matérn-3/2 and RBF ARD,
-                                                                      synthetic3d 50 000 Matérn-3/2; ~20 minutes)
-      python benchmarks/ab.py --before REV --cases kin40k:20000:matern32:iso --rounds 3
-      python benchmarks/ab.py --before REV --no-error-bars          (GPyTorch's own estimator through the hook)
-      python benchmarks/ab.py --quick                                 (this tree against itself; the test suite)
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""Issue 6 target 1: one BO iteration (fit + qLogEI) at large n, gpnys's PreconditionedSingleTaskGP vs SingleTaskGP.
+"""The wall time of one BO iteration (fit + qLogEI) at large n, gpnys's PreconditionedSingleTaskGP vs SingleTaskGP,
+and how closely their posteriors agree.
+
+Run:  python benchmarks/bo_compare.py --n 5000 --threads 2     (quiet machine)
+      python benchmarks/bo_compare.py --warm-from benchmarks/results/bo_loop_ckpt --seeds 0,1,2 --threads 2
+      python benchmarks/bo_compare.py --n 5000 --device cuda     (data and models on a GPU)
+      python benchmarks/bo_compare.py --quick                    (n = 150, gpnys forced on; the tests run it)
 
 Data: ``--n`` scrambled-Sobol points in [0, 1]^6 and Hartmann-6 values (``negate=True``), float64. For each model,
 from BoTorch's default initialisation (same modules, priors and ``Standardize``): ``fit_gpytorch_mll`` (L-BFGS-B),
@@ -10,14 +16,10 @@ Then the posterior check: the gpnys model takes SingleTaskGP's fitted hyperparam
 An untimed warm-up fit on 64 points runs first (torch imports its symbolic-shape machinery on the first
 broadcast, ~1-10 s, once per process).
 
-``--warm-from DIR`` times a *warm* iteration instead (issue 21's target): each model's campaign checkpoint of
-``examples/bo_large_n.py`` (data after its last iteration, hyperparameters from its last fit) starts the fit, as
-the next iteration of that loop would (gpnys without its subset start, as the loop does), for each seed of
+``--warm-from DIR`` times a *warm* iteration instead (as a BO loop runs after its first): each model's campaign
+checkpoint of ``examples/bo_large_n.py`` (data after its last iteration, hyperparameters from its last fit) starts
+the fit, as the next iteration of that loop would (gpnys without its subset start, as the loop does), for each seed of
 ``--seeds``; JSON ``bo_compare_warm_n{n}.json``.
-
-Run:  python benchmarks/bo_compare.py --n 5000 --threads 2     (quiet machine)
-      python benchmarks/bo_compare.py --warm-from benchmarks/results/bo_loop_ckpt --seeds 0,1,2 --threads 2
-      python benchmarks/bo_compare.py --quick                    (n = 150, gpnys forced on; the tests run it)
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Issue 6: how accurate is the training gradient of ``PreconditionedSingleTaskGP`` near BoTorch's noise floor?
+"""How accurate the training loss and gradient of ``PreconditionedSingleTaskGP`` are near BoTorch's noise floor:
+errors against Cholesky across noise levels, control variates and probe seeds.
+
+Run:  python benchmarks/bo_gradient.py --threads 2                 (n = 5000, ~3 minutes)
+      python benchmarks/bo_gradient.py --quick                     (n = 300, the tests run it)
 
 Hartmann-6 (``negate=True``) at ``--n`` scrambled-Sobol points, float64, BoTorch's default modules (``Standardize``,
 RBF ARD kernel, noise bounded below by 1e-4 without a softplus, a log-normal noise prior). Fixed hyperparameters:
@@ -8,13 +12,11 @@ the length-scales ``--lengthscale`` and each noise in ``--noise``. For each nois
   (``α = K̂⁻¹ (y - m)``, by ``cholesky_inverse``), whose difference is the data part of the noise gradient;
 * the gpnys estimate (``model.preconditioned()``: CG + SLQ with the BO training preconditioner) for each control
   variate in ``--control-variates`` (``none``: GPyTorch's plain estimate) and each probe seed, and its errors:
-  loss relative error and, per component, ``|g - g*| / max(|g*|, 0.1 ||g*||)`` (issue 4's measure).
+  loss relative error and, per component, ``|g - g*| / max(|g*|, 0.1 ||g*||)`` (as
+  :func:`gpnys.gp.mll.grad_errors`).
 
 When the noise is tiny that difference is a few per cent of either trace, and the Hutchinson estimate of
 ``tr K̂⁻¹`` carries its error into it (docs/bo.md, "The noise gradient at the noise floor").
-
-Run:  python benchmarks/bo_gradient.py --threads 2                 (n = 5000, ~3 minutes)
-      python benchmarks/bo_gradient.py --quick                     (n = 300, the tests run it)
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from gpnys.bo import PreconditionedSingleTaskGP
 from gpnys.gp.hook import EstimatorSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: fitted length-scales of the session-7 gpnys fit at n = 5000 (the point where its noise gradient was measured)
+#: the length-scales a gpnys fit of this problem found at n = 5000 (``bo_compare.py --n 5000``: the point where its
+#: noise gradient was measured)
 LENGTHSCALE = "0.286,0.369,0.466,0.342,0.333,0.317"
 
 

@@ -1,4 +1,14 @@
-"""Issue 22: one MLL value + gradient with the kernel split by rows over P processes (torch.distributed, gloo).
+"""One MLL value + gradient, the kernel split by rows over P processes (torch.distributed): time, traffic, memory.
+
+Then a cost model of the same evaluation on 1-8 GPUs at n = 10^6 .. 10^7.
+
+Run:  python benchmarks/distributed.py                  (n = 50 000, P = 1, 2; ~10 minutes on 2 cores)
+      python benchmarks/distributed.py --dtype float32 --dense-gib 0   (memory as a rank at 10^7 / 8 GPUs)
+      python benchmarks/distributed.py --device cuda --procs 1 --n 200000 --dtype float32
+                                                        (P = 1 over NCCL on one GPU against no group)
+      python benchmarks/distributed.py --model-from RUN.json --memory-from A.json,B.json
+                                                        (no runs: the model from a device run's records)
+      python benchmarks/distributed.py --quick          (n = 2000; run by the test suite)
 
 For P in ``--procs`` the script starts P worker processes of itself (one rank each, gloo over localhost, the
 machine's ``--threads`` shared among them) that run the same evaluation on synthetic 3-D data (unit density,
@@ -24,20 +34,12 @@ runs the workers under ``gpnys.memory_budget(dense_bytes=0)``, as a rank at 10^7
 sets their temporary blocks: a GPU's default (1 GiB) holds whole passes at 2 x 10^5 points, which a rank at 10^7
 runs in blocks, so ``--block-mib 32`` measures that rank's bytes per point.
 
-Then a cost model for 1-8 GPUs at n = 10^6 .. 10^7: per evaluation, the single-GPU time measured in issue 19
-(``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H200, float32; ``--gpu-cutoff-1e6-s`` with the cutoff)
-scaled by ``(n / 10^6)^2`` (every pair) or ``n / 10^6`` (cutoff, fixed density) and divided by P, plus the
-all-gathers: ``--products`` products of ``t`` columns, each receiving ``(P - 1) / P n t`` float32 values at
-``--link-gbs`` GB/s; and the memory per rank against ``--gpu-gib``. Prints a table, writes JSON (and a PNG of
-the model).
-
-Run:  python benchmarks/distributed.py                  (n = 50 000, P = 1, 2; ~10 minutes on 2 cores)
-      python benchmarks/distributed.py --dtype float32 --dense-gib 0   (memory as a rank at 10^7 / 8 GPUs)
-      python benchmarks/distributed.py --device cuda --procs 1 --n 200000 --dtype float32
-                                                        (P = 1 over NCCL on one GPU against no group)
-      python benchmarks/distributed.py --model-from results/distributed_h200.json --memory-from A.json,B.json
-                                                        (no runs: the model from a device run's records)
-      python benchmarks/distributed.py --quick          (n = 2000; run by the test suite)
+Then a cost model for 1-8 GPUs at n = 10^6 .. 10^7: per evaluation, the single-GPU time measured by
+``benchmarks/gpu.py --parts mll`` (``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H200, float32;
+``--gpu-cutoff-1e6-s`` with the cutoff) scaled by ``(n / 10^6)^2`` (every pair) or ``n / 10^6`` (cutoff, fixed
+density) and divided by P, plus the all-gathers: ``--products`` products of ``t`` columns, each receiving
+``(P - 1) / P n t`` float32 values at ``--link-gbs`` GB/s; and the memory per rank against ``--gpu-gib``. Prints a
+table, writes JSON (and a PNG of the model).
 """
 
 from __future__ import annotations
@@ -290,8 +292,10 @@ def main(argv=None) -> int:
                     help="a second, memory-only evaluation per P at this n, for bytes per point (default n / 5)")
     ap.add_argument("--gpu-gib", type=float, default=139.8, help="memory per GPU in the model (H200: 139.8; H100: 79.2)")
     ap.add_argument("--timeout", type=float, default=3600.0)
-    ap.add_argument("--gpu-mll-1e6-s", type=float, default=30.04, help="H200, session 25: no cutoff (H100, session 16: 48.6)")
-    ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.21, help="H200, session 25: default cutoff (H100, 16: 2.57)")
+    ap.add_argument("--gpu-mll-1e6-s", type=float, default=30.04,
+                    help="seconds per value + gradient at 10^6 on one GPU, every pair, float32 (default: an H200's)")
+    ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.21,
+                    help="the same with the default cutoff (default: an H200's)")
     ap.add_argument("--products", type=int, default=17, help="products (all-gathers) per evaluation in the model")
     ap.add_argument("--columns", type=int, default=17, help="columns per product in the model (probes + 1)")
     ap.add_argument("--link-gbs", type=float, default=100.0, help="all-gather bandwidth per GPU in the model")

@@ -1,4 +1,8 @@
-"""Issue 21 targets 1-2: do gpnys's standard errors cover the true error, and does ``--accuracy`` deliver it?
+"""Whether gpnys's standard errors cover the true error of the loss and gradient, and whether a requested accuracy
+(``--accuracy``, ``target_rel_error``) is delivered, against Cholesky.
+
+Run:  python benchmarks/error_bars.py                  (elevators n = 4000, Matérn-3/2, 20 seeds)
+      python benchmarks/error_bars.py --quick          (n = 300, 6 seeds, accuracy 1e-2; run by the test suite)
 
 On a real data set at fixed hyperparameters, Cholesky gives the reference loss and gradient once. Then
 
@@ -9,9 +13,6 @@ On a real data set at fixed hyperparameters, Cholesky gives the reference loss a
   time, against the cheapest fixed probe count (hand-tuned, from a sweep) that reaches both shares.
 
 Prints tables, writes JSON (and a PNG of the standardised errors, which should look like N(0, 1)).
-
-Run:  python benchmarks/error_bars.py                  (elevators n = 4000, Matérn-3/2, 20 seeds)
-      python benchmarks/error_bars.py --quick          (n = 300, 6 seeds, accuracy 1e-2; run by the test suite)
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Issue 4 target 3: end-to-end fits on elevators, exact Cholesky vs GPyTorch vs HiGP vs gpnys ``auto``.
+"""End-to-end fits on elevators, exact Cholesky vs GPyTorch vs HiGP vs gpnys ``auto``: training time, loss trace,
+test RMSE and NLL.
+
+Run:  python benchmarks/fit_compare.py --iters 40  (elevators split 0, all ~15k training points; ~75 min)
+      python benchmarks/fit_compare.py --quick     (n = 400, 3 steps; run by the test suite)
 
 Matérn-3/2, the same Adam steps (``--lr``, ``--iters``) from GPyTorch's default initialisation (lengthscale =
 outputscale = softplus(0) = 0.693, noise 0.693 + 1e-4), standardised data. exact: ARD, constant mean, Cholesky
@@ -20,9 +24,6 @@ Loss = -MLL / n before each step (HiGP: total / n). Training time counts the ste
 
 t/t_ex: training time over the exact (closed-form Cholesky) fit's; t/t_gch: over GPyTorch's Cholesky training
 (extrapolated as above).
-
-Run:  python benchmarks/fit_compare.py --iters 40  (elevators split 0, all ~15k training points; ~75 min)
-      python benchmarks/fit_compare.py --quick     (n = 400, 3 steps; run by the test suite)
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""Issue 21 part 5: the accuracy–time frontier of one ``-MLL/n`` value + gradient, gpnys against GPyTorch and HiGP.
+"""The accuracy–time frontier of one ``-MLL/n`` value + gradient, gpnys against GPyTorch and HiGP.
+
+Run:  python benchmarks/frontier.py                  (elevators, bike, kin40k; n = 10 000; RBF and Matérn-3/2;
+                                                      about 15 minutes per case on 2 cores, --resume continues)
+      python benchmarks/frontier.py --refresh gpnys  (re-measure gpnys in the cases already in the JSON, keeping
+                                                      the peers' rows: after a gpnys change)
+      python benchmarks/frontier.py --quick          (elevators n = 500, RBF, a few settings; run by the tests)
 
 For each data set (a seeded subset of ``--n`` training rows) and kernel, the hyperparameters are those an exact
 (Cholesky) fit finds on a ``--fit-n`` subsample (isotropic with zero mean: HiGP has neither ARD nor a mean), and
@@ -21,12 +27,6 @@ settings at the same seeds, without a limit, and checks every budget. For a time
 budget ``t`` a method's error is the best error among its settings that took at most ``t``; the target is that from
 gpnys's cheapest setting up, gpnys's error is below both peers' at every budget (checked at every measured time),
 for the loss and the gradient. Prints a table per case, writes JSON and a PNG (error against time, step frontiers).
-
-Run:  python benchmarks/frontier.py                  (elevators, bike, kin40k; n = 10 000; RBF and Matérn-3/2;
-                                                      about 15 minutes per case on 2 cores, --resume continues)
-      python benchmarks/frontier.py --refresh gpnys  (re-measure gpnys in the cases already in the JSON, keeping
-                                                      the peers' rows: after a gpnys change)
-      python benchmarks/frontier.py --quick          (elevators n = 500, RBF, a few settings; run by the tests)
 """
 
 from __future__ import annotations

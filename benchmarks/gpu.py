@@ -1,4 +1,12 @@
-"""Issue 19: gpnys on a GPU — kernel products, one MLL value + gradient, a short fit and every other path.
+"""gpnys on a GPU: kernel product throughput, one MLL value + gradient against exact and CG baselines, short fits
+and every other public path, with times and peak memory.
+
+Run:  python benchmarks/gpu.py                                  (CUDA: all parts, default sizes; the parts took 1 to 4
+                                                               minutes each on an H100, see RESULTS.md)
+      python benchmarks/gpu.py --parts product --keops          (+ KeOps products in a child process)
+      python benchmarks/gpu.py --parts fit --fit-1e6 --real-sizes "" --fit-synthetic-sizes ""   (the 1e6 fit only)
+      python benchmarks/gpu.py --parts paths                    (every other public path at 1e6 points, one row each)
+      python benchmarks/gpu.py --quick                          (CPU, tiny sizes, Triton interpreted; run by the tests)
 
 Four parts (``--parts``: default ``product,mll,fit``; ``paths`` on request), every timing synchronised
 (``torch.cuda.synchronize``) on CUDA and every peak memory read with ``torch.cuda.max_memory_allocated`` after a
@@ -15,8 +23,8 @@ reset (``None`` on the CPU):
    likelihood, zero mean; ``--lengthscale``, ``--outputscale``, ``--noise``) by
    ``gpnys`` (``use_preconditioner(model, "auto")``, default backend; at the synthetic sizes also ``gpnys_prune0``,
    ``EstimatorSettings(kernel_prune_tol=0)``: every pair, and ``gpnys_prune0_floor10``, the same with the fixed
-   floor of 10 Lanczos steps, ``lanczos_share=None``: the estimator before session 25), ``gpytorch_cholesky`` (GPyTorch's exact path, float64, only where
-   3 n^2 x 8 bytes fit in the free memory, else ``skipped (memory)``), ``cholesky_closed`` (the same exact loss by
+   floor of 10 Lanczos steps, ``lanczos_share=None``: the estimator before commit 16cf2ec), ``gpytorch_cholesky``
+   (GPyTorch's exact path, float64, only where 3 n^2 x 8 bytes fit in the free memory, else ``skipped (memory)``), ``cholesky_closed`` (the same exact loss by
    :func:`gpnys.gp.exact.cholesky_loss`, float64, closed-form gradient, where 4 n^2 x 8 bytes fit), ``gpytorch_cg``
    (``max_cholesky_size(0)``, GPyTorch's defaults; an OOM is recorded as ``OOM``) and, with ``--keops``,
    ``gpytorch_keops`` (``gpytorch.kernels.keops.MaternKernel`` under ``max_cholesky_size(0)``, in a child process).
@@ -26,8 +34,8 @@ reset (``None`` on the CPU):
    200k and 1e6.
 3. fit: ``--fit-steps`` Adam steps (lr ``--lr``) from GPyTorch's initialisation (constant mean) by ``gpnys``,
    ``gpytorch_cg`` and ``cholesky`` (closed-form gradient, float64, where it fits) at the real sizes and synthetic
-   200k; ``--fit-1e6`` adds synthetic 1e6 with gpnys and ``--fit-1e6-steps`` (50) steps: the issue's "50-step Adam
-   fit on 10^6 points within one hour". Wall time (steps only), final loss and hyperparameters; the ETA is printed
+   200k; ``--fit-1e6`` adds synthetic 1e6 with gpnys and ``--fit-1e6-steps`` (50) steps (the aim: a 50-step Adam
+   fit on 10^6 points within one hour). Wall time (steps only), final loss and hyperparameters; the ETA is printed
    after the first step. A fit whose ETA exceeds ``--fit-max-seconds`` stops there (``stopped``; not the 1e6 fit).
 4. paths: every other public path once on ``synthetic3d`` at ``--paths-n`` (1e6) points, ``--dtype``,
    ScaleKernel(Matérn-3/2) at ``--lengthscale``, ``--outputscale``, ``--noise``: FPS (500 landmarks), the causal kNN
@@ -51,13 +59,6 @@ projected from the previous size of the same method (x n^2, x n for gpnys with i
 about 4096 points and, for gpnys, 20 480 points on the fly (a cutoff plan's block-sparse kernels), each congruent to
 n mod 1024 so that Triton's size specialisation compiles the variants the timed call runs. The JSON is rewritten
 after every row, so an interrupted run keeps what it measured.
-
-Run:  python benchmarks/gpu.py                                  (CUDA: all parts, default sizes; the parts took 1 to 4
-                                                               minutes each on an H100, see RESULTS.md)
-      python benchmarks/gpu.py --parts product --keops          (+ KeOps products in a child process)
-      python benchmarks/gpu.py --parts fit --fit-1e6 --real-sizes "" --fit-synthetic-sizes ""   (the 1e6 fit only)
-      python benchmarks/gpu.py --parts paths                    (every other public path at 1e6 points, one row each)
-      python benchmarks/gpu.py --quick                          (CPU, tiny sizes, Triton interpreted; run by the tests)
 """
 
 from __future__ import annotations
@@ -388,7 +389,7 @@ def load_hypers(model, hypers: dict):
 
 def gpnys_settings(args, prune0: bool, floor10: bool = False) -> EstimatorSettings:
     """The gpnys rows' settings: ``prune0`` computes every pair (no cutoff); ``floor10`` keeps the fixed floor of 10
-    Lanczos steps (``lanczos_share=None``: the estimator before session 25, a same-run baseline)."""
+    Lanczos steps (``lanczos_share=None``: the estimator before commit 16cf2ec, a same-run baseline)."""
     return EstimatorSettings(kernel_backend=args.gpnys_backend, kernel_prune_tol=0.0 if prune0 else None,
                              lanczos_share=None if floor10 else EstimatorSettings.lanczos_share)
 

@@ -1,31 +1,31 @@
 #!/usr/bin/env bash
-# Device calls for issues 19 and 22, run on the GPU machine from the repository root. Logs and JSON go to $OUT
-# (default benchmarks/results/gpu_check). PARTS (comma-separated, run in this order):
-#   dist   issue 22: one MLL value + gradient at n = 200 000 with the multi-GPU path as P = 1 over NCCL against no
-#          process group (`benchmarks/distributed.py --device cuda`), then untimed evaluations at 200 000 and
-#          40 000 for the bytes per point on the GPU (max_memory_allocated), by default and as a rank at 10^7 / 8
-#          GPUs runs (`--dense-gib 0 --block-mib 32`); about three minutes, alone on the GPU;
+# The benchmarks' GPU runs, from the repository root on a CUDA machine. Logs and JSON go to $OUT (default
+# benchmarks/results/gpu_check). PARTS (comma-separated, run in this order):
+#   dist   one MLL value + gradient at n = 200 000 with the multi-GPU path as P = 1 over NCCL against no process
+#          group (`benchmarks/distributed.py --device cuda`), then untimed evaluations at 200 000 and 40 000 for the
+#          bytes per point on the GPU (max_memory_allocated), by default and as a rank at 10^7 / 8 GPUs runs
+#          (`--dense-gib 0 --block-mib 32`); about three minutes, alone on the GPU;
 #   mll    one MLL value + gradient at 25 000 (kin40k) and 2 x 10^5, 10^6 (synthetic3d), with the cutoff, every
-#          pair, and every pair with the fixed floor of 10 Lanczos steps (the estimator before session 25) (`gpu.py
-#          --parts mll`); alone on the GPU, about 2 minutes: the 10^6 every-pair time is the cost model's
-#          `--gpu-mll-1e6-s` (issue 22's projection to 10^7 on 8 GPUs);
-#   kernels  session 22's Triton kernels: one product of 17 and of 32 columns at n = 10^4 .. 10^6 (`gpu.py --parts
-#          product`), then the same products by BEFORE's package (default 3479e1d: the kernels before session 22)
-#          where this copy has the git history to check it out (worktree.log says why not); alone on the GPU,
-#          about 4 minutes (measured in session 25: 0.72x at 2 x 10^5);
+#          pair, and every pair with the fixed floor of 10 Lanczos steps (the estimator before commit 16cf2ec)
+#          (`gpu.py --parts mll`); alone on the GPU, about 2 minutes: the 10^6 every-pair time is the
+#          `--gpu-mll-1e6-s` of distributed.py's cost model (its projection to 10^7 on 8 GPUs);
+#   kernels  the Triton kernels' products of 17 and of 32 columns at n = 10^4 .. 10^6 (`gpu.py --parts product`),
+#          then the same products by BEFORE's package (default 3479e1d: the kernels before commits 9668307..31ea970
+#          zero-padded their operands, kept coordinates in registers and took exponentials as ex2) where this copy
+#          has the git history to check it out (worktree.log says why not); alone on the GPU, about 4 minutes;
 #   suite  the `cuda` test suite (in the background, beside the fit);
 #   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
 #   paths  every other public path at 10^6 (`gpu.py --parts paths`);
 #   collect  wait for a fit that an earlier call left running (DETACH=1) and copy its files to $OUT.
-# Parts that run together share the GPU, so their wall times are upper bounds. The device tool returns at most 8 files:
-# give OUT a folder outside the call's $OUT and tar it into $OUT at the end (session 25's calls did).
-# DETACH=1 starts the fit in its own process session under $KEEP (outside the call's $OUT), so it outlives the call
-# while the machine stays warm: the call waits until LIMIT seconds, copies what the fit has written so far (JSON, log,
-# checkpoint) to $OUT, and a next call made at once with PARTS=collect (then e.g. dist) picks it up. Without a warm
+# Parts that run together share the GPU, so their wall times are upper bounds. Where the runner hands back only a
+# few files, give OUT a folder outside the folder it returns and tar OUT into that folder at the end.
+# DETACH=1 starts the fit detached (setsid) under $KEEP (outside the returned folder), so it outlives the call
+# while the machine stays up: the call waits until LIMIT seconds, copies what the fit has written so far (JSON,
+# log, checkpoint) to $OUT, and a next call made at once with PARTS=collect (then e.g. dist) picks it up. On a fresh
 # machine, copy the returned checkpoint into the checkout and rerun with FIT_CKPT=<that path> PARTS=fit: the fit
 # resumes at its last step, clock included. FIT_ARGS adds gpu.py arguments (a CPU test: "--device cpu
 # --fit-1e6-n 2000 --fit-1e6-steps 4").
-#   LIMIT=300 PARTS=mll,suite bash benchmarks/gpu_check.sh              # session 25's change, then the cuda suite
+#   LIMIT=300 PARTS=mll,suite bash benchmarks/gpu_check.sh              # the MLL rows, then the cuda suite
 #   LIMIT=540 DETACH=1 PARTS=suite,fit bash benchmarks/gpu_check.sh      # call 1
 #   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
 set -u
@@ -70,7 +70,7 @@ case $PARTS in *kernels*)
     done
   }
   products "$PWD" after
-  # the kernels before session 22 (BEFORE), last: only where this copy has the git history to check them out
+  # the baseline kernels (BEFORE), last: only where this copy has the git history to check them out
   [ -d "$KEEP/before/gpnys" ] ||
       git worktree add --detach -f "$KEEP/before" "${BEFORE:-3479e1d}" > "$OUT/worktree.log" 2>&1
   if [ -d "$KEEP/before/gpnys" ]; then products "$KEEP/before" before; fi

@@ -1,5 +1,8 @@
 """A static throughput model of the Triton kernels on an H100 (sm_90), from their compiled instructions; no GPU.
 
+Run:  python benchmarks/kernel_model.py --before 3479e1d     (~10 s to a minute: ~20 compilations)
+      python benchmarks/kernel_model.py --quick              (this tree's product kernel only; the test suite)
+
 Triton compiles each kernel for sm_90 (TTIR -> PTX -> cubin with the ptxas it ships), ``nvdisasm`` lists the SASS,
 and the script counts the instructions one thread issues per ``64 x 64`` tile: the column-block loop's body, each
 loop nested in it weighted by its trip count (the loops over the dimensions or column chunks). The tiles are
@@ -7,19 +10,17 @@ issue-bound -- the FP32 ``tl.dot``'s FFMAs and the elementwise work share the FM
 scheduler and cycle -- so a tile's time is taken proportional to its instruction count, which holds only while
 nothing spills: the ``spills`` column counts the kernel's stores to local memory (before / after; the calibration
 kernel itself has 4, all outside its loop). Calibration: the H100's measured product, Matérn-3/2, d = 3, 32
-columns, float32 (3.41e11 entries/s at n = 10^6, session 12, ``gpu_h100_product_specialised.json``); check: the
-same with TF32, measured 5.80e11 entries/s.
+columns, float32 (3.41e11 entries/s at n = 10^6 with the kernels of commit 62efdbb,
+``gpu_h100_product_specialised.json``); check: the same with TF32, measured 5.80e11 entries/s.
 
 Then one MLL value + gradient at n = 10^6 (every pair, error bars on: ``--cg-iterations`` products of 17 columns
-and one per-probe pass of 17 columns with two planes (isotropic), plus the measured setup; session 16's code had
-one more derivative pass of one column, which the model adds for its check against the measured 48.6 s) for the
-baseline revision and this tree, and the cost model of ``benchmarks/distributed.py`` at 10^7 points on 8 GPUs.
+and one per-probe pass of 17 columns with two planes (isotropic), plus the measured setup; the code of commit
+000f71c, measured at 48.6 s on an H100, had one more derivative pass of one column, which the model adds for its
+check against that measurement) for the baseline revision and this tree, and the cost model of
+``benchmarks/distributed.py`` at 10^7 points on 8 GPUs.
 
 This predicts; it does not measure. The GPU run that checks it is ``PARTS=kernels`` of
 ``benchmarks/gpu_check.sh``.
-
-Run:  python benchmarks/kernel_model.py --before 3479e1d     (~10 s to a minute: ~20 compilations)
-      python benchmarks/kernel_model.py --quick              (this tree's product kernel only; the test suite)
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-if __name__ == "__main__":  # compile for real (a test session sets the interpreter; it runs this in a child)
+if __name__ == "__main__":  # compile for real (the test suite sets the interpreter; it runs this in a child)
     os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
@@ -54,7 +55,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 KERNELS = "gpnys/kernels/backends/triton_kernels.py"
 MEASURED = {"kv_t32_entries_per_s": 3.41e11, "kv_t32_tf32_entries_per_s": 5.80e11, "mll_1e6_s": 48.6,
             "setup_1e6_s": 1.51, "cg_iterations_1e6": 11}
-SPEC = dict(MEASURED=MEASURED, source="benchmarks/RESULTS.md: H100 sessions 12 (product) and 16 (MLL at 10^6)")
+SPEC = dict(MEASURED=MEASURED, source="benchmarks/RESULTS.md: H100 runs of the product (commit 62efdbb) and the MLL at 10^6 (000f71c)")
 
 
 def load_kernels(rev: str | None):
@@ -203,7 +204,7 @@ def mll_model(rows: list[dict], args) -> dict:
                 + (by[CASES[5][0]][f"{tag}_instructions"] if extra_derivative else 0))
         return MEASURED["setup_1e6_s"] + tiles * work * sec_per_instr
 
-    res = {"session16_modelled_s": seconds("before", True), "session16_measured_s": MEASURED["mll_1e6_s"],
+    res = {"check_1e6_modelled_s": seconds("before", True), "check_1e6_measured_s": MEASURED["mll_1e6_s"],
            "before_1e6_s": seconds("before", False), "after_1e6_s": seconds("after", False)}
     spec = importlib.util.spec_from_file_location("distributed", Path(__file__).parent / "distributed.py")
     dist = importlib.util.module_from_spec(spec)
@@ -241,8 +242,8 @@ def main(argv=None) -> dict:
         tf = next(r for r in out["kernels"] if r["case"] == CASES[1][0])
         print(f"check: TF32 product modelled {tf['before_entries_per_s']:.3g} entries/s, measured "
               f"{MEASURED['kv_t32_tf32_entries_per_s']:.3g}")
-        print(f"MLL at 10^6, every pair: session 16 modelled {m['session16_modelled_s']:.1f} s (measured "
-              f"{m['session16_measured_s']} s); before {m['before_1e6_s']:.1f} s, after {m['after_1e6_s']:.1f} s")
+        print(f"MLL at 10^6, every pair: the H100 run of 000f71c modelled {m['check_1e6_modelled_s']:.1f} s (measured "
+              f"{m['check_1e6_measured_s']} s); before {m['before_1e6_s']:.1f} s, after {m['after_1e6_s']:.1f} s")
         print(f"10^7 points on 8 GPUs, every pair: before {m['before_1e7_8gpus_s']:.0f} s, after "
               f"{m['after_1e7_8gpus_s']:.0f} s (target <= 300 s)")
         print("every pair, s per evaluation (benchmarks/distributed.py's cost model): n, GPUs, before, after")

@@ -1,12 +1,13 @@
-"""Issue 4 target 1-2: one -MLL/n value + gradient on elevators, exact Cholesky vs GPyTorch default vs HiGP vs gpnys.
+"""The accuracy and time of one -MLL/n value + gradient on elevators: exact Cholesky vs GPyTorch's default vs HiGP
+vs gpnys.
+
+Run:  python benchmarks/mll_accuracy.py                   (n = 10000, lengthscales 0.3,1,3, 5 seeds)
+      python benchmarks/mll_accuracy.py --quick           (n = 500, 2 seeds; run by the test suite)
 
 For each length-scale, Cholesky (float64) once, then GPyTorch's default CG + SLQ, HiGP's defaults (when installed)
 and gpnys (``auto`` by default)
 over several seeds; reports the median loss relative error, the median error of each gradient component
 (|g - g*| / max(|g*|, 0.1 ||g*||_2)) and the median time. Prints a table and writes JSON.
-
-Run:  python benchmarks/mll_accuracy.py                   (n = 10000, lengthscales 0.3,1,3, 5 seeds)
-      python benchmarks/mll_accuracy.py --quick           (n = 500, 2 seeds; run by the test suite)
 """
 
 from __future__ import annotations

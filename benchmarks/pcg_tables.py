@@ -1,5 +1,8 @@
 """Reproduce the patterns of the AFN paper's PCG tables (Zhao et al. 2024, Tables 1(a), 1(b), 2, 3(b)).
 
+Run:  python benchmarks/pcg_tables.py            (full; about an hour on 2 cores)
+      python benchmarks/pcg_tables.py --quick    (tiny n, seconds; run by the test suite)
+
 Columns: none / pivoted Cholesky rank 15 (GPyTorch's default) / pivoted Cholesky rank-matched to AFN /
 RAN (uniform column Nyström, RAN scaling, rank 3000 capped at n/4) / sketch Nyström (same rank) /
 FSAI (w = 400) / AFN (k = 2000, w = 100) / auto (Algorithm 5). Reported: PCG iterations to relative residual
@@ -10,9 +13,6 @@ local geometry matches the paper's n = 160 000) instead of 160 000, a subset of 
 dense cached kernel matvecs instead of H2, one right-hand side per column (paper: average of 3).
 Length-scales are converted to GPyTorch's convention at this edge only: Gaussian l_paper^2 -> ell =
 sqrt(l^2 / 2); Matérn 1/l -> ell = l.
-
-Run:  python benchmarks/pcg_tables.py            (full; about an hour on 2 cores)
-      python benchmarks/pcg_tables.py --quick    (tiny n, seconds; run by the test suite)
 """
 
 from __future__ import annotations

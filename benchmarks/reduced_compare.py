@@ -1,4 +1,8 @@
-"""Issue 5 benchmarks: Nyström-reduced GP posteriors against the full GP on elevators, bike and kin40k.
+"""Nyström-reduced GP posteriors against the full GP on elevators, bike and kin40k: RKHS error and test RMSE against
+the number of landmarks, random Fourier features and NYTRO.
+
+Run:  python benchmarks/reduced_compare.py --threads 2      (~15 min on 2 cores)
+      python benchmarks/reduced_compare.py --quick          (n = 300; run by the test suite)
 
 Per data set (split 0 of the data set's own test mask; a seeded subsample of ``--n`` training rows so the full GP
 is one dense Cholesky; at most ``--n-test`` test rows), RBF ARD kernel with hyperparameters from an exact-MLL fit
@@ -6,17 +10,15 @@ is one dense Cholesky; at most ``--n-test`` test rows), RBF ARD kernel with hype
 ``results/reduced_hyper.json``, ``--refit`` to redo):
 
 1. GSA (both coefficient choices) vs LLA (= NCR; NCR is checked against LLA at one m) — exact RKHS error
-   ``|f - f*|_H`` ([SPA] eq. (15), (19)) and test RMSE vs m, for every landmark rule (uniform, fps, kmeans,
-   leverage). Is the seeds' conjecture "GSA is more accurate than LLA" true here?
+   ``|f - f*|_H`` ([SPA] eq. (15), (19): W. Li, M. Liu, D. Zhang, "Geometric Interpretation of Running
+   Nyström-Based Kernel Machines and Error Analysis") and test RMSE vs m, for every landmark rule (uniform, fps,
+   kmeans, leverage). Is [SPA]'s conjecture "GSA is more accurate than LLA" true here?
 2. Nyström (LLA, uniform landmarks, as in Yang et al. 2012) vs random Fourier features at equal budgets:
    ``m`` landmarks vs ``m`` frequencies (``2m`` features), ``--seeds`` seeds each.
 3. NYTRO vs Nyström KRR (= the NCR mean at ``sigma^2 = n lambda``): test RMSE along NYTRO's path (every step)
    and along the Tikhonov path at ``lambda = 1 / (gamma t)``, with their times (``--nytro-m`` uniform landmarks).
 
 Prints tables, writes ``results/reduced_compare.json`` and ``results/reduced_compare.png``.
-
-Run:  python benchmarks/reduced_compare.py --threads 2      (~15 min on 2 cores)
-      python benchmarks/reduced_compare.py --quick          (n = 300; run by the test suite)
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""Issue 7: one -MLL/n value + gradient with ``auto`` at n = 50k, 100k, 200k: wall time and peak memory vs n.
+"""One -MLL/n value + gradient with ``auto`` at n = 50k, 100k, 200k: wall time and peak memory vs n.
+
+Run:  python benchmarks/scale.py                       (synthetic3d 50k,100k,200k + kin40k; float32 and float64)
+      python benchmarks/scale.py --sizes 200000 --dtypes float32 --reference
+      python benchmarks/scale.py --sizes "" --out benchmarks/results/scale_kin40k.json   (kin40k only)
+      python benchmarks/scale.py --sizes "" --no-kin40k --knn 20000:3,50000:3,200000:3,20000:18 --out ...knn.json
+      python benchmarks/scale.py --quick                (n = 3000, 6000; run by the test suite)
 
 Each point runs ``gpnys mll ... --method auto --json`` in a fresh process (so the peak RSS, read with
 its own ``getrusage``), on synthetic 3-D points with unit density (``synthetic3d`` with ``--no-standardize``: a cube
@@ -7,12 +13,6 @@ of edge n^(1/3), the AFN paper's set, so the length-scale is in units of the mea
 with tighter settings (CG tolerance 1e-3, 64 probes, 30 Lanczos steps; ``--reference-dtype``, float64 by default)
 and reports the loss difference.
 Prints a table, writes JSON and a PNG (time and peak RSS vs n).
-
-Run:  python benchmarks/scale.py                       (synthetic3d 50k,100k,200k + kin40k; float32 and float64)
-      python benchmarks/scale.py --sizes 200000 --dtypes float32 --reference
-      python benchmarks/scale.py --sizes "" --out benchmarks/results/scale_kin40k.json   (kin40k only)
-      python benchmarks/scale.py --sizes "" --no-kin40k --knn 20000:3,50000:3,200000:3,20000:18 --out ...knn.json
-      python benchmarks/scale.py --quick                (n = 3000, 6000; run by the test suite)
 """
 
 from __future__ import annotations

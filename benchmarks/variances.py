@@ -1,4 +1,8 @@
-"""Issue 21 part 4: predictive variances at many test points, fast and with a per-point error bound.
+"""Predictive variances at many test points, fast and with a per-point error bound: time and error of each variance
+method against the exact posterior.
+
+Run:  python benchmarks/variances.py                 (elevators, all 14 940 training rows)
+      python benchmarks/variances.py --quick         (n = 600; run by the test suite)
 
 Hyperparameters come from an exact (Cholesky) fit on a ``--fit-n`` subsample of the training split; then, on the
 whole training split (elevators split 0: n = 14 940, the demo's), each method predicts at the test split (1659
@@ -14,9 +18,6 @@ Columns: time of the whole prediction (mean and variances) and of the variances 
 for LOVE the whole call), the relative variance error (median, max) against
 Cholesky, the test NLL and its difference, the share of points whose error is within the reported bound, and the
 median bound relative to the variance. Prints a table, writes JSON and a PNG (error against bound).
-
-Run:  python benchmarks/variances.py                 (elevators, all 14 940 training rows)
-      python benchmarks/variances.py --quick         (n = 600; run by the test suite)
 """
 
 from __future__ import annotations

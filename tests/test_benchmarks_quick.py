@@ -94,7 +94,7 @@ def test_scale_quick(tmp_path):
 
 
 def test_gpu_quick(tmp_path):
-    """Issue 19's GPU benchmark on the CPU: products by torch tiles and (interpreted) Triton, MLL rows against
+    """The GPU benchmark on the CPU: products by torch tiles and (interpreted) Triton, MLL rows against
     Cholesky, short fits; every row in the JSON."""
     from gpnys.kernels.backends import triton_available
 
@@ -230,7 +230,7 @@ def test_frontier_quick(tmp_path):
 
 
 def test_distributed_quick(tmp_path):
-    """Issue 22's benchmark at n = 2000: P = 1 without a group, P = 1 and 2 with one (gloo); identical results,
+    """The distributed benchmark at n = 2000: P = 1 without a group, P = 1 and 2 with one (gloo); identical results,
     the communication counted, the cost model's rows."""
     out = tmp_path / "distributed.json"
     load("distributed").main(["--quick", "--out", str(out)])
@@ -284,7 +284,7 @@ def test_ab_quick(tmp_path):
 
 
 def test_kernel_model_quick(tmp_path):
-    """The static model compiles this tree's product kernel for sm_90 (in a child: the test session interprets the
+    """The static model compiles this tree's product kernel for sm_90 (in a child: the test process interprets the
     kernels) and counts a positive, spill-free instruction budget per tile."""
     import os
     import subprocess
