@@ -118,3 +118,23 @@ def test_noise_at_its_constraint_floor(dtype):
     mean = torch.tensor(losses, dtype=torch.float64)
     rounding = 1e-8 if dtype == torch.float64 else 1e-2 * (1 + abs(exact))
     assert abs(float(mean.mean()) - exact) <= 5 * float(mean.std()) / math.sqrt(8) + rounding
+
+
+@pytest.mark.parametrize("method", ["afn", "auto", "fsai", "nystrom"])
+@pytest.mark.parametrize("n", [3, 20, 30])
+def test_default_sizes_fit_a_small_n(method, n):
+    """GP_DEFAULTS' k = 500, w = 30 are capped at n: no error about a size the caller never passed."""
+    model, X, y = _model(torch.float64, n=n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalWarning)
+        mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+        with gpnys.use_preconditioner(model, method) as hook:
+            loss = float(-mll(model(X), y))
+    exact = _cholesky_loss(model, X, y)
+    assert abs(loss - exact) <= 5 * hook.last_estimate.std_error / n + 1e-8
+
+
+def test_an_explicit_size_above_n_is_still_refused():
+    model, X, y = _model(torch.float64, n=20)
+    with pytest.raises(ValueError, match="w"):
+        gpnys.use_preconditioner(model, "afn", w=30).__enter__()

@@ -117,7 +117,7 @@ class PreconditionerHook(HookPrediction):
         self.method = method
         self.settings = settings or EstimatorSettings()
         self.seed = seed
-        self.options = {**GP_DEFAULTS.get(method, {}), **options} if isinstance(method, str) else options
+        self._user_options = dict(options)
         self._set_data(model.train_inputs[0] if train_x is None else train_x)
         for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
             if options.get(key) is not None:
@@ -161,6 +161,9 @@ class PreconditionerHook(HookPrediction):
         if not bool((torch.isfinite(noise) & (noise > 0)).all()):
             raise ValueError("likelihood.noise must be positive and finite")
         self._promotion: tuple | None = None
+        # GP_DEFAULTS' sizes at most n (an explicit size is the caller's, validated against n in __init__)
+        defaults = GP_DEFAULTS.get(self.method, {}) if isinstance(self.method, str) else {}
+        self.options = {**{key: min(value, X.shape[0]) for key, value in defaults.items()}, **self._user_options}
         self.train_x = X.detach().to(computation_dtype(model, X))
         self.cache = PointCache(self.train_x)
         self._key: tuple | None = None
