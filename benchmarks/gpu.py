@@ -100,7 +100,7 @@ from typing import Any, Callable  # noqa: E402
 import gpytorch  # noqa: E402
 
 from gpnys import datasets  # noqa: E402
-from gpnys.gp.exact import ExactGPModel, cholesky_loss, fit, hyperparameters  # noqa: E402
+from gpnys.gp.exact import ExactGPModel, cholesky_loss, fit, hyperparameters, read_checkpoint  # noqa: E402
 from gpnys.gp.hook import GP_DEFAULTS, EstimatorSettings, use_preconditioner  # noqa: E402
 from gpnys.gp.mll import grad_errors  # noqa: E402
 from gpnys.kernels.backends import select_backend, triton_available  # noqa: E402
@@ -582,7 +582,7 @@ def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, 
     n = X.shape[0]
     row.update(n=n, dtype=str(dtype).replace("torch.", ""), steps=steps, loss_trace=[], time_trace=[])
     if checkpoint and os.path.exists(checkpoint):  # (fit restores the model; only the step clock is read here)
-        done = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        done = read_checkpoint(checkpoint)
         row.update(loss_trace=list(done["loss_trace"]), time_trace=[s["t_s"] for s in done["steps"]],
                    step_info=[s.get("info") for s in done["steps"]], resumed_at_step=len(done["loss_trace"]))
     model = make_model(X, y, None, mean="constant")

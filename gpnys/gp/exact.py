@@ -10,6 +10,8 @@ full-split Cholesky baselines practical (docs/training.md).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import math
 import os
 import time
@@ -26,7 +28,7 @@ from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.base import safe_cholesky, validate_training_data
 
 __all__ = ["ExactGPModel", "FitResult", "fit", "predict", "gaussian_nll", "hyperparameters", "cholesky_loss",
-           "OPTIMIZERS"]
+           "read_checkpoint", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adam", "lbfgs")
 
@@ -182,20 +184,77 @@ class FitResult:
     stopped: str | None = None
 
 
+#: the first bytes of a fit checkpoint: format tag, then the payload's SHA-256, then the ``torch.save`` payload
+CHECKPOINT_MAGIC = b"gpnys.fit/2\n"
+
+
+def _fingerprint(model: torch.nn.Module, optimizer: str) -> dict[str, Any]:
+    """What a checkpoint must match to resume: the training data (n, d, dtype and a float64 digest of its values,
+    rounded to 10 digits so that a move between devices still matches), the model's modules and parameter shapes,
+    and the optimiser."""
+    X, y = model.train_inputs[0], model.train_targets
+
+    def digest(t: torch.Tensor) -> list[float]:
+        v = t.detach().reshape(-1).to(torch.float64)
+        w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device).remainder(97.0) + 1.0
+        return [float(f"{x:.10g}") for x in torch.stack([v.sum(), (v * w).sum(), v.square().sum()]).tolist()]
+
+    return {"n": int(X.shape[-2]), "d": int(X.shape[-1]), "dtype": str(X.dtype), "inputs": digest(X),
+            "targets": digest(y), "optimizer": optimizer,
+            "modules": [f"{name}:{type(m).__name__}" for name, m in model.named_modules()],
+            "parameters": {name: list(p.shape) for name, p in model.named_parameters()}}
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The state :func:`fit` wrote to a checkpoint file (``loss_trace``, ``steps``, ``model``, ``fingerprint``, ...),
+    after checking its SHA-256; ``ValueError`` naming the file if it is truncated, corrupt or not a checkpoint."""
+    name = os.fspath(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw.startswith(CHECKPOINT_MAGIC) or len(raw) < len(CHECKPOINT_MAGIC) + 65:
+        raise ValueError(f"checkpoint {name!r} is not a gpnys fit checkpoint ({len(raw)} bytes; empty, truncated, "
+                         "another file or one from gpnys < 0.2): delete it to start afresh")
+    head = len(CHECKPOINT_MAGIC)
+    digest, payload = raw[head : head + 64].decode("ascii", "replace"), raw[head + 65 :]
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise ValueError(f"checkpoint {name!r} is corrupt (its SHA-256 does not match its contents): delete it to "
+                         "start afresh")
+    try:
+        # our own file, checksummed: model, optimiser and random states
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 (any unpickling failure is the same corrupt file to the caller)
+        raise ValueError(f"checkpoint {name!r} cannot be read: {err}") from err
+    if not isinstance(state, dict) or "fingerprint" not in state:
+        raise ValueError(f"checkpoint {name!r} holds no gpnys fit state")
+    return state
+
+
 def _resume(path: str | os.PathLike, model: torch.nn.Module, opt: torch.optim.Optimizer, optimizer: str,
-            result: FitResult) -> float:
+            result: FitResult, lr: float) -> float:
     """Load :func:`fit`'s checkpoint at ``path`` (if the file exists) into ``model``, ``opt`` and ``result``, and
-    torch's random state; returns the elapsed step time it records (0 without a file)."""
+    torch's random state; returns the elapsed step time it records (0 without a file). The checkpoint must come
+    from this model, data and optimiser (a ``ValueError`` naming the file and the difference otherwise); the call's
+    ``lr`` replaces the stored one."""
     if not os.path.exists(path):
         return 0.0
-    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file: model, optimiser, RNG state
-    if not isinstance(state, dict) or state.get("format") != "gpnys.fit/1" or state.get("optimizer") != optimizer:
-        raise ValueError(f"checkpoint {os.fspath(path)!r} is not a gpnys fit checkpoint for optimizer={optimizer!r}")
+    state = read_checkpoint(path)
+    expected = _fingerprint(model, optimizer)
+    theirs = state["fingerprint"]
+    if theirs.get("optimizer") != optimizer:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} is not a gpnys fit checkpoint for optimizer={optimizer!r} "
+                         f"(it was written by optimizer={theirs.get('optimizer')!r})")
+    diff = [key for key in expected if theirs.get(key) != expected[key]]
+    if diff:  # another data set, size, dtype or model structure
+        key = diff[0]
+        raise ValueError(f"checkpoint {os.fspath(path)!r} does not match this model: its {key} is "
+                         f"{theirs.get(key)!r}, this model's {expected[key]!r}")
     try:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
     except (RuntimeError, ValueError, KeyError) as err:
         raise ValueError(f"checkpoint {os.fspath(path)!r} does not match this model: {err}") from err
+    for group in opt.param_groups:  # the call's learning rate, not the one the checkpoint was written with
+        group["lr"] = lr
     result.loss_trace[:], result.steps[:] = state["loss_trace"], state["steps"]
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
@@ -205,13 +264,18 @@ def _resume(path: str | os.PathLike, model: torch.nn.Module, opt: torch.optim.Op
 
 def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: torch.optim.Optimizer, optimizer: str,
                      result: FitResult, elapsed_s: float) -> None:
-    """Write :func:`fit`'s checkpoint (its docstring) atomically: a crash mid-write keeps the previous one."""
-    state = {"format": "gpnys.fit/1", "optimizer": optimizer, "model": model.state_dict(), "opt": opt.state_dict(),
+    """Write :func:`fit`'s checkpoint (its docstring) atomically, with its checksum: a crash mid-write keeps the
+    previous one."""
+    state = {"fingerprint": _fingerprint(model, optimizer), "model": model.state_dict(), "opt": opt.state_dict(),
              "loss_trace": list(result.loss_trace), "steps": list(result.steps), "elapsed_s": elapsed_s,
              "rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
     tmp = f"{os.fspath(path)}.tmp"
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        f.write(CHECKPOINT_MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
     os.replace(tmp, path)
 
 
@@ -256,8 +320,10 @@ def fit(
             state, the loss trace, ``steps``, the elapsed step time and torch's random state are written there
             (``torch.save``, through a temporary file and a rename). If the file exists when ``fit`` starts, training
             resumes from it: ``iters`` counts every step, so ``iters - len(loss_trace)`` more are run, and the
-            result (``train_time_s`` included) covers them all. A checkpoint from another model or optimiser
-            raises ``ValueError``.
+            result (``train_time_s`` included) covers them all. The file carries a SHA-256 of its contents and a
+            fingerprint of the model (data digest, n, d, dtype, modules, parameter shapes, optimiser): a corrupt
+            file, or one from another model, data set or optimiser, raises ``ValueError`` naming the file and the
+            difference. A resumed fit uses this call's ``lr``.
 
     L-BFGS stops cleanly at the first step whose line search makes no progress (the loss at the next step's start
     is not below this step's): the parameters go back to the best point, ``stopped = "line search failed"``. A
@@ -313,7 +379,7 @@ def fit(
         return value
 
     result = FitResult()
-    previous_s = _resume(checkpoint, model, opt, optimizer, result) if checkpoint is not None else 0.0
+    previous_s = _resume(checkpoint, model, opt, optimizer, result, lr) if checkpoint is not None else 0.0
     start = time.perf_counter() - previous_s
     bar = tqdm(range(len(result.loss_trace), iters), desc="fit", disable=not progress, leave=True,
                initial=len(result.loss_trace), total=iters)
