@@ -11,7 +11,7 @@ best-so-far vs wall time.
 
 Run:  python examples/bo_large_n.py --quick                       (seconds; the test suite runs it)
       python examples/bo_large_n.py --n-init 5000 --iters 10 --seeds 0,1,2 --threads 2 \\
-          --json benchmarks/results/bo_loop.json                     (issue 6 target 2)
+          --json benchmarks/results/bo_loop.json                     (the run in docs/bo.md)
       add --checkpoint DIR to save every iteration and resume an interrupted campaign from DIR
 """
 

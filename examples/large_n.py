@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 loss.backward()
                 opt.step()
                 rec = hook.history[-1]
-                row = {"step": step, "loss": float(loss), "time_s": time.perf_counter() - t0, "precond": rec.kind,
-                       "rank": rec.rank, "kernel_fraction": hook.kernel_fraction,
+                row = {"step": step, "loss": float(loss.detach()), "time_s": time.perf_counter() - t0,
+                       "precond": rec.kind, "rank": rec.rank, "kernel_fraction": hook.kernel_fraction,
                        "lengthscale": float(model.covar_module.base_kernel.lengthscale),
                        "noise": float(model.likelihood.noise)}
                 rows.append(row)

@@ -88,7 +88,7 @@ def mll(group, **options):
 
 
 def mll_cv(group):
-    """The control variate's diag and frozen families with their non-landmark rows split (issue 22): the diag
+    """The control variate's diag and frozen families with their non-landmark rows split across processes: the diag
     family with its error-bar rows from the frozen closed form (the proxy, forced here at n = 300), once with a
     requested accuracy (several probe batches, a backward per batch)."""
     import gpnys.gp.estimator as estimator

@@ -355,7 +355,7 @@ def test_fit_keeps_converged_attempt_and_ignores_global_rng():
 
 
 def test_default_posterior_tolerance_and_separate_posterior_preconditioner():
-    """The default tolerance (1e-6) meets the issue's 1e-3 target with room to spare; the posterior solves use
+    """The default tolerance (1e-6) meets a 1e-3 accuracy goal with room to spare; the posterior solves use
     their own (stronger) preconditioner, built once, beside the training one."""
     n, d = 250, 4
     X, Y = data(n, d)
@@ -737,8 +737,8 @@ def test_default_preconditioner_options_at_tiny_n(n):
 
 
 def test_unsupported_cases_above_the_threshold_say_so():
-    """Batched (multi-output) data above max_cholesky_size: SingleTaskGP's Cholesky, with a warning, not silently
-    (issue 20); the answer is SingleTaskGP's."""
+    """Batched (multi-output) data above max_cholesky_size: SingleTaskGP's Cholesky, with a warning, not silently;
+    the answer is SingleTaskGP's."""
     from gpnys.precond.base import NumericalWarning
 
     X, Y = data(40, 2, seed=3)

@@ -1,4 +1,4 @@
-"""Issue 22: the row-partitioned kernel across two gloo processes on the CPU against one process (float64)."""
+"""The row-partitioned kernel across two gloo processes on the CPU against one process (float64)."""
 
 import os
 import socket

@@ -1,7 +1,5 @@
 """The runnable examples run (at small sizes) and report sensible numbers."""
 
-import sys
-
 from helpers import load_script
 
 
@@ -9,10 +7,16 @@ def load(name):
     return load_script("examples", name)
 
 
-def test_quickstart_runs(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--iters", "3"])
-    load("quickstart").main()
-    assert "test RMSE" in capsys.readouterr().out
+def test_quickstart_hook_loss_matches_cholesky(capsys):
+    """The quickstart trains under the one-line hook; its final loss is GPyTorch's Cholesky loss at the same
+    hyperparameters to within three of its standard errors (plus 1e-4), and it prints the loss ± its error."""
+    import math
+
+    res = load("quickstart").main(["--n", "600", "--iters", "6"])
+    assert abs(res["loss"] - res["cholesky_loss"]) <= 3 * res["loss_std_error"] + 1e-4
+    assert 0 <= res["loss_std_error"] < 1e-2 and math.isfinite(res["rmse"]) and 0 < res["rmse"] < 1
+    out = capsys.readouterr().out
+    assert "±" in out and "Cholesky" in out and "test RMSE" in out
 
 
 def test_preconditioned_cg_example():

@@ -73,7 +73,7 @@ def test_block_rhs_per_column_flags_and_counts():
     # Each column equals a solo solve (columns are independent).
     solo = pcg(lambda V: A @ V, B[:, 3], tol=1e-8, maxiter=1000)
     # rounding of blocked vs. single-column BLAS; past n = 80 iterations CG has lost orthogonality, so the counts
-    # (~145) may drift by a few (143 vs 146 measured with the session-4 environment)
+    # (~145) may drift by a few (143 vs 146 measured in one environment)
     assert abs(solo.iterations - int(res.iterations_per_column[3])) <= max(2, 0.05 * solo.iterations)
     torch.testing.assert_close(solo.x, res.x[:, 3], rtol=1e-6, atol=1e-7)
 
@@ -160,7 +160,7 @@ def test_pcg_kernel_system_with_preconditioner(dtype):
 
 def test_mixed_dtypes_are_promoted_as_gpytorch_does():
     """float32 points with a float64 kernel, or a float32 right-hand side for a float64 system: solved in float64
-    (issue 20: raw dtype errors), equal to the all-float64 solve."""
+    (not a raw dtype error), equal to the all-float64 solve."""
     import gpytorch
 
     from gpnys import pcg

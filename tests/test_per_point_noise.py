@@ -1,4 +1,4 @@
-"""Known per-point noise inside the preconditioners: Nyström, AFN, FSAI and auto on ``K + diag(mu_i)`` (issue 20).
+"""Known per-point noise inside the preconditioners: Nyström, AFN, FSAI and auto on ``K + diag(mu_i)``.
 
 ``mu_i = D_i / s^2``: AFN factors ``K11 + D1`` and the Schur complement ``K22 + D2 - V V^T``, FSAI works on
 ``K + D``, Nyström on ``D^{-1/2} K D^{-1/2} + I``. References are dense float64 matrices; ``mu`` (the mean shift)

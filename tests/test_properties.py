@@ -1,5 +1,5 @@
 """Property tests (Hypothesis) of the preconditioner invariants over random shapes, kernels (plain, ARD, sums,
-products, ``active_dims``), noise levels mu, per-point noise, dtypes and duplicated points (issue 20).
+products, ``active_dims``), noise levels mu, per-point noise, dtypes and duplicated points.
 
 For every drawn case and every preconditioner ``P`` of ``K + mu I`` (of ``K + diag(mu_i)`` for the preconditioners
 that take per-point shifts, when the case draws them):

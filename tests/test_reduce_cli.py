@@ -110,7 +110,7 @@ def test_reduce_bad_input_names_the_argument(argv, name, capsys):
 
 
 def test_default_gsa_is_min_norm_and_within_twice_lla(capsys):
-    """Issue 20's case (elevators, n = 2000, m = 300, noise 0.05, l = 2, Matérn-3/2, FPS): the default GSA
+    """Elevators, n = 2000, m = 300, noise 0.05, l = 2, Matérn-3/2, FPS landmarks: the default GSA
     (min_norm) predicts within 2x LLA's test RMSE; --gsa-coef woodbury is the one that explodes there."""
     argv = ["reduce", "--data", "elevators", "--n", "2000", "--m", "300", "--noise", "0.05", "--lengthscale", "2",
             "--outputscale", "1", "--kernel", "matern32", "--method", "lla,gsa", "--no-error", "--json"]

@@ -137,7 +137,7 @@ def test_gsa_coefficients_and_variance():
     G = wb.Phi.mT
     assert float((G @ mn.alpha - wb.w).abs().max()) < 1e-8  # solves [SPA] (3) ...
     assert float((mn.alpha - torch.linalg.pinv(G) @ wb.w).abs().max()) < 1e-6  # ... with the minimum norm
-    y_perp = r - torch.linalg.pinv(G) @ (G @ r)  # the two choices differ by y_perp / sigma^2 (digest P4)
+    y_perp = r - torch.linalg.pinv(G) @ (G @ r)  # the two GSA choices differ by k_z^T y_perp / sigma^2
     diff = dense(k, Z, X) @ y_perp / NOISE
     assert float((wb.mean(Z) - mn.mean(Z) - diff).abs().max()) < 1e-6 * float(diff.abs().max())
     naive = dense(k, Z, Z).diagonal() - (dense(k, Z, X) * torch.linalg.solve(A, dense(k, X, Z)).mT).sum(1)
@@ -185,7 +185,7 @@ def test_rank_truncation_is_nsl():
     k, C = kernel(), X[:40]
     full, trunc = LLAPosterior(k, X, Y, NOISE, C), LLAPosterior(k, X, Y, NOISE, C, rank=10)
     assert trunc.features.s == 10 and trunc.Phi.shape == (X.shape[0], 10)
-    assert float((trunc.mean(Z) - full.mean(Z)).abs().max()) > 1e-3  # differs from NCR (digest §9)
+    assert float((trunc.mean(Z) - full.mean(Z)).abs().max()) > 1e-3  # truncation (s < rank) is not NCR
 
 
 @pytest.mark.parametrize("method", ["lla", "ncr", "gsa", "rff"])
@@ -275,7 +275,7 @@ def test_reduced_gp_objectives_and_training():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_fit_refuses_non_finite_targets_before_any_step(bad):
-    """NaN or inf in the targets: a ValueError naming them, and no parameter moved (issue 20)."""
+    """NaN or inf in the targets: a ValueError naming them, and no parameter moved."""
     import gpytorch
 
     from gpnys.gp.exact import ExactGPModel, fit
@@ -303,14 +303,14 @@ def test_rff_takes_no_landmarks():
 
 
 def test_reduced_gp_refuses_per_point_noise():
-    """FixedNoiseGaussianLikelihood: a ValueError, not the first point's noise used for every point (issue 20)."""
+    """FixedNoiseGaussianLikelihood: a ValueError, not the first point's noise used for every point."""
     lik = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(noise=torch.full((X.shape[0],), 0.1, dtype=X.dtype))
     with pytest.raises(ValueError, match="likelihood"):
         ReducedGP(X, Y, lik, kernel(), method="lla", m=20)
 
 
 def test_from_exact_finds_the_kernel_under_any_name():
-    """ReducedGP.from_exact reads the kernel the model's forward() evaluates (issue 20: it assumed covar_module),
+    """ReducedGP.from_exact reads the kernel the model's forward() evaluates (not necessarily covar_module),
     and refuses a forward() that transforms the inputs."""
     from gpnys.gp.discover import training_kernel
 
@@ -337,7 +337,7 @@ def test_from_exact_finds_the_kernel_under_any_name():
 
 
 def test_reduced_posterior_takes_mixed_dtypes():
-    """float32 points with float64 targets and kernel: promoted to float64, as GPyTorch does (issue 20)."""
+    """float32 points with float64 targets and kernel: promoted to float64, as GPyTorch does."""
     post = reduced_posterior("lla", kernel(), X.float(), Y, NOISE, m=40, landmarks="fps")
     ref = reduced_posterior("lla", kernel(), X.float().double(), Y, NOISE, m=40, landmarks="fps")
     mean = post.mean(Z.float())

@@ -1,4 +1,4 @@
-"""Cached predictive variances with per-point error bounds (gpnys.gp.variance, issue 21 part 4)."""
+"""Cached predictive variances with per-point error bounds (gpnys.gp.variance)."""
 
 import copy
 
