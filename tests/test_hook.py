@@ -53,7 +53,7 @@ def test_loss_and_gradient_match_cholesky_where_gpytorch_default_does_not(concre
     with use_preconditioner(m, "afn", k=300, w=30) as hook:
         ours = loss_and_grads(m, torch.enable_grad())
     assert hook.builds == 1 and hook.applications > 0 and hook.samples > 0 and hook.control_variates == 1
-    # the issue's accuracy targets: loss within 1e-3 relative, every gradient component within 2 %
+    # the accuracy asked of the hook: loss within 1e-3 relative, every gradient component within 2 %
     assert abs(ours[0] - exact[0]) / abs(exact[0]) < 1e-3
     err = rel_errors(ours[1], exact[1])
     assert max(err.values()) < 0.02, err
@@ -372,7 +372,7 @@ def test_nested_contexts_on_one_model_are_refused_and_the_outer_survives(concret
 
 
 def test_float32_inputs_in_a_float64_model(concrete):
-    """GPyTorch promotes float32 inputs to the float64 hyperparameters; so does the hook (issue 20): the loss is
+    """GPyTorch promotes float32 inputs to the float64 hyperparameters; so does the hook: the loss is
     Cholesky's to the estimator's accuracy and the predictions are the exact posterior's."""
     from gpnys.gp.exact import predict
 
@@ -396,8 +396,8 @@ def test_float32_inputs_in_a_float64_model(concrete):
 
 @pytest.mark.parametrize("method", ["auto", "afn", "fsai"])
 def test_active_dims_are_honoured(method):
-    """A kernel on one of three input dimensions (issue 20: the preconditioners used to see all three, and the loss
-    was -0.52 against the exact -1.10): entries equal GPyTorch's kernel, and the loss is Cholesky's."""
+    """A kernel on one of three input dimensions (a preconditioner that sees all three gets the loss wrong, e.g.
+    -0.52 against the exact -1.10): entries equal GPyTorch's kernel, and the loss is Cholesky's."""
     from gpnys.kernels.entries import KernelEntries
 
     g = torch.Generator().manual_seed(0)
@@ -425,7 +425,7 @@ def test_active_dims_are_honoured(method):
 
 
 class _Renamed(gpytorch.models.ExactGP):
-    """A kernel under another attribute name, and inputs scaled inside forward() (issue 20)."""
+    """A kernel under another attribute name, and inputs scaled inside forward()."""
 
     def __init__(self, x, y, lik, scale=1.0):
         super().__init__(x, y, lik)
@@ -483,7 +483,7 @@ COMPOSITE = {
 @pytest.mark.parametrize("name", sorted(COMPOSITE))
 @pytest.mark.parametrize("method", ["auto", "afn", "nystrom"])
 def test_sum_product_and_linear_kernels_train_under_the_hook(name, method):
-    """Sums and products of kernels (issue 20: auto crashed in rank.py, afn/fsai fell back to pivoted Cholesky):
+    """Sums and products of kernels under auto, afn and nystrom, with no fallback to pivoted Cholesky:
     the loss, and every gradient component to 5 % of the largest, against GPyTorch's Cholesky (k = 200 < n)."""
     g = torch.Generator().manual_seed(1)
     X = torch.rand(400, 3, generator=g, dtype=torch.float64) * 3
@@ -528,7 +528,7 @@ def test_a_covariance_of_two_kernel_calls_is_a_clear_error():
 @pytest.mark.parametrize("variance_method", ["cholesky", "pcg"])
 def test_known_per_point_noise(variance_method):
     """FixedNoiseGaussianLikelihood (K + D, D known and heteroscedastic): the preconditioner is built for
-    K + mean(D) I and CG / SLQ run on K + D, so loss, gradients and the posterior are the exact GP's (issue 20)."""
+    K + mean(D) I and CG / SLQ run on K + D, so loss, gradients and the posterior are the exact GP's."""
     g = torch.Generator().manual_seed(0)
     X = torch.rand(500, 2, generator=g, dtype=torch.float64) * 3
     D = 0.01 + 0.2 * torch.rand(500, generator=g, dtype=torch.float64)
