@@ -36,7 +36,7 @@ from scipy.stats import chi2
 
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import NumericalWarning
-from gpnys.solvers.pcg import QuadratureTest, pcg
+from gpnys.solvers.pcg import NonFiniteError, QuadratureTest, pcg
 
 if TYPE_CHECKING:
     from gpnys.gp.hook import PreconditionerHook
@@ -136,6 +136,19 @@ def _quadrature_test(n: int, share: float, tol_r: float) -> QuadratureTest:
         return last <= share * se and last <= 0.5 * float(before.mean())
 
     return done
+
+
+def _hyperparameter_summary(hook: "PreconditionerHook") -> str:
+    """``lengthscale=[...], outputscale=..., noise=...`` of the hook's kernel and likelihood, for error messages."""
+    kernel = hook.kernel
+    parts = []
+    for name, module in (("lengthscale", getattr(kernel, "base_kernel", kernel)), ("outputscale", kernel)):
+        value = getattr(module, name, None)
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{name}={[float(f'{v:.4g}') for v in value.detach().reshape(-1)[:8].tolist()]}")
+    noise = hook.model.likelihood.noise.detach().reshape(-1)
+    parts.append(f"noise={[float(f'{v:.4g}') for v in noise[:8].tolist()]}")
+    return ", ".join(parts)
 
 
 def _parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -310,7 +323,10 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             # floor
             quad = (None if settings.lanczos_share is None or not first
                     else _quadrature_test(n, settings.lanczos_share, tol_r))
-            sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, lanczos=True, miniter=floor, quadrature=quad)
+            try:
+                sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, lanczos=True, miniter=floor, quadrature=quad)
+            except NonFiniteError as err:
+                raise NonFiniteError(f"{err}, at {_hyperparameter_summary(hook)}") from err
             iterations = max(iterations, sol.iterations)
             if first:
                 a, rho = sol.x[:, 0], sol.residual[:, 0]
@@ -378,6 +394,9 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             lanczos = float(torch.cat(lerr).mean())
             se = 0.5 * math.sqrt(se_ld**2 + lanczos**2 + bound**2)
             value_est = 0.5 * (inv_quad + logdet_p + float(l_all.mean()) + n * math.log(2 * math.pi))
+            if not math.isfinite(value_est) or (J is not None and not bool(torch.isfinite(J).all())):
+                raise NonFiniteError(f"the marginal likelihood's estimate or its gradient is NaN or inf, at "
+                                     f"{_hyperparameter_summary(hook)}")
             J_all = torch.cat(jac) if jac else None
             if target is None or t >= settings.max_probes:
                 break

@@ -42,9 +42,9 @@ from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.estimator import Estimate
-from gpnys.gp.operators import PreconditionedAddedDiag, PreconditionedMVN, PreconditionerOperator
+from gpnys.gp.operators import CallerSettingsMVN, PreconditionedAddedDiag, PreconditionedMVN, PreconditionerOperator
 from gpnys.gp.prediction import HookPrediction
-from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.settings import EstimatorSettings, current_gpytorch_settings
 from gpnys.kernels.backends.partitioned import CollectiveError
 from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
@@ -84,6 +84,47 @@ GP_DEFAULTS: dict[str, dict[str, int]] = {"afn": {"k": 500, "w": 30}, "auto": {"
 
 
 
+#: kernels whose evaluation is structured or approximate (grid interpolation, inducing points, random features,
+#: task covariances, products over dimensions): the hook leaves them to GPyTorch's own computation
+STRUCTURED_KERNELS = tuple(getattr(gpytorch.kernels, name) for name in (
+    "GridInterpolationKernel", "GridKernel", "InducingPointKernel", "ProductStructureKernel", "AdditiveStructureKernel",
+    "RFFKernel", "IndexKernel", "MultitaskKernel", "LCMKernel", "NewtonGirardAdditiveKernel", "SpectralDeltaKernel",
+) if hasattr(gpytorch.kernels, name))
+
+
+def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | None = None) -> str | None:
+    """Why the hook cannot accelerate ``model`` (its data, outputs or likelihood), or ``None``: batched inputs,
+    several inputs to ``forward`` (a task index), several outputs, or a likelihood other than a
+    ``GaussianLikelihood`` / ``FixedNoiseGaussianLikelihood`` (multitask likelihoods included)."""
+    inputs = model.train_inputs
+    if inputs is None or len(inputs) != 1:
+        return "its forward() takes several inputs (e.g. a task index)"
+    X = inputs[0] if train_x is None else train_x
+    if X.dim() != 2 or inputs[0].dim() != 2:
+        return f"its training inputs are batched, shape {tuple(inputs[0].shape)}"
+    if model.train_targets is None or model.train_targets.dim() != 1:
+        return "it has several outputs or tasks"
+    likelihood = model.likelihood
+    if not isinstance(likelihood, (gpytorch.likelihoods.GaussianLikelihood,
+                                   gpytorch.likelihoods.FixedNoiseGaussianLikelihood)):
+        return f"its likelihood is a {type(likelihood).__name__}"
+    if len(getattr(likelihood, "batch_shape", ())) > 0:
+        return "its likelihood is batched"
+    return None
+
+
+def unsupported_covariance(op: LinearOperator) -> str | None:
+    """Why the hook cannot accelerate the training covariance's kernel part ``op``, or ``None``: it must be one
+    kernel evaluated on one set of ``(n, d)`` points, with no structured or approximate kernel inside."""
+    if not (isinstance(op, LazyEvaluatedKernelTensor) and op.x1 is op.x2 and op.x1.dim() == 2):
+        return (f"its training covariance is a {type(op).__name__}, not one kernel evaluated on the training inputs "
+                "(combine kernels into one kernel object, k1 + k2, to have it accelerated)")
+    structured = [type(m).__name__ for m in op.kernel.modules() if isinstance(m, STRUCTURED_KERNELS)]
+    if structured:
+        return f"its kernel uses {structured[0]}, a structured or approximate kernel"
+    return None
+
+
 class PreconditionerHook(HookPrediction):
     """Builds and serves gpnys preconditioners for one ``ExactGP`` (see :func:`use_preconditioner`).
 
@@ -103,10 +144,6 @@ class PreconditionerHook(HookPrediction):
     ) -> None:
         if not isinstance(model, gpytorch.models.ExactGP):
             raise ValueError(f"model must be a gpytorch.models.ExactGP, got {type(model).__name__}")
-        if not isinstance(model.likelihood, (gpytorch.likelihoods.GaussianLikelihood,
-                                             gpytorch.likelihoods.FixedNoiseGaussianLikelihood)):
-            raise ValueError("model.likelihood must be a GaussianLikelihood or a FixedNoiseGaussianLikelihood, got "
-                             f"{type(model.likelihood).__name__}")
         if isinstance(method, str) and method not in PRECONDITIONERS:
             raise ValueError(f"method must be one of {PRECONDITIONERS} or a Preconditioner class, got {method!r}")
         if isinstance(method, str) and method == "none":
@@ -118,14 +155,18 @@ class PreconditionerHook(HookPrediction):
         self.settings = settings or EstimatorSettings()
         self.seed = seed
         self._user_options = dict(options)
+        #: why GPyTorch's own computation runs instead (a model or kernel the hook cannot accelerate), else None
+        self.passthrough: str | None = unsupported_model(model, train_x)
+        self._warned_passthrough = False
+        self.builds = self.applications = self.samples = self.estimates = 0
+        self.history: list[StepRecord] = []
+        self.last_estimate: Estimate | None = None
+        if self.passthrough is not None:
+            return
         self._set_data(model.train_inputs[0] if train_x is None else train_x)
         for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
             if options.get(key) is not None:
                 validate_count(options[key], key, 1, self.train_x.shape[0])
-        self.builds = 0
-        self.applications = 0
-        self.samples = 0
-        self.history: list[StepRecord] = []
         self.last_probes: torch.Tensor | None = None
         self.variance_reduction = bool(self.settings.variance_reduction)
         self.control_variates = 0
@@ -133,10 +174,6 @@ class PreconditionerHook(HookPrediction):
         self.variance_method_used: str | None = None
         self.variance_bound: torch.Tensor | None = None  # (m,) error bound of the latest predict's variances
         self.prediction_time: dict[str, float] = {}  # seconds of the latest predict: total and variances alone
-        #: the last MLL evaluation's :class:`~gpnys.gp.estimator.Estimate` (value and standard errors), and how many
-        #: evaluations gave one (``settings.error_bars``)
-        self.last_estimate: Estimate | None = None
-        self.estimates = 0
         self._warned_inputs = False  # one warning per hook for inputs that carry gradients (kernel_operator)
         self._warned_scale = False  # one warning per hook for an outputscale of 0 (hyperparameters_usable)
 
@@ -176,6 +213,14 @@ class PreconditionerHook(HookPrediction):
         #: the inputs as its forward() passed them)
         self._seen: tuple[gpytorch.kernels.Kernel, torch.Tensor] | None = None
         self._data = self._data_key()
+
+    def _pass_through(self, reason: str) -> None:
+        """Let GPyTorch's own computation run for this model (one warning per hook, saying why)."""
+        self.passthrough = reason
+        if not self._warned_passthrough:
+            self._warned_passthrough = True
+            warnings.warn(f"gpnys: {reason}: the hook passes this model through, and GPyTorch's own computation runs "
+                          "unchanged (docs/compatibility.md)", NumericalWarning, stacklevel=5)
 
     def hyperparameters_usable(self) -> bool:
         """Check the hyperparameters before an evaluation: a ``ValueError`` naming the parameter for a non-finite or
@@ -501,20 +546,30 @@ class PreconditionerHook(HookPrediction):
         if "marginal" in vars(likelihood):  # an outer hook's wrapper: stacking would drop one on exit
             raise ValueError("model: gpnys.use_preconditioner is already active on this model; nested contexts on "
                              "one model are not supported (leave the outer one first)")
+        if self.passthrough is not None:
+            self._pass_through(self.passthrough)
+            yield self
+            return
         original = likelihood.marginal
         hook = self
+        callers = current_gpytorch_settings()  # a passed-through evaluation runs under these, not the hook's
 
         def marginal(function_dist, *args, **kwargs):
             hook.sync_data()
             out = original(function_dist, *args, **kwargs)
             cov = out.lazy_covariance_matrix
             n = hook.model.train_inputs[0].shape[-2]
-            if (isinstance(cov, AddedDiagLinearOperator) and cov.dim() == 2 and cov.shape[-1] == n
-                    and hook.hyperparameters_usable()):
-                cov = PreconditionedAddedDiag(hook.kernel_operator(cov._linear_op), cov._diag_tensor,
-                                              preconditioner_override=hook.override)
-                out = PreconditionedMVN(out.mean, cov)
-                out._gpnys_hook = hook
+            if not (isinstance(cov, AddedDiagLinearOperator) and cov.dim() == 2 and cov.shape[-1] == n):
+                return out
+            reason = unsupported_covariance(cov._linear_op)
+            if reason is not None:
+                hook._pass_through(reason)
+            if reason is not None or not hook.hyperparameters_usable():
+                return CallerSettingsMVN(out.mean, cov, callers)
+            cov = PreconditionedAddedDiag(hook.kernel_operator(cov._linear_op), cov._diag_tensor,
+                                          preconditioner_override=hook.override)
+            out = PreconditionedMVN(out.mean, cov)
+            out._gpnys_hook = hook
             return out
 
         likelihood.marginal = marginal

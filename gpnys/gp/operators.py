@@ -4,7 +4,7 @@ sampling, the marginal whose ``log_prob`` adds the control variate, and the cova
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import gpytorch
 import torch
@@ -16,7 +16,7 @@ from gpnys.precond.base import Preconditioner
 if TYPE_CHECKING:
     from gpnys.gp.hook import PreconditionerHook
 
-__all__ = ["PreconditionerOperator", "PreconditionedMVN", "PreconditionedAddedDiag"]
+__all__ = ["PreconditionerOperator", "PreconditionedMVN", "PreconditionedAddedDiag", "CallerSettingsMVN"]
 
 
 class PreconditionerOperator(LinearOperator):
@@ -84,6 +84,19 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
             if C is not None:
                 res = res - 0.5 * (C - C.detach())
         return res
+
+
+class CallerSettingsMVN(gpytorch.distributions.MultivariateNormal):
+    """A training marginal the hook passes through: GPyTorch's own ``log_prob``, under the GPyTorch settings the
+    caller had before entering the hook (``restore``: :func:`gpnys.gp.settings.current_gpytorch_settings`)."""
+
+    def __init__(self, mean: torch.Tensor, covariance: LinearOperator, restore: Callable[[], Any]) -> None:
+        super().__init__(mean, covariance)
+        self._restore = restore
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        with self._restore():
+            return super().log_prob(value)
 
 
 class PreconditionedAddedDiag(AddedDiagLinearOperator):

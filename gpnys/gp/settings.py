@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,3 +156,26 @@ class EstimatorSettings:
         stack.enter_context(gpytorch.settings.num_trace_samples(self.num_probes))
         stack.enter_context(gpytorch.settings.max_lanczos_quadrature_iterations(self.lanczos_steps))
         return stack
+
+
+def current_gpytorch_settings() -> Callable[[], contextlib.ExitStack]:
+    """The GPyTorch settings :meth:`EstimatorSettings.context` changes, as they are now: a factory of a context
+    that puts them back (a model the hook passes through computes under the caller's settings, not the hook's)."""
+    gs = gpytorch.settings
+    fast = gs.fast_computations
+    flags = {"covar_root_decomposition": fast.covar_root_decomposition.on(), "log_prob": fast.log_prob.on(),
+             "solves": fast.solves.on()}
+    values = [(gs.max_cholesky_size, gs.max_cholesky_size.value()), (gs.cg_tolerance, gs.cg_tolerance.value()),
+              (gs.eval_cg_tolerance, gs.eval_cg_tolerance.value()),
+              (gs.max_cg_iterations, gs.max_cg_iterations.value()),
+              (gs.num_trace_samples, gs.num_trace_samples.value()),
+              (gs.max_lanczos_quadrature_iterations, gs.max_lanczos_quadrature_iterations.value())]
+
+    def restore() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(fast(**flags))
+        for setting, value in values:
+            stack.enter_context(setting(value))
+        return stack
+
+    return restore

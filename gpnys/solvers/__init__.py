@@ -3,9 +3,10 @@
 from gpnys.solvers.pcg import (
     ConvergenceWarning,
     KernelSystem,
+    NonFiniteError,
     PCGResult,
     kernel_system,
     pcg,
 )
 
-__all__ = ["pcg", "PCGResult", "ConvergenceWarning", "KernelSystem", "kernel_system"]
+__all__ = ["pcg", "PCGResult", "ConvergenceWarning", "NonFiniteError", "KernelSystem", "kernel_system"]

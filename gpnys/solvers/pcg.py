@@ -43,13 +43,18 @@ from gpnys.precond.base import (
     validate_points,
 )
 
-__all__ = ["PCGResult", "ConvergenceWarning", "pcg", "KernelSystem", "kernel_system"]
+__all__ = ["PCGResult", "ConvergenceWarning", "NonFiniteError", "pcg", "KernelSystem", "kernel_system"]
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 #: ``((diag, offdiag), steps, rel) -> bool``: whether the Lanczos quadrature of the tridiagonals so far has converged
 #: (``rel``: each column's relative residual now)
 QuadratureTest = Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor], bool]
 PrecondLike = Union[Preconditioner, Matmul, None]
+
+
+class NonFiniteError(FloatingPointError):
+    """A product ``A p``, a preconditioner apply or the final residual of :func:`pcg` held NaN or inf: the system
+    is not finite (e.g. a kernel matrix at extreme hyperparameters). Raised at once, never a truncated solve."""
 
 
 class ConvergenceWarning(NumericalWarning):
@@ -217,7 +222,8 @@ def pcg(
         APa = matmul(Pa)
         pap = (Pa * APa).sum(0)
         rza = rz[idx]
-        bad = ~(pap > 0) | ~(rza > 0) | ~torch.isfinite(pap)
+        nonfinite = ~torch.isfinite(pap) | ~torch.isfinite(rza)  # a NaN / inf in a product or preconditioner apply
+        bad = ~(pap > 0) | ~(rza > 0) | nonfinite
         alpha = torch.where(bad, torch.zeros_like(rza), rza / torch.where(bad, torch.ones_like(pap), pap))
         X[:, idx] += alpha * Pa
         Ra = R[:, idx] - alpha * APa
@@ -239,7 +245,12 @@ def pcg(
         active[idx] = still
         if record_history:
             history.append(rel.clone())
-        if not bool(still.any()):
+        go_on, broken = torch.stack((still.any(), nonfinite.any())).tolist()  # one host sync per iteration
+        if broken:
+            column = int(idx[nonfinite][0])
+            raise NonFiniteError(f"PCG: a product or preconditioner apply returned NaN or inf at iteration {step + 1} "
+                                 f"(column {column}): the operator or preconditioner is not finite")
+        if not go_on:
             break
         # Update search directions only for the columns that go on.
         keep = idx[still]
@@ -254,6 +265,8 @@ def pcg(
 
     residual = Bm - matmul(X)
     true_res = torch.linalg.vector_norm(residual, dim=0) / denom
+    if not bool(torch.isfinite(true_res).all()):
+        raise NonFiniteError("PCG: the final residual is NaN or inf: the operator is not finite")
     if not bool(converged.all()):
         bad_cols = int((~converged).sum())
         warnings.warn(

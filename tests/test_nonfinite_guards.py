@@ -1,0 +1,74 @@
+"""A NaN or inf inside a kernel product never passes unseen: whichever product of the solve it hits (the first, a
+later CG iteration, the final residual), the evaluation raises a ``NonFiniteError`` that names the hyperparameters,
+instead of returning inf, NaN or a finite value from a solve cut short."""
+
+from __future__ import annotations
+
+import gpytorch
+import pytest
+import torch
+
+import gpnys
+from gpnys.gp import ExactGPModel
+from gpnys.kernels.operator import StationaryKernelOperator
+from gpnys.solvers import NonFiniteError, pcg
+
+
+def _model(dtype):
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(150, 2, generator=g, dtype=torch.float64).to(dtype)
+    y = torch.sin(6 * X[:, 0]).to(dtype)
+    return ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").to(dtype), X, y
+
+
+@pytest.mark.parametrize("at_call", [1, 3, -1])  # the first product, a later CG product, the last (true residual)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_in_one_kernel_product_raises(monkeypatch, dtype, at_call, value):
+    model, X, y = _model(dtype)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with gpnys.use_preconditioner(model) as hook:
+        float(-mll(model(X), y).detach())  # a clean evaluation counts the products
+    calls = {"n": 0}
+    original = StationaryKernelOperator._matmul
+
+    def counting(self, rhs):
+        calls["n"] += 1
+        return original(self, rhs)
+
+    monkeypatch.setattr(StationaryKernelOperator, "_matmul", counting)
+    with gpnys.use_preconditioner(model):
+        float(-mll(model(X), y).detach())
+    total = calls["n"]
+    target = total if at_call == -1 else at_call
+    calls["n"] = 0
+
+    def poisoned(self, rhs):
+        calls["n"] += 1
+        out = original(self, rhs)
+        if calls["n"] == target:
+            out = out.clone()
+            out[7, 0] = value
+        return out
+
+    monkeypatch.setattr(StationaryKernelOperator, "_matmul", poisoned)
+    with pytest.raises(NonFiniteError, match=r"NaN or inf.*lengthscale=.*noise="), gpnys.use_preconditioner(model):
+        (-mll(model(X), y)).backward()
+    assert hook.builds >= 1
+
+
+def test_pcg_raises_on_a_non_finite_product():
+    A = torch.eye(5, dtype=torch.float64) * 2
+
+    def matmul(V):
+        out = A @ V
+        out[2] = float("nan")
+        return out
+
+    with pytest.raises(NonFiniteError, match="iteration 1"):
+        pcg(matmul, torch.ones(5, dtype=torch.float64))
+
+
+def test_pcg_raises_on_a_non_finite_preconditioner():
+    A = torch.diag(torch.arange(1.0, 6.0, dtype=torch.float64))
+    with pytest.raises(NonFiniteError):
+        pcg(lambda V: A @ V, torch.ones(5, dtype=torch.float64), lambda R: R * float("inf"))

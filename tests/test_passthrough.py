@@ -1,0 +1,163 @@
+"""Models the hook cannot accelerate pass through: GPyTorch's own computation runs unchanged (the same loss and
+gradients as without the hook, bit for bit), with one warning that says why, and nothing raises.
+
+Each class of model of docs/compatibility.md's pass-through table is here: batch-mode models, multitask models
+(Kronecker, Hadamard with a task index in ``forward``, independent outputs), structured and approximate kernels
+(KISS-GP grid interpolation, SGPR inducing points, product structure, random Fourier features) and a covariance
+made of two kernel calls."""
+
+from __future__ import annotations
+
+import warnings
+
+import gpytorch
+import pytest
+import torch
+
+import gpnys
+from gpnys.precond.base import NumericalWarning
+
+N = 60
+
+
+def _x(d=2, seed=0):
+    return torch.rand(N, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _mvn(mean, cov):
+    return gpytorch.distributions.MultivariateNormal(mean, cov)
+
+
+class BatchGP(gpytorch.models.ExactGP):
+    def __init__(self):
+        x = _x().expand(2, N, 2)
+        y = torch.stack([torch.sin(4 * x[0, :, 0]), torch.cos(4 * x[1, :, 1])])
+        super().__init__(x, y, gpytorch.likelihoods.GaussianLikelihood(batch_shape=torch.Size([2])))
+        self.mean = gpytorch.means.ConstantMean(batch_shape=torch.Size([2]))
+        self.cov = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])),
+                                                batch_shape=torch.Size([2]))
+
+    def forward(self, x):
+        return _mvn(self.mean(x), self.cov(x))
+
+
+class KroneckerMultitaskGP(gpytorch.models.ExactGP):
+    def __init__(self):
+        x = _x()
+        y = torch.stack([torch.sin(4 * x[:, 0]), torch.cos(4 * x[:, 1])], -1)
+        super().__init__(x, y, gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2))
+        self.mean = gpytorch.means.MultitaskMean(gpytorch.means.ConstantMean(), num_tasks=2)
+        self.cov = gpytorch.kernels.MultitaskKernel(gpytorch.kernels.RBFKernel(), num_tasks=2, rank=1)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultitaskMultivariateNormal(self.mean(x), self.cov(x))
+
+
+class HadamardGP(gpytorch.models.ExactGP):
+    def __init__(self):
+        x = _x()
+        i = (torch.arange(N) % 2)[:, None]
+        super().__init__((x, i), torch.sin(4 * x[:, 0]) + i[:, 0], gpytorch.likelihoods.GaussianLikelihood())
+        self.mean = gpytorch.means.ConstantMean()
+        self.cov = gpytorch.kernels.RBFKernel()
+        self.task = gpytorch.kernels.IndexKernel(num_tasks=2, rank=1)
+
+    def forward(self, x, i):
+        return _mvn(self.mean(x), self.cov(x).mul(self.task(i)))
+
+
+def _single(kernel_fn, d=2):
+    class Single(gpytorch.models.ExactGP):
+        def __init__(self):
+            x = _x(d)
+            super().__init__(x, torch.sin(4 * x[:, 0]), gpytorch.likelihoods.GaussianLikelihood())
+            self.mean = gpytorch.means.ConstantMean()
+            self.cov = kernel_fn(x)
+
+        def forward(self, x):
+            return _mvn(self.mean(x), self.cov(x))
+
+    return Single
+
+
+class TwoCallsGP(gpytorch.models.ExactGP):
+    def __init__(self):
+        x = _x()
+        super().__init__(x, torch.sin(4 * x[:, 0]), gpytorch.likelihoods.GaussianLikelihood())
+        self.k1, self.k2 = gpytorch.kernels.RBFKernel(), gpytorch.kernels.MaternKernel()
+
+    def forward(self, x):
+        return _mvn(torch.zeros_like(x[:, 0]), self.k1(x) + self.k2(x))
+
+
+MODELS = {
+    "batch": BatchGP,
+    "kronecker multitask": KroneckerMultitaskGP,
+    "hadamard multitask": HadamardGP,
+    "kiss-gp": _single(lambda x: gpytorch.kernels.ScaleKernel(gpytorch.kernels.GridInterpolationKernel(
+        gpytorch.kernels.RBFKernel(), grid_size=16, num_dims=2))),
+    "sgpr": _single(lambda x: gpytorch.kernels.InducingPointKernel(
+        gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()), inducing_points=x[:10].clone(),
+        likelihood=gpytorch.likelihoods.GaussianLikelihood())),
+    "product structure": _single(lambda x: gpytorch.kernels.ProductStructureKernel(
+        gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()), num_dims=2)),
+    "random fourier features": _single(lambda x: gpytorch.kernels.RFFKernel(num_samples=20)),
+    "two kernel calls": TwoCallsGP,
+}
+
+
+def _loss_and_grads(model, hook: bool):
+    torch.manual_seed(0)
+    model.train()
+    model.zero_grad()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    caught = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if hook:
+            with gpnys.use_preconditioner(model) as h:
+                out = model(*model.train_inputs)
+                loss = -mll(out, model.train_targets).sum()
+                loss.backward()
+            assert h.passthrough is not None and h.builds == 0 and h.last_estimate is None
+        else:
+            out = model(*model.train_inputs)
+            loss = -mll(out, model.train_targets).sum()
+            loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    ours = [w for w in caught if issubclass(w.category, NumericalWarning) and "passes this model through" in str(w.message)]
+    return float(loss.detach()), grads, ours
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_passes_through_unchanged_with_one_warning(name):
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    loss0, grads0, warned0 = _loss_and_grads(model, hook=False)
+    loss1, grads1, warned1 = _loss_and_grads(model, hook=True)
+    assert not warned0 and len(warned1) == 1, [str(w.message) for w in warned1]
+    assert loss1 == loss0
+    assert grads1.keys() == grads0.keys() and grads0
+    for k in grads0:
+        assert torch.equal(grads1[k], grads0[k]), k
+
+
+def test_a_model_that_passes_through_warns_once_per_hook():
+    model = TwoCallsGP().double()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpnys.use_preconditioner(model):
+            for _ in range(3):
+                (-mll(model(*model.train_inputs), model.train_targets)).backward()
+    assert sum("passes this model through" in str(w.message) for w in caught) == 1
+
+
+def test_bad_input_still_raises():
+    """Pass-through is for models the hook cannot accelerate, not for bad data: NaN targets still raise."""
+    model = _single(lambda x: gpytorch.kernels.RBFKernel())().double()
+    y = model.train_targets.clone()
+    y[0] = float("nan")
+    model.set_train_data(model.train_inputs[0], y, strict=False)
+    with pytest.raises(ValueError, match="train_targets"), gpnys.use_preconditioner(model):
+        pass
