@@ -138,3 +138,24 @@ def test_an_explicit_size_above_n_is_still_refused():
     model, X, y = _model(torch.float64, n=20)
     with pytest.raises(ValueError, match="w"):
         gpnys.use_preconditioner(model, "afn", w=30).__enter__()
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_half_precision_data_in_a_float32_model_is_promoted(low):
+    model, X, y = _model(torch.float32)
+    Xl, yl = X.to(low), y.to(low)
+    model.set_train_data(Xl, yl, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalWarning)
+        loss, hook = _hook_loss(model, Xl, yl)
+    exact = _cholesky_loss(model.double(), Xl.double(), yl.double())
+    assert hook.train_x.dtype == torch.float32
+    assert abs(loss - exact) <= 5 * hook.last_estimate.std_error / N + 2e-3 * (1 + abs(exact))
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_half_precision_model_is_a_type_error(low):
+    model, X, y = _model(torch.float32)
+    model = model.to(low)
+    with pytest.raises(TypeError, match="model.float"):
+        gpnys.use_preconditioner(model).__enter__()

@@ -144,6 +144,10 @@ class PreconditionerHook(HookPrediction):
     ) -> None:
         if not isinstance(model, gpytorch.models.ExactGP):
             raise ValueError(f"model must be a gpytorch.models.ExactGP, got {type(model).__name__}")
+        half = sorted({str(p.dtype) for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16)})
+        if half:  # float16 / bfloat16 data in a float32 model is promoted, as GPyTorch promotes it
+            raise TypeError(f"model: {', '.join(half)} parameters are not supported (neither GPyTorch's Cholesky nor "
+                            "torch's linear algebra computes in them); use model.float() or model.double()")
         if isinstance(method, str) and method not in PRECONDITIONERS:
             raise ValueError(f"method must be one of {PRECONDITIONERS} or a Preconditioner class, got {method!r}")
         if isinstance(method, str) and method == "none":
