@@ -12,6 +12,7 @@ Inputs and targets are standardised on the training rows (as GP papers do); the 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,7 +113,9 @@ def available() -> list[str]:
 def _read_csv(path: Path) -> np.ndarray:
     # np.loadtxt reads .gz transparently.
     try:
-        arr = np.loadtxt(path, delimiter=",", ndmin=2, dtype=np.float64)
+        with warnings.catch_warnings():  # an empty file: the caller's "no rows" error says it, once
+            warnings.filterwarnings("ignore", message=".*input contained no data", category=UserWarning)
+            arr = np.loadtxt(path, delimiter=",", ndmin=2, dtype=np.float64)
     except ValueError as exc:  # unparsable cells
         raise ValueError(f"data file {path}: could not parse as comma-separated floats ({exc})") from exc
     return arr

@@ -159,3 +159,16 @@ def test_half_precision_model_is_a_type_error(low):
     model = model.to(low)
     with pytest.raises(TypeError, match="model.float"):
         gpnys.use_preconditioner(model).__enter__()
+
+
+def test_cli_on_an_empty_csv_prints_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    out = subprocess.run([sys.executable, "-m", "gpnys.cli.main", "fit", "--data", str(empty), "--iters", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no rows" in lines[0], lines
