@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any
 
 import torch
@@ -63,10 +64,47 @@ def init(backend: str | None = None, seed: int | None = 0, timeout_s: float = DE
             raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
         if name == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(name, timeout=datetime.timedelta(seconds=float(timeout_s)))
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        store = _checked_store(rank, size, timeout)
+        dist.init_process_group(name, store=store, rank=rank, world_size=size, timeout=timeout)
     if seed is not None:
         torch.manual_seed(int(seed))
     return rank_and_size()
+
+
+def _checked_store(rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store, after every rank has shown it the same ``WORLD_SIZE``: a rank launched with another
+    size raises a ``ValueError`` that says so, on itself at once and on every other rank within a second, instead of
+    the process group waiting out its timeout. Under torchrun's agent the store is the agent's."""
+    if not 0 <= rank < size:
+        raise ValueError(f"RANK must be in [0, WORLD_SIZE), got RANK={rank}, WORLD_SIZE={size}")
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(host, port, is_master=rank == 0 and not agent, timeout=timeout, wait_for_workers=False)
+    prefix = "gpnys/world_size/"
+    store.set(f"{prefix}{rank}", str(size))
+    if rank != 0:
+        store.wait([f"{prefix}0"], timeout)
+        theirs = int(store.get(f"{prefix}0"))
+        if theirs != size:
+            message = f"WORLD_SIZE is {size} on rank {rank} but {theirs} on rank 0: launch every rank alike"
+            store.set("gpnys/abort", message)
+            raise ValueError(message)
+    deadline = time.monotonic() + timeout.total_seconds()
+    keys = [f"{prefix}{r}" for r in range(size)]
+    while not store.check(keys):  # every rank of this size has checked in, or one has said why it will not
+        if store.check(["gpnys/abort"]):
+            raise ValueError(store.get("gpnys/abort").decode())
+        if time.monotonic() > deadline:
+            missing = [r for r in range(size) if not store.check([f"{prefix}{r}"])]
+            raise ValueError(f"ranks {missing} of WORLD_SIZE={size} did not start within {timeout.total_seconds():g} s")
+        time.sleep(0.05)
+    for r in range(size):
+        theirs = int(store.get(f"{prefix}{r}"))
+        if theirs != size:
+            raise ValueError(f"WORLD_SIZE is {size} on rank {rank} but {theirs} on rank {r}: launch every rank alike")
+    return store
 
 
 def launched() -> bool:

@@ -7,10 +7,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+import torch.distributed as dist
+
 from gpnys import distributed as gpnys_distributed
 from gpnys.budget import memory_budget
 from gpnys.cli import fit, mll, pcg, reduce
 from gpnys.cli.common import parse_device
+from gpnys.kernels.backends.partitioned import CollectiveError
 
 #: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
 SUBCOMMANDS = [fit, pcg, mll, reduce]
@@ -62,12 +65,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args._run(args) or 0)
     except ValueError as exc:
         parser.exit(2, f"gpnys {args.command}: error: {exc}\n")
+    except CollectiveError as exc:  # another rank died or timed out: one line, as for any other error
+        parser.exit(1, f"gpnys {args.command}: error: {str(exc).splitlines()[0]}\n")
     except OSError as exc:  # a file that cannot be read, or an output that cannot be written (pipe, full disk)
         where = exc.filename if exc.filename else "standard output"
         if exc.filename is None:  # stop the interpreter's final flush from writing to the broken stream again
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         parser.exit(2, f"gpnys {args.command}: error: {where}: {exc.strerror or exc}\n")
+    finally:
+        _leave_group()
     return 0
+
+
+def _leave_group() -> None:
+    """Destroy the process group (if this process joined one) before exiting: an interpreter exit with a live
+    group can abort (SIGABRT) in the backend's teardown."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 (a dead peer's group may fail to tear down; the exit proceeds)
+            pass
 
 
 if __name__ == "__main__":  # pragma: no cover
