@@ -172,3 +172,30 @@ def test_cli_on_an_empty_csv_prints_one_line(tmp_path):
     assert out.returncode == 2
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no rows" in lines[0], lines
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "matern12", "matern32", "matern52"])
+@pytest.mark.parametrize("lengthscale", [1e-8, 1e-12, 0.02])
+@pytest.mark.parametrize("dense", [True, False])
+def test_length_scale_gradient_at_tiny_length_scales(kernel, lengthscale, dense):
+    """At length-scales near 0 the kernel is the identity and the length-scale gradient is 0 (GPyTorch's Cholesky
+    gives 0.0): the closed-form derivative must not turn rounding in |z_i - z_i|^2 into a gradient."""
+    from gpnys.gp.settings import EstimatorSettings
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(N, 2, generator=g, dtype=torch.float64)
+    y = torch.sin(6 * X[:, 0]) + 0.1 * torch.randn(N, generator=g, dtype=torch.float64)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel=kernel).double()
+    _set(model, "lengthscale", lengthscale)
+    raw = model.covar_module.base_kernel.raw_lengthscale
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with gpytorch.settings.max_cholesky_size(10**6):
+        (-mll(model(X), y)).backward()
+    exact = raw.grad.clone()
+    model.zero_grad()
+    settings = EstimatorSettings(dense_limit_bytes=None if dense else 0)
+    with warnings.catch_warnings(), gpnys.use_preconditioner(model, settings=settings) as hook:
+        warnings.simplefilter("ignore", NumericalWarning)
+        (-mll(model(X), y)).backward()
+    se = hook.last_estimate.grad_std_error["covar_module.base_kernel.raw_lengthscale"].reshape(exact.shape) / N
+    assert bool(((raw.grad - exact).abs() <= 5 * se + 1e-6 * (1 + exact.abs())).all()), (raw.grad, exact, se)
