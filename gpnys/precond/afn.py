@@ -452,7 +452,8 @@ class AFNPreconditioner(Preconditioner):
 
             def sums(Za, Zb, Kt, Ht, U, V) -> torch.Tensor:  # (t, d_l): sum_ab U_aj V_bj H_ab (za_d - zb_d)^2
                 tile = (slice(0, Za.shape[0]), slice(None), Kt, Ht.to(Kt.dtype), Za, Zb)
-                return TorchTiles.column_sums(Zs, iter([tile]), U, V, isotropic=ls.numel() == 1)[1]
+                return TorchTiles.column_sums(Zs, iter([tile]), U, V, isotropic=ls.numel() == 1,
+                                              same_points=Za is Zb)[1]
 
             # the (n - k) x k block K21 (and H21) in row chunks of one memory block, twice (x needs all of
             # K21 u before g exists): O(n k d) recomputed against O(n k) float64 storage, which with its

@@ -272,14 +272,17 @@ class TorchTiles(KernelBackend):
 
     @staticmethod
     def column_sums(Z: torch.Tensor, tiles: Iterator[Any], U: torch.Tensor, V: torch.Tensor,
-                    isotropic: bool = False, mirrored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    isotropic: bool = False, mirrored: bool = False,
+                    same_points: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`weighted_sums` for each rank-one weight ``W_j = u_j v_j^T`` separately, in one pass:
         ``s_j = u_j^T K v_j`` (``(t,)``) and ``g_jd = sum_ik u_ij v_kj A_ik (z_id - z_kd)^2`` (``(t, d)``), from
         the products ``A V``, ``A^T U`` and ``A (z_d o V)`` (``O(n^2 t (d + 3))`` flops, no ``(b, n, t)``
         temporary); in at least float64. ``isotropic``: only ``sum_d g_jd`` is needed (``(t, 1)``), from
         ``(A o R^2) V`` with ``R^2`` the tile's squared distances: ``O(n^2 t)`` flops, ``d`` times fewer.
         ``mirrored``: ``tiles`` are :meth:`upper_tiles`' ``(skip, tile)``, and each tile's columns past ``skip``
-        also stand for the mirrored tile ``K[J, I]``, whose terms are the tile's with ``U`` and ``V`` swapped."""
+        also stand for the mirrored tile ``K[J, I]``, whose terms are the tile's with ``U`` and ``V`` swapped.
+        ``same_points``: rows and columns index one point set (a tile's ``(i, i)`` entries pair a point with
+        itself and are left out of ``g``); ``False`` for a block between two sets."""
         acc = torch.promote_types(Z.dtype, torch.float64)
         t, d = U.shape[1], Z.shape[1]
         s = Z.new_zeros(t, dtype=acc)
@@ -287,7 +290,8 @@ class TorchTiles(KernelBackend):
         for item in tiles:
             skip, (rows, cols, Kt, Ht, Zr, Zc) = item if mirrored else (0, item)
             Kt = Kt.to(acc)
-            A = _without_self_pairs(-Kt if Ht is None else Ht.to(acc), rows, cols)  # RBF: H = -K
+            A = -Kt if Ht is None else Ht.to(acc)  # RBF: H = -K
+            A = _without_self_pairs(A, rows, cols) if same_points else A
             Zr, Zc = Zr.to(acc), Zc.to(acc)
             if isotropic:  # A o R^2, R^2 in the expanded form (accumulated in float64, as above)
                 R2 = torch.addmm(Zc.square().sum(1)[None, :], Zr, Zc.mT, alpha=-2.0).add_(Zr.square().sum(1)[:, None])
