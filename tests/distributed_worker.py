@@ -12,7 +12,8 @@
 * ``fail``: rank 1's share of a row-split computation, then its per-probe derivative pass, raises; every
   rank records what it got;
 * ``mismatch``: rank-dependent right-hand sides, which must raise;
-* ``die``: rank 1 exits before the product; rank 0 records the error it gets and how long it took.
+* ``die``: rank 1 exits before the product; rank 0 records the error it gets and how long it took;
+* ``nan``: a NaN in rank 1's rows of one kernel product during an MLL evaluation; every rank records its error.
 
 Rank 0 writes what it computed to OUT (``torch.save``, on the CPU). Without RANK it computes the single-process
 reference. ``GPNYS_TEST_DEVICE=cuda`` runs on ``cuda:LOCAL_RANK`` over NCCL (default: the CPU over gloo).
@@ -255,6 +256,36 @@ def count_partitioned_passes():
         setattr(cls, name, counted)
 
 
+def nan_on_one_rank(rank, group):
+    """Rank 1's rows of the third kernel product hold a NaN: every rank must raise NonFiniteError (the gathered
+    product carries it to all), none return a value."""
+    from gpnys.kernels.backends.torch_tiles import TorchTiles
+
+    calls = {"n": 0}
+    originals = {name: getattr(TorchTiles, name) for name in ("matmul", "upper_matmul")}
+
+    def poison(name):
+        def poisoned(self, Z, R, plan, rows=None):
+            out = originals[name](self, Z, R, plan, rows)
+            calls["n"] += 1
+            if rank == 1 and calls["n"] == 3:  # this rank's share of the third product
+                out = out.clone()
+                out[0, 0] = float("nan")
+            return out
+        return poisoned
+
+    for name in originals:
+        setattr(TorchTiles, name, poison(name))
+    try:
+        loss = mll(group)["loss"]
+        return {"error": None, "loss": loss, "calls": calls["n"]}
+    except Exception as err:  # noqa: BLE001 (what each rank got is the result)
+        return {"error": f"{type(err).__name__}: {err}", "calls": calls["n"]}
+    finally:
+        for name, fn in originals.items():
+            setattr(TorchTiles, name, fn)
+
+
 def main():
     mode, out_path = sys.argv[1], sys.argv[2]
     count_partitioned_passes()
@@ -274,6 +305,9 @@ def main():
         res = precond(group)
     elif mode in ("fail", "tsqr"):
         res = fail(rank) if mode == "fail" else tsqr(rank)
+        torch.save(to_cpu(res), f"{out_path}.{rank}")
+    elif mode == "nan":
+        res = nan_on_one_rank(rank, group)
         torch.save(to_cpu(res), f"{out_path}.{rank}")
     elif mode in ("mismatch", "die"):
         X, _, V = data()

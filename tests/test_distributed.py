@@ -250,6 +250,14 @@ def test_a_failure_on_one_rank_raises_on_every_rank_without_a_hang(tmp_path):
     assert time.perf_counter() - t0 <= 60  # well before the group's 60 s timeout: no rank waited for it
 
 
+def test_a_nan_in_one_ranks_rows_raises_on_every_rank(tmp_path):
+    assert run_ranks("nan", tmp_path / "dist.pt", extra_env={"GPNYS_TEST_TIMEOUT": "60"}, timeout=120) == [0, 0]
+    for r in (0, 1):
+        got = torch.load(f"{tmp_path / 'dist.pt'}.{r}", weights_only=False)
+        assert got["error"] is not None and got["error"].startswith("NonFiniteError"), (r, got)
+        assert "lengthscale=" in got["error"] and "noise=" in got["error"]
+
+
 def test_ranks_with_different_vectors_raise(tmp_path):
     assert run_ranks("mismatch", tmp_path / "dist.pt") == [0, 0]
     got = torch.load(tmp_path / "dist.pt", weights_only=False)
