@@ -13,6 +13,7 @@
   rank records what it got;
 * ``mismatch``: rank-dependent right-hand sides, which must raise;
 * ``die``: rank 1 exits before the product; rank 0 records the error it gets and how long it took;
+* ``reject``: rank 1's targets hold a NaN: it rejects them on entering the hook, and rank 0 must hear of it;
 * ``nan``: a NaN in rank 1's rows of one kernel product during an MLL evaluation; every rank records its error.
 
 Rank 0 writes what it computed to OUT (``torch.save``, on the CPU). Without RANK it computes the single-process
@@ -256,6 +257,25 @@ def count_partitioned_passes():
         setattr(cls, name, counted)
 
 
+def reject_on_one_rank(rank, group):
+    """Rank 1's targets hold a NaN: it rejects its input on entering the hook, and every other rank must hear of
+    it at once (not in the next collective, after the group's timeout)."""
+    import gpytorch
+
+    X, y, _ = data()
+    if rank == 1:
+        y = y.clone()
+        y[5] = float("nan")
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood().double(), kernel="matern32").double()
+    t0 = time.perf_counter()
+    try:
+        with use_preconditioner(model, "afn", settings=gd.settings(group), k=30):
+            pass
+        return {"error": None, "seconds": time.perf_counter() - t0}
+    except Exception as err:  # noqa: BLE001 (what each rank got is the result)
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
+
+
 def nan_on_one_rank(rank, group):
     """Rank 1's rows of the third kernel product hold a NaN: every rank must raise NonFiniteError (the gathered
     product carries it to all), none return a value."""
@@ -305,6 +325,9 @@ def main():
         res = precond(group)
     elif mode in ("fail", "tsqr"):
         res = fail(rank) if mode == "fail" else tsqr(rank)
+        torch.save(to_cpu(res), f"{out_path}.{rank}")
+    elif mode == "reject":
+        res = reject_on_one_rank(rank, group)
         torch.save(to_cpu(res), f"{out_path}.{rank}")
     elif mode == "nan":
         res = nan_on_one_rank(rank, group)

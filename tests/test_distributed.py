@@ -250,6 +250,14 @@ def test_a_failure_on_one_rank_raises_on_every_rank_without_a_hang(tmp_path):
     assert time.perf_counter() - t0 <= 60  # well before the group's 60 s timeout: no rank waited for it
 
 
+def test_a_rank_that_rejects_its_input_tells_the_others_at_once(tmp_path):
+    assert run_ranks("reject", tmp_path / "dist.pt", extra_env={"GPNYS_TEST_TIMEOUT": "60"}, timeout=120) == [0, 0]
+    mine, other = (torch.load(f"{tmp_path / 'dist.pt'}.{r}", weights_only=False) for r in (1, 0))
+    assert mine["error"].startswith("ValueError") and "train_targets" in mine["error"]
+    assert other["error"].startswith("ValueError") and "rank 1 of 2 rejected its input" in other["error"]
+    assert "train_targets" in other["error"] and other["seconds"] < 30  # not the group's 60 s timeout
+
+
 def test_a_nan_in_one_ranks_rows_raises_on_every_rank(tmp_path):
     assert run_ranks("nan", tmp_path / "dist.pt", extra_env={"GPNYS_TEST_TIMEOUT": "60"}, timeout=120) == [0, 0]
     for r in (0, 1):

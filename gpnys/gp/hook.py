@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import gpytorch
 import torch
+import torch.distributed as dist
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
@@ -45,7 +46,7 @@ from gpnys.gp.estimator import Estimate
 from gpnys.gp.operators import CallerSettingsMVN, PreconditionedAddedDiag, PreconditionedMVN, PreconditionerOperator
 from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import EstimatorSettings, current_gpytorch_settings
-from gpnys.kernels.backends.partitioned import CollectiveError
+from gpnys.kernels.backends.partitioned import CollectiveError, RowGroup
 from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
@@ -167,10 +168,19 @@ class PreconditionerHook(HookPrediction):
         self.last_estimate: Estimate | None = None
         if self.passthrough is not None:
             return
-        self._set_data(model.train_inputs[0] if train_x is None else train_x)
-        for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
-            if options.get(key) is not None:
-                validate_count(options[key], key, 1, self.train_x.shape[0])
+        failure = None
+        try:
+            self._set_data(model.train_inputs[0] if train_x is None else train_x)
+            for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
+                if options.get(key) is not None:
+                    validate_count(options[key], key, 1, self.train_x.shape[0])
+        except ValueError as err:
+            failure = err
+        group = self.settings.kernel_group
+        if group is not None and group is not False and dist.is_available() and dist.is_initialized():
+            RowGroup.of(group).agree("input", failure)  # a rank that rejects its input tells the others now
+        elif failure is not None:
+            raise failure
         self.last_probes: torch.Tensor | None = None
         self.variance_reduction = bool(self.settings.variance_reduction)
         self.control_variates = 0

@@ -183,6 +183,24 @@ class RowGroup:
             raise CollectiveError(f"gpnys row partition: the {what} collective failed on rank {self.rank} of "
                                   f"{self.size} (a rank died or the group's timeout passed): {err}") from err
 
+    def agree(self, what: str, failure: BaseException | None) -> None:
+        """Every rank's verdict on its own input, exchanged once (``failure``: this rank's error, or ``None``): a
+        rank that rejected its input re-raises its error here, and every other rank raises a ``ValueError`` naming
+        it, at once, instead of waiting for it in the next collective until the group's timeout."""
+        if self.size == 1:
+            if failure is not None:
+                raise failure
+            return
+        verdicts: list[Any] = [None] * self.size
+        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+        self._collective(what, dist.all_gather_object, verdicts, mine)
+        if failure is not None:
+            raise failure
+        bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        if bad:
+            rank, verdict = bad[0]
+            raise ValueError(f"rank {rank} of {self.size} rejected its {what}: {verdict}")
+
     def gather(self, what: str, local: torch.Tensor, inputs: list[torch.Tensor],
                failure: BaseException | None = None) -> list[torch.Tensor]:
         """All ranks' ``local`` blocks (equal shapes), after checking that every rank used the same ``inputs`` and
