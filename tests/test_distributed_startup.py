@@ -55,3 +55,28 @@ def test_world_size_mismatch_raises_on_every_rank_at_once(sizes):
     for r in results:
         assert "ValueError" in r.stderr and "WORLD_SIZE is" in r.stderr, r.stderr[-800:]
     assert seconds < 30  # not the group's 60 s timeout
+
+
+KILL_SCRIPT = """
+import os, sys
+from gpnys.kernels.backends.torch_tiles import TorchTiles
+if os.environ["RANK"] == "1":  # this rank dies in its first kernel product
+    TorchTiles.upper_matmul = TorchTiles.matmul = lambda *a, **k: os._exit(9)
+from gpnys.cli.main import main
+sys.exit(main(["mll", "--data", "concrete", "--num-points", "300", "--method", "auto", "--dense-gib", "0"]))
+"""
+
+
+def test_cli_reports_a_dead_rank_in_one_line():
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-c", KILL_SCRIPT], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert procs[1].returncode == 9
+    assert procs[0].returncode == 1, outs[0][1][-2000:]
+    lines = [line for line in outs[0][1].splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpnys mll: error:") and "rank" in lines[0], lines[-5:]
