@@ -154,3 +154,40 @@ def test_botorch_warp_input_transform_gets_its_gradient():
         assert bool(((q.grad - p.grad).abs() <= tol).all()), (name, q.grad, p.grad)
     warp_grads = [p.grad for name, p in ref.named_parameters() if "input_transform" in name]
     assert warp_grads and max(float(g.abs().max()) for g in warp_grads) > 1e-6
+
+
+def test_periodic_kernel_period_length_gradient_within_its_error_bar():
+    """The periodic kernel runs through GPyTorch's kernel tensor: the period length's derivative is kept, and its
+    gradient is within its own error bar of Cholesky for every probe seed (the bar is not merely wide: the
+    mean |z| stays below 2)."""
+    from gpnys.gp.settings import EstimatorSettings
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(N, 1, generator=g, dtype=torch.float64) * 4
+    y = torch.sin(3 * X[:, 0]) + 0.1 * torch.randn(N, generator=g, dtype=torch.float64)
+
+    class Periodic(gpytorch.models.ExactGP):
+        def __init__(self):
+            super().__init__(X, y, gpytorch.likelihoods.GaussianLikelihood())
+            self.mean = gpytorch.means.ConstantMean()
+            self.cov = gpytorch.kernels.ScaleKernel(gpytorch.kernels.PeriodicKernel())
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean(x), self.cov(x))
+
+    model = Periodic().double()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with gpytorch.settings.max_cholesky_size(10**6):
+        (-mll(model(X), y)).backward()
+    name = "cov.base_kernel.raw_period_length"
+    exact = dict(model.named_parameters())[name].grad.clone()
+    assert float(exact.abs().max()) > 1e-4
+    zs = []
+    for seed in range(4):
+        model.zero_grad()
+        with gpnys.use_preconditioner(model, settings=EstimatorSettings(probe_seed=seed)) as hook:
+            (-mll(model(X), y)).backward()
+        got = dict(model.named_parameters())[name].grad
+        se = hook.last_estimate.grad_std_error[name].reshape(exact.shape) / N
+        zs.append(float(((got - exact) / se).abs().max()))
+    assert max(zs) < 5 and sum(zs) / len(zs) < 2, zs
