@@ -10,11 +10,11 @@ full-split Cholesky baselines practical (docs/training.md).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import math
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,41 +184,47 @@ class FitResult:
     stopped: str | None = None
 
 
-#: the first bytes of a fit checkpoint: format tag, then the payload's SHA-256, then the ``torch.save`` payload
+#: the first bytes of a fit checkpoint: format tag, then the payload's CRC-32 and length, then the ``torch.save`` payload
 CHECKPOINT_MAGIC = b"gpnys.fit/2\n"
 
 
 def _fingerprint(model: torch.nn.Module, optimizer: str) -> dict[str, Any]:
-    """What a checkpoint must match to resume: the training data (n, d, dtype and a float64 digest of its values,
+    """What a checkpoint must match to resume: the training data (n, d, dtype and float64 sums of its values,
     rounded to 10 digits so that a move between devices still matches), the model's modules and parameter shapes,
     and the optimiser."""
     X, y = model.train_inputs[0], model.train_targets
 
-    def digest(t: torch.Tensor) -> list[float]:
+    def summary(t: torch.Tensor) -> list[float]:
         v = t.detach().reshape(-1).to(torch.float64)
         w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device).remainder(97.0) + 1.0
         return [float(f"{x:.10g}") for x in torch.stack([v.sum(), (v * w).sum(), v.square().sum()]).tolist()]
 
-    return {"n": int(X.shape[-2]), "d": int(X.shape[-1]), "dtype": str(X.dtype), "inputs": digest(X),
-            "targets": digest(y), "optimizer": optimizer,
+    return {"n": int(X.shape[-2]), "d": int(X.shape[-1]), "dtype": str(X.dtype), "inputs": summary(X),
+            "targets": summary(y), "optimizer": optimizer,
             "modules": [f"{name}:{type(m).__name__}" for name, m in model.named_modules()],
             "parameters": {name: list(p.shape) for name, p in model.named_parameters()}}
 
 
+def _stamp(payload: bytes) -> str:
+    """``"crc32 length\\n"`` of a checkpoint's payload, 25 characters: a flipped bit or a truncation changes it."""
+    return f"{zlib.crc32(payload):08x} {len(payload):015d}\n"
+
+
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """The state :func:`fit` wrote to a checkpoint file (``loss_trace``, ``steps``, ``model``, ``fingerprint``, ...),
-    after checking its SHA-256; ``ValueError`` naming the file if it is truncated, corrupt or not a checkpoint."""
+    after checking its CRC-32 and length; ``ValueError`` naming the file if it is truncated, corrupt or not a
+    checkpoint."""
     name = os.fspath(path)
     with open(path, "rb") as f:
         raw = f.read()
-    if not raw.startswith(CHECKPOINT_MAGIC) or len(raw) < len(CHECKPOINT_MAGIC) + 65:
+    head = len(CHECKPOINT_MAGIC) + 25  # the tag, "crc32 length\n" as 8 + 1 + 15 + 1 characters
+    if not raw.startswith(CHECKPOINT_MAGIC) or len(raw) < head:
         raise ValueError(f"checkpoint {name!r} is not a gpnys fit checkpoint ({len(raw)} bytes; empty, truncated, "
                          "another file or one from gpnys < 0.2): delete it to start afresh")
-    head = len(CHECKPOINT_MAGIC)
-    digest, payload = raw[head : head + 64].decode("ascii", "replace"), raw[head + 65 :]
-    if hashlib.sha256(payload).hexdigest() != digest:
-        raise ValueError(f"checkpoint {name!r} is corrupt (its SHA-256 does not match its contents): delete it to "
-                         "start afresh")
+    stamp, payload = raw[len(CHECKPOINT_MAGIC) : head].decode("ascii", "replace"), raw[head:]
+    if stamp != _stamp(payload):
+        raise ValueError(f"checkpoint {name!r} is corrupt (its CRC-32 or length does not match its contents): delete "
+                         "it to start afresh")
     try:
         # our own file, checksummed: model, optimiser and random states
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
@@ -275,7 +281,7 @@ def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: torch
     payload = buffer.getvalue()
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "wb") as f:
-        f.write(CHECKPOINT_MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+        f.write(CHECKPOINT_MAGIC + _stamp(payload).encode("ascii") + payload)
     os.replace(tmp, path)
 
 
@@ -320,8 +326,8 @@ def fit(
             state, the loss trace, ``steps``, the elapsed step time and torch's random state are written there
             (``torch.save``, through a temporary file and a rename). If the file exists when ``fit`` starts, training
             resumes from it: ``iters`` counts every step, so ``iters - len(loss_trace)`` more are run, and the
-            result (``train_time_s`` included) covers them all. The file carries a SHA-256 of its contents and a
-            fingerprint of the model (data digest, n, d, dtype, modules, parameter shapes, optimiser): a corrupt
+            result (``train_time_s`` included) covers them all. The file carries a CRC-32 of its contents and a
+            fingerprint of the model (data sums, n, d, dtype, modules, parameter shapes, optimiser): a corrupt
             file, or one from another model, data set or optimiser, raises ``ValueError`` naming the file and the
             difference. A resumed fit uses this call's ``lr``.
 
