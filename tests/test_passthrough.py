@@ -161,3 +161,20 @@ def test_bad_input_still_raises():
     model.set_train_data(model.train_inputs[0], y, strict=False)
     with pytest.raises(ValueError, match="train_targets"), gpnys.use_preconditioner(model):
         pass
+
+
+@pytest.mark.parametrize("policy", ["mask"])  # ExactMarginalLogLikelihood supports only "mask"
+def test_missing_targets_under_gpytorchs_nan_policy_pass_through(policy):
+    """GPyTorch's missing-data support (``observation_nan_policy``): NaN targets are GPyTorch's to mask or fill, so
+    the model passes through; without the policy they are still a ValueError (test_bad_input_still_raises)."""
+    model = _single(lambda x: gpytorch.kernels.RBFKernel())().double()
+    y = model.train_targets.clone()
+    y[::7] = float("nan")
+    model.set_train_data(model.train_inputs[0], y, strict=False)
+    with gpytorch.settings.observation_nan_policy(policy):
+        loss0, grads0, warned0 = _loss_and_grads(model, hook=False)
+        loss1, grads1, warned1 = _loss_and_grads(model, hook=True)
+    assert len(warned1) == 1 and "missing values" in str(warned1[0].message)
+    assert loss1 == loss0
+    for k in grads0:
+        assert torch.equal(grads1[k], grads0[k]), k

@@ -105,6 +105,9 @@ def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | No
         return f"its training inputs are batched, shape {tuple(inputs[0].shape)}"
     if model.train_targets is None or model.train_targets.dim() != 1:
         return "it has several outputs or tasks"
+    policy = gpytorch.settings.observation_nan_policy.value()
+    if policy != "ignore" and not bool(torch.isfinite(model.train_targets).all()):
+        return f"its targets hold missing values under observation_nan_policy({policy!r})"
     likelihood = model.likelihood
     if not isinstance(likelihood, (gpytorch.likelihoods.GaussianLikelihood,
                                    gpytorch.likelihoods.FixedNoiseGaussianLikelihood)):
