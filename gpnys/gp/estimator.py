@@ -64,6 +64,10 @@ class Estimate:
         cg_iterations: CG iterations of the solve with ``r`` plus the largest over probes;
         residual_bound: ``||ρ||² / (2 λ_min)``, the bound on the inverse quadratic's error (in ``L``);
         lanczos_error: the quadrature's truncation estimate (in ``L``).
+        rounding_error: the working precision's share (in ``L``): ``4 u |a|ᵀ K̂ |a|`` with ``a = K̂⁻¹ r`` and ``u``
+            the unit round-off: the first-order effect of rounding in the products on the inverse quadratic
+            (docs/accuracy.md, "Rounding in float32"); computed in float32 and below (one kernel product), 0 in
+            float64. It is part of ``std_error``.
     """
 
     value: float
@@ -75,6 +79,13 @@ class Estimate:
     cg_iterations: int = 0
     residual_bound: float = 0.0
     lanczos_error: float = 0.0
+    rounding_error: float = 0.0
+
+    @property
+    def rounding_dominates(self) -> bool:
+        """Whether the working precision's rounding term is the largest part of :attr:`std_error` (float32 on an
+        ill-conditioned ``K̂``): more probes would not shrink the error bar; float64 would."""
+        return self.rounding_error > 0 and self.rounding_error**2 > 0.5 * self.std_error**2
 
     def per_point(self) -> dict[str, Any]:
         """The loss ``L / n`` (GPyTorch's ``-ExactMarginalLogLikelihood``), its standard errors (per parameter
@@ -86,6 +97,7 @@ class Estimate:
             return v.tolist() if v.numel() > 1 else float(v)
 
         return {"loss": self.value / n, "loss_std_error": self.std_error / n,
+                "loss_rounding_error": self.rounding_error / n,
                 "grad_std_error": {k: plain(v) for k, v in self.grad_std_error.items()},
                 "probes": self.probes, "cg_iterations": self.cg_iterations}
 
@@ -136,6 +148,20 @@ def _quadrature_test(n: int, share: float, tol_r: float) -> QuadratureTest:
         return last <= share * se and last <= 0.5 * float(before.mean())
 
     return done
+
+
+#: the rounding term's multiple of ``u |a|ᵀ K̂ |a|`` (:class:`Estimate`); the dtypes whose ``u`` is above this get it
+ROUNDING_FACTOR, ROUNDING_FROM_EPS = 4.0, 1e-10
+
+
+def _rounding(A: Any, a: torch.Tensor) -> float:
+    """The rounding term of :class:`Estimate` for the solve ``a = K̂⁻¹ r`` (``A(V) = K̂ V``): ``4 u |a|ᵀ K̂ |a|`` in
+    float32 and below, where rounding in the products perturbs the inverse quadratic at first order; 0 above."""
+    u = torch.finfo(a.dtype).eps / 2
+    if u < ROUNDING_FROM_EPS:
+        return 0.0
+    magnitude = a.abs()[:, None]
+    return ROUNDING_FACTOR * u * float((magnitude * A(magnitude)).sum())
 
 
 def _hyperparameter_summary(hook: "PreconditionerHook") -> str:
@@ -332,6 +358,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 a, rho = sol.x[:, 0], sol.residual[:, 0]
                 inv_quad = float(r @ a + a @ rho)  # 2 r^T a - a^T K a: error in [0, ||rho||^2 / lam_min]
                 bound = float(rho @ rho) / lam_min
+                rounding = _rounding(A, a)
             k0 = 1 if first else 0
             diag, off = sol.tridiagonal
             l_j, e_j = slq_terms((diag[:, k0:], off[:, k0:]), sol.iterations_per_column[k0:], n)
@@ -392,7 +419,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             l_all = torch.cat(ell)
             se_ld = float(l_all.std() / math.sqrt(t)) if t > 1 else math.inf
             lanczos = float(torch.cat(lerr).mean())
-            se = 0.5 * math.sqrt(se_ld**2 + lanczos**2 + bound**2)
+            se = math.sqrt((0.5 * se_ld) ** 2 + (0.5 * lanczos) ** 2 + (0.5 * bound) ** 2 + rounding**2)
             value_est = 0.5 * (inv_quad + logdet_p + float(l_all.mean()) + n * math.log(2 * math.pi))
             if not math.isfinite(value_est) or (J is not None and not bool(torch.isfinite(J).all())):
                 raise NonFiniteError(f"the marginal likelihood's estimate or its gradient is NaN or inf, at "
@@ -417,7 +444,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
     hook.last_estimate = Estimate(
         value=value_est, std_error=se, n=n, probes=t, batches=batches, cg_iterations=iterations,
-        residual_bound=0.5 * bound, lanczos_error=0.5 * lanczos,
+        residual_bound=0.5 * bound, lanczos_error=0.5 * lanczos, rounding_error=rounding,
         grad_std_error=_split(grad_se, params) if grad_se is not None else {},
     )
     hook.estimates += 1
