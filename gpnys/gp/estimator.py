@@ -154,14 +154,18 @@ def _quadrature_test(n: int, share: float, tol_r: float) -> QuadratureTest:
 ROUNDING_FACTOR, ROUNDING_FROM_EPS = 4.0, 1e-10
 
 
-def _rounding(A: Any, a: torch.Tensor) -> float:
-    """The rounding term of :class:`Estimate` for the solve ``a = K̂⁻¹ r`` (``A(V) = K̂ V``): ``4 u |a|ᵀ K̂ |a|`` in
-    float32 and below, where rounding in the products perturbs the inverse quadratic at first order; 0 above."""
-    u = torch.finfo(a.dtype).eps / 2
-    if u < ROUNDING_FROM_EPS:
+def _rounds(dtype: torch.dtype) -> bool:
+    """Whether evaluations in ``dtype`` carry a rounding term (float32 and below)."""
+    return torch.finfo(dtype).eps / 2 >= ROUNDING_FROM_EPS
+
+
+def _rounding(a: torch.Tensor, K_abs_a: torch.Tensor | None) -> float:
+    """The rounding term of :class:`Estimate` for the solve ``a = K̂⁻¹ r``, from ``K̂ |a|`` (``(n, 1)``, taken in the
+    solve's last product): ``4 u |a|ᵀ K̂ |a|`` in float32 and below, where rounding in the products perturbs the
+    inverse quadratic at first order; 0 above."""
+    if K_abs_a is None or not _rounds(a.dtype):
         return 0.0
-    magnitude = a.abs()[:, None]
-    return ROUNDING_FACTOR * u * float((magnitude * A(magnitude)).sum())
+    return ROUNDING_FACTOR * torch.finfo(a.dtype).eps / 2 * float(a.abs() @ K_abs_a[:, 0])
 
 
 def _hyperparameter_summary(hook: "PreconditionerHook") -> str:
@@ -350,7 +354,8 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             quad = (None if settings.lanczos_share is None or not first
                     else _quadrature_test(n, settings.lanczos_share, tol_r))
             try:
-                sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, lanczos=True, miniter=floor, quadrature=quad)
+                sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, lanczos=True, miniter=floor, quadrature=quad,
+                          abs_columns=int(first and _rounds(rhs.dtype)))  # K̂ |a| for the rounding term
             except NonFiniteError as err:
                 raise NonFiniteError(f"{err}, at {_hyperparameter_summary(hook)}") from err
             iterations = max(iterations, sol.iterations)
@@ -358,7 +363,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 a, rho = sol.x[:, 0], sol.residual[:, 0]
                 inv_quad = float(r @ a + a @ rho)  # 2 r^T a - a^T K a: error in [0, ||rho||^2 / lam_min]
                 bound = float(rho @ rho) / lam_min
-                rounding = _rounding(A, a)
+                rounding = _rounding(a, sol.abs_products)
             k0 = 1 if first else 0
             diag, off = sol.tridiagonal
             l_j, e_j = slq_terms((diag[:, k0:], off[:, k0:]), sol.iterations_per_column[k0:], n)

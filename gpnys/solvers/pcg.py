@@ -93,6 +93,7 @@ class PCGResult:
     breakdown: torch.Tensor | None = None
     residual: torch.Tensor | None = None
     tridiagonal: tuple[torch.Tensor, torch.Tensor] | None = None
+    abs_products: torch.Tensor | None = None
 
 
 def _as_precond(precond: PrecondLike) -> Matmul | None:
@@ -116,6 +117,7 @@ def pcg(
     lanczos: bool = False,
     miniter: int = 0,
     quadrature: Optional[QuadratureTest] = None,
+    abs_columns: int = 0,
 ) -> PCGResult:
     """Solve ``A X = B`` (``A`` SPD, given by ``matmul``) by preconditioned CG, column by column.
 
@@ -141,6 +143,8 @@ def pcg(
         quadrature: with ``lanczos``, lifts that floor early: called with the tridiagonals so far (the layout of
             ``PCGResult.tridiagonal``), each column's steps and relative residual once a column has met its
             tolerance but not the floor; from its first ``True`` on, columns stop at their tolerance alone.
+        abs_columns: also multiply ``|x_j|`` for the first ``abs_columns`` columns, in the same product as the
+            true residual (no product of their own): ``PCGResult.abs_products`` ``(n, abs_columns)``.
 
     Returns:
         :class:`PCGResult`.
@@ -263,7 +267,11 @@ def pcg(
         P[:, keep] = Zk + beta * P[:, keep]
         rz[keep] = rz_new
 
-    residual = Bm - matmul(X)
+    if abs_columns:
+        both = matmul(torch.cat([X, X[:, :abs_columns].abs()], 1))
+        residual, abs_products = Bm - both[:, :t], both[:, t:]
+    else:
+        residual, abs_products = Bm - matmul(X), None
     true_res = torch.linalg.vector_norm(residual, dim=0) / denom
     if not bool(torch.isfinite(true_res).all()):
         raise NonFiniteError("PCG: the final residual is NaN or inf: the operator is not finite")
@@ -293,6 +301,7 @@ def pcg(
         breakdown=breakdown,
         residual=residual[:, 0] if vec else residual,
         tridiagonal=_tridiagonal(alphas, betas, Bm) if lanczos else None,
+        abs_products=abs_products,
     )
 
 
