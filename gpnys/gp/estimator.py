@@ -66,8 +66,8 @@ class Estimate:
         lanczos_error: the quadrature's truncation estimate (in ``L``).
         rounding_error: the working precision's share (in ``L``): ``4 u |a|ᵀ K̂ |a|`` with ``a = K̂⁻¹ r`` and ``u``
             the unit round-off: the first-order effect of rounding in the products on the inverse quadratic
-            (docs/accuracy.md, "Rounding in float32"); computed in float32 and below (one kernel product), 0 in
-            float64. It is part of ``std_error``.
+            (docs/accuracy.md, "Rounding in float32"); computed in float32 and below (``K̂ |a|`` in the solve's last
+            product), 0 in float64. It is part of ``std_error``.
     """
 
     value: float
