@@ -144,38 +144,34 @@ class EstimatorSettings:
             raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
 
     def context(self) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
         # importing BoTorch turns GPyTorch's fast (CG/SLQ) log_prob and solves off globally; they are the point here
         fast = gpytorch.settings.fast_computations
-        stack.enter_context(fast(covar_root_decomposition=fast.covar_root_decomposition.on(), log_prob=True,
-                                 solves=True))
-        stack.enter_context(gpytorch.settings.max_cholesky_size(0))
-        stack.enter_context(gpytorch.settings.cg_tolerance(self.cg_tolerance))
-        stack.enter_context(gpytorch.settings.eval_cg_tolerance(min(self.cg_tolerance, 1e-4)))
-        stack.enter_context(gpytorch.settings.max_cg_iterations(self.max_cg_iterations))
-        stack.enter_context(gpytorch.settings.num_trace_samples(self.num_probes))
-        stack.enter_context(gpytorch.settings.max_lanczos_quadrature_iterations(self.lanczos_steps))
-        return stack
+        flags = {"covar_root_decomposition": fast.covar_root_decomposition.on(), "log_prob": True, "solves": True}
+        values = (0, self.cg_tolerance, min(self.cg_tolerance, 1e-4), self.max_cg_iterations, self.num_probes,
+                  self.lanczos_steps)
+        return _entered(flags, dict(zip(GPYTORCH_SETTINGS, values)))
+
+
+#: the scalar GPyTorch settings :meth:`EstimatorSettings.context` sets (besides ``fast_computations``), in the order of
+#: its values; :func:`current_gpytorch_settings` saves the same ones
+GPYTORCH_SETTINGS = ("max_cholesky_size", "cg_tolerance", "eval_cg_tolerance", "max_cg_iterations",
+                     "num_trace_samples", "max_lanczos_quadrature_iterations")
+
+
+def _entered(flags: dict[str, bool], values: dict[str, Any]) -> contextlib.ExitStack:
+    """An ``ExitStack`` inside ``fast_computations(**flags)`` and each ``gpytorch.settings.<name>(value)``."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(gpytorch.settings.fast_computations(**flags))
+    for name, value in values.items():
+        stack.enter_context(getattr(gpytorch.settings, name)(value))
+    return stack
 
 
 def current_gpytorch_settings() -> Callable[[], contextlib.ExitStack]:
     """The GPyTorch settings :meth:`EstimatorSettings.context` changes, as they are now: a factory of a context
     that puts them back (a model the hook passes through computes under the caller's settings, not the hook's)."""
-    gs = gpytorch.settings
-    fast = gs.fast_computations
+    fast = gpytorch.settings.fast_computations
     flags = {"covar_root_decomposition": fast.covar_root_decomposition.on(), "log_prob": fast.log_prob.on(),
              "solves": fast.solves.on()}
-    values = [(gs.max_cholesky_size, gs.max_cholesky_size.value()), (gs.cg_tolerance, gs.cg_tolerance.value()),
-              (gs.eval_cg_tolerance, gs.eval_cg_tolerance.value()),
-              (gs.max_cg_iterations, gs.max_cg_iterations.value()),
-              (gs.num_trace_samples, gs.num_trace_samples.value()),
-              (gs.max_lanczos_quadrature_iterations, gs.max_lanczos_quadrature_iterations.value())]
-
-    def restore() -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        stack.enter_context(fast(**flags))
-        for setting, value in values:
-            stack.enter_context(setting(value))
-        return stack
-
-    return restore
+    values = {name: getattr(gpytorch.settings, name).value() for name in GPYTORCH_SETTINGS}
+    return lambda: _entered(flags, values)
