@@ -46,8 +46,11 @@ def _set(model, name, value):
 
 
 def _hook_loss(model, X, y):
+    """The hook's loss with seeded probes (the same draw whatever tests ran before), and the hook."""
+    from gpnys.gp.settings import EstimatorSettings
+
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
-    with gpnys.use_preconditioner(model) as hook:
+    with gpnys.use_preconditioner(model, settings=EstimatorSettings(probe_seed=0)) as hook:
         loss = -mll(model(X), y)
         loss.backward()
     return float(loss.detach()), hook
@@ -123,12 +126,16 @@ def test_noise_at_its_constraint_floor(dtype):
 @pytest.mark.parametrize("method", ["afn", "auto", "fsai", "nystrom"])
 @pytest.mark.parametrize("n", [3, 20, 30])
 def test_default_sizes_fit_a_small_n(method, n):
-    """GP_DEFAULTS' k = 500, w = 30 are capped at n: no error about a size the caller never passed."""
+    """GP_DEFAULTS' k = 500, w = 30 are capped at n: no error about a size the caller never passed. (The probes
+    are seeded: at n = 20 the 16-probe standard error is heavy-tailed, so an unseeded draw made the check depend on
+    the tests run before it.)"""
+    from gpnys.gp.settings import EstimatorSettings
+
     model, X, y = _model(torch.float64, n=n)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NumericalWarning)
         mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
-        with gpnys.use_preconditioner(model, method) as hook:
+        with gpnys.use_preconditioner(model, method, settings=EstimatorSettings(probe_seed=0)) as hook:
             loss = float(-mll(model(X), y))
     exact = _cholesky_loss(model, X, y)
     assert abs(loss - exact) <= 5 * hook.last_estimate.std_error / n + 1e-8
