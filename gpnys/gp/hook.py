@@ -129,6 +129,17 @@ def unsupported_covariance(op: LinearOperator) -> str | None:
     return None
 
 
+def _not_positive(value: torch.Tensor, zero_ok: bool = False) -> torch.Tensor:
+    """0-dim bool tensor (no host read): some entry of ``value`` is non-finite, negative or, unless ``zero_ok``, 0."""
+    v = value.detach()
+    bad = ~torch.isfinite(v) | (v < 0)
+    return (bad if zero_ok else bad | (v == 0)).any()
+
+
+def _positive_error(name: str, value: torch.Tensor) -> ValueError:
+    return ValueError(f"{name} must be positive and finite, got {value.detach().reshape(-1)[:4].tolist()}")
+
+
 class PreconditionerHook(HookPrediction):
     """Builds and serves gpnys preconditioners for one ``ExactGP`` (see :func:`use_preconditioner`).
 
@@ -212,8 +223,8 @@ class PreconditionerHook(HookPrediction):
         if noise.numel() not in (1, X.shape[0]):
             raise ValueError(f"likelihood.noise must be one variance or one per training point ({X.shape[0]}), got "
                              f"shape {tuple(noise.shape)}")
-        if not bool((torch.isfinite(noise) & (noise > 0)).all()):
-            raise ValueError("likelihood.noise must be positive and finite")
+        if bool(_not_positive(noise)):
+            raise _positive_error("likelihood.noise", noise)
         self._promotion: tuple | None = None
         # GP_DEFAULTS' sizes at most n (an explicit size is the caller's, validated against n in __init__)
         defaults = GP_DEFAULTS.get(self.method, {}) if isinstance(self.method, str) else {}
@@ -239,26 +250,26 @@ class PreconditionerHook(HookPrediction):
             warnings.warn(f"gpnys: {reason}: the hook passes this model through, and GPyTorch's own computation runs "
                           "unchanged (docs/compatibility.md)", NumericalWarning, stacklevel=5)
 
-    def hyperparameters_usable(self) -> bool:
-        """Check the hyperparameters before an evaluation: a ``ValueError`` naming the parameter for a non-finite or
-        non-positive length-scale, outputscale or noise (the loss does not exist there, and the preconditioner's
+    def hyperparameters_usable(self, kernel: gpytorch.kernels.Kernel) -> bool:
+        """Check the hyperparameters of ``kernel`` (the one this evaluation's covariance holds) and the noise before
+        an evaluation, in one host read: a ``ValueError`` naming the parameter for a non-finite or non-positive
+        length-scale, outputscale or noise (the loss does not exist there, and the preconditioner's
         ``mu = noise / outputscale`` would hide which one it was). An outputscale of exactly 0 leaves ``K̂ = σ² I``,
         whose loss exists: ``False`` then, and the caller runs GPyTorch's own computation (one warning)."""
-        kernel = self.kernel
         base, _ = split_outputscale(kernel)
-        checks = [("likelihood.noise", self.model.likelihood.noise)]
-        for name, module in (("lengthscale", base), ("outputscale", kernel)):
-            value = getattr(module, name, None) if name == "lengthscale" or isinstance(
-                module, gpytorch.kernels.ScaleKernel) else None
-            if isinstance(value, torch.Tensor):
-                checks.append((name, value))
-        zero_scale = False
-        for name, value in checks:
-            v = value.detach()
-            zero = bool((v == 0).any()) and name != "outputscale"
-            if not bool(torch.isfinite(v).all()) or bool((v < 0).any()) or zero:
-                raise ValueError(f"{name} must be positive and finite, got {v.reshape(-1)[:4].tolist()}")
-            zero_scale = zero_scale or (name == "outputscale" and bool((v == 0).all()))
+        checks = [("likelihood.noise", self.model.likelihood.noise, False)]
+        if isinstance(getattr(base, "lengthscale", None), torch.Tensor):
+            checks.append(("lengthscale", base.lengthscale, False))
+        scaled = isinstance(kernel, gpytorch.kernels.ScaleKernel)
+        if scaled:
+            checks.append(("outputscale", kernel.outputscale, True))
+        flags = [_not_positive(value, zero_ok) for _, value, zero_ok in checks]
+        if scaled:
+            flags.append((kernel.outputscale.detach() == 0).all())
+        *bad, zero_scale = torch.stack(flags).tolist() + ([] if scaled else [False])
+        for (name, value, _), failed in zip(checks, bad):
+            if failed:
+                raise _positive_error(name, value)
         if zero_scale and not self._warned_scale:
             self._warned_scale = True
             warnings.warn("gpnys: outputscale is 0, so K̂ = σ² I: GPyTorch's own computation gives its exact loss",
@@ -581,7 +592,7 @@ class PreconditionerHook(HookPrediction):
             reason = unsupported_covariance(cov._linear_op)
             if reason is not None:
                 hook._pass_through(reason)
-            if reason is not None or not hook.hyperparameters_usable():
+            if reason is not None or not hook.hyperparameters_usable(cov._linear_op.kernel):
                 return CallerSettingsMVN(out.mean, cov, callers)
             cov = PreconditionedAddedDiag(hook.kernel_operator(cov._linear_op), cov._diag_tensor,
                                           preconditioner_override=hook.override)
