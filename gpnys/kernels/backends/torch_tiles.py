@@ -315,14 +315,18 @@ def _without_self_pairs(A: torch.Tensor, rows: Any, cols: Any) -> torch.Tensor:
     """``A`` with the entries that pair a point with itself set to 0 (in place). Their ``(z_i - z_i)^2`` is exactly
     0, but the expanded form ``z_i^2 + z_j^2 - 2 z_i z_j`` leaves a rounding error of about ``eps |z|^2``, which at
     length-scales near 1e-8 (``|z| = |x| / l`` near 1e8) is as large as the whole derivative."""
-    def index(sel: Any, size: int) -> torch.Tensor:
-        if isinstance(sel, slice):  # contiguous: start .. start + size (the tile's extent)
+    def span(sel: Any, size: int) -> tuple[int, int]:  # first and last point of a slice (of the tile's extent)
+        if isinstance(sel, slice):  # or of an index tensor
             start = sel.start or 0
-            return torch.arange(start, start + size, device=A.device)
-        return sel.to(A.device)
+            return start, start + size - 1
+        return int(sel.min()), int(sel.max())
 
-    r, c = index(rows, A.shape[0]), index(cols, A.shape[1])
-    if r.numel() == 0 or c.numel() == 0 or int(r.max()) < int(c.min()) or int(c.max()) < int(r.min()):
+    if A.numel() == 0:
         return A
+    (r0, r1), (c0, c1) = span(rows, A.shape[0]), span(cols, A.shape[1])
+    if r1 < c0 or c1 < r0:  # most tiles: no point in both (no index tensors built)
+        return A
+    r = torch.arange(r0, r1 + 1, device=A.device) if isinstance(rows, slice) else rows.to(A.device)
+    c = torch.arange(c0, c1 + 1, device=A.device) if isinstance(cols, slice) else cols.to(A.device)
     A.masked_fill_(r[:, None] == c[None, :], 0.0)
     return A
