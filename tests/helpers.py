@@ -5,6 +5,7 @@ mode puts this directory on ``sys.path`` when it collects the test modules.
 """
 
 import contextlib
+import copy
 
 import gpytorch
 import torch
@@ -74,3 +75,14 @@ def load_script(folder: str, name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def cholesky_loss(model, X, y):
+    """GPyTorch's exact ``-MLL / n`` (Cholesky, no gradient) of ``model``'s hyperparameters on the data ``(X, y)``,
+    on a copy of the model (it may hold other training data)."""
+    ref = copy.deepcopy(model)
+    ref.set_train_data(X, y, strict=False)
+    ref.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(ref.likelihood, ref)
+    with torch.no_grad(), gpytorch.settings.max_cholesky_size(10**6):
+        return float(-mll(ref(X), y))

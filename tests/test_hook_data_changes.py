@@ -4,14 +4,13 @@ every loss matches Cholesky on the data the model holds at that call."""
 
 from __future__ import annotations
 
-import copy
-
 import gpytorch
 import pytest
 import torch
 
 import gpnys
 from gpnys.gp import ExactGPModel
+from helpers import cholesky_loss
 
 
 @pytest.fixture(autouse=True)
@@ -27,18 +26,12 @@ def _data(n, seed, dtype=torch.float64):
     return X.to(dtype), y.to(dtype)
 
 
-def _cholesky_loss(model, X, y):
-    ref = copy.deepcopy(model)
-    ref.set_train_data(X, y, strict=False)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(ref.likelihood, ref)
-    with torch.no_grad(), gpytorch.settings.max_cholesky_size(10**6):
-        return float(-mll(ref(X), y))
 
 
 def _check(hook, model, X, y, loss, rounding):
     est = hook.last_estimate
     assert est.n == X.shape[0]
-    exact = _cholesky_loss(model, X, y)
+    exact = cholesky_loss(model, X, y)
     assert abs(loss - exact) <= 5 * est.std_error / est.n + rounding, (loss, exact, est)
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import gpnys
 from gpnys.gp import ExactGPModel
 from gpnys.precond.base import NumericalWarning
+from helpers import cholesky_loss
 
 N = 120
 
@@ -56,10 +57,6 @@ def _hook_loss(model, X, y):
     return float(loss.detach()), hook
 
 
-def _cholesky_loss(model, X, y):
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
-    with torch.no_grad(), gpytorch.settings.max_cholesky_size(10**6):
-        return float(-mll(model(X), y))
 
 
 @pytest.mark.parametrize("value", [0.0, math.nan, math.inf])
@@ -97,7 +94,7 @@ def test_ordinary_range_within_error_bars(lengthscale, outputscale, noise, doubl
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NumericalWarning)
         loss, hook = _hook_loss(model, X, y)
-    exact = _cholesky_loss(model.double(), X.double(), y.double())
+    exact = cholesky_loss(model.double(), X.double(), y.double())
     est = hook.last_estimate
     rounding = 1e-8 if double else 1e-3 * (1 + abs(exact))
     assert abs(loss - exact) <= 5 * est.std_error / N + rounding, (loss, exact, est.std_error / N)
@@ -117,7 +114,7 @@ def test_noise_at_its_constraint_floor(dtype):
             warnings.simplefilter("ignore", NumericalWarning)
             losses.append(float(-mll(model(X), y)))
     assert float(model.likelihood.noise) == pytest.approx(1e-4)
-    exact = _cholesky_loss(model.double(), X.double(), y.double())
+    exact = cholesky_loss(model.double(), X.double(), y.double())
     mean = torch.tensor(losses, dtype=torch.float64)
     rounding = 1e-8 if dtype == torch.float64 else 1e-2 * (1 + abs(exact))
     assert abs(float(mean.mean()) - exact) <= 5 * float(mean.std()) / math.sqrt(8) + rounding
@@ -137,7 +134,7 @@ def test_default_sizes_fit_a_small_n(method, n):
         mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
         with gpnys.use_preconditioner(model, method, settings=EstimatorSettings(probe_seed=0)) as hook:
             loss = float(-mll(model(X), y))
-    exact = _cholesky_loss(model, X, y)
+    exact = cholesky_loss(model, X, y)
     assert abs(loss - exact) <= 5 * hook.last_estimate.std_error / n + 1e-8
 
 
@@ -155,7 +152,7 @@ def test_half_precision_data_in_a_float32_model_is_promoted(low):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NumericalWarning)
         loss, hook = _hook_loss(model, Xl, yl)
-    exact = _cholesky_loss(model.double(), Xl.double(), yl.double())
+    exact = cholesky_loss(model.double(), Xl.double(), yl.double())
     assert hook.train_x.dtype == torch.float32
     assert abs(loss - exact) <= 5 * hook.last_estimate.std_error / N + 2e-3 * (1 + abs(exact))
 
