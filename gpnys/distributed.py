@@ -83,12 +83,17 @@ def _checked_store(rank: int, size: int, timeout: datetime.timedelta) -> Any:
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(host, port, is_master=rank == 0 and not agent, timeout=timeout, wait_for_workers=False)
     prefix = "gpnys/world_size/"
+
+    def mismatch(r: int) -> str | None:  # rank r's size against this rank's, once r has checked in
+        theirs = int(store.get(f"{prefix}{r}"))
+        return None if theirs == size else (f"WORLD_SIZE is {size} on rank {rank} but {theirs} on rank {r}: launch "
+                                            "every rank alike")
+
     store.set(f"{prefix}{rank}", str(size))
     if rank != 0:
         store.wait([f"{prefix}0"], timeout)
-        theirs = int(store.get(f"{prefix}0"))
-        if theirs != size:
-            message = f"WORLD_SIZE is {size} on rank {rank} but {theirs} on rank 0: launch every rank alike"
+        message = mismatch(0)
+        if message:
             store.set("gpnys/abort", message)
             raise ValueError(message)
     deadline = time.monotonic() + timeout.total_seconds()
@@ -101,9 +106,9 @@ def _checked_store(rank: int, size: int, timeout: datetime.timedelta) -> Any:
             raise ValueError(f"ranks {missing} of WORLD_SIZE={size} did not start within {timeout.total_seconds():g} s")
         time.sleep(0.05)
     for r in range(size):
-        theirs = int(store.get(f"{prefix}{r}"))
-        if theirs != size:
-            raise ValueError(f"WORLD_SIZE is {size} on rank {rank} but {theirs} on rank {r}: launch every rank alike")
+        message = mismatch(r)
+        if message:
+            raise ValueError(message)
     return store
 
 
