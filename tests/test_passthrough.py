@@ -1,7 +1,7 @@
 """Models the hook cannot accelerate pass through: GPyTorch's own computation runs unchanged (the same loss and
 gradients as without the hook, bit for bit), with one warning that says why, and nothing raises.
 
-Each class of model of docs/compatibility.md's pass-through table is here: batch-mode models, multitask models
+Each class of model of docs/compatibility.md's pass-through table is here: two batch dimensions, multitask models
 (Kronecker, Hadamard with a task index in ``forward``, independent outputs), structured and approximate kernels
 (KISS-GP grid interpolation, SGPR inducing points, product structure, random Fourier features) and a covariance
 made of two kernel calls."""
@@ -28,14 +28,16 @@ def _mvn(mean, cov):
     return gpytorch.distributions.MultivariateNormal(mean, cov)
 
 
-class BatchGP(gpytorch.models.ExactGP):
+class TwoBatchDimsGP(gpytorch.models.ExactGP):
+    """Inputs ``(2, 2, n, d)``: two batch dimensions (one batch dimension is accelerated, test_batch_mode.py)."""
+
     def __init__(self):
-        x = _x().expand(2, N, 2)
-        y = torch.stack([torch.sin(4 * x[0, :, 0]), torch.cos(4 * x[1, :, 1])])
-        super().__init__(x, y, gpytorch.likelihoods.GaussianLikelihood(batch_shape=torch.Size([2])))
-        self.mean = gpytorch.means.ConstantMean(batch_shape=torch.Size([2]))
-        self.cov = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])),
-                                                batch_shape=torch.Size([2]))
+        batch = torch.Size([2, 2])
+        x = _x().expand(*batch, N, 2)
+        y = torch.sin(4 * x[..., 0]) + torch.arange(4, dtype=x.dtype).reshape(2, 2, 1)
+        super().__init__(x, y, gpytorch.likelihoods.GaussianLikelihood(batch_shape=batch))
+        self.mean = gpytorch.means.ConstantMean(batch_shape=batch)
+        self.cov = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(batch_shape=batch), batch_shape=batch)
 
     def forward(self, x):
         return _mvn(self.mean(x), self.cov(x))
@@ -91,7 +93,7 @@ class TwoCallsGP(gpytorch.models.ExactGP):
 
 
 MODELS = {
-    "batch": BatchGP,
+    "two batch dimensions": TwoBatchDimsGP,
     "kronecker multitask": KroneckerMultitaskGP,
     "hadamard multitask": HadamardGP,
     "kiss-gp": _single(lambda x: gpytorch.kernels.ScaleKernel(gpytorch.kernels.GridInterpolationKernel(

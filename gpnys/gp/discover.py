@@ -23,7 +23,7 @@ def same_points(A: torch.Tensor, B: torch.Tensor) -> bool:
 
 def training_kernel(model: gpytorch.models.ExactGP) -> tuple[gpytorch.kernels.Kernel, torch.Tensor]:
     """``(kernel, inputs)`` of ``model``'s prior covariance at its training inputs: the kernel object its
-    ``forward`` evaluated and the ``(n, d)`` points it passed to it. No kernel entry is computed (the covariance
+    ``forward`` evaluated and the ``(n, d)`` (batch mode: ``(b, n, d)``) points it passed to it. No kernel entry is computed (the covariance
     stays lazy). ``ValueError`` when the covariance is not a single kernel evaluated on one set of points (e.g.
     ``k1(x) + k2(x)`` added outside a kernel object: wrap them in one kernel, ``k1 + k2``).
 
@@ -49,7 +49,7 @@ def training_kernel(model: gpytorch.models.ExactGP) -> tuple[gpytorch.kernels.Ke
     # stored training inputs when they enter eval mode)
     with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(True):
         cov = model.forward(X).lazy_covariance_matrix
-    if isinstance(cov, LazyEvaluatedKernelTensor) and cov.x1 is cov.x2 and cov.x1.dim() == 2:
+    if isinstance(cov, LazyEvaluatedKernelTensor) and cov.x1 is cov.x2 and cov.x1.dim() == X.dim():
         return cov.kernel, cov.x1
     raise ValueError(f"model: its forward() covariance is a {type(cov).__name__}, not one kernel evaluated on the "
                      "training inputs; combine the kernels into one kernel object (k1 + k2, k1 * k2)")

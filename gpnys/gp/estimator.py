@@ -64,10 +64,18 @@ class Estimate:
         cg_iterations: CG iterations of the solve with ``r`` plus the largest over probes;
         residual_bound: ``||ρ||² / (2 λ_min)``, the bound on the inverse quadratic's error (in ``L``);
         lanczos_error: the quadrature's truncation estimate (in ``L``).
-        rounding_error: the working precision's share (in ``L``): ``4 u |a|ᵀ K̂ |a|`` with ``a = K̂⁻¹ r`` and ``u``
-            the unit round-off: the first-order effect of rounding in the products on the inverse quadratic
-            (docs/accuracy.md, "Rounding in float32"); computed in float32 and below (``K̂ |a|`` in the solve's last
-            product), 0 in float64. It is part of ``std_error``.
+        rounding_error: the working precision's share (in ``L``): ``4 u (|a|ᵀ K̂ |a| + ½ mean_j |z_j|ᵀ K̂ |u_j|)``
+            with ``a = K̂⁻¹ r``, ``u_j = K̂⁻¹ z_j`` and ``u`` the dtype's unit round-off: the first-order effect of
+            rounding in the products on the inverse quadratic and the log-determinant (docs/accuracy.md, "Rounding
+            in float32"; :func:`_rounding`). It is part of ``std_error``.
+
+    Example:
+        A batch-mode model's elements are independent estimates; their sum's error bar adds in quadrature:
+
+        >>> from gpnys.gp.estimator import Estimate
+        >>> total = Estimate.total([Estimate(10.0, 0.3, n=50), Estimate(12.0, 0.4, n=50)])
+        >>> total.value, round(total.std_error, 6), total.n
+        (22.0, 0.5, 100)
     """
 
     value: float
@@ -81,10 +89,27 @@ class Estimate:
     lanczos_error: float = 0.0
     rounding_error: float = 0.0
 
+    @classmethod
+    def total(cls, parts: list["Estimate"]) -> "Estimate":
+        """The sum of independent estimates (the elements of a batch-mode model): values, points, probes and
+        bounds add; standard errors add in quadrature; iterations are the largest."""
+        def quad(values: list[Any]) -> Any:
+            return sum(v * v for v in values) ** 0.5
+
+        names = parts[0].grad_std_error.keys() if all(p.grad_std_error for p in parts) else ()
+        return cls(value=sum(p.value for p in parts), std_error=quad([p.std_error for p in parts]),
+                   grad_std_error={k: quad([p.grad_std_error[k] for p in parts]) for k in names},
+                   n=sum(p.n for p in parts), probes=sum(p.probes for p in parts),
+                   batches=max(p.batches for p in parts), cg_iterations=max(p.cg_iterations for p in parts),
+                   residual_bound=sum(p.residual_bound for p in parts),
+                   lanczos_error=sum(p.lanczos_error for p in parts),
+                   rounding_error=sum(p.rounding_error for p in parts))
+
     @property
     def rounding_dominates(self) -> bool:
         """Whether the working precision's rounding term is the largest part of :attr:`std_error` (float32 on an
-        ill-conditioned ``K̂``): more probes would not shrink the error bar; float64 would."""
+        ill-conditioned ``K̂``, or a preconditioner so close to ``K̂`` that the probes barely vary): more probes
+        would not shrink the error bar."""
         return self.rounding_error > 0 and self.rounding_error**2 > 0.5 * self.std_error**2
 
     def per_point(self) -> dict[str, Any]:
@@ -150,22 +175,26 @@ def _quadrature_test(n: int, share: float, tol_r: float) -> QuadratureTest:
     return done
 
 
-#: the rounding term's multiple of ``u |a|ᵀ K̂ |a|`` (:class:`Estimate`); the dtypes whose ``u`` is above this get it
-ROUNDING_FACTOR, ROUNDING_FROM_EPS = 4.0, 1e-10
+#: the rounding term's multiple of the unit round-off's first-order effects (:class:`Estimate`), and how many of
+#: the first batch's probes estimate the log-determinant's share (their ``K̂ |u_j|`` ride along in the solve's last
+#: product)
+ROUNDING_FACTOR, ROUNDING_PROBES = 4.0, 4
 
 
-def _rounds(dtype: torch.dtype) -> bool:
-    """Whether evaluations in ``dtype`` carry a rounding term (float32 and below)."""
-    return torch.finfo(dtype).eps / 2 >= ROUNDING_FROM_EPS
-
-
-def _rounding(a: torch.Tensor, K_abs_a: torch.Tensor | None) -> float:
-    """The rounding term of :class:`Estimate` for the solve ``a = K̂⁻¹ r``, from ``K̂ |a|`` (``(n, 1)``, taken in the
-    solve's last product): ``4 u |a|ᵀ K̂ |a|`` in float32 and below, where rounding in the products perturbs the
-    inverse quadratic at first order; 0 above."""
-    if K_abs_a is None or not _rounds(a.dtype):
+def _rounding(X: torch.Tensor, Z: torch.Tensor, K_abs: torch.Tensor | None) -> float:
+    """The rounding term of :class:`Estimate` (in ``L``'s units) from the first batch's solves ``X = K̂⁻¹ [r, Z]``
+    and ``K_abs = K̂ |X[:, :c]|`` (``(n, c)``, taken in the solve's last product): with ``u`` the dtype's unit
+    round-off, ``4 u |a|ᵀ K̂ |a|`` for the inverse quadratic (``a = X[:, 0]``) plus ``2 u mean_j |z_j|ᵀ K̂ |u_j|``
+    over the probes there for the log-determinant, each the first-order effect of a relative perturbation ``u`` in
+    every product's entries (``δ(aᵀK̂a)``, ``tr(K̂⁻¹ δK̂)``). About ``1e-16 n`` in float64 on a well-conditioned
+    ``K̂``, and the larger part of the error in float32 on an ill-conditioned one."""
+    if K_abs is None:
         return 0.0
-    return ROUNDING_FACTOR * torch.finfo(a.dtype).eps / 2 * float(a.abs() @ K_abs_a[:, 0])
+    u = torch.finfo(X.dtype).eps / 2
+    quad = abs(float(X[:, 0].abs() @ K_abs[:, 0]))  # |K̂| = K̂ for a non-negative kernel
+    c = K_abs.shape[1]
+    logdet = float((Z[:, : c - 1].abs() * K_abs[:, 1:]).sum(0).abs().mean()) if c > 1 else 0.0
+    return ROUNDING_FACTOR * u * (quad + 0.5 * logdet)
 
 
 def _hyperparameter_summary(hook: "PreconditionerHook") -> str:
@@ -355,7 +384,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                     else _quadrature_test(n, settings.lanczos_share, tol_r))
             try:
                 sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, lanczos=True, miniter=floor, quadrature=quad,
-                          abs_columns=int(first and _rounds(rhs.dtype)))  # K̂ |a| for the rounding term
+                          abs_columns=1 + min(batch, ROUNDING_PROBES) if first else 0)  # for the rounding term
             except NonFiniteError as err:
                 raise NonFiniteError(f"{err}, at {_hyperparameter_summary(hook)}") from err
             iterations = max(iterations, sol.iterations)
@@ -363,7 +392,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 a, rho = sol.x[:, 0], sol.residual[:, 0]
                 inv_quad = float(r @ a + a @ rho)  # 2 r^T a - a^T K a: error in [0, ||rho||^2 / lam_min]
                 bound = float(rho @ rho) / lam_min
-                rounding = _rounding(a, sol.abs_products)
+                rounding = _rounding(sol.x, Z, sol.abs_products)
             k0 = 1 if first else 0
             diag, off = sol.tridiagonal
             l_j, e_j = slq_terms((diag[:, k0:], off[:, k0:]), sol.iterations_per_column[k0:], n)

@@ -30,6 +30,7 @@ applied inside the context; see :class:`EstimatorSettings`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -39,11 +40,17 @@ import gpytorch
 import torch
 import torch.distributed as dist
 from gpytorch.lazy import LazyEvaluatedKernelTensor
-from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
+from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, LinearOperator
 
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.estimator import Estimate
-from gpnys.gp.operators import CallerSettingsMVN, PreconditionedAddedDiag, PreconditionedMVN, PreconditionerOperator
+from gpnys.gp.operators import (
+    BatchPreconditionedMVN,
+    CallerSettingsMVN,
+    PreconditionedAddedDiag,
+    PreconditionedMVN,
+    PreconditionerOperator,
+)
 from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import EstimatorSettings, current_gpytorch_settings
 from gpnys.kernels.backends.partitioned import CollectiveError, RowGroup
@@ -101,9 +108,11 @@ def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | No
     if inputs is None or len(inputs) != 1:
         return "its forward() takes several inputs (e.g. a task index)"
     X = inputs[0] if train_x is None else train_x
-    if X.dim() != 2 or inputs[0].dim() != 2:
-        return f"its training inputs are batched, shape {tuple(inputs[0].shape)}"
-    if model.train_targets is None or model.train_targets.dim() != 1:
+    batch = inputs[0].shape[:-2]
+    if len(batch) > 1 or X.shape[:-2] != batch:
+        return f"its training inputs have more than one batch dimension, shape {tuple(inputs[0].shape)}"
+    targets = model.train_targets
+    if targets is None or targets.shape != inputs[0].shape[:-1]:
         return "it has several outputs or tasks"
     policy = gpytorch.settings.observation_nan_policy.value()
     if policy != "ignore" and not bool(torch.isfinite(model.train_targets).all()):
@@ -112,15 +121,16 @@ def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | No
     if not isinstance(likelihood, (gpytorch.likelihoods.GaussianLikelihood,
                                    gpytorch.likelihoods.FixedNoiseGaussianLikelihood)):
         return f"its likelihood is a {type(likelihood).__name__}"
-    if len(getattr(likelihood, "batch_shape", ())) > 0:
-        return "its likelihood is batched"
+    if tuple(getattr(likelihood, "batch_shape", ())) not in ((), tuple(batch)):
+        return f"its likelihood's batch shape {tuple(likelihood.batch_shape)} is not the inputs' {tuple(batch)}"
     return None
 
 
 def unsupported_covariance(op: LinearOperator) -> str | None:
     """Why the hook cannot accelerate the training covariance's kernel part ``op``, or ``None``: it must be one
     kernel evaluated on one set of ``(n, d)`` points, with no structured or approximate kernel inside."""
-    if not (isinstance(op, LazyEvaluatedKernelTensor) and op.x1 is op.x2 and op.x1.dim() == 2):
+    if not (isinstance(op, LazyEvaluatedKernelTensor) and op.x1 is op.x2 and op.x1.shape[:-1] == op.shape[:-1]
+            and op.dim() in (2, 3)):
         return (f"its training covariance is a {type(op).__name__}, not one kernel evaluated on the training inputs "
                 "(combine kernels into one kernel object, k1 + k2, to have it accelerated)")
     structured = [type(m).__name__ for m in op.kernel.modules() if isinstance(m, STRUCTURED_KERNELS)]
@@ -180,6 +190,7 @@ class PreconditionerHook(HookPrediction):
         self.builds = self.applications = self.samples = self.estimates = 0
         self.history: list[StepRecord] = []
         self.last_estimate: Estimate | None = None
+        self.batch_estimates: list[Estimate] = []  # batch mode: one per element (last_estimate is their sum)
         if self.passthrough is not None:
             return
         failure = None
@@ -187,7 +198,7 @@ class PreconditionerHook(HookPrediction):
             self._set_data(model.train_inputs[0] if train_x is None else train_x)
             for key in ("k", "w", "rank"):  # explicit sizes (the defaults are clamped to n by the factory)
                 if options.get(key) is not None:
-                    validate_count(options[key], key, 1, self.train_x.shape[0])
+                    validate_count(options[key], key, 1, model.train_inputs[0].shape[-2])
         except ValueError as err:
             failure = err
         group = self.settings.kernel_group
@@ -213,23 +224,36 @@ class PreconditionerHook(HookPrediction):
         return tuple((id(t), t.data_ptr(), t._version, tuple(t.shape), str(t.device), t.dtype) for t in tensors)
 
     def _set_data(self, X: torch.Tensor) -> None:
-        """Validate the training data (inputs ``X (n, d)`` as the kernel sees them) and start every cache that
-        depends on it afresh: points, preconditioners, kernel values and plans."""
+        """Validate the training data (inputs ``X`` ``(n, d)``, or ``(b, n, d)`` for a batch-mode model, as the kernel
+        sees them) and start every cache that depends on it afresh: points, preconditioners, kernel values and
+        plans (one set per batch element)."""
         model = self.model
-        if X.dim() != 2 or X.shape[0] != model.train_inputs[0].shape[-2]:
-            raise ValueError(f"train inputs must be (n, d) (batched models are not supported), got {tuple(X.shape)}")
-        validate_training_data(X, model.train_targets, ("train_inputs", "train_targets"))
-        noise = model.likelihood.noise.detach()
+        shape = model.train_inputs[0].shape
+        if X.dim() != len(shape) or X.shape[:-1] != shape[:-1]:
+            raise ValueError(f"train inputs must be (n, d) or (b, n, d) with the model's n = {shape[-2]} points"
+                             f"{f' and batch {shape[0]}' if len(shape) == 3 else ''}, got {tuple(X.shape)}")
+        #: one :class:`BatchElement` per batch element of a batch-mode model (its own preconditioner), else None
+        self.elements: list[BatchElement] | None = None
+        if X.dim() == 3:
+            self.elements = [BatchElement(self, i, X[i]) for i in range(X.shape[0])]
+        else:
+            self._reset(X, model.train_targets)
+        self._data = self._data_key()
+
+    def _reset(self, X: torch.Tensor, y: torch.Tensor) -> None:
+        """Validate one ``(n, d)`` point set and its targets ``(n,)`` and start its caches afresh."""
+        validate_training_data(X, y, ("train_inputs", "train_targets"))
+        noise = self._noise().detach()
         if noise.numel() not in (1, X.shape[0]):
             raise ValueError(f"likelihood.noise must be one variance or one per training point ({X.shape[0]}), got "
-                             f"shape {tuple(noise.shape)}")
+                             f"shape {tuple(self.model.likelihood.noise.shape)}")
         if bool(_not_positive(noise)):
             raise _positive_error("likelihood.noise", noise)
         self._promotion: tuple | None = None
         # GP_DEFAULTS' sizes at most n (an explicit size is the caller's, validated against n in __init__)
         defaults = GP_DEFAULTS.get(self.method, {}) if isinstance(self.method, str) else {}
         self.options = {**{key: min(value, X.shape[0]) for key, value in defaults.items()}, **self._user_options}
-        self.train_x = X.detach().to(computation_dtype(model, X))
+        self.train_x = X.detach().to(computation_dtype(self.model, X))
         self.cache = PointCache(self.train_x)
         self._key: tuple | None = None
         self._current: tuple[Preconditioner, torch.Tensor] | None = None
@@ -240,7 +264,6 @@ class PreconditionerHook(HookPrediction):
         #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
         #: the inputs as its forward() passed them)
         self._seen: tuple[gpytorch.kernels.Kernel, torch.Tensor] | None = None
-        self._data = self._data_key()
 
     def _pass_through(self, reason: str) -> None:
         """Let GPyTorch's own computation run for this model (one warning per hook, saying why)."""
@@ -364,6 +387,13 @@ class PreconditionerHook(HookPrediction):
         s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
         noise = self._noise() if P.diag is not None else self._noise_level()  # the family P was built in
         return base, s2, (noise / s2 if s2 is not None else noise)
+
+    def batch_closed_form(self, op: LazyEvaluatedKernelTensor) -> bool:
+        """Whether a batch-mode model's elements take gpnys's closed-form kernel operator (a ``ScaleKernel`` over
+        RBF/Matérn or a bare one, inputs without gradients, ``settings.kernel_operator``) rather than slices of
+        GPyTorch's evaluated ``(b, n, n)`` kernel."""
+        base, _ = split_outputscale(op.kernel[0])
+        return bool(self.settings.kernel_operator) and supported(base) and not op.x1.requires_grad
 
     # -- the kernel and its inputs ----------------------------------------------------------------------
     @property
@@ -586,14 +616,18 @@ class PreconditionerHook(HookPrediction):
             hook.sync_data()
             out = original(function_dist, *args, **kwargs)
             cov = out.lazy_covariance_matrix
-            n = hook.model.train_inputs[0].shape[-2]
-            if not (isinstance(cov, AddedDiagLinearOperator) and cov.dim() == 2 and cov.shape[-1] == n):
+            shape = hook.model.train_inputs[0].shape[:-1]  # (n,) or (b, n)
+            if not (isinstance(cov, AddedDiagLinearOperator) and cov.shape[:-1] == shape):
                 return out
             reason = unsupported_covariance(cov._linear_op)
             if reason is not None:
                 hook._pass_through(reason)
             if reason is not None or not hook.hyperparameters_usable(cov._linear_op.kernel):
                 return CallerSettingsMVN(out.mean, cov, callers)
+            if hook.elements is not None:  # batch mode: one preconditioner and estimate per element
+                out = BatchPreconditionedMVN(out.mean, cov) if hook.model.training else out
+                out._gpnys_hook = hook
+                return out
             cov = PreconditionedAddedDiag(hook.kernel_operator(cov._linear_op), cov._diag_tensor,
                                           preconditioner_override=hook.override)
             out = PreconditionedMVN(out.mean, cov)
@@ -606,6 +640,69 @@ class PreconditionerHook(HookPrediction):
                 yield self
         finally:
             del likelihood.marginal  # restore the class method
+
+
+class BatchElement(PreconditionerHook):
+    """Batch element ``index`` of a batch-mode model (inputs ``(b, n, d)``, targets ``(b, n)``, a kernel and
+    likelihood with batch shape ``(b,)`` or none): its own points, noise, kernel slice and preconditioner, so that
+    gpnys's estimator runs on each of the ``b`` independent marginals ``N(m_i, K̂_i)`` (``K̂_i = s_i² K_i + σ_i² I``).
+
+    The preconditioner is built from a detached copy of the kernel's slice (``kernel[index]``); the estimator's
+    products carry autograd through the slice of the batched kernel itself. Without a differentiable preconditioner
+    family (:meth:`PreconditionerHook.control_variate`) the log-determinant gradient is the plain, still unbiased,
+    estimator."""
+
+    def __init__(self, parent: PreconditionerHook, index: int, X: torch.Tensor) -> None:
+        self.parent, self.index = parent, index
+        self.model, self.method, self.seed = parent.model, parent.method, parent.seed
+        # every rank of a process group evaluates every element itself (row groups split one n x n operator), and
+        # a probe seed is offset per element: the elements' errors stay independent, so their sum's adds in quadrature
+        seed = parent.settings.probe_seed
+        self.settings = dataclasses.replace(parent.settings, kernel_group=None,
+                                            probe_seed=None if seed is None else int(seed) + index)
+        self._user_options = parent._user_options
+        self.builds = self.applications = self.samples = self.estimates = 0
+        self.history: list[StepRecord] = []
+        self.last_estimate: Estimate | None = None
+        self.last_probes: torch.Tensor | None = None
+        self.variance_reduction = False
+        self.control_variates = 0
+        self._reset(X, parent.model.train_targets[index])
+
+    @property
+    def kernel(self) -> gpytorch.kernels.Kernel:
+        """This element's slice of the training kernel (a detached copy, refreshed by :meth:`covariance`)."""
+        if self._seen is None:
+            kernel, inputs = training_kernel(self.model)
+            self._seen = (kernel[self.index], inputs[self.index])
+        return self._seen[0]
+
+    def _noise(self) -> torch.Tensor:
+        noise = self.model.likelihood.noise
+        noise = noise[self.index] if noise.dim() == 2 else noise  # (b, 1) or (b, n): batched
+        return noise.reshape(-1)[0] if noise.numel() == 1 else noise.reshape(-1)
+
+    def covariance(self, op: LazyEvaluatedKernelTensor, dense: LinearOperator | None,
+                   diag: torch.Tensor) -> LinearOperator:
+        """``K̂_i`` ``(n, n)`` of this element, with autograd: ``s_i² K_i`` as a
+        :class:`~gpnys.kernels.operator.StationaryKernelOperator` (RBF/Matérn, inputs without gradients; else the
+        slice of GPyTorch's evaluated batch ``dense``) plus the noise ``diag`` ``(n,)``."""
+        kernel = op.kernel[self.index]
+        self._seen = (kernel, op.x1[self.index])
+        X = self._inputs()
+        if dense is not None:
+            kop = dense[self.index]
+        else:
+            scaled = isinstance(op.kernel, gpytorch.kernels.ScaleKernel)
+            ls = (op.kernel.base_kernel if scaled else op.kernel).lengthscale  # (b, 1, d) or (1, d)
+            s2 = op.kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
+            kop = StationaryKernelOperator(
+                X, s2[self.index] if s2.dim() else s2, ls[self.index] if ls.dim() == 3 else ls,
+                base=split_outputscale(kernel)[0],
+                cache=self._kernel_cache, dense_limit_bytes=self.settings.dense_limit_bytes,
+                prune_tol=self.settings.kernel_prune_tol, backend=self.settings.kernel_backend,
+                keops=self.settings.kernel_keops, tf32=self.settings.kernel_tf32)
+        return PreconditionedAddedDiag(kop, DiagLinearOperator(diag), preconditioner_override=self.override)
 
 
 def use_preconditioner(

@@ -16,7 +16,8 @@ from gpnys.precond.base import Preconditioner
 if TYPE_CHECKING:
     from gpnys.gp.hook import PreconditionerHook
 
-__all__ = ["PreconditionerOperator", "PreconditionedMVN", "PreconditionedAddedDiag", "CallerSettingsMVN"]
+__all__ = ["PreconditionerOperator", "PreconditionedMVN", "BatchPreconditionedMVN", "PreconditionedAddedDiag",
+           "CallerSettingsMVN"]
 
 
 class PreconditionerOperator(LinearOperator):
@@ -84,6 +85,32 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
             if C is not None:
                 res = res - 0.5 * (C - C.detach())
         return res
+
+
+class BatchPreconditionedMVN(gpytorch.distributions.MultivariateNormal):
+    """The training marginal of a batch-mode model, ``N(m_i, K̂_i)`` for ``i < b`` (mean ``(b, n)``): ``log_prob``
+    runs gpnys's estimator on each element with its own preconditioner (:class:`~gpnys.gp.hook.BatchElement`)
+    and returns the ``(b,)`` log-likelihoods; ``hook.last_estimate`` is their sum
+    (:meth:`~gpnys.gp.estimator.Estimate.total`), ``hook.batch_estimates`` one per element."""
+
+    _gpnys_hook: "PreconditionerHook | None" = None
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        hook = self._gpnys_hook
+        if hook is None or value.shape != self.mean.shape:
+            return super().log_prob(value)
+        cov = self.lazy_covariance_matrix
+        op, diag = cov._linear_op, cov._diag_tensor.diagonal()
+        dense = None if hook.batch_closed_form(op) else op.evaluate_kernel()  # GPyTorch's own (b, n, n) then
+        out = []
+        for element in hook.elements:
+            i = element.index
+            marginal = gpytorch.distributions.MultivariateNormal(self.mean[i], element.covariance(op, dense, diag[i]))
+            out.append(estimator.log_prob(element, marginal, value[i]))
+        hook.batch_estimates = [element.last_estimate for element in hook.elements]
+        hook.last_estimate = estimator.Estimate.total(hook.batch_estimates)
+        hook.estimates += 1
+        return torch.stack(out)
 
 
 class CallerSettingsMVN(gpytorch.distributions.MultivariateNormal):

@@ -44,7 +44,7 @@ from linear_operator.operators import LinearOperator
 from gpnys.budget import block_rows, dense_limit_bytes as budget_dense_limit
 from gpnys.kernels.backends import LEAF, make_backend, select_backend
 from gpnys.kernels.backends.partitioned import PartitionedBackend, resolve_group
-from gpnys.kernels.backends.torch_tiles import Tile, TorchTiles
+from gpnys.kernels.backends.torch_tiles import Tile, TorchTiles, squared_norms
 from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
 from gpnys.kernels.formulas import formula
 from gpnys.linalg import thin_matmul
@@ -185,7 +185,7 @@ class StationaryKernelOperator(LinearOperator):
             elif H is None:
                 H = torch.empty_like(K)
             Z, bs = self._scaled(), self._block_rows()
-            sq = Z.square().sum(1)
+            sq = squared_norms(Z)
             zmax = float(Z.abs().max()) if Z.numel() else 0.0
             scratch = Z.new_empty(min(bs, n) * n)
             for a in range(0, n, bs):

@@ -55,6 +55,13 @@ def k_and_h_inplace(r: torch.Tensor, f: Formula, k: torch.Tensor, h: torch.Tenso
         h.mul_(f.c2 * f.q[0])
 
 
+def squared_norms(Z: torch.Tensor) -> torch.Tensor:
+    """``|z_i|²`` ``(n,)`` for the expanded distance form, in float64 for float32 and below (their rounding,
+    ``u |z|²``, would otherwise reach every distance)."""
+    acc = Z.dtype if torch.finfo(Z.dtype).eps < 1e-10 else torch.float64
+    return Z.to(acc).square().sum(1)
+
+
 def _tail(cols: Any, skip: int) -> Any:
     """A tile's columns past its first ``skip`` (``cols`` a slice or an index tensor)."""
     return slice(cols.start + skip, cols.stop) if isinstance(cols, slice) else cols[skip:]
@@ -77,13 +84,18 @@ class TorchTiles(KernelBackend):
         with torch.no_grad():
             full = isinstance(cols, slice)
             singular = self.formula.singular
+            acc = sq.dtype  # float64 for float32 and below (:func:`squared_norms`)
             if full:
                 sr, sc = sq[rows], sq[cols]
             else:
-                sr, sc = Zr.square().sum(1), Zc.square().sum(1)
+                sr, sc = squared_norms(Zr), squared_norms(Zc)
                 zmax = float(sc.max().sqrt()) if singular else 0.0
-            R = torch.addmm(sc[None, :], Zr, Zc.mT, alpha=-2.0, out=scratch)
-            R.add_(sr[:, None]).clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
+            if acc == Zr.dtype:
+                R = torch.addmm(sc[None, :], Zr, Zc.mT, alpha=-2.0, out=scratch).add_(sr[:, None])
+            else:  # the expanded form cancels to u |z|^2: in float32 that is the kernel's largest error (duplicate
+                # points at a short length-scale), so its sums run in float64 and are rounded once
+                R = scratch.copy_(torch.addmm(sc[None, :], Zr.to(acc), Zc.to(acc).mT, alpha=-2.0).add_(sr[:, None]))
+            R.clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
             # ... leaves ~sqrt(eps) |z| on the diagonal
             if full:
                 R.diagonal(offset=rows.start - (cols.start or 0)).zero_()
@@ -188,7 +200,7 @@ class TorchTiles(KernelBackend):
         """``(tag, tile)`` for the ``(tag, rows, cols)`` of ``shapes`` (``rows`` a slice, ``cols`` a slice or an
         ascending index tensor), the tiles filled in ``size``-element workspaces; the tag passes through."""
         n = Z.shape[0]
-        sq = Z.square().sum(1)
+        sq = squared_norms(Z)
         zmax = float(Z.abs().max()) if Z.numel() else 0.0
         buffers = [Z.new_empty(size) for _ in range(2 if self.formula.rbf else 3)]
         for tag, rows, cols in shapes:
