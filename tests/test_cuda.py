@@ -513,3 +513,22 @@ def test_cli_fit_on_device(cuda_device, capsys):
     assert ours["loss_trace"] == pytest.approx(exact["loss_trace"], rel=1e-3)
     assert ours["test_rmse"] == pytest.approx(exact["test_rmse"], rel=1e-3)
     assert math.isfinite(ours["test_nll"]) and math.isfinite(exact["test_nll"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["rbf", "periodic"])
+def test_batch_mode_on_device(cuda_device, kernel, dtype):
+    """A batch-mode model on the device: each element's loss within its error bar of the float64 Cholesky loss on
+    CPU copies (RBF through the per-element kernel operator, periodic through GPyTorch's evaluated batch)."""
+    from test_batch_mode import B, N, _loss_and_grads, _model
+
+    model, X, y = _model(kernel, torch.float64)
+    exact, _, _ = _loss_and_grads(model, X, y)
+    model, X, y = _model(kernel, dtype)
+    model, X, y = model.to(cuda_device), X.to(cuda_device), y.to(cuda_device)
+    loss, grads, hook = _loss_and_grads(model, X, y, gpnys.EstimatorSettings(probe_seed=0))
+    assert loss.device.type == cuda_device.type and len(hook.batch_estimates) == B
+    rounding = 1e-6 if dtype == torch.float64 else 2e-3
+    for i, est in enumerate(hook.batch_estimates):
+        assert abs(float(loss[i]) - float(exact[i])) <= 4 * est.std_error / N + rounding
+    assert all(bool(torch.isfinite(g).all()) for g in grads.values())

@@ -1,5 +1,6 @@
 """The runnable examples run (at small sizes) and report sensible numbers."""
 
+import pytest
 from helpers import load_script
 
 
@@ -99,3 +100,11 @@ def test_predictive_variances_example(capsys):
     refined = res["cached, refined"]
     assert bool((refined["bound"] <= 0.02 * (refined["variance"] - noise) * (1 + 1e-9)).all())
     assert "bound / variance" in capsys.readouterr().out
+
+
+def test_batch_mode_example_matches_cholesky(capsys):
+    pytest.importorskip("botorch")
+    res = load("batch_mode").main(n=200, steps=5)
+    for ours, exact, se in zip(res["gpnys"], res["cholesky"], res["std_error"]):
+        assert abs(ours - exact) <= 4 * se + 1e-6, (ours, exact, se)
+    assert "output 1" in capsys.readouterr().out
