@@ -34,7 +34,7 @@ def main(n: int = 400, steps: int = 20) -> dict[str, list[float]]:
         ours = -mll(model(*model.train_inputs), model.train_targets)
     for i in range(2):
         print(f"output {i}: gpnys {float(ours[i]):.5f} ± {hook.batch_estimates[i].std_error / n:.1e}  "
-              f"Cholesky {float(exact[i]):.5f}  (preconditioner: {hook.elements[i].history[-1].kind})")
+              f"Cholesky {float(exact[i]):.5f}  (path: {hook.last_estimate.path})")
     return {"gpnys": ours.tolist(), "cholesky": exact.tolist(),
             "std_error": [e.std_error / n for e in hook.batch_estimates], "training_std_error": se}
 

@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"            ({acc['extra']['probes']} probes to reach it)")
 
     model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").to(X)
-    with gpnys.use_preconditioner(model, "auto") as hook:
+    # at a few hundred points "auto" would take Cholesky (exact, no error bars: gpnys.gp.path); the error bars are
+    # the point here
+    with gpnys.use_preconditioner(model, "auto", settings=gpnys.EstimatorSettings(solver="iterative")) as hook:
         res = fit(model, iters=args.iters, lr=0.1, progress=False,
                   settings=lambda n: torch.enable_grad(), stop=lambda: gradient_at_noise(model, hook.last_estimate))
     est = hook.last_estimate

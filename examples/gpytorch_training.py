@@ -65,6 +65,7 @@ def train(ds, iters: int, ard: bool, use_gpnys: bool) -> dict:
     if use_gpnys:
         out["preconditioners"] = sorted({(r.kind, r.rank) for r in hook.history})
         out["builds"], out["cg_applications"] = hook.builds, hook.applications
+        out["path"] = hook.path  # "cholesky" where auto's cost model predicts it faster (gpnys.gp.path)
     return out
 
 
@@ -82,8 +83,8 @@ def main(argv=None) -> dict:
         r = res[name] = train(ds, args.iters, args.ard, flag)
         print(f"{name:9s} loss {r['loss']:.4f}  noise {r['noise']:.4f}  outputscale {r['outputscale']:.4f}  "
               f"test RMSE {r['rmse']:.4f}  NLL {r['nll']:.4f}  ({r['train_s']:.1f} s)")
-    print(f"gpnys built {res['gpnys']['builds']} preconditioners {res['gpnys']['preconditioners']}, "
-          f"{res['gpnys']['cg_applications']} applications (standardised units)")
+    print(f"gpnys took the {res['gpnys']['path']} path, built {res['gpnys']['builds']} preconditioners "
+          f"{res['gpnys']['preconditioners']}, {res['gpnys']['cg_applications']} applications (standardised units)")
     return res
 
 

@@ -299,3 +299,14 @@ def test_kernel_model_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())["kernels"]
     assert row["columns"] == 17 and 200 < row["after_instructions"] < 5000 and row["after_spill_stores"] == 0
+
+
+def test_small_n_quick(tmp_path):
+    res = load("small_n").main(["--quick", "--out", str(tmp_path / "small_n.json")])
+    for runs in res["fits"].values():
+        assert runs["cholesky (--precond none)"]["path"] == "cholesky"
+        assert runs["preconditioned (--solver iterative)"]["path"] == "iterative"
+        # the same model either way: the preconditioned fit's test RMSE within 2 % of Cholesky's
+        base = runs["cholesky (--precond none)"]["test_rmse"]
+        assert abs(runs["auto"]["test_rmse"] - base) <= 0.02 * base
+    assert {r["op"] for r in res["factorisations"]["busy"]} == {"eigvalsh", "eigh", "cholesky", "qr"}

@@ -29,7 +29,10 @@ def test_preconditioned_cg_example():
 def test_gpytorch_training_example_matches_cholesky():
     res = load("gpytorch_training").main(["--data", "concrete", "--n", "400", "--iters", "5"])
     ch, gp = res["cholesky"], res["gpnys"]
-    assert gp["builds"] == 6 and gp["cg_applications"] > 0  # one per step, one for the final hyperparameters
+    if gp["path"] == "iterative":  # the suite's default (tests/conftest.py)
+        assert gp["builds"] == 6 and gp["cg_applications"] > 0  # one per step, one for the final hyperparameters
+    else:  # auto's cost model took GPyTorch's Cholesky at this n
+        assert gp["builds"] == 0 and gp["path"] == "cholesky"
     assert abs(gp["rmse"] - ch["rmse"]) / ch["rmse"] < 0.02
     assert abs(gp["noise"] - ch["noise"]) / ch["noise"] < 0.02
 

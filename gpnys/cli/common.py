@@ -12,6 +12,7 @@ import torch
 
 from gpnys.distributed import rank_and_size
 from gpnys.gp.hook import EstimatorSettings
+from gpnys.gp.path import SOLVERS
 from gpnys.kernels import KERNEL_NAMES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -114,6 +115,10 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
                    help="cap on probes per evaluation with --accuracy")
     p.add_argument("--no-error-bars", action="store_true",
                    help="GPyTorch's CG/SLQ estimator with the gpnys preconditioner, without standard errors")
+    p.add_argument("--solver", choices=SOLVERS, default=None,
+                   help="auto: Cholesky where a cost model calibrated on this device predicts it faster (with "
+                        "--precond auto), else the preconditioned path; cholesky / iterative force one "
+                        "(default: $GPNYS_SOLVER, else auto)")
     p.add_argument("--prune-tol", type=float, default=None,
                    help="skip kernel blocks whose entries are all below this (times the outputscale) when the kernel "
                         "is recomputed on the fly (default: machine epsilon; 0: compute every entry)")
@@ -142,7 +147,7 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
                                  variance_reduction=cv != "none", control_variate="auto" if cv == "none" else cv,
                                  kernel_prune_tol=args.prune_tol,
                                  kernel_backend=None if args.kernel_backend == "auto" else args.kernel_backend,
-                                 kernel_tf32=args.tf32,
+                                 kernel_tf32=args.tf32, solver=args.solver,
                                  kernel_group=True if rank_and_size()[1] > 1 else None)  # under torchrun
     return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
 

@@ -96,9 +96,10 @@ def run(args: argparse.Namespace) -> int:
             last = {"apps": 0}
 
             def on_step(t: int, loss: float) -> dict:
-                rec = hook.history[-1]
                 apps, last["apps"] = hook.applications - last["apps"], hook.applications
-                out = {"precond": rec.kind, "rank": rec.rank, "cg_iters": apps}
+                out = {"path": hook.path, "cg_iters": apps}
+                if hook.path == "iterative" and hook.history:
+                    out.update(precond=hook.history[-1].kind, rank=hook.history[-1].rank)
                 est = hook.last_estimate
                 if est is not None:
                     worst = max((float(v.max()) for v in est.grad_std_error.values() if v.numel()), default=0.0)
@@ -126,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
         "ard": args.ard,
         "method": "exact" if args.precond == "none" else f"cg+slq/{args.precond}",
         "precond": args.precond,
+        # the path of the last training evaluation ("cholesky" or "iterative", gpnys.gp.path) and why
+        "path": "cholesky" if args.precond == "none" else hook.path,
+        "path_reason": "--precond none" if args.precond == "none" else hook.path_reason,
         "hyperparameters": hyperparameters(model),
         "test_rmse": float(torch.sqrt((mean_o - y).square().mean())),
         "test_nll": gaussian_nll(y, mean_o, var_o),

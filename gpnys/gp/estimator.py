@@ -34,6 +34,7 @@ import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 from scipy.stats import chi2
 
+from gpnys.linalg import small_dense
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import NumericalWarning
 from gpnys.solvers.pcg import NonFiniteError, QuadratureTest, pcg
@@ -68,6 +69,8 @@ class Estimate:
             with ``a = K̂⁻¹ r``, ``u_j = K̂⁻¹ z_j`` and ``u`` the dtype's unit round-off: the first-order effect of
             rounding in the products on the inverse quadratic and the log-determinant (docs/accuracy.md, "Rounding
             in float32"; :func:`_rounding`). It is part of ``std_error``.
+        path: ``"iterative"`` (this estimator) or ``"cholesky"`` (GPyTorch's dense Cholesky: exact, standard
+            errors 0); path_reason: why (:func:`gpnys.gp.path.choose_path`).
 
     Example:
         A batch-mode model's elements are independent estimates; their sum's error bar adds in quadrature:
@@ -88,6 +91,8 @@ class Estimate:
     residual_bound: float = 0.0
     lanczos_error: float = 0.0
     rounding_error: float = 0.0
+    path: str = "iterative"
+    path_reason: str = ""
 
     @classmethod
     def total(cls, parts: list["Estimate"]) -> "Estimate":
@@ -103,7 +108,8 @@ class Estimate:
                    batches=max(p.batches for p in parts), cg_iterations=max(p.cg_iterations for p in parts),
                    residual_bound=sum(p.residual_bound for p in parts),
                    lanczos_error=sum(p.lanczos_error for p in parts),
-                   rounding_error=sum(p.rounding_error for p in parts))
+                   rounding_error=sum(p.rounding_error for p in parts), path=parts[0].path,
+                   path_reason=parts[0].path_reason)
 
     @property
     def rounding_dominates(self) -> bool:
@@ -141,7 +147,8 @@ def slq_terms(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tenso
         d = torch.where(rows < k[None, :], diag, torch.ones_like(diag))
         o = torch.where(rows[:-1] < (k[None, :] - 1), off, torch.zeros_like(off)) if m > 1 else off
         T = torch.diag_embed(d.mT) + torch.diag_embed(o.mT, 1) + torch.diag_embed(o.mT, -1)
-        evals, evecs = torch.linalg.eigh(T)
+        with small_dense(m, T.device):
+            evals, evecs = torch.linalg.eigh(T)
         floor = torch.finfo(T.dtype).tiny
         if bool((evals <= 0).any()):
             warnings.warn("gpnys: a Lanczos tridiagonal had non-positive eigenvalues (rounding); clamped",
@@ -479,6 +486,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     hook.last_estimate = Estimate(
         value=value_est, std_error=se, n=n, probes=t, batches=batches, cg_iterations=iterations,
         residual_bound=0.5 * bound, lanczos_error=0.5 * lanczos, rounding_error=rounding,
+        path_reason=getattr(hook, "path_reason", ""),
         grad_std_error=_split(grad_se, params) if grad_se is not None else {},
     )
     hook.estimates += 1

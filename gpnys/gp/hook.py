@@ -44,9 +44,11 @@ from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperato
 
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.estimator import Estimate
+from gpnys.gp.path import choose_path, path_costs
 from gpnys.gp.operators import (
     BatchPreconditionedMVN,
     CallerSettingsMVN,
+    CholeskyMVN,
     PreconditionedAddedDiag,
     PreconditionedMVN,
     PreconditionerOperator,
@@ -191,6 +193,10 @@ class PreconditionerHook(HookPrediction):
         self.history: list[StepRecord] = []
         self.last_estimate: Estimate | None = None
         self.batch_estimates: list[Estimate] = []  # batch mode: one per element (last_estimate is their sum)
+        #: the path of the latest evaluation, ``"cholesky"`` or ``"iterative"``, and why (:mod:`gpnys.gp.path`)
+        self.path: str | None = None
+        self.path_reason = ""
+        self._iterative_scale = 1.0  # measured / predicted seconds of this hook's preconditioned evaluations
         if self.passthrough is not None:
             return
         failure = None
@@ -394,6 +400,41 @@ class PreconditionerHook(HookPrediction):
         GPyTorch's evaluated ``(b, n, n)`` kernel."""
         base, _ = split_outputscale(op.kernel[0])
         return bool(self.settings.kernel_operator) and supported(base) and not op.x1.requires_grad
+
+    # -- the path: Cholesky or preconditioned -------------------------------------------------------------
+    def choose_path(self) -> tuple[str, str]:
+        """``(path, reason)`` of the next evaluation (:func:`gpnys.gp.path.choose_path`), kept in :attr:`path` and
+        :attr:`path_reason`."""
+        X = self.model.train_inputs[0]
+        batch = X.shape[0] if X.dim() == 3 else 1
+        self.path, self.path_reason = choose_path(
+            X.shape[-2], batch, X.device, computation_dtype(self.model, X), self.settings.solver, self.method,
+            current=self.path, iterative_scale=self._iterative_scale)
+        return self.path, self.path_reason
+
+    @contextlib.contextmanager
+    def timed(self):
+        """Time a preconditioned evaluation; its ratio to the cost model's prediction (an average over this hook's
+        evaluations) scales the model's later predictions for this hook."""
+        if self.settings.solver != "auto" or self.method != "auto":
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        X = self.model.train_inputs[0]
+        batch = X.shape[0] if X.dim() == 3 else 1
+        predicted = batch * path_costs(X.device, computation_dtype(self.model, X)).iterative_s(X.shape[-2])
+        ratio = (time.perf_counter() - t0) / max(predicted, 1e-9)
+        self._iterative_scale = 0.5 * (self._iterative_scale + ratio)
+
+    def record_exact(self, log_prob: torch.Tensor) -> None:
+        """The Cholesky path's :class:`Estimate`: ``-log_prob`` (``()`` or ``(b,)``), standard errors 0."""
+        n = self.model.train_inputs[0].shape[-2]
+        parts = [Estimate(value=-float(v), std_error=0.0, n=n, path="cholesky", path_reason=self.path_reason)
+                 for v in log_prob.reshape(-1).tolist()]
+        self.batch_estimates = parts if log_prob.dim() else []
+        self.last_estimate = Estimate.total(parts)
+        self.estimates += 1
 
     # -- the kernel and its inputs ----------------------------------------------------------------------
     @property
@@ -624,6 +665,10 @@ class PreconditionerHook(HookPrediction):
                 hook._pass_through(reason)
             if reason is not None or not hook.hyperparameters_usable(cov._linear_op.kernel):
                 return CallerSettingsMVN(out.mean, cov, callers)
+            if hook.model.training and hook.choose_path()[0] == "cholesky":
+                out = CholeskyMVN(out.mean, cov)
+                out._gpnys_hook = hook
+                return out
             if hook.elements is not None:  # batch mode: one preconditioner and estimate per element
                 out = BatchPreconditionedMVN(out.mean, cov) if hook.model.training else out
                 out._gpnys_hook = hook
@@ -668,6 +713,10 @@ class BatchElement(PreconditionerHook):
         self.variance_reduction = False
         self.control_variates = 0
         self._reset(X, parent.model.train_targets[index])
+
+    @property
+    def path_reason(self) -> str:  # type: ignore[override]
+        return self.parent.path_reason
 
     @property
     def kernel(self) -> gpytorch.kernels.Kernel:

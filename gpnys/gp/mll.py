@@ -10,6 +10,8 @@ CG tolerance 1, 10 probes), and every gpnys preconditioner name through :func:`g
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import Any
 
@@ -74,7 +76,8 @@ def evaluate(
         method: one of :data:`METHODS`.
         kernel: kernel name; lengthscale: scalar or ``(d,)`` with ``ard=True``; outputscale, noise: positive.
         seed: seeds torch (probes) and the preconditioner.
-        settings: passed to :func:`use_preconditioner` for gpnys methods.
+        settings: passed to :func:`use_preconditioner` for gpnys methods, with ``solver="iterative"``: a gpnys
+            method is measured on its preconditioned path even where ``auto`` would take Cholesky.
         **options: passed to :func:`use_preconditioner` for gpnys methods.
 
     Returns:
@@ -109,6 +112,8 @@ def evaluate(
     elif method == "gpytorch":
         ctx = gpytorch.settings.max_cholesky_size(0)
     else:
+        # the named method's preconditioned path, whatever "auto" would choose at this n (gpnys.gp.path)
+        settings = dataclasses.replace(settings or EstimatorSettings(), solver="iterative")
         ctx = use_preconditioner(model, method, settings=settings, seed=seed, **options)
     if X.is_cuda:  # time the GPU's work, not its queue
         torch.cuda.synchronize(X.device)

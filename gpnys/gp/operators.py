@@ -11,13 +11,14 @@ import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
 from gpnys.gp import estimator
+from gpnys.linalg import small_dense
 from gpnys.precond.base import Preconditioner
 
 if TYPE_CHECKING:
     from gpnys.gp.hook import PreconditionerHook
 
-__all__ = ["PreconditionerOperator", "PreconditionedMVN", "BatchPreconditionedMVN", "PreconditionedAddedDiag",
-           "CallerSettingsMVN"]
+__all__ = ["PreconditionerOperator", "PreconditionedMVN", "BatchPreconditionedMVN", "CholeskyMVN",
+           "PreconditionedAddedDiag", "CallerSettingsMVN"]
 
 
 class PreconditionerOperator(LinearOperator):
@@ -72,7 +73,8 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         if hook is not None:
             hook.last_probes = None
             if hook.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
-                return estimator.log_prob(hook, self, value)  # per-probe terms: error bars, requested accuracy
+                with hook.timed():
+                    return estimator.log_prob(hook, self, value)  # per-probe terms: error bars, requested accuracy
         seed = None if hook is None else hook.settings.probe_seed
         if seed is None:
             res = super().log_prob(value)
@@ -103,14 +105,32 @@ class BatchPreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         op, diag = cov._linear_op, cov._diag_tensor.diagonal()
         dense = None if hook.batch_closed_form(op) else op.evaluate_kernel()  # GPyTorch's own (b, n, n) then
         out = []
-        for element in hook.elements:
-            i = element.index
-            marginal = gpytorch.distributions.MultivariateNormal(self.mean[i], element.covariance(op, dense, diag[i]))
-            out.append(estimator.log_prob(element, marginal, value[i]))
+        with hook.timed():
+            for element in hook.elements:
+                i = element.index
+                marginal = gpytorch.distributions.MultivariateNormal(self.mean[i],
+                                                                     element.covariance(op, dense, diag[i]))
+                out.append(estimator.log_prob(element, marginal, value[i]))
         hook.batch_estimates = [element.last_estimate for element in hook.elements]
         hook.last_estimate = estimator.Estimate.total(hook.batch_estimates)
         hook.estimates += 1
         return torch.stack(out)
+
+
+class CholeskyMVN(gpytorch.distributions.MultivariateNormal):
+    """The training marginal on the Cholesky path (:mod:`gpnys.gp.path`): GPyTorch's own ``log_prob`` with its dense
+    Cholesky forced; ``hook.last_estimate`` records the exact value (standard errors 0, ``path="cholesky"``)."""
+
+    _gpnys_hook: "PreconditionerHook | None" = None
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        n = value.shape[-1]
+        with gpytorch.settings.max_cholesky_size(n + 1), small_dense(n, value.device):
+            res = super().log_prob(value)
+        hook = self._gpnys_hook
+        if hook is not None:
+            hook.record_exact(res.detach())
+        return res
 
 
 class CallerSettingsMVN(gpytorch.distributions.MultivariateNormal):

@@ -12,6 +12,7 @@ import torch
 
 from gpnys.budget import block_rows
 from gpnys.gp.discover import same_points, training_kernel
+from gpnys.gp.exact import predict as exact_predict
 from gpnys.gp.variance import LocalVariance
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.landmarks import select
@@ -77,10 +78,17 @@ class HookPrediction:
             True
         """
         model, lik = self.model, self.model.likelihood
-        model.eval()
-        lik.eval()
         self.variance_bound = None
         t_start = time.perf_counter()
+        if self.choose_path()[0] == "cholesky":  # small n: GPyTorch's exact prediction (gpnys.gp.path)
+            mean, var = exact_predict(model, test_x)
+            self.variance_method_used = "cholesky"
+            self.variance_bound = torch.zeros_like(var)
+            total = time.perf_counter() - t_start
+            self.prediction_time = {"total_s": total, "variance_s": 0.0}
+            return mean, (var if variance else None)
+        model.eval()
+        lik.eval()
         with torch.no_grad(), self.settings.context():
             X = model.train_inputs[0]
             kx = self._kernel_x if self._kernel_x is not None else self._discovered_inputs()

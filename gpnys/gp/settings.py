@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import gpytorch
 
+from gpnys.gp.path import SOLVERS
 from gpnys.gp.variance import VARIANCE_NEIGHBOURS
 
 __all__ = ["EstimatorSettings", "VARIANCE_METHODS"]
@@ -74,6 +76,11 @@ class EstimatorSettings:
         error_bars: estimate the MLL with gpnys's own PCG + SLQ (:mod:`gpnys.gp.estimator`), which gives every
             value and gradient component a standard error (``hook.last_estimate``) and honours
             ``target_rel_error``; ``False``: GPyTorch's ``InvQuadLogdet`` with the same preconditioner (no error bars).
+        solver: ``"auto"``: each evaluation takes GPyTorch's dense Cholesky where a cost model calibrated on this
+            device predicts it faster and it fits the memory budget, else the preconditioned path (only for the
+            ``"auto"`` preconditioner; a named one asks for the preconditioned path; :mod:`gpnys.gp.path`);
+            ``"cholesky"`` or ``"iterative"`` force one. ``None``: ``$GPNYS_SOLVER``, else ``"auto"``. The path
+            taken and why: ``hook.last_estimate.path`` and ``.path_reason``.
         target_rel_error: keep adding batches of ``num_probes`` probes (reusing the preconditioner and the solve
             with ``y``; CG and Lanczos tightened where they dominate) until the loss's standard error is below this
             share of ``|loss|`` and the gradient's (the norm of its components' standard errors) below this share of
@@ -81,7 +88,8 @@ class EstimatorSettings:
 
     Example:
         Ask for standard errors below 0.2 % of the loss and of the gradient's norm; probes are added in batches
-        until they are, and the Cholesky loss lies within three of the reported standard errors:
+        until they are, and the Cholesky loss lies within three of the reported standard errors (``solver``: at
+        200 points ``auto`` would take Cholesky itself):
 
         >>> import gpytorch, torch
         >>> from gpnys.gp import ExactGPModel
@@ -91,7 +99,7 @@ class EstimatorSettings:
         >>> y = torch.sin(6 * X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64)
         >>> model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
         >>> mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
-        >>> settings = EstimatorSettings(num_probes=4, target_rel_error=2e-3, probe_seed=0)
+        >>> settings = EstimatorSettings(num_probes=4, target_rel_error=2e-3, probe_seed=0, solver="iterative")
         >>> with use_preconditioner(model, "auto", settings=settings) as hook:
         ...     loss = -mll(model(X), y)
         ...     loss.backward()
@@ -128,8 +136,13 @@ class EstimatorSettings:
     error_bars: bool = True
     target_rel_error: float | None = None
     max_probes: int = 1024
+    solver: str | None = None
 
     def __post_init__(self) -> None:
+        if self.solver is None:
+            self.solver = os.environ.get("GPNYS_SOLVER", "auto")
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {SOLVERS}, got {self.solver!r}")
         if self.target_rel_error is not None and not (0 < float(self.target_rel_error) < 1):
             raise ValueError(f"target_rel_error must be in (0, 1) or None, got {self.target_rel_error!r}")
         if isinstance(self.max_probes, bool) or int(self.max_probes) != self.max_probes or self.max_probes < 2:

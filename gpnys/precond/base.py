@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from gpnys.linalg import SINGLE_THREAD_MAX, small_dense
+
 __all__ = ["Preconditioner", "NumericalWarning", "validate_points", "validate_mu", "safe_cholesky", "add_diag",
            "shift_at"]
 
@@ -116,7 +118,8 @@ def safe_cholesky(
         >>> len(shifts), shifts[0] < 1e-14, torch.allclose(L @ L.mT, A)
         (1, True, True)
     """
-    L, info = torch.linalg.cholesky_ex(A)
+    with small_dense(A.shape[-1] if A.dim() == 2 else SINGLE_THREAD_MAX + 1, A.device):  # a batch keeps its threads
+        L, info = torch.linalg.cholesky_ex(A)
     if not bool((info > 0).any()):
         return L
     eps = torch.finfo(A.dtype).eps

@@ -55,7 +55,7 @@ import torch
 from gpnys import landmarks as _landmarks
 from gpnys.kernels.backends.partitioned import RowGroup
 from gpnys.kernels.entries import KernelEntries, evaluate
-from gpnys.linalg import thin_matmul
+from gpnys.linalg import small_dense, thin_matmul
 from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
 
 __all__ = ["NystromPreconditioner", "SAMPLINGS", "SCALINGS", "LANDMARKS"]
@@ -288,7 +288,8 @@ class NystromPreconditioner(Preconditioner):
         B = b_rows(0, self.n)
         if B.shape[0] > 2 * B.shape[1]:
             Q, R = torch.linalg.qr(B)
-            Ur, sigma, _ = torch.linalg.svd(R, driver=driver)
+            with small_dense(R.shape[-1], R.device):
+                Ur, sigma, _ = torch.linalg.svd(R, driver=driver)
             U = Q @ Ur
         else:
             U, sigma, _ = torch.linalg.svd(B, full_matrices=False, driver=driver)

@@ -29,6 +29,7 @@ import torch
 
 from gpnys.kernels.entries import KernelEntries
 from gpnys.landmarks import fps
+from gpnys.linalg import small_dense
 from gpnys.precond.base import validate_count, validate_mu, validate_points
 
 __all__ = ["RankEstimate", "estimate_rank", "nystrom_rel_error", "numerical_rank"]
@@ -248,52 +249,52 @@ def estimate_rank(
     whole = n <= m
     m_used = n if whole else m
     n_reps = 1 if whole else reps
+    with small_dense(m_used, X.device):  # m x m work on one thread (gpnys.linalg)
+        def subsample() -> torch.Tensor:
+            if whole:
+                return X.to(work_dtype)
+            idx = torch.randperm(n, generator=gen, device=X.device)[:m_used]
+            return X[idx].to(work_dtype)
 
-    def subsample() -> torch.Tensor:
-        if whole:
-            return X.to(work_dtype)
-        idx = torch.randperm(n, generator=gen, device=X.device)[:m_used]
-        return X[idx].to(work_dtype)
+        def kmat(P: torch.Tensor) -> torch.Tensor:
+            K = KernelEntries(P, unit).points(P, P)
+            return _flush(0.5 * (K + K.mT))
 
-    def kmat(P: torch.Tensor) -> torch.Tensor:
-        K = KernelEntries(P, unit).points(P, P)
-        return _flush(0.5 * (K + K.mT))
+        # Step 1: scaled Nyström ranks.
+        scale1 = (m_used / n) ** (1.0 / d)
+        r_per_rep: list[int] = []
+        nus: list[float] = []
+        for _ in range(n_reps):
+            P = subsample() * scale1
+            order = fps(P, m_used).indices
+            K = kmat(P[order])
+            r, nu = _smallest_rank(K, float(tol), _nu_shift(K))
+            nus.append(nu)
+            r_per_rep.append(r)
+        k_nys = math.ceil(max(r_per_rep) * n / m_used)
+        details: dict[str, Any] = {
+            "n": n,
+            "d": d,
+            "k_nystrom": k_nys,
+            "scale_nystrom": scale1,
+            "nu": nus,
+            "whole_set": whole,
+            "reps": n_reps,
+            "max_k": max_k,
+            "tol": float(tol),
+            "work_dtype": str(work_dtype),
+        }
+        if k_nys >= max_k:
+            details["seconds"] = time.perf_counter() - t0
+            return RankEstimate(k=min(k_nys, n), r_per_rep=r_per_rep, branch="scaled-nystrom", m=m_used, details=details)
 
-    # Step 1: scaled Nyström ranks.
-    scale1 = (m_used / n) ** (1.0 / d)
-    r_per_rep: list[int] = []
-    nus: list[float] = []
-    for _ in range(n_reps):
-        P = subsample() * scale1
-        order = fps(P, m_used).indices
-        K = kmat(P[order])
-        r, nu = _smallest_rank(K, float(tol), _nu_shift(K))
-        nus.append(nu)
-        r_per_rep.append(r)
-    k_nys = math.ceil(max(r_per_rep) * n / m_used)
-    details: dict[str, Any] = {
-        "n": n,
-        "d": d,
-        "k_nystrom": k_nys,
-        "scale_nystrom": scale1,
-        "nu": nus,
-        "whole_set": whole,
-        "reps": n_reps,
-        "max_k": max_k,
-        "tol": float(tol),
-        "work_dtype": str(work_dtype),
-    }
-    if k_nys >= max_k:
-        details["seconds"] = time.perf_counter() - t0
-        return RankEstimate(k=min(k_nys, n), r_per_rep=r_per_rep, branch="scaled-nystrom", m=m_used, details=details)
-
-    # Step 3: eigen-count refinement on a subsample emulating N points of X.
-    N = n if whole else (refine_n if refine_n is not None else min(n, max(max_k, m_used)))
-    scale2 = (m_used / N) ** (1.0 / d)
-    counts: list[int] = []
-    for _ in range(n_reps):
-        K = kmat(subsample() * scale2)
-        counts.append(numerical_rank(torch.linalg.eigvalsh(K), mu))
-    k = min(max(math.ceil(max(counts) * N / m_used), 1), n)
-    details.update(counts=counts, emulated_n=N, scale_eigen=scale2, seconds=time.perf_counter() - t0)
-    return RankEstimate(k=k, r_per_rep=r_per_rep, branch="eigen-count", m=m_used, details=details)
+        # Step 3: eigen-count refinement on a subsample emulating N points of X.
+        N = n if whole else (refine_n if refine_n is not None else min(n, max(max_k, m_used)))
+        scale2 = (m_used / N) ** (1.0 / d)
+        counts: list[int] = []
+        for _ in range(n_reps):
+            K = kmat(subsample() * scale2)
+            counts.append(numerical_rank(torch.linalg.eigvalsh(K), mu))
+        k = min(max(math.ceil(max(counts) * N / m_used), 1), n)
+        details.update(counts=counts, emulated_n=N, scale_eigen=scale2, seconds=time.perf_counter() - t0)
+        return RankEstimate(k=k, r_per_rep=r_per_rep, branch="eigen-count", m=m_used, details=details)

@@ -1,0 +1,205 @@
+"""Which path an MLL evaluation takes: GPyTorch's dense Cholesky or gpnys's preconditioned CG + SLQ.
+
+At small n a Cholesky factorisation is exact and costs less than building a preconditioner and running CG; at
+large n it is ``O(n³)`` time and ``O(n²)`` memory and the preconditioned path wins. Where the switch lies depends on
+the device, the dtype and the thread count, so it is not a fixed threshold: a small cost model,
+
+* Cholesky value + gradient: ``a n³ + b n²`` seconds,
+* preconditioned value + gradient (preconditioner build included, as in a training step): ``c n² + e n`` seconds,
+
+is fitted to timings of both paths on a synthetic problem at two sizes (:func:`calibrate`), once per device, dtype
+and thread count, and cached in memory and on disk (``$GPNYS_CACHE_DIR/costs.json``, default
+``~/.cache/gpnys``). :func:`choose_path` compares the predictions (the preconditioned one scaled by what the caller
+measured of its own evaluations) and keeps Cholesky only where its matrices fit the memory budget
+(:func:`gpnys.budget.dense_limit_bytes`). ``EstimatorSettings.solver`` (or ``GPNYS_SOLVER``) forces either path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gpytorch
+import torch
+
+from gpnys.budget import dense_limit_bytes
+
+__all__ = ["PathCosts", "calibrate", "path_costs", "choose_path", "SOLVERS", "cache_file"]
+
+#: ``EstimatorSettings.solver`` values: ``"auto"`` (the cost model), ``"cholesky"``, ``"iterative"``
+SOLVERS = ("auto", "cholesky", "iterative")
+#: Cholesky's working set, in ``n x n`` matrices: the kernel, its factor and autograd's saved inverse
+DENSE_MATRICES = 4
+#: a path is left for the other only when the other is predicted this much faster (no flip-flopping near the switch)
+HYSTERESIS = 1.25
+_memo: dict[str, "PathCosts"] = {}
+
+
+@dataclass
+class PathCosts:
+    """Seconds of one MLL value + gradient on one device, dtype and thread count.
+
+    Attributes:
+        exact: ``(a, b)``: Cholesky path ``a n³ + b n²``.
+        iterative: ``(c, e)``: preconditioned path ``c n² + e n`` (a training step: preconditioner built anew).
+        sizes: the calibration sizes ``(n1, n2)`` of each path; key: device, dtype and threads.
+
+    Example:
+        >>> from gpnys.gp.path import PathCosts
+        >>> costs = PathCosts(exact=(1e-9, 0.0), iterative=(1e-6, 0.0), sizes=((1, 2), (1, 2)), key="x")
+        >>> round(costs.exact_s(1000), 9), round(costs.iterative_s(1000), 9)  # the switch lies at n = 1000
+        (1.0, 1.0)
+        >>> costs.exact_s(500) < costs.iterative_s(500)  # below it Cholesky is cheaper
+        True
+    """
+
+    exact: tuple[float, float]
+    iterative: tuple[float, float]
+    sizes: tuple[tuple[int, int], tuple[int, int]]
+    key: str
+
+    def exact_s(self, n: int) -> float:
+        a, b = self.exact
+        return a * n**3 + b * n**2
+
+    def iterative_s(self, n: int) -> float:
+        c, e = self.iterative
+        return c * n**2 + e * n
+
+
+def cache_file() -> Path:
+    """``$GPNYS_CACHE_DIR/costs.json`` (default ``~/.cache/gpnys/costs.json``)."""
+    root = os.environ.get("GPNYS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gpnys")
+    return Path(root) / "costs.json"
+
+
+def _key(device: torch.device, dtype: torch.dtype) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{device.type}:{name}:{dtype}:threads={torch.get_num_threads()}"
+
+
+def _fit(sizes: tuple[int, int], seconds: tuple[float, float], powers: tuple[int, int]) -> tuple[float, float]:
+    """``(p, q)`` with ``seconds = p n^powers[0] + q n^powers[1]`` through the two points, both non-negative (a
+    negative lower-order term, from timing noise, is dropped and the leading one refitted on the larger size)."""
+    (n1, n2), (t1, t2), (u, v) = sizes, seconds, powers
+    det = n1**u * n2**v - n2**u * n1**v
+    p = (t1 * n2**v - t2 * n1**v) / det
+    q = (n1**u * t2 - n2**u * t1) / det
+    if p <= 0 or q < 0:
+        return t2 / n2**u, 0.0
+    return p, q
+
+
+def _problem(n: int, device: torch.device, dtype: torch.dtype) -> tuple[gpytorch.models.ExactGP, torch.Tensor,
+                                                                         torch.Tensor]:
+    from gpnys.gp.exact import ExactGPModel  # the model class of this layer (imported here: no cycle at import)
+
+    g = torch.Generator().manual_seed(n)
+    X = torch.rand(n, 4, generator=g, dtype=torch.float64)
+    y = torch.sin(4 * X[:, 0]) + X[:, 1] + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    X, y = X.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32", ard=True)
+    model = model.to(device=device, dtype=dtype)
+    model.covar_module.base_kernel.lengthscale = 0.4
+    model.likelihood.noise = 0.01
+    return model, X, y
+
+
+def _time_path(n: int, device: torch.device, dtype: torch.dtype, solver: str, reps: int = 2) -> float:
+    """Median seconds of a value + gradient on the synthetic problem; each repetition moves the length-scale (a
+    training step: the preconditioner is rebuilt)."""
+    from gpnys.gp.hook import use_preconditioner
+    from gpnys.gp.settings import EstimatorSettings
+
+    model, X, y = _problem(n, device, dtype)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    times = []
+    with warnings.catch_warnings(), use_preconditioner(model, settings=EstimatorSettings(solver=solver, probe_seed=0)):
+        warnings.simplefilter("ignore")
+        for rep in range(reps + 1):  # the first is a warm-up
+            model.covar_module.base_kernel.lengthscale = 0.4 * (1 + 0.05 * rep)
+            model.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            (-mll(model(X), y)).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> PathCosts:
+    """Time both paths on a synthetic problem (4-D, ARD Matérn-3/2, noise 0.01) at two sizes each and fit
+    :class:`PathCosts`. About 4 s on 2 CPU cores. Not cached (see :func:`path_costs`)."""
+    device = torch.device(device)
+    big = device.type == "cuda"
+    exact_sizes = (1000, 2000) if big else (300, 600)
+    iter_sizes = (2000, 4000) if big else (500, 1000)
+    exact = _fit(exact_sizes, tuple(_time_path(n, device, dtype, "cholesky") for n in exact_sizes), (3, 2))
+    iterative = _fit(iter_sizes, tuple(_time_path(n, device, dtype, "iterative") for n in iter_sizes), (2, 1))
+    return PathCosts(exact=exact, iterative=iterative, sizes=(exact_sizes, iter_sizes), key=_key(device, dtype))
+
+
+def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
+    """:class:`PathCosts` for ``device`` and ``dtype`` at the current thread count: from memory, else from
+    :func:`cache_file`, else :func:`calibrate` (then written there; an unwritable cache only warns)."""
+    device = torch.device(device)
+    key = _key(device, dtype)
+    if key in _memo:
+        return _memo[key]
+    path = cache_file()
+    stored: dict = {}
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    entry = stored.get(key) if isinstance(stored, dict) else None
+    try:
+        costs = PathCosts(exact=tuple(entry["exact"]), iterative=tuple(entry["iterative"]),
+                          sizes=tuple(tuple(s) for s in entry["sizes"]), key=key)
+    except (TypeError, KeyError, ValueError):
+        costs = calibrate(device, dtype)
+        stored = stored if isinstance(stored, dict) else {}
+        stored[key] = asdict(costs)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(stored, indent=1))
+            tmp.replace(path)
+        except OSError as err:
+            warnings.warn(f"gpnys: could not cache the path costs in {path} ({err}); they are kept for this process",
+                          RuntimeWarning, stacklevel=2)
+    _memo[key] = costs
+    return costs
+
+
+def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, solver: str, method: object,
+                current: str | None = None, iterative_scale: float = 1.0) -> tuple[str, str]:
+    """``("cholesky" | "iterative", reason)`` for an evaluation of ``batch`` marginals of ``n`` points.
+
+    ``solver`` ``"cholesky"`` / ``"iterative"`` force a path; ``"auto"`` decides by :class:`PathCosts` for
+    ``method="auto"`` (a named preconditioner asks for the preconditioned path) where Cholesky's
+    :data:`DENSE_MATRICES` ``n x n`` matrices fit :func:`~gpnys.budget.dense_limit_bytes`. ``current``: the path of
+    the previous evaluation, left only for one predicted :data:`HYSTERESIS` times faster; ``iterative_scale``: the
+    caller's measured over predicted time of its own preconditioned evaluations.
+    """
+    if solver in ("cholesky", "iterative"):
+        return solver, f"settings.solver={solver!r}"
+    if method != "auto":
+        return "iterative", f"method {method!r} names a preconditioner"
+    need = DENSE_MATRICES * batch * n * n * torch.empty((), dtype=dtype).element_size()
+    if need > dense_limit_bytes(device):
+        return "iterative", f"Cholesky needs {need / 2**30:.3g} GiB, above the memory budget"
+    costs = path_costs(device, dtype)
+    exact, iterative = batch * costs.exact_s(n), batch * costs.iterative_s(n) * iterative_scale
+    path = "cholesky" if exact <= iterative else "iterative"
+    if current is not None and path != current:
+        faster, slower = sorted((exact, iterative))
+        if faster * HYSTERESIS > slower:
+            path = current
+    return path, f"predicted {exact:.3g} s Cholesky, {iterative:.3g} s preconditioned ({costs.key})"

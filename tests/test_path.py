@@ -1,0 +1,216 @@
+"""The cost-aware path of ``auto`` (gpnys.gp.path): Cholesky where a calibrated cost model predicts it faster and it
+fits the memory budget, the preconditioned path elsewhere; either forced by ``solver``; the choice and its reason in
+``hook.last_estimate``. Costs are injected here, so that no test depends on this machine's timings."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import gpytorch
+import pytest
+import torch
+
+import gpnys
+from gpnys.gp import ExactGPModel
+from gpnys.gp import path as gpath
+from gpnys.gp.path import PathCosts, choose_path
+from gpnys.gp.settings import EstimatorSettings
+
+#: the switch of these costs lies at n = 1000 (Cholesky n^3 1e-9 s, preconditioned n^2 1e-6 s)
+COSTS = PathCosts(exact=(1e-9, 0.0), iterative=(1e-6, 0.0), sizes=((300, 600), (500, 1000)), key="test")
+
+
+@pytest.fixture
+def costs(monkeypatch):
+    """``auto`` left to the cost model (the suite forces the preconditioned path), with :data:`COSTS`."""
+    monkeypatch.delenv("GPNYS_SOLVER", raising=False)
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: COSTS)
+    monkeypatch.setattr("gpnys.gp.hook.path_costs", lambda device, dtype: COSTS)
+
+
+def _model(n=200, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(n, 3, generator=g, dtype=torch.float64)
+    y = torch.sin(5 * X[:, 0]) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    X, y = X.to(dtype), y.to(dtype)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32", ard=True).to(dtype)
+    model.likelihood.noise = 0.05
+    return model, X, y
+
+
+def _value_and_grads(model, X, y, hook=None, **kw):
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    model.train()
+    model.zero_grad()
+    if hook is None:
+        with gpytorch.settings.max_cholesky_size(10**6):
+            loss = -mll(model(X), y)
+            loss.backward()
+        h = None
+    else:
+        with gpnys.use_preconditioner(model, hook, **kw) as h:
+            loss = -mll(model(X), y)
+            loss.backward()
+    return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}, h
+
+
+def test_fit_recovers_the_cost_coefficients():
+    for (u, v), (p, q) in (((3, 2), (2e-10, 3e-8)), ((2, 1), (1e-7, 4e-4))):
+        sizes = (300, 600)
+        times = tuple(p * n**u + q * n**v for n in sizes)
+        fp, fq = gpath._fit(sizes, times, (u, v))
+        assert fp == pytest.approx(p, rel=1e-9) and fq == pytest.approx(q, rel=1e-6)
+    # timing noise that makes the lower-order term negative: the leading term alone, through the larger size
+    assert gpath._fit((300, 600), (1.0, 1.5), (2, 1)) == (1.5 / 600**2, 0.0)
+
+
+def test_choose_path(costs):
+    cpu, f64 = torch.device("cpu"), torch.float64
+    assert choose_path(500, 1, cpu, f64, "auto", "auto")[0] == "cholesky"
+    assert choose_path(2000, 1, cpu, f64, "auto", "auto")[0] == "iterative"
+    assert choose_path(500, 1, cpu, f64, "iterative", "auto") == ("iterative", "settings.solver='iterative'")
+    assert choose_path(5000, 1, cpu, f64, "cholesky", "afn")[0] == "cholesky"
+    assert choose_path(500, 1, cpu, f64, "auto", "afn")[0] == "iterative"  # a named preconditioner
+    path, reason = choose_path(500, 1, cpu, f64, "auto", "auto")
+    assert "Cholesky" in reason and "test" in reason
+    with gpnys.memory_budget(dense_bytes=4 * 500 * 500 * 8 - 1):  # Cholesky's matrices no longer fit
+        path, reason = choose_path(500, 1, cpu, f64, "auto", "auto")
+        assert path == "iterative" and "memory budget" in reason
+    # hysteresis: near the switch the current path is kept; far from it, left
+    assert choose_path(1050, 1, cpu, f64, "auto", "auto", current="cholesky")[0] == "cholesky"
+    assert choose_path(1050, 1, cpu, f64, "auto", "auto")[0] == "iterative"
+    assert choose_path(2000, 1, cpu, f64, "auto", "auto", current="cholesky")[0] == "iterative"
+    # the hook's own measurements: a preconditioned path 4x slower than predicted moves the switch up
+    assert choose_path(2000, 1, cpu, f64, "auto", "auto", iterative_scale=4.0)[0] == "cholesky"
+
+
+def test_solver_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="solver"):
+        EstimatorSettings(solver="fast")
+    monkeypatch.setenv("GPNYS_SOLVER", "cholesky")
+    assert EstimatorSettings().solver == "cholesky"
+    monkeypatch.setenv("GPNYS_SOLVER", "nonsense")
+    with pytest.raises(ValueError, match="solver"):
+        EstimatorSettings()
+
+
+def test_auto_takes_cholesky_at_small_n_exactly(costs, dtype):
+    model, X, y = _model(dtype=dtype)
+    exact, g_exact, _ = _value_and_grads(model, X, y)
+    loss, grads, hook = _value_and_grads(model, X, y, "auto")
+    est = hook.last_estimate
+    assert est.path == "cholesky" and est.std_error == 0.0 and "predicted" in est.path_reason
+    assert hook.builds == 0 and hook.path == "cholesky"  # no preconditioner at all
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert loss == pytest.approx(exact, abs=tol) and est.value / est.n == pytest.approx(exact, abs=tol)
+    for k in g_exact:
+        torch.testing.assert_close(grads[k], g_exact[k], rtol=tol, atol=tol)
+
+
+def test_auto_takes_the_preconditioned_path_above_the_switch(costs, monkeypatch):
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: PathCosts((1e-3, 0.0), (1e-9, 0.0),
+                                                                             ((1, 2), (1, 2)), "test"))
+    monkeypatch.setattr("gpnys.gp.hook.path_costs", gpath.path_costs)
+    model, X, y = _model()
+    exact, _, _ = _value_and_grads(model, X, y)
+    loss, _, hook = _value_and_grads(model, X, y, "auto", settings=EstimatorSettings(probe_seed=0))
+    est = hook.last_estimate
+    assert est.path == "iterative" and hook.builds == 1 and est.std_error > 0
+    assert abs(loss - exact) <= 4 * est.std_error / est.n
+    assert hook._iterative_scale != 1.0  # the hook timed its evaluation against the prediction
+
+
+def test_forced_paths_and_named_preconditioners(costs):
+    model, X, y = _model()
+    _, _, hook = _value_and_grads(model, X, y, "auto", settings=EstimatorSettings(solver="iterative"))
+    assert hook.last_estimate.path == "iterative"
+    _, _, hook = _value_and_grads(model, X, y, "afn")
+    assert hook.last_estimate.path == "iterative" and "names a preconditioner" in hook.last_estimate.path_reason
+    _, _, hook = _value_and_grads(model, X, y, "afn", settings=EstimatorSettings(solver="cholesky"))
+    assert hook.last_estimate.path == "cholesky"
+
+
+def test_predictions_on_the_cholesky_path_are_gpytorchs(costs):
+    model, X, y = _model()
+    X_test = torch.rand(20, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with gpnys.use_preconditioner(model) as hook:
+        mean, var = hook.predict(X_test)
+    ref_mean, ref_var = gpnys.gp.predict(model, X_test)
+    assert hook.variance_method_used == "cholesky" and bool((hook.variance_bound == 0).all())
+    torch.testing.assert_close(mean, ref_mean)
+    torch.testing.assert_close(var, ref_var)
+
+
+def test_batch_model_on_the_cholesky_path(costs):
+    from test_batch_mode import B, N, _loss_and_grads, _model as batch_model
+
+    model, X, y = batch_model("rbf", torch.float64)
+    exact, g_exact, _ = _loss_and_grads(model, X, y)
+    monkey_settings = EstimatorSettings()  # solver "auto" now that GPNYS_SOLVER is unset
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    model.zero_grad()
+    with gpnys.use_preconditioner(model, settings=monkey_settings) as hook:
+        loss = -mll(model(X), y)
+        loss.sum().backward()
+    assert [e.path for e in hook.batch_estimates] == ["cholesky"] * B
+    torch.testing.assert_close(loss.detach(), exact)
+    assert hook.last_estimate.n == B * N
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, g_exact[k])
+
+
+def test_path_costs_are_cached_on_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gpath, "_memo", {})
+    calls = []
+    monkeypatch.setattr(gpath, "calibrate", lambda device, dtype: calls.append(1) or PathCosts(
+        (1e-9, 0.0), (1e-6, 0.0), ((1, 2), (3, 4)), gpath._key(torch.device(device), dtype)))
+    first = gpath.path_costs("cpu", torch.float64)
+    assert calls == [1] and gpath.cache_file().exists()
+    assert gpath.path_costs("cpu", torch.float64) is first  # memory
+    monkeypatch.setattr(gpath, "_memo", {})
+    again = gpath.path_costs("cpu", torch.float64)  # disk: no second calibration
+    assert calls == [1] and again.exact == first.exact and again.sizes == ((1, 2), (3, 4))
+    gpath.cache_file().write_text("{not json")  # a corrupt cache is calibrated afresh and rewritten
+    monkeypatch.setattr(gpath, "_memo", {})
+    gpath.path_costs("cpu", torch.float64)
+    assert calls == [1, 1] and json.loads(gpath.cache_file().read_text())
+
+
+def test_unwritable_cache_warns_once_and_keeps_the_costs(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(blocker / "sub"))  # a directory below a file cannot be made
+    monkeypatch.setattr(gpath, "_memo", {})
+    monkeypatch.setattr(gpath, "calibrate", lambda device, dtype: COSTS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert gpath.path_costs("cpu", torch.float64) is COSTS
+        assert gpath.path_costs("cpu", torch.float64) is COSTS
+    assert sum("could not cache" in str(w.message) for w in caught) == 1
+
+
+def test_calibration_fits_this_machine(monkeypatch, tmp_path):
+    """A real (small) calibration: positive coefficients, Cholesky cheaper than the preconditioned path at
+    n = 300 and dearer at n = 20 000 on the CPU."""
+    monkeypatch.setattr(gpath, "_time_path", lambda n, device, dtype, solver, reps=2: (
+        2e-10 * n**3 + 1e-7 * n**2 if solver == "cholesky" else 1.5e-7 * n**2 + 6e-4 * n))
+    costs = gpath.calibrate("cpu", torch.float64)
+    assert costs.exact[0] > 0 and costs.iterative[0] > 0
+    assert costs.exact_s(300) < costs.iterative_s(300) and costs.exact_s(20_000) > costs.iterative_s(20_000)
+
+
+def test_one_real_timing_runs():
+    t = gpath._time_path(60, torch.device("cpu"), torch.float64, "cholesky", reps=1)
+    assert 0 < t < 60
+
+
+@pytest.mark.cuda
+def test_cholesky_path_on_device(cuda_device, costs):
+    model, X, y = _model()
+    exact, _, _ = _value_and_grads(model, X, y)
+    model, X, y = model.to(cuda_device), X.to(cuda_device), y.to(cuda_device)
+    loss, grads, hook = _value_and_grads(model, X, y, "auto")
+    assert hook.last_estimate.path == "cholesky"
+    assert loss == pytest.approx(exact, abs=1e-10)
