@@ -147,7 +147,15 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
 
 def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
     """:class:`PathCosts` for ``device`` and ``dtype`` at the current thread count: from memory, else from
-    :func:`cache_file`, else :func:`calibrate` (then written there; an unwritable cache only warns)."""
+    :func:`cache_file`, else :func:`calibrate` (then written there; an unwritable cache only warns).
+
+    Example:
+        >>> import torch
+        >>> from gpnys.gp.path import path_costs
+        >>> costs = path_costs("cpu", torch.float64)  # calibrated on first use on this machine, then cached
+        >>> costs.exact_s(100) < costs.exact_s(1000), costs.iterative_s(100) < costs.iterative_s(1000)
+        (True, True)
+    """
     device = torch.device(device)
     key = _key(device, dtype)
     if key in _memo:
@@ -187,6 +195,15 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
     :data:`DENSE_MATRICES` ``n x n`` matrices fit :func:`~gpnys.budget.dense_limit_bytes`. ``current``: the path of
     the previous evaluation, left only for one predicted :data:`HYSTERESIS` times faster; ``iterative_scale``: the
     caller's measured over predicted time of its own preconditioned evaluations.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.gp.path import choose_path
+        >>> cpu, f64 = torch.device("cpu"), torch.float64
+        >>> choose_path(500, 1, cpu, f64, "cholesky", "auto")
+        ('cholesky', "settings.solver='cholesky'")
+        >>> choose_path(500, 1, cpu, f64, "auto", "afn")[0]  # a named preconditioner
+        'iterative'
     """
     if solver in ("cholesky", "iterative"):
         return solver, f"settings.solver={solver!r}"
