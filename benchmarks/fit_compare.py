@@ -117,7 +117,10 @@ def auto_method(ds, args):
     with use_preconditioner(model, "auto", seed=args.seed) as hook:
         yield _gp_method(model, args, lambda n: contextlib.nullcontext(), lambda x, v: hook.predict(x, variance=v),
                          {"train": "use_preconditioner(auto)", "predict": "hook.predict"},
-                         step_info=lambda: {"precond": hook.history[-1].kind, "rank": hook.history[-1].rank},
+                         step_info=lambda: {"path": hook.path, **({"precond": hook.history[-1].kind,
+                                                                    "rank": hook.history[-1].rank}
+                                                                   if hook.path == "iterative" and hook.history
+                                                                   else {})},
                          pre_eval=hook.preconditioner)
 
 

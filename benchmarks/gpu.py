@@ -428,10 +428,11 @@ def mll_eval(X, y, method: str, hypers: dict, seed: int, settings: EstimatorSett
     peak = peak_mib(device)
     if method.startswith("gpnys"):
         hook = hook_box[0]
-        rec = hook.history[-1]
+        rec = hook.history[-1] if hook.history else None  # None on auto's Cholesky path (gpnys.gp.path)
         s = settings or EstimatorSettings()
         kc = hook._kernel_cache  # the training kernel operator's: the dense K, or the on-the-fly path's plan
-        extra = {"precond": rec.kind, "rank": rec.rank, "setup_s": rec.setup_s, "cg_iterations": hook.applications,
+        extra = {"path": hook.path, "precond": rec and rec.kind, "rank": rec and rec.rank,
+                 "setup_s": rec and rec.setup_s, "cg_iterations": hook.applications,
                  "kernel_fraction": hook.kernel_fraction,
                  "backend": select_backend(device, s.kernel_backend),
                  "kernel_storage": "dense" if kc.get("K") is not None else "on-the-fly" if "plan_key" in kc else None}
@@ -756,7 +757,8 @@ def path_runs(X, y, T, args) -> dict[str, Callable[[], dict]]:
             b = y[:, None]
             t, res = timed(lambda: pcg(A, b, precond=M, x0=M(b), tol=1e-5), device)
             rel = float((A(res.x) - b).norm() / b.norm())
-        return {"time_s": t, "precond": hook.history[-1].kind, "rank": hook.history[-1].rank,
+        return {"time_s": t, "precond": hook.history[-1].kind if hook.history else None,
+                "rank": hook.history[-1].rank if hook.history else None,
                 "iterations": res.iterations, "rel_residual": rel, "finite": math.isfinite(rel)}
 
     def hook_mll() -> dict:

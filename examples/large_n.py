@@ -58,9 +58,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 loss = -mll(model(ds.train_x), y)
                 loss.backward()
                 opt.step()
-                rec = hook.history[-1]
+                rec = hook.history[-1] if hook.history else None  # None on auto's Cholesky path (small n)
                 row = {"step": step, "loss": float(loss.detach()), "time_s": time.perf_counter() - t0,
-                       "precond": rec.kind, "rank": rec.rank, "kernel_fraction": hook.kernel_fraction,
+                       "path": hook.path, "precond": rec and rec.kind, "rank": rec and rec.rank,
+                       "kernel_fraction": hook.kernel_fraction,
                        "lengthscale": float(model.covar_module.base_kernel.lengthscale),
                        "noise": float(model.likelihood.noise)}
                 rows.append(row)

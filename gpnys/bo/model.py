@@ -105,7 +105,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             (Cholesky); ``None`` follows GPyTorch's ``max_cholesky_size`` setting at call time (4096 once
             BoTorch is imported).
         settings: the MLL estimator's knobs (:class:`~gpnys.gp.hook.EstimatorSettings`); by default 16 probes
-            with a fixed ``probe_seed`` (= ``seed``) so the training objective is deterministic for L-BFGS-B.
+            with a fixed ``probe_seed`` (= ``seed``) so the training objective is deterministic for L-BFGS-B, and
+            ``solver="iterative"``: here ``max_cholesky_size`` decides the path.
         seed: seed of the preconditioner (rank estimation, landmarks) and of the probes.
         posterior_tolerance: relative PCG residual for ``B = K̂⁻¹ K*``. The covariance error is second order in
             it but scales like ``tol² |k*|² / σ²`` (measured errors in docs/bo.md). ``α`` is solved to ``tol²``.
@@ -190,7 +191,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         #: why the last fit on the preconditioned path ended early ("gradient at noise level"), else None
         self.fit_stopped: str | None = None
         self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
-                              "settings": settings or EstimatorSettings(probe_seed=seed), "seed": seed,
+                              # max_cholesky_size decides the path here: above it, the preconditioned one
+                              "settings": settings or EstimatorSettings(probe_seed=seed, solver="iterative"),
+                              "seed": seed,
                               "posterior_tolerance": float(posterior_tolerance),
                               "posterior_cholesky_size": posterior_cholesky_size,
                               "options": precond_options, "posterior_options": dict(posterior_options or {}),

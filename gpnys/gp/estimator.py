@@ -389,8 +389,15 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             # floor
             quad = (None if settings.lanczos_share is None or not first
                     else _quadrature_test(n, settings.lanczos_share, tol_r))
+            x0 = None
+            warm = getattr(hook, "_warm_a", None)
+            if first and settings.warm_start and warm is not None and warm.shape == r.shape:
+                # the solve with r starts from the previous evaluation's K̂⁻¹ r (a training step moves K̂ a little);
+                # the probes start at 0, as their Lanczos quadrature needs
+                x0 = torch.zeros_like(rhs)
+                x0[:, 0] = warm.to(rhs)
             try:
-                sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, lanczos=True, miniter=floor, quadrature=quad,
+                sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, x0=x0, lanczos=True, miniter=floor, quadrature=quad,
                           abs_columns=1 + min(batch, ROUNDING_PROBES) if first else 0)  # for the rounding term
             except NonFiniteError as err:
                 raise NonFiniteError(f"{err}, at {_hyperparameter_summary(hook)}") from err
@@ -400,6 +407,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 inv_quad = float(r @ a + a @ rho)  # 2 r^T a - a^T K a: error in [0, ||rho||^2 / lam_min]
                 bound = float(rho @ rho) / lam_min
                 rounding = _rounding(sol.x, Z, sol.abs_products)
+                hook._warm_a = a.detach()
             k0 = 1 if first else 0
             diag, off = sol.tridiagonal
             l_j, e_j = slq_terms((diag[:, k0:], off[:, k0:]), sol.iterations_per_column[k0:], n)

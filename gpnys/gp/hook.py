@@ -270,6 +270,7 @@ class PreconditionerHook(HookPrediction):
         #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
         #: the inputs as its forward() passed them)
         self._seen: tuple[gpytorch.kernels.Kernel, torch.Tensor] | None = None
+        self._warm_a: torch.Tensor | None = None  # the last K̂⁻¹ (y - m): the next solve's start (warm_start)
 
     def _pass_through(self, reason: str) -> None:
         """Let GPyTorch's own computation run for this model (one warning per hook, saying why)."""

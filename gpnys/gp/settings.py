@@ -81,6 +81,8 @@ class EstimatorSettings:
             ``"auto"`` preconditioner; a named one asks for the preconditioned path; :mod:`gpnys.gp.path`);
             ``"cholesky"`` or ``"iterative"`` force one. ``None``: ``$GPNYS_SOLVER``, else ``"auto"``. The path
             taken and why: ``hook.last_estimate.path`` and ``.path_reason``.
+        warm_start: the solve with ``y - m`` starts from the previous evaluation's solution (same data); the
+            probes' solves start at 0, as their quadrature needs (docs/training.md, "Warm starts").
         target_rel_error: keep adding batches of ``num_probes`` probes (reusing the preconditioner and the solve
             with ``y``; CG and Lanczos tightened where they dominate) until the loss's standard error is below this
             share of ``|loss|`` and the gradient's (the norm of its components' standard errors) below this share of
@@ -137,6 +139,7 @@ class EstimatorSettings:
     target_rel_error: float | None = None
     max_probes: int = 1024
     solver: str | None = None
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
         if self.solver is None:

@@ -81,7 +81,7 @@ class PCGResult:
         tridiagonal: with ``lanczos=True``, ``(diag, offdiag)`` of shapes ``(iterations, t)`` and
             ``(iterations - 1, t)``: column ``j``'s first ``iterations_per_column[j]`` (resp. one fewer) entries are
             the Lanczos tridiagonal of ``M^{-1/2} A M^{-1/2}`` started at ``M^{-1/2} b_j`` (Saad 2003, Sec. 6.7.3);
-            the rest is padding. Only meaningful with ``x0 = None``.
+            the rest is padding. Only meaningful for columns started at 0 (``x0`` ``None`` or 0 there).
     """
 
     x: torch.Tensor
@@ -191,7 +191,10 @@ def pcg(
         if x0.shape != B.shape:
             raise ValueError(f"x0 must have the shape of B {tuple(B.shape)}, got {tuple(x0.shape)}")
         X = (x0[:, None] if vec else x0).to(Bm).clone()
-        R = Bm - matmul(X)
+        R = Bm.clone()
+        started = torch.nonzero(X.abs().amax(0) > 0).reshape(-1)  # columns with a nonzero guess: one product
+        if started.numel():
+            R[:, started] -= matmul(X[:, started])
 
     bnorm = torch.linalg.vector_norm(Bm, dim=0)
     denom = torch.where(bnorm > 0, bnorm, torch.ones_like(bnorm))
