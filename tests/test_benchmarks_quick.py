@@ -310,3 +310,12 @@ def test_small_n_quick(tmp_path):
         base = runs["cholesky (--precond none)"]["test_rmse"]
         assert abs(runs["auto"]["test_rmse"] - base) <= 0.02 * base
     assert {r["op"] for r in res["factorisations"]["busy"]} == {"eigvalsh", "eigh", "cholesky", "qr"}
+
+
+def test_warm_start_quick(tmp_path):
+    res = load("warm_start").main(["--quick", "--out", str(tmp_path / "warm.json")])
+    assert len(res["warm"]) == len(res["cold"]) == 3
+    # the same trajectory within the two runs' error bars, and no more y-solve iterations when warm
+    for w, c in zip(res["warm"], res["cold"]):
+        assert abs(w["loss"] - c["loss"]) <= 4 * (w["loss_std_error"] ** 2 + c["loss_std_error"] ** 2) ** 0.5
+        assert w["y_solve_iterations"] <= c["y_solve_iterations"]

@@ -1,0 +1,94 @@
+"""Warm starts along a training run: the same Adam steps with the solve with ``y - m`` started from the previous
+step's solution and from zero, per step the CG iterations and seconds, and the losses of both runs against each
+other (they follow the same hyperparameters within their error bars).
+
+Run:  python benchmarks/warm_start.py                 (elevators n = 8 000, Matérn-3/2, 10 Adam steps; ~3 minutes)
+      python benchmarks/warm_start.py --quick         (n = 500, 3 steps; the test suite)
+
+Both runs use the preconditioned path (``solver="iterative"``), fixed probes (``probe_seed``) and the same seed,
+alternating step by step in one process (a drifting machine speed hits both alike). Writes
+``benchmarks/results/warm_start.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import gpytorch
+    import torch
+
+    import gpnys
+    import gpnys.gp.estimator as estimator
+    from gpnys import datasets
+    from gpnys.gp import ExactGPModel
+    from gpnys.gp.settings import EstimatorSettings
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--data", default="elevators")
+    p.add_argument("--n", type=int, default=8000)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", default=str(RESULTS / "warm_start.json"))
+    args = p.parse_args(argv)
+    n, steps = (500, 3) if args.quick else (args.n, args.steps)
+    ds = datasets.load(args.data, n=n, seed=0)
+    X, y = ds.train_x, ds.train_y
+    runs = {}
+    for warm in (True, False):
+        torch.manual_seed(0)
+        model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").double()
+        mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+        settings = EstimatorSettings(solver="iterative", warm_start=warm, probe_seed=0)
+        runs[warm] = {"model": model, "mll": mll, "opt": torch.optim.Adam(model.parameters(), lr=0.1),
+                      "hook": gpnys.use_preconditioner(model, settings=settings), "rows": []}
+        runs[warm]["ctx"] = runs[warm]["hook"].__enter__()
+    iterations: list[int] = []
+    real = estimator.pcg
+    estimator.pcg = lambda *a, **k: (lambda r: iterations.append(r.iterations_per_column.tolist()) or r)(
+        real(*a, **k))
+    try:
+        for step in range(steps):
+            for warm in (True, False):  # alternating: the machine's drift hits both runs alike
+                run = runs[warm]
+                iterations.clear()
+                t0 = time.perf_counter()
+                run["opt"].zero_grad()
+                loss = -run["mll"](run["model"](X), y)
+                loss.backward()
+                run["opt"].step()
+                est = run["ctx"].last_estimate
+                run["rows"].append({"step": step, "seconds": time.perf_counter() - t0, "loss": float(loss.detach()),
+                                    "loss_std_error": est.std_error / est.n, "y_solve_iterations": iterations[0][0],
+                                    "probe_iterations_max": max(iterations[0][1:])})
+    finally:
+        estimator.pcg = real
+        for run in runs.values():
+            run["hook"].__exit__(None, None, None)
+    out = {"data": args.data, "n": n, "steps": steps,
+           "warm": runs[True]["rows"], "cold": runs[False]["rows"]}
+    print(f"{args.data} n = {n}, Matérn-3/2, {steps} Adam steps (y-solve / probes' largest CG iterations)")
+    print(f"{'step':>4} {'warm s':>8} {'its':>7} {'cold s':>8} {'its':>7} {'loss diff / se':>15}")
+    for w, c in zip(out["warm"], out["cold"]):
+        z = abs(w["loss"] - c["loss"]) / max((w["loss_std_error"] ** 2 + c["loss_std_error"] ** 2) ** 0.5, 1e-300)
+        print(f"{w['step']:4d} {w['seconds']:8.3f} {w['y_solve_iterations']:3d}/{w['probe_iterations_max']:<3d} "
+              f"{c['seconds']:8.3f} {c['y_solve_iterations']:3d}/{c['probe_iterations_max']:<3d} {z:15.2f}")
+    later = slice(1, None)  # the first step has nothing to start from
+    out["median_step_s"] = {k: statistics.median(r["seconds"] for r in out[k][later] or out[k]) for k in ("warm", "cold")}
+    out["ratio_warm_to_cold"] = out["median_step_s"]["warm"] / out["median_step_s"]["cold"]
+    print(f"median step after the first: warm {out['median_step_s']['warm']:.3f} s, cold "
+          f"{out['median_step_s']['cold']:.3f} s ({out['ratio_warm_to_cold']:.2f}x)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
