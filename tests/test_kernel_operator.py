@@ -180,6 +180,27 @@ def test_float32_distances_of_far_out_duplicates(name):
 
 
 # -- 2. derivative -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_isotropic_derivative_from_the_cached_matrix(name):
+    """An isotropic float64 kernel whose K (and H) and D = A o R² fit the dense budget caches D with K; its per-column
+    derivatives equal those of the tile pass (budget without room for D) and autograd's."""
+    dtype = torch.float64
+    X = inputs(dtype)
+    kern = kernel_at(name, False, dtype)
+    U, V = uv(dtype)
+    with_d = operator(X, kern)
+    without = operator(X, kern, dense_limit_bytes=(1 if name == "rbf" else 2) * N * N * 8)
+    got, ref = with_d.column_derivatives(U, V), without.column_derivatives(U, V)
+    assert with_d.cache.get("D") is not None and without.cache.get("D") is None
+    for a, b in zip(got[1:], ref[1:]):
+        assert rel_max(a, b) < 1e-12
+    grads = autograd_grads(kern, lambda: kern(X).to_dense(), U[:, :1], V[:, :1])
+    ours = closed_form_grads(kern, with_d, U[:, :1], V[:, :1])
+    for key in grads:
+        assert rel_max(ours[key], grads[key]) < GRAD_TOL[dtype], key
+
+
+
 @pytest.mark.parametrize("ard", [False, True], ids=["iso", "ard"])
 @pytest.mark.parametrize("name", NAMES)
 def test_bilinear_derivative_matches_autograd(name, ard, dtype):
@@ -300,9 +321,9 @@ def test_cache_is_reused_and_refreshed_on_a_new_lengthscale(monkeypatch):
     computed_rows = []
     original_fill = TorchTiles.fill
 
-    def counting_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax):
+    def counting_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax, derivative=None):
         computed_rows.append(rows.stop - rows.start)
-        return original_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax)
+        return original_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax, derivative)
 
     monkeypatch.setattr(TorchTiles, "fill", counting_fill)
     cache = {}

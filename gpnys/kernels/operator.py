@@ -184,6 +184,10 @@ class StationaryKernelOperator(LinearOperator):
                 H = None
             elif H is None:
                 H = torch.empty_like(K)
+            D = self.cache.get("D") if self._caches_derivative() else None
+            if self._caches_derivative() and (D is None or D.shape != K.shape or D.dtype != K.dtype
+                                              or D.device != K.device):
+                D = torch.empty_like(K)
             Z, bs = self._scaled(), self._block_rows()
             sq = squared_norms(Z)
             zmax = float(Z.abs().max()) if Z.numel() else 0.0
@@ -192,9 +196,18 @@ class StationaryKernelOperator(LinearOperator):
                 rows = slice(a, min(a + bs, n))
                 m = rows.stop - a
                 self.tiles.fill(Z[rows], Z, sq, rows, slice(None), (K[rows], None if H is None else H[rows]),
-                                scratch[: m * n].view(m, n), zmax)
-            self.cache.update(X=self.X, key=key, K=K, H=H)
+                                scratch[: m * n].view(m, n), zmax, None if D is None else D[rows])
+            self.cache.update(X=self.X, key=key, K=K, H=H, D=D)
         return self.cache["K"], self.cache["H"]
+
+    def _caches_derivative(self) -> bool:
+        """Whether the dense cache also holds ``D = A o R²`` (``A = -K`` for RBF, ``H`` for Matérn; self-pairs 0),
+        the isotropic length-scale derivative's matrix, filled in the same tiles as ``K``: an isotropic float64
+        kernel whose ``K`` (and ``H``) and ``D`` fit the dense budget together. The derivative pass is then two
+        products instead of recomputing every tile's distances."""
+        n, matern = self.X.shape[0], self.nu is not None
+        return (self.lengthscale.numel() == 1 and self.X.dtype == torch.float64
+                and ((2 if matern else 1) + 1) * n * n * self.X.element_size() <= self.dense_limit_bytes)
 
     def _key(self) -> tuple:
         """The inputs (by version; identity is checked separately) and the length-scale key the caches."""
@@ -285,7 +298,12 @@ class StationaryKernelOperator(LinearOperator):
         U, V = U.detach(), V.detach()
         ls = self.lengthscale.detach()
         iso = ls.numel() == 1
-        if self._dense() is not None:
+        dense = self._dense()
+        if dense is not None and iso and self.cache.get("D") is not None:  # two products (_caches_derivative)
+            Z = self._scaled()
+            s = (U * thin_matmul(dense[0], V)).sum(0)
+            g = (U * thin_matmul(self.cache["D"], V)).sum(0)[:, None]
+        elif dense is not None:
             _, Z, tiles = self._pass()
             s, g = TorchTiles.column_sums(Z, tiles, U, V, iso)
         else:

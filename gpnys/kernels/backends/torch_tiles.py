@@ -75,12 +75,14 @@ class TorchTiles(KernelBackend):
     # -- tiles --------------------------------------------------------------------------------------------
     def fill(self, Zr: torch.Tensor, Zc: torch.Tensor, sq: torch.Tensor, rows: slice, cols: slice | torch.Tensor,
              out: tuple[torch.Tensor, torch.Tensor | None], scratch: torch.Tensor,
-             zmax: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+             zmax: float, derivative: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write ``(k, h)`` of the tile ``rows`` x ``cols`` with coordinates ``(Zr, Zc)`` (:meth:`coords`;
         ``sq = |z|^2`` per point and ``zmax = max |z|``, used on full-width tiles) into ``out``, two
         ``(|rows|, |cols|)`` blocks (``h`` is ``None`` for RBF); ``scratch`` (same shape) holds the distances.
         Reusing the caller's buffers keeps a pass free of ``(b, n)`` allocations (glibc keeps and re-faults freed
-        blocks: slower, and the peak RSS grows by the retained blocks)."""
+        blocks: slower, and the peak RSS grows by the retained blocks). ``derivative`` (a full-width tile's block
+        of the same shape): also write ``A o R²`` there (``A = -k`` for RBF, ``h`` otherwise; the point's pair with
+        itself 0), the isotropic length-scale derivative's matrix."""
         with torch.no_grad():
             full = isinstance(cols, slice)
             singular = self.formula.singular
@@ -95,7 +97,11 @@ class TorchTiles(KernelBackend):
             else:  # the expanded form cancels to u |z|^2: in float32 that is the kernel's largest error (duplicate
                 # points at a short length-scale), so its sums run in float64 and are rounded once
                 R = scratch.copy_(torch.addmm(sc[None, :], Zr.to(acc), Zc.to(acc).mT, alpha=-2.0).add_(sr[:, None]))
-            R.clamp_(min=0.0).sqrt_()  # the expanded (matmul) form of the distance
+            R.clamp_(min=0.0)
+            if derivative is not None:
+                derivative.copy_(R)
+                derivative.diagonal(offset=rows.start - (cols.start or 0)).zero_()
+            R.sqrt_()  # the expanded (matmul) form of the distance
             # ... leaves ~sqrt(eps) |z| on the diagonal
             if full:
                 R.diagonal(offset=rows.start - (cols.start or 0)).zero_()
@@ -105,6 +111,8 @@ class TorchTiles(KernelBackend):
             if singular:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
                 R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * zmax, 0.0)
             k_and_h_inplace(R, self.formula, *out)
+            if derivative is not None:
+                derivative.mul_(out[0]).neg_() if out[1] is None else derivative.mul_(out[1])
             return out
 
     @staticmethod
