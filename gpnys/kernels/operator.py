@@ -281,7 +281,11 @@ class StationaryKernelOperator(LinearOperator):
         U, V = left_vecs.detach(), right_vecs.detach()
         if U.dim() == 1:
             U, V = U[:, None], V[:, None]
-        if self._dense() is not None:
+        dense = self._dense()
+        if dense is not None and self.cache.get("D") is not None:  # two products (_caches_derivative)
+            s = (U * thin_matmul(dense[0], V)).sum()
+            return (None, *self._finish(s, (U * thin_matmul(self.cache["D"], V)).sum().reshape(1), U.dtype))
+        if dense is not None:
             _, Z, tiles = self._pass()
             return (None, *self._finish(*TorchTiles.weighted_sums(Z, tiles, lambda r, c: U[r] @ V[c].mT), Z.dtype))
         perm, Z, plan = self._working()
