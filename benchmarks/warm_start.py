@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{w['step']:4d} {w['seconds']:8.3f} {w['y_solve_iterations']:3d}/{w['probe_iterations_max']:<3d} "
               f"{c['seconds']:8.3f} {c['y_solve_iterations']:3d}/{c['probe_iterations_max']:<3d} {z:15.2f}")
     later = slice(1, None)  # the first step has nothing to start from
-    out["median_step_s"] = {k: statistics.median(r["seconds"] for r in out[k][later] or out[k]) for k in ("warm", "cold")}
+    out["median_step_s"] = {k: statistics.median(r["seconds"] for r in out[k][later] or out[k])
+                            for k in ("warm", "cold")}
     out["ratio_warm_to_cold"] = out["median_step_s"]["warm"] / out["median_step_s"]["cold"]
     print(f"median step after the first: warm {out['median_step_s']['warm']:.3f} s, cold "
           f"{out['median_step_s']['cold']:.3f} s ({out['ratio_warm_to_cold']:.2f}x)")
