@@ -13,12 +13,31 @@ alternating step by step in one process (a drifting machine speed hits both alik
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _steps(runs: dict, steps: int, X, y, iterations: list) -> None:
+    """``steps`` Adam steps of both runs, alternating (the machine's drift hits both alike), each step's seconds,
+    loss, standard error and CG iterations appended to its run's ``rows``."""
+    for step in range(steps):
+        for warm in (True, False):
+            run = runs[warm]
+            iterations.clear()
+            t0 = time.perf_counter()
+            run["opt"].zero_grad()
+            loss = -run["mll"](run["model"](X), y)
+            loss.backward()
+            run["opt"].step()
+            est = run["ctx"].last_estimate
+            run["rows"].append({"step": step, "seconds": time.perf_counter() - t0, "loss": float(loss.detach()),
+                                "loss_std_error": est.std_error / est.n, "y_solve_iterations": iterations[0][0],
+                                "probe_iterations_max": max(iterations[0][1:])})
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,38 +61,23 @@ def main(argv: list[str] | None = None) -> dict:
     ds = datasets.load(args.data, n=n, seed=0)
     X, y = ds.train_x, ds.train_y
     runs = {}
-    for warm in (True, False):
-        torch.manual_seed(0)
-        model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").double()
-        mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
-        settings = EstimatorSettings(solver="iterative", warm_start=warm, probe_seed=0)
-        runs[warm] = {"model": model, "mll": mll, "opt": torch.optim.Adam(model.parameters(), lr=0.1),
-                      "hook": gpnys.use_preconditioner(model, settings=settings), "rows": []}
-        runs[warm]["ctx"] = runs[warm]["hook"].__enter__()
     iterations: list[int] = []
     real = estimator.pcg
-    estimator.pcg = lambda *a, **k: (lambda r: iterations.append(r.iterations_per_column.tolist()) or r)(
-        real(*a, **k))
-    try:
-        for step in range(steps):
-            for warm in (True, False):  # alternating: the machine's drift hits both runs alike
-                run = runs[warm]
-                iterations.clear()
-                t0 = time.perf_counter()
-                run["opt"].zero_grad()
-                loss = -run["mll"](run["model"](X), y)
-                loss.backward()
-                run["opt"].step()
-                est = run["ctx"].last_estimate
-                run["rows"].append({"step": step, "seconds": time.perf_counter() - t0, "loss": float(loss.detach()),
-                                    "loss_std_error": est.std_error / est.n, "y_solve_iterations": iterations[0][0],
-                                    "probe_iterations_max": max(iterations[0][1:])})
-    finally:
-        estimator.pcg = real
-        for run in runs.values():
-            run["hook"].__exit__(None, None, None)
-    out = {"data": args.data, "n": n, "steps": steps,
-           "warm": runs[True]["rows"], "cold": runs[False]["rows"]}
+    # both hooks stay open for the whole run; the stack leaves them last-in first-out, so that each restores the
+    # GPyTorch settings it found (leaving them in entry order would leave the inner one's settings behind)
+    with contextlib.ExitStack() as stack:
+        for warm in (True, False):
+            torch.manual_seed(0)
+            model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").double()
+            mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+            settings = EstimatorSettings(solver="iterative", warm_start=warm, probe_seed=0)
+            runs[warm] = {"model": model, "mll": mll, "opt": torch.optim.Adam(model.parameters(), lr=0.1),
+                          "ctx": stack.enter_context(gpnys.use_preconditioner(model, settings=settings)), "rows": []}
+        estimator.pcg = lambda *a, **k: (lambda r: iterations.append(r.iterations_per_column.tolist()) or r)(
+            real(*a, **k))
+        stack.callback(setattr, estimator, "pcg", real)
+        _steps(runs, steps, X, y, iterations)
+    out = {"data": args.data, "n": n, "steps": steps, "warm": runs[True]["rows"], "cold": runs[False]["rows"]}
     print(f"{args.data} n = {n}, Matérn-3/2, {steps} Adam steps (y-solve / probes' largest CG iterations)")
     print(f"{'step':>4} {'warm s':>8} {'its':>7} {'cold s':>8} {'its':>7} {'loss diff / se':>15}")
     for w, c in zip(out["warm"], out["cold"]):
