@@ -44,7 +44,7 @@ from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperato
 
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.estimator import Estimate
-from gpnys.gp.path import choose_path, path_costs
+from gpnys.gp.path import choose_path, path_costs, uses_costs
 from gpnys.gp.operators import (
     BatchPreconditionedMVN,
     CallerSettingsMVN,
@@ -130,7 +130,8 @@ def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | No
 
 def unsupported_covariance(op: LinearOperator) -> str | None:
     """Why the hook cannot accelerate the training covariance's kernel part ``op``, or ``None``: it must be one
-    kernel evaluated on one set of ``(n, d)`` points, with no structured or approximate kernel inside."""
+    kernel evaluated on one set of ``(n, d)`` points (``(b, n, d)`` in batch mode), with no structured or
+    approximate kernel inside."""
     if not (isinstance(op, LazyEvaluatedKernelTensor) and op.x1 is op.x2 and op.x1.shape[:-1] == op.shape[:-1]
             and op.dim() in (2, 3)):
         return (f"its training covariance is a {type(op).__name__}, not one kernel evaluated on the training inputs "
@@ -403,28 +404,29 @@ class PreconditionerHook(HookPrediction):
         return bool(self.settings.kernel_operator) and supported(base) and not op.x1.requires_grad
 
     # -- the path: Cholesky or preconditioned -------------------------------------------------------------
+    def _problem(self) -> tuple[int, int, torch.device, torch.dtype]:
+        """``(n, batch, device, dtype)`` of the training data, as the cost model (:mod:`gpnys.gp.path`) sees it."""
+        X = self.model.train_inputs[0]
+        return X.shape[-2], X.shape[0] if X.dim() == 3 else 1, X.device, computation_dtype(self.model, X)
+
     def choose_path(self) -> tuple[str, str]:
         """``(path, reason)`` of the next evaluation (:func:`gpnys.gp.path.choose_path`), kept in :attr:`path` and
         :attr:`path_reason`."""
-        X = self.model.train_inputs[0]
-        batch = X.shape[0] if X.dim() == 3 else 1
-        self.path, self.path_reason = choose_path(
-            X.shape[-2], batch, X.device, computation_dtype(self.model, X), self.settings.solver, self.method,
-            current=self.path, iterative_scale=self._iterative_scale)
+        self.path, self.path_reason = choose_path(*self._problem(), self.settings.solver, self.method,
+                                                  current=self.path, iterative_scale=self._iterative_scale)
         return self.path, self.path_reason
 
     @contextlib.contextmanager
     def timed(self):
         """Time a preconditioned evaluation; its ratio to the cost model's prediction (an average over this hook's
         evaluations) scales the model's later predictions for this hook."""
-        if self.settings.solver != "auto" or self.method != "auto":
+        if not uses_costs(self.settings.solver, self.method):
             yield
             return
         t0 = time.perf_counter()
         yield
-        X = self.model.train_inputs[0]
-        batch = X.shape[0] if X.dim() == 3 else 1
-        predicted = batch * path_costs(X.device, computation_dtype(self.model, X)).iterative_s(X.shape[-2])
+        n, batch, device, dtype = self._problem()
+        predicted = batch * path_costs(device, dtype).iterative_s(n)
         ratio = (time.perf_counter() - t0) / max(predicted, 1e-9)
         self._iterative_scale = 0.5 * (self._iterative_scale + ratio)
 
@@ -449,8 +451,12 @@ class PreconditionerHook(HookPrediction):
     def _noise(self) -> torch.Tensor:
         """The training noise variances: 0-dim for a ``GaussianLikelihood``, ``(n,)`` for known per-point noise
         (``FixedNoiseGaussianLikelihood``). Carries autograd."""
-        noise = self.model.likelihood.noise
+        noise = self._likelihood_noise()
         return noise.reshape(-1)[0] if noise.numel() == 1 else noise.reshape(-1)
+
+    def _likelihood_noise(self) -> torch.Tensor:
+        """The likelihood's noise tensor for this hook's points (a batch element takes its slice)."""
+        return self.model.likelihood.noise
 
     def _noise_level(self) -> torch.Tensor:
         """The scalar noise that labels the preconditioner (``K + noise I``): the noise itself, or the mean of
@@ -727,10 +733,9 @@ class BatchElement(PreconditionerHook):
             self._seen = (kernel[self.index], inputs[self.index])
         return self._seen[0]
 
-    def _noise(self) -> torch.Tensor:
+    def _likelihood_noise(self) -> torch.Tensor:
         noise = self.model.likelihood.noise
-        noise = noise[self.index] if noise.dim() == 2 else noise  # (b, 1) or (b, n): batched
-        return noise.reshape(-1)[0] if noise.numel() == 1 else noise.reshape(-1)
+        return noise[self.index] if noise.dim() == 2 else noise  # (b, 1) or (b, n): batched
 
     def covariance(self, op: LazyEvaluatedKernelTensor, dense: LinearOperator | None,
                    diag: torch.Tensor) -> LinearOperator:

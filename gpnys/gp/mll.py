@@ -11,7 +11,6 @@ CG tolerance 1, 10 probes), and every gpnys preconditioner name through :func:`g
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from typing import Any
 

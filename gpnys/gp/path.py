@@ -28,7 +28,7 @@ import torch
 
 from gpnys.budget import dense_limit_bytes
 
-__all__ = ["PathCosts", "calibrate", "path_costs", "choose_path", "SOLVERS", "cache_file"]
+__all__ = ["PathCosts", "calibrate", "path_costs", "choose_path", "uses_costs", "SOLVERS", "cache_file"]
 
 #: ``EstimatorSettings.solver`` values: ``"auto"`` (the cost model), ``"cholesky"``, ``"iterative"``
 SOLVERS = ("auto", "cholesky", "iterative")
@@ -186,6 +186,12 @@ def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
     return costs
 
 
+def uses_costs(solver: str, method: object) -> bool:
+    """Whether :func:`choose_path` decides by :class:`PathCosts` (``solver="auto"`` with the ``"auto"``
+    preconditioner), so that a caller's timings of its preconditioned evaluations inform it."""
+    return solver == "auto" and method == "auto"
+
+
 def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, solver: str, method: object,
                 current: str | None = None, iterative_scale: float = 1.0) -> tuple[str, str]:
     """``("cholesky" | "iterative", reason)`` for an evaluation of ``batch`` marginals of ``n`` points.
@@ -207,7 +213,7 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
     """
     if solver in ("cholesky", "iterative"):
         return solver, f"settings.solver={solver!r}"
-    if method != "auto":
+    if not uses_costs(solver, method):
         return "iterative", f"method {method!r} names a preconditioner"
     need = DENSE_MATRICES * batch * n * n * torch.empty((), dtype=dtype).element_size()
     if need > dense_limit_bytes(device):

@@ -184,10 +184,11 @@ class StationaryKernelOperator(LinearOperator):
                 H = None
             elif H is None:
                 H = torch.empty_like(K)
-            D = self.cache.get("D") if self._caches_derivative() else None
-            if self._caches_derivative() and (D is None or D.shape != K.shape or D.dtype != K.dtype
-                                              or D.device != K.device):
-                D = torch.empty_like(K)
+            D = None
+            if self._caches_derivative():
+                D = self.cache.get("D")
+                if D is None or D.shape != K.shape or D.dtype != K.dtype or D.device != K.device:
+                    D = torch.empty_like(K)
             Z, bs = self._scaled(), self._block_rows()
             sq = squared_norms(Z)
             zmax = float(Z.abs().max()) if Z.numel() else 0.0
