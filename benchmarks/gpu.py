@@ -394,8 +394,10 @@ def gpnys_settings(args, prune0: bool, floor10: bool = False) -> EstimatorSettin
                              lanczos_share=None if floor10 else EstimatorSettings.lanczos_share)
 
 
-def mll_eval(X, y, method: str, hypers: dict, seed: int, settings: EstimatorSettings | None = None) -> dict:
-    """``-MLL/n`` and its raw-parameter gradient by ``method``; synchronised time and peak memory."""
+def mll_eval(X, y, method: str, hypers: dict, seed: int, settings: EstimatorSettings | None = None,
+             options: dict | None = None) -> dict:
+    """``-MLL/n`` and its raw-parameter gradient by ``method``; synchronised time and peak memory. ``options``: the
+    gpnys rows' preconditioner options (e.g. ``{"k": 1000}``)."""
     device, n = X.device, X.shape[0]
     if method in REFERENCES:
         X, y = X.double(), y.double()
@@ -412,7 +414,7 @@ def mll_eval(X, y, method: str, hypers: dict, seed: int, settings: EstimatorSett
     elif method == "cholesky_closed":
         ctx = contextlib.nullcontext()
     else:
-        ctx = use_preconditioner(model, "auto", settings=settings, seed=seed)
+        ctx = use_preconditioner(model, "auto", settings=settings, seed=seed, **(options or {}))
 
     def run():
         with ctx as hook:
@@ -515,16 +517,19 @@ def part_mll(args, bench) -> None:
             print(f"{data:>11} {str(n_req):>8} loading failed: {err}", flush=True)
             continue
         n = X.shape[0]
-        methods = ["gpytorch_cholesky", "cholesky_closed", "gpnys"]
+        methods = ["gpytorch_cholesky", "cholesky_closed"] + ([f"gpnys_k{k}" for k in args.afn_ks] or ["gpnys"])
         methods += ["gpnys_prune0", "gpnys_prune0_floor10"] if data == "synthetic3d" else []
         methods += ["gpytorch_cg"] + (["gpytorch_keops"] if args.keops else [])
+        methods = [m for m in methods if not args.mll_methods or re.sub(r"_k\d+$", "", m) in args.mll_methods]
         ref = None
         for method in methods:
             settings = (gpnys_settings(args, method.startswith("gpnys_prune0"), method.endswith("floor10"))
                         if method.startswith("gpnys") else None)
             row: dict[str, Any] = {"data": data, "n": n, "d": X.shape[1], "method": method,
                                    "dtype": "float64" if method in REFERENCES else args.dtype}
-            exponent = 1 if method == "gpnys" and data == "synthetic3d" else 2
+            cutoff = method.startswith("gpnys") and not method.startswith("gpnys_prune0")
+            options = {"k": int(method.split("_k")[1])} if method.startswith("gpnys_k") else None
+            exponent = 1 if cutoff and data == "synthetic3d" else 2
             skip = memory_skip(method, n, X.element_size(), device) or bench.projected_skip(
                 "mll", data, method, n, exponent, 1) or (keops_missing() if method == "gpytorch_keops" else None)
             if skip:
@@ -536,7 +541,7 @@ def part_mll(args, bench) -> None:
                                      timeout=3 * args.max_seconds + 600))
             else:
                 warm(data, X, y, method, settings)
-                row.update(guarded(lambda: mll_eval(X, y, method, h, args.seed, settings), device))
+                row.update(guarded(lambda: mll_eval(X, y, method, h, args.seed, settings, options), device))
             if row["status"] == "ok" and ref is None and method in REFERENCES:
                 ref = row
             if ref is not None and row["status"] == "ok" and row is not ref:
@@ -964,6 +969,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--real-data", default="kin40k")
     ap.add_argument("--real-sizes", default=None, help="default 10000,25000,all (quick 300); 'all' = whole split")
     ap.add_argument("--synthetic-sizes", default=None, help="MLL synthetic3d sizes (default 200000,1000000; quick 500)")
+    ap.add_argument("--mll-methods", default="", help="mll part: only these methods (comma-separated: gpnys, "
+                    "gpnys_prune0, gpnys_prune0_floor10, gpytorch_cholesky, cholesky_closed, gpytorch_cg); default all")
+    ap.add_argument("--afn-ks", default="", help="mll part: one gpnys row per landmark count k (e.g. 500,1000,2000: "
+                    "rows gpnys_k500, ...) instead of the hook's default")
     ap.add_argument("--fit-synthetic-sizes", default=None, help="fit synthetic3d sizes (default 200000; quick none)")
     ap.add_argument("--lengthscale", type=float, default=1.0)
     ap.add_argument("--outputscale", type=float, default=1.0)
@@ -1009,6 +1018,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.paths_n = args.paths_n or (600 if q else 1_000_000)
     args.paths_test = args.paths_test or (50 if q else 2000)
     args.paths_q = 10 if q else 256  # BoTorch posterior batch
+    args.mll_methods = [m for m in args.mll_methods.split(",") if m]
+    args.afn_ks = sizes(args.afn_ks)
     args.hypers = {"lengthscale": args.lengthscale, "outputscale": args.outputscale, "noise": args.noise}
     parts = [p for p in args.parts.split(",") if p]
     if set(parts) - {"product", "mll", "fit", "paths"}:

@@ -13,7 +13,14 @@
 #          then the same products by BEFORE's package (default 3479e1d: the kernels before commits 9668307..31ea970
 #          zero-padded their operands, kept coordinates in registers and took exponentials as ex2) where this copy
 #          has the git history to check it out (worktree.log says why not); alone on the GPU, about 4 minutes;
-#   suite  the `cuda` test suite (in the background, beside the fit);
+#   speed  the rows of docs/performance.md's GPU table, one after another, alone on the GPU (about 6 minutes):
+#          one MLL value + gradient at kin40k n = 25 000 in float64 against GPyTorch's Cholesky and default CG
+#          (`gpu.py --parts mll`); the first evaluation in fresh processes (`first_call.py`); BoTorch at
+#          n = 10 000 against SingleTaskGP (`bo_compare.py`); one value + gradient at 10^7 points (synthetic3d,
+#          float32, with the cutoff; `gpu.py --parts mll --synthetic-sizes 10000000`);
+#   late   one value + gradient at 10^6 points at the hyperparameters that end the 50-step fit (l 3.73,
+#          outputscale 0.040, noise 0.0078) with AFN ranks 500 and 2000 (`gpu.py --afn-ks`), about 2 minutes;
+#   suite  the `cuda` test suite (in the background, beside the fit; after `speed`, on its own);
 #   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
 #   paths  every other public path at 10^6 (`gpu.py --parts paths`);
 #   collect  wait for a fit that an earlier call left running (DETACH=1) and copy its files to $OUT.
@@ -26,6 +33,7 @@
 # resumes at its last step, clock included. FIT_ARGS adds gpu.py arguments (a CPU test: "--device cpu
 # --fit-1e6-n 2000 --fit-1e6-steps 4").
 #   LIMIT=300 PARTS=mll,suite bash benchmarks/gpu_check.sh              # the MLL rows, then the cuda suite
+#   LIMIT=560 PARTS=speed,suite bash benchmarks/gpu_check.sh            # the speed rows, then the cuda suite
 #   LIMIT=540 DETACH=1 PARTS=suite,fit bash benchmarks/gpu_check.sh      # call 1
 #   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
 set -u
@@ -37,7 +45,8 @@ FIT_ARGS=${FIT_ARGS:-}
 PARTS=${PARTS:-suite,fit,paths}
 mkdir -p "$OUT" "$KEEP"
 export PYTHONPATH=$PWD
-pip install --no-deps --no-build-isolation -e . -q > "$KEEP/install.log" 2>&1
+python -m pip install --no-deps --no-build-isolation -e . -q > "$KEEP/install.log" 2>&1
+export GPNYS_CACHE_DIR=${GPNYS_CACHE_DIR:-$KEEP/gpnys_cache}  # the path costs, calibrated once per machine
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, triton, gpytorch; print('torch', torch.__version__, 'triton', triton.__version__,
   'gpytorch', gpytorch.__version__, 'cpus', __import__('os').cpu_count())"; } > "$OUT/device.txt" 2>&1
@@ -56,6 +65,22 @@ case $PARTS in *dist*)
   # whole passes at 2 x 10^5, which a rank at 10^7 runs in blocks)
   timeout "$(left)" python -u benchmarks/distributed.py --device cuda --procs '' --n 200000 --dtype float32 \
       --repeats 1 --dense-gib 0 --block-mib 32 --out "$OUT/distributed_cuda_lean.json" > "$OUT/distributed_cuda_lean.log" 2>&1
+esac
+case $PARTS in *speed*)
+  timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes '' --dtype float64 \
+      --mll-methods gpytorch_cholesky,gpnys,gpytorch_cg --max-seconds 60 --out "$OUT/gpu_mll_25k_float64.json" \
+      > "$OUT/mll_25k.log" 2>&1
+  timeout "$(left)" python -u benchmarks/first_call.py --device cuda --out "$OUT/first_call.json" \
+      > "$OUT/first_call.log" 2>&1
+  timeout "$(left)" python -u benchmarks/bo_compare.py --device cuda --n 10000 --singletask-timeout 90 \
+      --out "$OUT/bo_compare_n10000.json" > "$OUT/bo_10k.log" 2>&1
+  timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes '' --synthetic-sizes 10000000 \
+      --mll-methods gpnys --max-seconds 300 --out "$OUT/gpu_mll_1e7.json" > "$OUT/mll_1e7.log" 2>&1
+esac
+case $PARTS in *late*)
+  timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes '' --synthetic-sizes 1000000 \
+      --mll-methods gpnys --afn-ks 500,2000 --lengthscale 3.73 --outputscale 0.040 --noise 0.0078 \
+      --max-seconds 200 --out "$OUT/gpu_mll_1e6_late.json" > "$OUT/mll_1e6_late.log" 2>&1
 esac
 case $PARTS in *mll*)
   timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes 200000,1000000 \
