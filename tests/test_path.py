@@ -214,3 +214,31 @@ def test_cholesky_path_on_device(cuda_device, costs):
     loss, grads, hook = _value_and_grads(model, X, y, "auto")
     assert hook.last_estimate.path == "cholesky"
     assert loss == pytest.approx(exact, abs=1e-10)
+
+
+def test_bo_model_above_gpytorchs_threshold_asks_the_cost_model(costs):
+    """``PreconditionedSingleTaskGP(max_cholesky_size=None)`` above GPyTorch's threshold: Cholesky where the cost
+    model predicts it faster (here below n = 1000), the preconditioned path above; an int threshold and a forced
+    solver are obeyed; the posterior on the Cholesky side is SingleTaskGP's to rounding."""
+    botorch = pytest.importorskip("botorch")
+    from gpnys.bo import PreconditionedSingleTaskGP
+
+    g = torch.Generator().manual_seed(1)
+    for n, expected in ((600, False), (1500, True)):
+        X = torch.rand(n, 2, generator=g, dtype=torch.float64)
+        Y = X.sum(-1, keepdim=True).sin()
+        with gpytorch.settings.max_cholesky_size(100):
+            model = PreconditionedSingleTaskGP(X, Y)
+            assert model.uses_preconditioner() is expected, model.path_reason
+            assert "predicted" in model.path_reason
+            assert PreconditionedSingleTaskGP(X, Y, max_cholesky_size=100).uses_preconditioner()
+            forced = PreconditionedSingleTaskGP(X, Y, settings=EstimatorSettings(solver="iterative"))
+            assert forced.uses_preconditioner() and "solver" in forced.path_reason
+            if not expected:
+                ref = botorch.models.SingleTaskGP(X, Y)
+                ref.load_state_dict(model.state_dict())
+                Xt = torch.rand(7, 2, generator=g, dtype=torch.float64)
+                with torch.no_grad():
+                    a, b = model.posterior(Xt), ref.posterior(Xt)
+                torch.testing.assert_close(a.mean, b.mean, rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(a.variance, b.variance, rtol=1e-9, atol=1e-9)

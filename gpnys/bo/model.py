@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import warnings
 from typing import Any, Iterator
 
@@ -59,6 +60,7 @@ from gpytorch.module import Module
 
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import EstimatorSettings, PreconditionerHook
+from gpnys.gp.path import choose_path
 from gpnys.precond.base import NumericalWarning, validate_positive
 from gpnys.precond.strategy import PRECONDITIONERS
 from gpnys.solvers.pcg import pcg
@@ -102,11 +104,13 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         precond: ``"auto"`` (AFN paper Algorithm 5: Nyström or AFN for the current length-scale), ``"afn"``,
             ``"nystrom"``, ``"fsai"``, ``"pivchol"``, ...
         max_cholesky_size: at most this many training points the model behaves exactly as ``SingleTaskGP``
-            (Cholesky); ``None`` follows GPyTorch's ``max_cholesky_size`` setting at call time (4096 once
-            BoTorch is imported).
+            (Cholesky), above it it is preconditioned. ``None``: GPyTorch's ``max_cholesky_size`` setting at call
+            time (4096 once BoTorch is imported), and above it the cost model of :mod:`gpnys.gp.path` (calibrated
+            once per device and dtype) keeps Cholesky where that is predicted faster and fits the memory budget.
         settings: the MLL estimator's knobs (:class:`~gpnys.gp.hook.EstimatorSettings`); by default 16 probes
-            with a fixed ``probe_seed`` (= ``seed``) so the training objective is deterministic for L-BFGS-B, and
-            ``solver="iterative"``: here ``max_cholesky_size`` decides the path.
+            with a fixed ``probe_seed`` (= ``seed``) so the training objective is deterministic for L-BFGS-B. Its
+            ``solver`` (default ``$GPNYS_SOLVER`` or ``"auto"``) applies to ``max_cholesky_size=None``:
+            ``"iterative"`` / ``"cholesky"`` force the path above GPyTorch's threshold.
         seed: seed of the preconditioner (rank estimation, landmarks) and of the probes.
         posterior_tolerance: relative PCG residual for ``B = K̂⁻¹ K*``. The covariance error is second order in
             it but scales like ``tol² |k*|² / σ²`` (measured errors in docs/bo.md). ``α`` is solved to ``tol²``.
@@ -190,9 +194,13 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                          input_transform)
         #: why the last fit on the preconditioned path ended early ("gradient at noise level"), else None
         self.fit_stopped: str | None = None
+        #: why the latest :meth:`uses_preconditioner` chose its path
+        self.path_reason = ""
+        settings = settings or EstimatorSettings(probe_seed=seed)
         self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
-                              # max_cholesky_size decides the path here: above it, the preconditioned one
-                              "settings": settings or EstimatorSettings(probe_seed=seed, solver="iterative"),
+                              # the model decides the path (uses_preconditioner); its hook always iterates
+                              "solver": settings.solver,
+                              "settings": dataclasses.replace(settings, solver="iterative"),
                               "seed": seed,
                               "posterior_tolerance": float(posterior_tolerance),
                               "posterior_cholesky_size": posterior_cholesky_size,
@@ -216,10 +224,17 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         """Whether the preconditioned path applies: one output, non-batched data, a ``GaussianLikelihood`` or known
         per-point noise (``train_Yvar``), and more than ``max_cholesky_size`` training points."""
         limit = self._gpnys_config["max_cholesky_size"]
-        limit = gpytorch.settings.max_cholesky_size.value() if limit is None else limit
         X = self.train_inputs[0]
-        if X.shape[-2] <= limit:
+        if X.shape[-2] <= (gpytorch.settings.max_cholesky_size.value() if limit is None else limit):
+            self.path_reason = f"{X.shape[-2]} points <= max_cholesky_size"
             return False
+        if limit is None:  # above GPyTorch's threshold the cost model may still find Cholesky faster on this device
+            path, self.path_reason = choose_path(X.shape[-2], 1, X.device, X.dtype, self._gpnys_config["solver"],
+                                                 "auto")
+            if path == "cholesky":
+                return False
+        else:
+            self.path_reason = f"{X.shape[-2]} points > max_cholesky_size={limit}"
         if X.dim() == 2 and self.train_targets.dim() == 1 and (type(self.likelihood) is GaussianLikelihood
                                                                or self._known_noise()):
             return True
