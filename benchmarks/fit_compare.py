@@ -1,7 +1,8 @@
-"""End-to-end fits on elevators, exact Cholesky vs GPyTorch vs HiGP vs gpnys ``auto``: training time, loss trace,
-test RMSE and NLL.
+"""End-to-end fits, exact Cholesky vs GPyTorch vs HiGP vs gpnys ``auto``: training time, loss trace, test RMSE and NLL.
 
 Run:  python benchmarks/fit_compare.py --iters 40  (elevators split 0, all ~15k training points; ~75 min)
+      python benchmarks/fit_compare.py --data synthetic3d --no-standardize --n 50000 --iters 10 --methods higp,auto \
+          --gpytorch-cholesky-steps 0 --eval-points 2   (HiGP's H2 mode against gpnys on 3-D points, 2 cores)
       python benchmarks/fit_compare.py --quick     (n = 400, 3 steps; run by the test suite)
 
 Matérn-3/2, the same Adam steps (``--lr``, ``--iters``) from GPyTorch's default initialisation (lengthscale =
@@ -210,6 +211,8 @@ def run_method(name, ds, args, checks) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="n = 400, 3 steps")
+    ap.add_argument("--data", default="elevators", help="a bundled data set or synthetic3d (default elevators)")
+    ap.add_argument("--no-standardize", action="store_true", help="keep the data's units (synthetic3d: unit density)")
     ap.add_argument("--n", type=int, default=None, help="training subsample (default: the full split)")
     ap.add_argument("--iters", type=int, default=None, help="Adam steps (default 50; --quick 3)")
     ap.add_argument("--lr", type=float, default=0.1)
@@ -226,7 +229,7 @@ def main(argv=None) -> dict:
     checks = {round(1 + i * (args.iters - 1) / max(1, k - 1)) for i in range(k)}
     threads, results = torch.get_num_threads(), {}
     torch.set_num_threads(args.threads)
-    ds = datasets.load("elevators", split=0, n=args.n, seed=args.seed)
+    ds = datasets.load(args.data, split=0, n=args.n, seed=args.seed, standardize=not args.no_standardize)
     fit(_model(datasets.load("elevators", n=64)), iters=1, progress=False)  # untimed warm-up: torch's first call ~1 s
     print(f"{ds.describe()}; Matern-3/2, Adam lr {args.lr}, {args.iters} steps, {args.threads} threads")
     gpy_chol = time_gpytorch_cholesky(ds, args) if args.gpytorch_cholesky_steps > 0 else None

@@ -2,8 +2,9 @@
 
 A BO loop on Hartmann-6 (BoTorch's test function, maximised: ``negate=True``, optimum 3.32237) started from
 ``--n-init`` scrambled-Sobol points. Each iteration: build the model on all data so far, warm-start it from the
-previous iteration's hyperparameters (as BoTorch users do; the outcome transform is refitted, only the
-kernel/likelihood/mean parameters are carried over), ``fit_gpytorch_mll``, maximise qLogEI with
+previous iteration's model (``--starts warm``, the default: as BoTorch users do, the outcome transform is refitted
+and the kernel/likelihood/mean parameters are carried over; gpnys's ``warm_start_from`` also skips the subset
+start and seeds its solves), or not (``cold``), ``fit_gpytorch_mll``, maximise qLogEI with
 ``optimize_acqf`` and evaluate the candidate(s). Both models see the same initial design per seed.
 
 Prints best value and per-iteration fit / acquisition time for each model; writes a JSON and a PNG of
@@ -12,6 +13,8 @@ best-so-far vs wall time.
 Run:  python examples/bo_large_n.py --quick                       (seconds; the test suite runs it)
       python examples/bo_large_n.py --n-init 5000 --iters 10 --seeds 0,1,2 --threads 2 \\
           --json benchmarks/results/bo_loop.json                     (the run in docs/bo.md)
+      python examples/bo_large_n.py --methods gpnys --starts warm,cold --n-init 30000 --device cuda \\
+          --json benchmarks/results/bo_warm_cold.json     (warm-started iterations against cold ones)
       add --checkpoint DIR to save every iteration and resume an interrupted campaign from DIR
 """
 
@@ -42,42 +45,47 @@ def hyper_state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("outcome_transform")}
 
 
-def checkpoint_path(args, method: str, seed: int) -> Path | None:
+def checkpoint_path(args, method: str, seed: int, start: str = "warm") -> Path | None:
     """Where ``--checkpoint`` keeps one campaign's state (data, hyperparameters, records, RNG) between runs."""
     if not args.checkpoint:
         return None
-    return Path(args.checkpoint) / f"{method}_n{args.n_init}_q{args.q}_seed{seed}.pt"
+    tag = "" if start == "warm" else f"_{start}"
+    return Path(args.checkpoint) / f"{method}{tag}_n{args.n_init}_q{args.q}_seed{seed}.pt"
 
 
-def run_loop(method: str, seed: int, args) -> dict:
+def run_loop(method: str, seed: int, args, start: str = "warm") -> dict:
     """One BO campaign; returns per-iteration records (n, fit_s, acq_s, best) and the chosen points' values.
+
+    ``start="warm"``: each iteration's model starts from the previous one (gpnys: ``warm_start_from``, i.e. its
+    hyperparameters, no subset start, and its solution as the first solve's start; SingleTaskGP: its
+    hyperparameters); ``"cold"``: from BoTorch's default initialisation every time.
 
     With ``--checkpoint DIR`` the state after every iteration is saved there, and a later run with the same
     options resumes from it (same data, hyperparameters and RNG state, so the same iterations follow): a
     campaign longer than one session can be finished in several. Each record keeps the time of its own iteration.
     """
-    f = Hartmann(dim=6, negate=True)
-    bounds = torch.stack([torch.zeros(6), torch.ones(6)]).to(torch.float64)
-    X = SobolEngine(6, scramble=True, seed=seed).draw(args.n_init, dtype=torch.float64)
+    device = torch.device(args.device)
+    f = Hartmann(dim=6, negate=True).to(device)
+    bounds = torch.stack([torch.zeros(6), torch.ones(6)]).to(device=device, dtype=torch.float64)
+    X = SobolEngine(6, scramble=True, seed=seed).draw(args.n_init, dtype=torch.float64).to(device)
     Y = f(X).unsqueeze(-1)
     initial_best = float(Y.max())
     kw = {"max_cholesky_size": args.max_cholesky_size} if method == "gpnys" else {}
     state, records, wall = None, [], 0.0
     torch.manual_seed(seed)
-    ckpt = checkpoint_path(args, method, seed)
+    ckpt = checkpoint_path(args, method, seed, start)
     if ckpt is not None and ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=False, map_location=device)
         X, Y, state, records = saved["X"], saved["Y"], saved["state"], saved["records"]
         wall = records[-1]["wall_s"] if records else 0.0
         torch.set_rng_state(saved["rng"])
         print(f"  {method:>10} seed {seed}: resumed after iteration {len(records)} from {ckpt}", flush=True)
     for it in range(len(records), args.iters):
         t0 = time.perf_counter()
-        # warm-started gpnys fits skip the subset start (it helps a cold start; from the previous iteration's
-        # hyperparameters it would only move away and back)
-        warm = {"fit_subset": None} if method == "gpnys" and state is not None else {}
-        model = MODELS[method](X, Y, **kw, **warm)
-        if state is not None:
+        model = MODELS[method](X, Y, **kw)
+        if start == "warm" and state is not None and method == "gpnys":
+            model.warm_start_from(state)  # hyperparameters, no subset start, the previous solution
+        elif start == "warm" and state is not None:
             model.load_state_dict(state, strict=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # BoTorch's optimisation warnings are reported by its own retry logic
@@ -96,15 +104,15 @@ def run_loop(method: str, seed: int, args) -> dict:
             rec.update(precond=h.history[-1].kind if h.history else None, rank=h.history[-1].rank if h.history else None,
                        builds=h.builds, posterior_iterations=model.posterior_iterations)
         records.append(rec)
-        state = hyper_state(model)
+        state = model.warm_state() if method == "gpnys" else hyper_state(model)
         if ckpt is not None:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"X": X, "Y": Y, "state": state, "records": records, "rng": torch.get_rng_state()}, ckpt)
-        print(f"  {method:>10} seed {seed} it {it + 1:2d}: n={rec['n']} fit {rec['fit_s']:7.2f} s, "
+        print(f"  {method:>10} {start} seed {seed} it {it + 1:2d}: n={rec['n']} fit {rec['fit_s']:7.2f} s, "
               f"acq {rec['acq_s']:6.2f} s, best {rec['best']:.5f}"
               + (f" ({rec.get('precond')}, rank {rec.get('rank')})" if "precond" in rec else ""), flush=True)
-    return {"method": method, "seed": seed, "records": records, "best": float(Y.max()), "wall_s": wall,
-            "initial_best": initial_best}
+    return {"method": method, "start": start, "seed": seed, "records": records, "best": float(Y.max()),
+            "wall_s": wall, "initial_best": initial_best}
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -119,7 +127,8 @@ def plot(runs: list[dict], path: Path) -> None:
         t = [0.0] + [x["wall_s"] for x in r["records"]]
         b = [r["initial_best"]] + [x["best"] for x in r["records"]]
         ax.step(t, b, where="post", color=colors[r["method"]], alpha=0.8,
-                label=f"{r['method']}" if r["seed"] == runs[0]["seed"] else None)
+                ls="-" if r.get("start", "warm") == "warm" else ":",
+                label=f"{r['method']} ({r.get('start', 'warm')})" if r["seed"] == runs[0]["seed"] else None)
     ax.axhline(3.32237, color="k", lw=0.5, ls="--")
     ax.set_xlabel("wall time (s): fit + acquisition")
     ax.set_ylabel("best Hartmann-6 value")
@@ -143,6 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-cholesky-size", type=int, default=None,
                     help="gpnys's Cholesky threshold (default: GPyTorch's setting, 4096 with BoTorch)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="torch device of the data and models (e.g. cuda)")
+    ap.add_argument("--starts", default="warm", help="warm, cold or warm,cold: each iteration's model from the "
+                    "previous one, or from BoTorch's default initialisation (both: the warm/cold time ratio)")
     ap.add_argument("--json", default=None, help="write the records here")
     ap.add_argument("--checkpoint", default=None,
                     help="directory: save each campaign after every iteration and resume from it when present")
@@ -158,17 +170,28 @@ def main(argv: list[str] | None = None) -> dict:
             raise ValueError(f"--methods: unknown model {name!r}; choose from {sorted(MODELS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    starts = [s for s in args.starts.split(",") if s]
+    if not starts or set(starts) - {"warm", "cold"}:
+        ap.error(f"--starts takes warm, cold or warm,cold; got {args.starts!r}")
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for name in args.methods.split(","):
-            runs.append(run_loop(name, seed, args))
-    print(f"\n{'model':>10} {'seed':>4} {'best':>8} {'wall s':>8} {'fit s/it':>9} {'acq s/it':>9}")
+            for start in starts:
+                runs.append(run_loop(name, seed, args, start))
+    print(f"\n{'model':>10} {'start':>5} {'seed':>4} {'best':>8} {'wall s':>8} {'fit s/it':>9} {'acq s/it':>9}")
     for r in runs:
         n = len(r["records"])
-        print(f"{r['method']:>10} {r['seed']:4d} {r['best']:8.5f} {r['wall_s']:8.1f} "
+        print(f"{r['method']:>10} {r['start']:>5} {r['seed']:4d} {r['best']:8.5f} {r['wall_s']:8.1f} "
               f"{sum(x['fit_s'] for x in r['records']) / n:9.2f} {sum(x['acq_s'] for x in r['records']) / n:9.2f}")
+    ratios = {}
+    for name in args.methods.split(","):
+        by = {s: sum(r["wall_s"] for r in runs if r["method"] == name and r["start"] == s) for s in starts}
+        if len(by) == 2 and by["cold"] > 0:
+            ratios[name] = by["warm"] / by["cold"]
+            print(f"{name}: warm / cold wall time {ratios[name]:.3f}")
     out = {"n_init": args.n_init, "iters": args.iters, "q": args.q, "num_restarts": args.num_restarts,
-           "raw_samples": args.raw_samples, "threads": torch.get_num_threads(), "runs": runs}
+           "raw_samples": args.raw_samples, "threads": torch.get_num_threads(), "device": args.device,
+           "starts": starts, "warm_over_cold": ratios, "runs": runs}
     png = Path(args.png) if args.png else (Path(args.json).with_suffix(".png") if args.json else Path("bo_large_n.png"))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

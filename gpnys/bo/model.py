@@ -43,7 +43,7 @@ import contextlib
 import copy
 import dataclasses
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import gpytorch
 import torch
@@ -131,6 +131,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     Attributes:
         posterior_iterations: PCG iterations of the latest posterior solve (``B``), for diagnostics.
+        alpha_iterations: PCG iterations of the latest solve for ``α = K̂⁻¹ (y − m)``.
+        path_reason: why the latest :meth:`uses_preconditioner` chose its path.
 
     Example:
         Above ``max_cholesky_size`` the posterior comes from PCG; it matches ``SingleTaskGP``'s Cholesky posterior
@@ -194,6 +196,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                          input_transform)
         #: why the last fit on the preconditioned path ended early ("gradient at noise level"), else None
         self.fit_stopped: str | None = None
+        #: set by :meth:`warm_start_from`: the next fit starts from the copied hyperparameters (no subset start)
+        self._gpnys_warm_fit = False
+        #: ``(n,)`` start of the first solve with ``y - m`` (:meth:`warm_start_from`, :meth:`condition_on_observations`)
+        self._gpnys_seed: torch.Tensor | None = None
         #: why the latest :meth:`uses_preconditioner` chose its path
         self.path_reason = ""
         settings = settings or EstimatorSettings(probe_seed=seed)
@@ -214,6 +220,59 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_alpha: tuple[tuple, torch.Tensor] | None = None
         self._gpnys_warm: tuple[torch.Tensor, torch.Tensor] | None = None
         self.posterior_iterations = 0
+        self.alpha_iterations = 0
+
+    def warm_start_from(self, previous: SingleTaskGP | Mapping[str, torch.Tensor]) -> "PreconditionedSingleTaskGP":
+        """Start where the previous BO iteration's model ended; returns ``self``.
+
+        * its kernel, mean and (learnt-noise) likelihood parameters are copied, and the next
+          ``fit_gpytorch_mll`` starts L-BFGS-B from them, without the ``fit_subset`` start;
+        * where ``previous``'s training inputs are the first rows of these (points appended), the first solve
+          with ``y - m`` (training) and the posterior's ``α`` start from its ``K̂⁻¹ (y - m)``, new rows at 0.
+
+        The preconditioners and the FPS landmarks are built anew for the new points (docs/bo.md, "Warm starts").
+        The probes stay those of ``seed``.
+
+        Args:
+            previous: the last iteration's model (``SingleTaskGP`` or this class), same kernel and mean structure,
+                or its :meth:`warm_state` (e.g. from a checkpoint; a plain ``state_dict()`` gives the
+                hyperparameters only, its outcome transform's entries are skipped).
+
+        Example:
+            >>> import torch
+            >>> from gpnys.bo import PreconditionedSingleTaskGP
+            >>> X = torch.rand(60, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+            >>> Y = X.sum(-1, keepdim=True).sin()
+            >>> old = PreconditionedSingleTaskGP(X[:50], Y[:50], max_cholesky_size=0)
+            >>> old.covar_module.base_kernel.lengthscale = 0.3
+            >>> new = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0).warm_start_from(old)
+            >>> new.covar_module.base_kernel.lengthscale.flatten().tolist() == [0.3, 0.3]
+            True
+        """
+        state = previous if isinstance(previous, Mapping) else previous.state_dict()
+        for name in ("covar_module", "mean_module") + (() if self._known_noise() else ("likelihood",)):
+            getattr(self, name).load_state_dict({k[len(name) + 1:]: v for k, v in state.items()
+                                                 if k.startswith(name + ".")})
+        self._gpnys_warm_fit = True
+        if isinstance(previous, PreconditionedSingleTaskGP):
+            state = previous.warm_state()
+        self._gpnys_seed = None
+        alpha, Xp, X = state.get("gpnys_solution"), state.get("gpnys_solution_inputs"), self._kernel_inputs()
+        if (alpha is not None and Xp is not None and Xp.dim() == 2 and X.dim() == 2
+                and Xp.shape[0] <= X.shape[0] and alpha.shape == Xp.shape[:1]
+                and torch.equal(X[: Xp.shape[0]], Xp.to(X))):  # (an input transform may move with the data)
+            self._gpnys_seed = torch.cat([alpha, alpha.new_zeros(X.shape[0] - Xp.shape[0])]).to(X)
+        return self
+
+    def warm_state(self) -> dict[str, torch.Tensor]:
+        """What :meth:`warm_start_from` reads, as tensors for a checkpoint: the ``state_dict()`` without the outcome
+        transform, and the latest ``K̂⁻¹ (y - m)`` (the posterior's ``α``, else the last training solve) as
+        ``gpnys_solution (n,)`` with its kernel inputs ``gpnys_solution_inputs (n, d)`` where there is one."""
+        state = {k: v.detach().clone() for k, v in self.state_dict().items() if not k.startswith("outcome_transform")}
+        alpha = self._gpnys_alpha[1] if self._gpnys_alpha is not None else getattr(self._gpnys_hook, "_warm_a", None)
+        if alpha is not None:
+            state.update(gpnys_solution=alpha.detach().clone(), gpnys_solution_inputs=self._kernel_inputs().clone())
+        return state
 
     def _known_noise(self) -> bool:
         """Whether the likelihood holds known per-point noise (``train_Yvar``): one variance per training point."""
@@ -261,6 +320,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             c = self._gpnys_config
             h = PreconditionerHook(self, c["precond"], c["settings"], c["seed"], train_x=X,
                                    **self._options("train", X.shape[0]))
+            if self._gpnys_seed is not None and self._gpnys_seed.shape == X.shape[:1]:
+                h._warm_a = self._gpnys_seed
             self._gpnys_hook, self._gpnys_alpha, self._gpnys_warm = h, None, None
         return h
 
@@ -297,8 +358,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self.fit_stopped = None
         if not self.uses_preconditioner():
             return _fit_fallback(mll, **kwargs)
-        if kwargs.get("closure") is None:
+        if kwargs.get("closure") is None and not self._gpnys_warm_fit:
             self._fit_on_subset(mll, kwargs)
+        self._gpnys_warm_fit = False
         with self.preconditioned() as hook:
             options = dict(kwargs.get("optimizer_kwargs") or {})
             user = options.get("callback")
@@ -360,9 +422,15 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if self._gpnys_alpha is None or self._gpnys_alpha[0] != key:
             with torch.no_grad():
                 r = (self.train_targets - self.mean_module(X))[:, None]
-                res = pcg(A, r, precond=M, x0=M(r), tol=self._tolerance(X.dtype, 2),
+                # the start: the hook's last training solve (same data; after a fit, at these hyperparameters),
+                # else the previous model's (warm_start_from), else P̂⁻¹ r
+                seed = self.hook()._warm_a
+                seed = self._gpnys_seed if seed is None else seed
+                x0 = seed[:, None].to(r) if seed is not None and seed.shape == r.shape[:1] else M(r)
+                res = pcg(A, r, precond=M, x0=x0, tol=self._tolerance(X.dtype, 2),
                           maxiter=self._gpnys_config["settings"].max_cg_iterations)
             self._gpnys_alpha = (key, res.x[:, 0])
+            self.alpha_iterations = res.iterations
         return self._gpnys_alpha[1]
 
     def _solve_block(self, R: torch.Tensor, A, M) -> torch.Tensor:
@@ -416,6 +484,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                            torch.cat([self.train_targets, Y.detach().squeeze(-1)]), strict=False)
         if hasattr(self, "input_transform"):
             new._original_train_inputs = torch.cat([self._original_train_inputs, X.detach()])
+        new.warm_start_from(self)  # its solves start from this model's K̂⁻¹ (y - m) (same hyperparameters)
+        new._gpnys_warm_fit = False  # a refit of the new model starts as usual
         return new
 
     @contextlib.contextmanager
