@@ -62,6 +62,9 @@ def one_iteration(model, Y: torch.Tensor, args, timeout: float | None) -> dict:
            "lengthscale": model.covar_module.lengthscale.detach().reshape(-1).tolist(),
            "noise": float(model.likelihood.noise.detach().reshape(-1)[0]),
            "fit_warnings": sorted({f"{w.category.__name__}: {str(w.message)[:120]}" for w in caught})}
+    if isinstance(model, PreconditionedSingleTaskGP):
+        rec["path"] = "preconditioned" if model.uses_preconditioner() else "cholesky"
+        rec["path_reason"] = model.path_reason
     if isinstance(model, PreconditionedSingleTaskGP) and model.uses_preconditioner():
         h = model.hook()
         rec.update(builds=h.builds, cg_applications=h.applications, precond=[r.kind for r in h.history[-1:]],
@@ -197,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
         r = res["methods"][name]
         print(f"{name:>10}: fit {r['fit_s']:8.2f} s, qLogEI {r['acq_s']:7.2f} s, total {r['total_s']:8.2f} s, "
               f"noise {r['noise']:.3g}, candidate f = {r['candidate_value']:.4f}"
-              + (f", {r['precond']} rank {r['rank']}, {r['builds']} builds" if "builds" in r else ""), flush=True)
+              + (f", {r['precond']} rank {r['rank']}, {r['builds']} builds" if "builds" in r else "")
+              + (f"; path {r['path']}: {r['path_reason']}" if "path" in r else ""), flush=True)
     if {"singletask", "gpnys"} <= set(fitted):
         ms = res["methods"]
         res["time_ratio"] = ms["gpnys"]["total_s"] / ms["singletask"]["total_s"]
