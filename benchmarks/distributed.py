@@ -13,7 +13,7 @@ Run:  python benchmarks/distributed.py                  (n = 50 000, P = 1, 2; ~
 For P in ``--procs`` the script starts P worker processes of itself (one rank each, gloo over localhost, the
 machine's ``--threads`` shared among them) that run the same evaluation on synthetic 3-D data (unit density,
 Matérn-3/2, l = 1, outputscale 1, noise 0.1, ``auto`` preconditioner, error bars on): one untimed warm-up, then
-``--repeats`` timed evaluations. Each rank counts its collectives (:data:`gpnys.kernels.backends.partitioned.STATS`:
+``--repeats`` timed evaluations. Each rank counts its collectives (:data:`gpnys.collectives.STATS`:
 calls, bytes received, seconds inside them); rank 0 reports. The baseline is the same evaluation without a process
 group (``P = 1, plain``), in the same run.
 
@@ -66,10 +66,9 @@ def worker(args) -> None:
     import gpytorch
 
     import gpnys.distributed as gd
-    from gpnys import datasets, use_preconditioner
+    from gpnys import collectives, datasets, use_preconditioner
     from gpnys.gp.exact import ExactGPModel
     from gpnys.gp.settings import EstimatorSettings
-    from gpnys.kernels.backends import partitioned
 
     plain, cuda = args.plain, args.device == "cuda"
     rank, size = (0, 1) if plain else gd.init(backend="nccl" if cuda else "gloo", seed=args.seed)
@@ -98,14 +97,14 @@ def worker(args) -> None:
         ("build", lambda: AFNPreconditioner(X, kern, 0.1, k=k, w=min(100, args.n - 1), group=group)),
         ("nystrom", lambda: NystromPreconditioner(X, kern, 0.1, k, group=group)))
     for name, make in builds:
-        partitioned.reset_stats()
+        collectives.reset_stats()
         _sync(device)
         t0, c0 = time.perf_counter(), time.process_time()
         P = make()
         _sync(device)
         build.update({f"{name}_s": time.perf_counter() - t0, f"{name}_cpu_s": time.process_time() - c0,
                       f"{name}_logdet": float(P.logdet()),
-                      f"{name}_mib_received": partitioned.STATS["bytes_received"] / 2**20})
+                      f"{name}_mib_received": collectives.STATS["bytes_received"] / 2**20})
         del P
     # the replicated work of an evaluation: the preconditioner's applies (PCG's, SLQ's and the control variate's),
     # and the forward of the control variate's differentiable terms (its backward runs inside loss.backward())
@@ -129,7 +128,7 @@ def worker(args) -> None:
     with use_preconditioner(model, "auto", settings=settings, seed=args.seed):
         for rep in range(1 if args.memory_only else args.repeats + 1):  # rep 0 warms up
             torch.manual_seed(args.seed + rep)
-            partitioned.reset_stats()
+            collectives.reset_stats()
             applied.update(seconds=0.0, cv_seconds=0.0)
             for p in model.parameters():
                 p.grad = None
@@ -141,7 +140,7 @@ def worker(args) -> None:
             dt = time.perf_counter() - t0
             if rep:  # rep 0 warms up
                 times.append(dt)
-                records.append(dict(partitioned.STATS))
+                records.append(dict(collectives.STATS))
                 apply_s.append(applied["seconds"])
                 cv_s.append(applied["cv_seconds"])
     peak_mib = _peak_mib(device) if args.memory_only else None

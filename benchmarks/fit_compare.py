@@ -199,6 +199,9 @@ def run_method(name, ds, args, checks) -> dict:
 
         m.train(on_step)
         rec["train_time_s"], t0 = rec["time_trace"][-1], time.perf_counter()
+        rec["hyperparameters"] = m.hyper()
+        if not checks:  # --eval-points 0: training only
+            return rec
         mean, var = m.predict(ds.test_x, True)
         rec["predict_time_s"] = time.perf_counter() - t0
         final = _metrics(ds, mean, var)
@@ -219,14 +222,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default="exact,gpytorch,higp,auto")
     ap.add_argument("--threads", type=int, default=2, help="torch (and HiGP) threads")
-    ap.add_argument("--eval-points", type=int, default=5, help="test-RMSE checkpoints, the final one included")
+    ap.add_argument("--eval-points", type=int, default=5, help="test-RMSE checkpoints, the final one included (1: the "
+                    "final prediction only; 0: no prediction, training and hyperparameters only)")
     ap.add_argument("--gpytorch-cholesky-steps", type=int, default=2,
                     help="steps of GPyTorch's own Cholesky training to time (0: skip)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/fit_compare[_quick].json)")
     args = ap.parse_args(argv)
     args.n, args.iters = (400 if args.quick and args.n is None else args.n), args.iters or (3 if args.quick else 50)
-    k = max(1, args.eval_points)  # checkpoints 1, ..., iters evenly spaced; the last is the final prediction
-    checks = {round(1 + i * (args.iters - 1) / max(1, k - 1)) for i in range(k)}
+    k = args.eval_points  # checkpoints 1, ..., iters evenly spaced; the last is the final prediction (0: none)
+    if k <= 1:
+        checks = {args.iters} if k == 1 else set()
+    else:
+        checks = {round(1 + i * (args.iters - 1) / (k - 1)) for i in range(k)}
     threads, results = torch.get_num_threads(), {}
     torch.set_num_threads(args.threads)
     ds = datasets.load(args.data, split=0, n=args.n, seed=args.seed, standardize=not args.no_standardize)
@@ -242,7 +249,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(threads)  # restore (main is also called in-process by the tests)
     ref = results.get("exact", {"skipped": "not run"})
     for r in results.values():
-        if "skipped" not in r and "skipped" not in ref:
+        if "skipped" not in r and "skipped" not in ref and "test_rmse" in r and "test_rmse" in ref:
             r.update({f"{k}_rel_diff": abs(r[f"test_{k}"] - ref[f"test_{k}"]) / abs(ref[f"test_{k}"])
                       for k in ("rmse", "nll", "nll_standardized")}, time_ratio=r["train_time_s"] / ref["train_time_s"])
         if "skipped" not in r and gpy_chol:
@@ -254,8 +261,8 @@ def main(argv=None) -> dict:
         rel = " ".join(f"{r[k]:7.2%}" if k in r else f"{'-':>7}" for k in ("rmse_rel_diff", "nll_rel_diff"))
         rel += "".join(f" {r[k]:7.3f}" if k in r else f" {'-':>7}" for k in ("time_ratio", "time_ratio_gpytorch_cholesky"))
         print(f"{name:>9} {min(ls):6.3g}/{np.median(ls):6.3g}/{max(ls):6.3g} {h['outputscale']:7.3g} "
-              f"{h['noise']:8.3g} {r['test_rmse']:8.5f} {r['test_nll']:8.4f} {r['train_time_s']:8.2f} "
-              f"{r['predict_time_s']:7.2f} {rel}")
+              f"{h['noise']:8.3g} {r.get('test_rmse', math.nan):8.5f} {r.get('test_nll', math.nan):8.4f} "
+              f"{r['train_time_s']:8.2f} {r.get('predict_time_s', math.nan):7.2f} {rel}")
     out = {"data": ds.name, "split": ds.split, "n_train": ds.n, "n_test": int(ds.test_x.shape[0]), "kernel": "matern32",
            **{k: getattr(args, k) for k in ("iters", "lr", "seed", "threads")}, "machine": platform.platform(),
            "gpytorch_cholesky": gpy_chol, "results": results}
@@ -276,7 +283,8 @@ def plot(results: dict, path: Path, title: str) -> None:
     for name, r in results.items():
         if "skipped" not in r:
             a0.plot(r["time_trace"], r["loss_trace"], marker=".", label=name)
-            a1.plot(*zip(*((c["train_s"], c["rmse"]) for c in r["checkpoints"])), marker="o", label=name)
+            if r["checkpoints"]:
+                a1.plot(*zip(*((c["train_s"], c["rmse"]) for c in r["checkpoints"])), marker="o", label=name)
     for ax, ylabel in ((a0, "training loss (-MLL / n)"), (a1, "test RMSE (original units)")):
         ax.set(xscale="log", xlabel="training wall time (s)", ylabel=ylabel)
         ax.tick_params(axis="x", which="minor", labelbottom=False)

@@ -34,14 +34,14 @@ import gpytorch
 import torch
 
 from gpnys import datasets
+from gpnys.checks import NumericalWarning
 from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import use_preconditioner
-from gpnys.precond.base import NumericalWarning
 from gpnys.kernels import make_kernel
 from gpnys.reduced import ExactPosterior, nystrom_krr, nytro
 from gpnys.reduced.evaluate import evaluate_method
-from gpnys.reduced.nytro import predict as nytro_predict
 from gpnys.reduced.landmarks import select_landmarks
+from gpnys.reduced.nytro import predict as nytro_predict
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RULES = ("uniform", "fps", "kmeans", "leverage")

@@ -22,8 +22,8 @@ import torch
 
 import gpnys
 from gpnys import datasets
+from gpnys.checks import NumericalWarning
 from gpnys.gp import ExactGPModel, gaussian_nll
-from gpnys.precond.base import NumericalWarning
 from gpnys.reduced import ExactPosterior, ReducedGP, reduced_posterior, rkhs_error
 
 #: (label, method, options for reduced_posterior)

@@ -9,6 +9,7 @@ switch for existing ``ExactGP`` models::
 
 from gpnys import datasets, landmarks
 from gpnys.budget import memory_budget
+from gpnys.checks import NumericalWarning
 from gpnys.gp.hook import EstimatorSettings, use_preconditioner
 from gpnys.precond import (
     AFNPreconditioner,
@@ -33,5 +34,6 @@ __all__ = [
     "PivotedCholeskyPreconditioner",
     "pcg",
     "memory_budget",
+    "NumericalWarning",
     "__version__",
 ]

@@ -2,7 +2,7 @@
 
 Run the same script on every rank (``torchrun --nproc-per-node P script.py``); each rank holds the data and the
 model, computes its rows of every kernel product and derivative sum, and the collectives of
-:mod:`gpnys.kernels.backends.partitioned` assemble the results, so every rank sees the numbers one process would::
+:mod:`gpnys.collectives` assemble the results, so every rank sees the numbers one process would::
 
     import gpnys, gpnys.distributed as gd
 

@@ -1,4 +1,8 @@
-"""Dense linear algebra in the form the CPU runs fastest and most reliably.
+"""Dense linear algebra in the form the CPU runs fastest and most reliably, and the factorisations every layer shares.
+
+Safe Cholesky (:func:`safe_cholesky`): a factor of an SPD matrix that escalates a diagonal shift, with a
+:class:`~gpnys.checks.NumericalWarning`, rather than returning NaNs; diagonal shifts (:func:`add_diag`,
+:func:`shift_at`) and i.i.d. draws (:func:`draw`) for probes and samples.
 
 Small factorisations (:func:`small_dense`). Eigenvalue, Cholesky and QR factorisations of ``m x m`` matrices with
 ``m`` up to a few hundred (rank estimation, preconditioner cores, Lanczos tridiagonals) run on one thread: with
@@ -17,11 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["thin_matmul", "transposed_faster", "small_dense", "SINGLE_THREAD_MAX"]
+from gpnys.checks import NumericalWarning
+
+__all__ = ["thin_matmul", "transposed_faster", "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag",
+           "shift_at", "draw"]
 
 #: factorisations of ``m x m`` with ``m`` at most this run on one CPU thread (module docstring)
 SINGLE_THREAD_MAX = 512
@@ -99,3 +107,79 @@ def transposed_faster(dtype: torch.dtype, device: torch.device) -> bool:
 
         _transposed[key] = best(lambda: (B.mT @ A.mT).mT.contiguous()) < 0.9 * best(lambda: A @ B)
     return _transposed[key]
+
+
+def shift_at(shift: float | torch.Tensor, index: torch.Tensor) -> float | torch.Tensor:
+    """A diagonal shift at the rows ``index``: a scalar (number or 0-dim tensor) as it is, per-point shifts
+    ``(n,)`` indexed (same shape as ``index``)."""
+    return shift if not isinstance(shift, torch.Tensor) or shift.dim() == 0 else shift[index]
+
+
+def add_diag(M: torch.Tensor, shift: float | torch.Tensor) -> torch.Tensor:
+    """``M + diag(shift)`` over the last two dimensions (out of place, autograd-safe): ``shift`` is a number or a
+    0-dim tensor (times the identity) or per-row shifts ``(..., m)`` for ``M (..., m, m)``."""
+    s = torch.as_tensor(shift, dtype=M.dtype, device=M.device)
+    return M + torch.diag_embed(s.expand(M.shape[:-1]))
+
+
+def safe_cholesky(
+    A: torch.Tensor, what: str, shifts: list[float] | None = None, max_tries: int = 10
+) -> torch.Tensor:
+    """Lower Cholesky factor of SPD ``A`` (``(..., m, m)``), escalating a diagonal shift on failure.
+
+    On failure the shift of each failed block starts at ``10 eps(dtype) * mean|diag A|`` and grows 10x per
+    try; blocks that factor are left unshifted. Each shift used is appended to ``shifts`` and reported by a
+    :class:`NumericalWarning`. Raises ``RuntimeError`` (never returns NaNs) if ``max_tries`` do not help.
+
+    Example:
+        >>> import torch, warnings
+        >>> from gpnys.linalg import safe_cholesky
+        >>> A = torch.ones(3, 3, dtype=torch.float64)  # rank one: not numerically SPD
+        >>> shifts = []
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")  # a NumericalWarning names the shift
+        ...     L = safe_cholesky(A, "example", shifts)
+        >>> len(shifts), shifts[0] < 1e-14, torch.allclose(L @ L.mT, A)
+        (1, True, True)
+    """
+    with small_dense(A.shape[-1] if A.dim() == 2 else SINGLE_THREAD_MAX + 1, A.device):  # a batch keeps its threads
+        L, info = torch.linalg.cholesky_ex(A)
+    if not bool((info > 0).any()):
+        return L
+    eps = torch.finfo(A.dtype).eps
+    scale = A.diagonal(dim1=-2, dim2=-1).abs().mean(-1).clamp_min(torch.finfo(A.dtype).tiny)
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    shift = torch.zeros_like(scale)
+    factor = 10.0 * eps
+    for _ in range(max_tries):
+        failed = info > 0
+        shift = torch.where(failed, factor * scale, shift)
+        L, info = torch.linalg.cholesky_ex(A + shift[..., None, None] * eye)
+        used = float(shift.max())
+        if shifts is not None:
+            shifts.append(used)
+        warnings.warn(
+            f"{what}: Cholesky failed (not numerically SPD); added a diagonal shift up to {used:.3g} "
+            f"to {int(failed.sum())} block(s)",
+            NumericalWarning,
+            stacklevel=3,
+        )
+        if not bool((info > 0).any()):
+            return L
+        factor *= 10.0
+    raise RuntimeError(f"{what}: Cholesky failed even after {max_tries} diagonal shifts")
+
+
+def draw(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    generator: torch.Generator | None = None,
+    distribution: str = "gaussian",
+) -> torch.Tensor:
+    """i.i.d. standard Gaussian (``"gaussian"``) or random-sign (``"rademacher"``) entries of ``shape``."""
+    if distribution == "gaussian":
+        return torch.randn(shape, dtype=dtype, device=device, generator=generator)
+    if distribution == "rademacher":
+        return torch.randint(0, 2, shape, device=device, generator=generator).to(dtype).mul_(2).sub_(1)
+    raise ValueError(f"distribution must be 'gaussian' or 'rademacher', got {distribution!r}")

@@ -32,7 +32,6 @@ from gpnys.gp.exact import ExactGPModel
 from gpnys.kernels import make_kernel
 from gpnys.kernels.operator import StationaryKernelOperator
 
-
 DEVICE = os.environ.get("GPNYS_TEST_DEVICE", "cpu")
 
 
@@ -141,7 +140,7 @@ def precond(group):
 def tsqr(rank):
     """``RowGroup.tall_svd`` of a graded ``(100, 40)`` matrix (3 ranks: 64, 36 and 0 rows), a rank whose rows fail,
     and a Nyström build whose ranks pass different landmarks."""
-    from gpnys.kernels.backends.partitioned import RowGroup
+    from gpnys.collectives import RowGroup
     from gpnys.precond import NystromPreconditioner
 
     g = torch.Generator().manual_seed(5)
@@ -181,7 +180,7 @@ def tsqr(rank):
 
 
 def fail(rank):
-    from gpnys.kernels.backends.partitioned import RowGroup
+    from gpnys.collectives import RowGroup
     from gpnys.kernels.backends.torch_tiles import TorchTiles
 
     def rows(a, b):
@@ -246,7 +245,8 @@ CALLS = {"matmul": 0, "derivative_sums": 0, "column_derivative_sums": 0, "gather
 def count_partitioned_passes():
     """Count the partitioned backend's passes and the row gathers (so a test sees that the split path, not a
     replicated one, ran)."""
-    from gpnys.kernels.backends.partitioned import PartitionedBackend, RowGroup
+    from gpnys.collectives import RowGroup
+    from gpnys.kernels.backends.partitioned import PartitionedBackend
 
     for name in CALLS:
         cls = RowGroup if name.startswith(("gather", "split")) else PartitionedBackend

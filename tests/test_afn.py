@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import dense_A, dense_P, make_kernel, points
 
+from gpnys.checks import NumericalWarning
 from gpnys.landmarks import fps
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import NumericalWarning
 from gpnys.precond.cache import PointCache
 
 F64 = torch.float64

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import gpnys
+from gpnys.checks import NumericalWarning
 from gpnys.gp.settings import EstimatorSettings
-from gpnys.precond.base import NumericalWarning
 
 B, N = 3, 120
 

@@ -26,11 +26,10 @@ from botorch.optim import optimize_acqf
 from botorch.sampling import SobolQMCNormalSampler
 from botorch.test_functions import Hartmann
 from gpytorch.mlls import ExactMarginalLogLikelihood
+from helpers import load_script
 
 import gpnys
 from gpnys.bo import PreconditionedSingleTaskGP
-
-from helpers import load_script
 
 USES_BOTORCH = True  # conftest: run under BoTorch's global GPyTorch settings
 PRECOND = {"k": 40, "w": 10, "posterior_cholesky_size": 0}  # k < n: an inexact preconditioner, so PCG iterates
@@ -739,7 +738,7 @@ def test_default_preconditioner_options_at_tiny_n(n):
 def test_unsupported_cases_above_the_threshold_say_so():
     """Batched (multi-output) data above max_cholesky_size: SingleTaskGP's Cholesky, with a warning, not silently;
     the answer is SingleTaskGP's."""
-    from gpnys.precond.base import NumericalWarning
+    from gpnys.checks import NumericalWarning
 
     X, Y = data(40, 2, seed=3)
     Y2 = torch.cat([Y, 2 * Y], 1)
@@ -772,7 +771,7 @@ def test_known_noise_takes_the_preconditioned_path():
                                        settings=gpnys.EstimatorSettings(num_probes=64, probe_seed=0), **PRECOND)
     model.load_state_dict(ref.state_dict())
     with warnings.catch_warnings():
-        warnings.simplefilter("error", gpnys.precond.base.NumericalWarning)  # no "falls back to Cholesky"
+        warnings.simplefilter("error", gpnys.checks.NumericalWarning)  # no "falls back to Cholesky"
         assert model.uses_preconditioner()
         Xt = points_at(60, d)
         with torch.no_grad():

@@ -26,6 +26,7 @@ from helpers import points
 
 import gpnys
 from gpnys import datasets, memory_budget
+from gpnys.checks import NumericalWarning
 from gpnys.cli.main import main
 from gpnys.gp.exact import ExactGPModel, fit
 from gpnys.gp.exact import predict as exact_predict
@@ -34,7 +35,6 @@ from gpnys.kernels.backends import triton_available
 from gpnys.kernels.cutoff import cutoff_radius, leaf_plan, spatial_order
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.precond import AutoPreconditioner, PointCache, make_preconditioner
-from gpnys.precond.base import NumericalWarning
 from gpnys.reduced import reduced_posterior
 from gpnys.reduced.nytro import nytro
 from gpnys.solvers.pcg import kernel_system

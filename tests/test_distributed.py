@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpnys.collectives import row_range
 from gpnys.kernels import make_kernel
 from gpnys.kernels.backends import LEAF
-from gpnys.kernels.backends.partitioned import row_range
 from gpnys.kernels.backends.torch_tiles import TorchTiles
 from gpnys.kernels.formulas import formula
 from gpnys.kernels.operator import StationaryKernelOperator

@@ -10,13 +10,13 @@ import warnings
 import gpytorch
 import pytest
 import torch
+from helpers import cholesky_loss
 
 import gpnys
 from gpnys import datasets
+from gpnys.checks import NumericalWarning
 from gpnys.gp import ExactGPModel
 from gpnys.gp.settings import EstimatorSettings
-from gpnys.precond.base import NumericalWarning
-from helpers import cholesky_loss
 
 CASES = [("concrete", 182, 2.0, 1e-3), ("concrete", 182, 0.5, 1e-2), ("concrete", 182, 1.0, 0.1),
          ("elevators", 300, 2.0, 1e-3), ("elevators", 300, 0.5, 1e-2), ("kin40k", 300, 0.5, 1e-2)]

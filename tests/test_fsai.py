@@ -7,11 +7,11 @@ import pytest
 import torch
 from helpers import dense_A, dense_P, make_kernel, points
 
+from gpnys.checks import NumericalWarning
 from gpnys.landmarks import fps
-from gpnys.precond.base import NumericalWarning
+from gpnys.precond import knn
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner, SparseTriangular, fsai_factor
-from gpnys.precond import knn
 from gpnys.precond.knn import causal_knn
 from gpnys.solvers.pcg import pcg
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gpnys import datasets
+from gpnys.checks import NumericalWarning
 from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import EstimatorSettings, PreconditionerHook, use_preconditioner
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import NumericalWarning
 
 
 def model_at(ds, ls=1.0, noise=0.1, kernel="matern32", ard=False, dtype=torch.float64):

@@ -10,13 +10,13 @@ import warnings
 import gpytorch
 import pytest
 import torch
+from helpers import cholesky_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpnys
+from gpnys.checks import NumericalWarning
 from gpnys.gp import ExactGPModel
-from gpnys.precond.base import NumericalWarning
-from helpers import cholesky_loss
 
 N = 120
 

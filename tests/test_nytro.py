@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gpnys import datasets, landmarks
+from gpnys.checks import NumericalWarning
 from gpnys.kernels import make_kernel
-from gpnys.precond.base import NumericalWarning
 from gpnys.reduced.nytro import landmark_factor, nystrom_krr, nytro, predict
 
 

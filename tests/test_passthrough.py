@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gpnys
-from gpnys.precond.base import NumericalWarning
+from gpnys.checks import NumericalWarning
 
 N = 60
 

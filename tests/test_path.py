@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gpnys
-from gpnys.gp import ExactGPModel
+from gpnys.gp import ExactGPModel, calibration
 from gpnys.gp import path as gpath
 from gpnys.gp.path import PathCosts, choose_path
 from gpnys.gp.settings import EstimatorSettings
@@ -59,10 +59,10 @@ def test_fit_recovers_the_cost_coefficients():
     for (u, v), (p, q) in (((3, 2), (2e-10, 3e-8)), ((2, 1), (1e-7, 4e-4))):
         sizes = (300, 600)
         times = tuple(p * n**u + q * n**v for n in sizes)
-        fp, fq = gpath._fit(sizes, times, (u, v))
+        fp, fq = gpath.fit_costs(sizes, times, (u, v))
         assert fp == pytest.approx(p, rel=1e-9) and fq == pytest.approx(q, rel=1e-6)
     # timing noise that makes the lower-order term negative: the leading term alone, through the larger size
-    assert gpath._fit((300, 600), (1.0, 1.5), (2, 1)) == (1.5 / 600**2, 0.0)
+    assert gpath.fit_costs((300, 600), (1.0, 1.5), (2, 1)) == (1.5 / 600**2, 0.0)
 
 
 def test_choose_path(costs):
@@ -143,7 +143,8 @@ def test_predictions_on_the_cholesky_path_are_gpytorchs(costs):
 
 
 def test_batch_model_on_the_cholesky_path(costs):
-    from test_batch_mode import B, N, _loss_and_grads, _model as batch_model
+    from test_batch_mode import B, N, _loss_and_grads
+    from test_batch_mode import _model as batch_model
 
     model, X, y = batch_model("rbf", torch.float64)
     exact, g_exact, _ = _loss_and_grads(model, X, y)
@@ -165,7 +166,7 @@ def test_path_costs_are_cached_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(gpath, "_memo", {})
     calls = []
     monkeypatch.setattr(gpath, "calibrate", lambda device, dtype: calls.append(1) or PathCosts(
-        (1e-9, 0.0), (1e-6, 0.0), ((1, 2), (3, 4)), gpath._key(torch.device(device), dtype)))
+        (1e-9, 0.0), (1e-6, 0.0), ((1, 2), (3, 4)), gpath.costs_key(torch.device(device), dtype)))
     first = gpath.path_costs("cpu", torch.float64)
     assert calls == [1] and gpath.cache_file().exists()
     assert gpath.path_costs("cpu", torch.float64) is first  # memory
@@ -194,7 +195,7 @@ def test_unwritable_cache_warns_once_and_keeps_the_costs(monkeypatch, tmp_path):
 def test_calibration_fits_this_machine(monkeypatch, tmp_path):
     """A real (small) calibration: positive coefficients, Cholesky cheaper than the preconditioned path at
     n = 300 and dearer at n = 20 000 on the CPU."""
-    monkeypatch.setattr(gpath, "_time_path", lambda n, device, dtype, solver, reps=2: (
+    monkeypatch.setattr(calibration, "_time_path", lambda n, device, dtype, solver, reps=2: (
         2e-10 * n**3 + 1e-7 * n**2 if solver == "cholesky" else 1.5e-7 * n**2 + 6e-4 * n))
     costs = gpath.calibrate("cpu", torch.float64)
     assert costs.exact[0] > 0 and costs.iterative[0] > 0
@@ -202,7 +203,7 @@ def test_calibration_fits_this_machine(monkeypatch, tmp_path):
 
 
 def test_one_real_timing_runs():
-    t = gpath._time_path(60, torch.device("cpu"), torch.float64, "cholesky", reps=1)
+    t = calibration._time_path(60, torch.device("cpu"), torch.float64, "cholesky", reps=1)
     assert 0 < t < 60
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import make_kernel, points
 
-from gpnys.precond.base import NumericalWarning
+from gpnys.checks import NumericalWarning
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.solvers import ConvergenceWarning, PCGResult, kernel_system, pcg
 

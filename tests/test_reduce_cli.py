@@ -12,7 +12,7 @@ HYP = ["--lengthscale", "1.0", "--outputscale", "1.0", "--noise", "0.1"]
 FIELDS = ("method", "m", "landmarks", "test_rmse", "test_nll", "error_vs_exact", "mean_rmse_vs_exact", "fit_s",
           "predict_s")
 
-pytestmark = pytest.mark.filterwarnings("ignore::gpnys.precond.base.NumericalWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::gpnys.checks.NumericalWarning")
 
 
 def run_json(args, capsys):

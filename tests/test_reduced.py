@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gpnys import datasets
+from gpnys.checks import NumericalWarning
 from gpnys.gp.exact import ExactGPModel
 from gpnys.gp.exact import predict as exact_predict
 from gpnys.kernels import make_kernel
-from gpnys.precond.base import NumericalWarning
 from gpnys.reduced import (
     ExactPosterior,
     GSAPosterior,

@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import dense_A, dense_P, make_kernel, points
 
+from gpnys.checks import NumericalWarning
 from gpnys.cli.main import main
-from gpnys.precond.base import NumericalWarning
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import (
     PRECONDITIONERS,

@@ -58,12 +58,12 @@ from gpytorch.likelihoods import FixedNoiseGaussianLikelihood, GaussianLikelihoo
 from gpytorch.means import Mean
 from gpytorch.module import Module
 
+from gpnys.checks import NumericalWarning, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import EstimatorSettings, PreconditionerHook
 from gpnys.gp.path import choose_path
-from gpnys.precond.base import NumericalWarning, validate_positive
+from gpnys.gp.posterior import PCGPosterior
 from gpnys.precond.strategy import PRECONDITIONERS
-from gpnys.solvers.pcg import pcg
 
 __all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS", "BO_LANDMARK_CAP", "POSTERIOR_CHOLESKY_SIZE"]
 
@@ -217,8 +217,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     # -- state --------------------------------------------------------------------------------------------
     def _clear_gpnys_caches(self) -> None:
         self._gpnys_hook: PreconditionerHook | None = None
-        self._gpnys_alpha: tuple[tuple, torch.Tensor] | None = None
-        self._gpnys_warm: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._gpnys_posterior: PCGPosterior | None = None
         self.posterior_iterations = 0
         self.alpha_iterations = 0
 
@@ -269,7 +268,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         transform, and the latest ``K̂⁻¹ (y - m)`` (the posterior's ``α``, else the last training solve) as
         ``gpnys_solution (n,)`` with its kernel inputs ``gpnys_solution_inputs (n, d)`` where there is one."""
         state = {k: v.detach().clone() for k, v in self.state_dict().items() if not k.startswith("outcome_transform")}
-        alpha = self._gpnys_alpha[1] if self._gpnys_alpha is not None else getattr(self._gpnys_hook, "_warm_a", None)
+        alpha = getattr(self._gpnys_posterior, "alpha", None)
+        alpha = getattr(self._gpnys_hook, "_warm_a", None) if alpha is None else alpha
         if alpha is not None:
             state.update(gpnys_solution=alpha.detach().clone(), gpnys_solution_inputs=self._kernel_inputs().clone())
         return state
@@ -322,7 +322,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                                    **self._options("train", X.shape[0]))
             if self._gpnys_seed is not None and self._gpnys_seed.shape == X.shape[:1]:
                 h._warm_a = self._gpnys_seed
-            self._gpnys_hook, self._gpnys_alpha, self._gpnys_warm = h, None, None
+            self._gpnys_hook, self._gpnys_posterior = h, None
         return h
 
     def _options(self, use: str, n: int) -> dict[str, Any]:
@@ -415,48 +415,42 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _tolerance(self, dtype: torch.dtype, power: int = 1) -> float:
         return max(self._gpnys_config["posterior_tolerance"] ** power, 1000 * torch.finfo(dtype).eps)
 
-    def _alpha(self, X: torch.Tensor, A, M) -> torch.Tensor:
+    def _posterior_solves(self, X: torch.Tensor) -> PCGPosterior:
+        """The :class:`~gpnys.gp.posterior.PCGPosterior` of the posterior system (its own preconditioner,
+        :data:`BO_DEFAULTS` ``["posterior"]``), kept across calls for its cached ``α`` and warm block."""
+        A, M = self.hook().system(X, self._options("posterior", X.shape[0]))
+        if self._gpnys_posterior is None:
+            self._gpnys_posterior = PCGPosterior(A, M, self._gpnys_config["settings"].max_cg_iterations)
+        return self._gpnys_posterior.update(A, M)
+
+    def _alpha(self, X: torch.Tensor, post: PCGPosterior) -> torch.Tensor:
         """``α = K̂⁻¹ (y − m(X))`` ``(n,)``, cached on the data and hyperparameters."""
         key = (X.data_ptr(), X._version, self.train_targets.data_ptr(), self.train_targets._version,
                tuple(torch.cat([p.detach().reshape(-1) for p in self.parameters()]).tolist()))
-        if self._gpnys_alpha is None or self._gpnys_alpha[0] != key:
-            with torch.no_grad():
-                r = (self.train_targets - self.mean_module(X))[:, None]
-                # the start: the hook's last training solve (same data; after a fit, at these hyperparameters),
-                # else the previous model's (warm_start_from), else P̂⁻¹ r
-                seed = self.hook()._warm_a
-                seed = self._gpnys_seed if seed is None else seed
-                x0 = seed[:, None].to(r) if seed is not None and seed.shape == r.shape[:1] else M(r)
-                res = pcg(A, r, precond=M, x0=x0, tol=self._tolerance(X.dtype, 2),
-                          maxiter=self._gpnys_config["settings"].max_cg_iterations)
-            self._gpnys_alpha = (key, res.x[:, 0])
-            self.alpha_iterations = res.iterations
-        return self._gpnys_alpha[1]
-
-    def _solve_block(self, R: torch.Tensor, A, M) -> torch.Tensor:
-        """``B ≈ K̂⁻¹ R`` (``(n, t)``) by PCG, warm-started from the previous call when ``R``'s shape repeats."""
-        warm = self._gpnys_warm
-        x0 = M(R) if warm is None or warm[0].shape != R.shape else warm[1] + M(R - warm[0])
-        res = pcg(A, R, precond=M, x0=x0, tol=self._tolerance(R.dtype),
-                  maxiter=self._gpnys_config["settings"].max_cg_iterations)
-        self.posterior_iterations = res.iterations
-        self._gpnys_warm = (R, res.x)
-        return res.x
+        with torch.no_grad():
+            r = self.train_targets - self.mean_module(X)
+            # the start: the hook's last training solve (same data; after a fit, at these hyperparameters), else
+            # the previous model's (warm_start_from), else P̂⁻¹ r
+            start = self.hook()._warm_a
+            start = self._gpnys_seed if start is None else start
+            alpha = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=start).x[:, 0]
+        self.alpha_iterations = post.mean_iterations
+        return alpha
 
     def _preconditioned_posterior(self, x: torch.Tensor) -> MultivariateNormal:
         """Latent posterior at ``x (*b, q, d)`` (already input-transformed): mean ``(*b, q)``, covariance
         ``(*b, q, q)`` (module docstring)."""
         X, kernel = self.train_inputs[0], self.covar_module
-        h = self.hook()
-        A, M = h.system(X, self._options("posterior", X.shape[0]))
-        alpha = self._alpha(X, A, M)
+        post = self._posterior_solves(X)
+        alpha = self._alpha(X, post)
         n, q, batch = X.shape[0], x.shape[-2], x.shape[:-2]
         Ks = kernel(X, x).to_dense()  # (*b, n, q), differentiable w.r.t. x
         mean = self.mean_module(x) + (Ks.mT @ alpha[:, None]).squeeze(-1)
         with torch.no_grad():
             R = Ks.detach().movedim(-2, 0).reshape(n, -1)
-            B = self._solve_block(R, A, M)
-            KB = A(B)
+            B = post.solve(R, self._tolerance(R.dtype)).x
+            self.posterior_iterations = post.iterations
+            KB = post.A(B)
         B, KB = (T.reshape(n, *batch, q).movedim(0, -2) for T in (B, KB))
         C = Ks.mT @ B
         cov = kernel(x).to_dense() - (C + C.mT - B.mT @ KB)
@@ -491,9 +485,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     @contextlib.contextmanager
     def _without_caches(self) -> Iterator[None]:
         """Detach the hook and solves while the model is deep-copied; restore them afterwards."""
-        caches = (self._gpnys_hook, self._gpnys_alpha, self._gpnys_warm)
+        caches = (self._gpnys_hook, self._gpnys_posterior)
         self._clear_gpnys_caches()
         try:
             yield
         finally:
-            self._gpnys_hook, self._gpnys_alpha, self._gpnys_warm = caches
+            self._gpnys_hook, self._gpnys_posterior = caches

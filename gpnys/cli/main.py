@@ -13,7 +13,7 @@ from gpnys import distributed as gpnys_distributed
 from gpnys.budget import memory_budget
 from gpnys.cli import fit, mll, pcg, reduce
 from gpnys.cli.common import parse_device
-from gpnys.kernels.backends.partitioned import CollectiveError
+from gpnys.collectives import CollectiveError
 
 #: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
 SUBCOMMANDS = [fit, pcg, mll, reduce]

@@ -34,9 +34,9 @@ import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 from scipy.stats import chi2
 
+from gpnys.checks import NumericalWarning
 from gpnys.linalg import small_dense
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import NumericalWarning
 from gpnys.solvers.pcg import NonFiniteError, QuadratureTest, pcg
 
 if TYPE_CHECKING:

@@ -23,9 +23,10 @@ import gpytorch
 import torch
 from tqdm.auto import tqdm
 
+from gpnys.checks import validate_training_data
 from gpnys.kernels import make_kernel
 from gpnys.kernels.operator import StationaryKernelOperator, supported
-from gpnys.precond.base import safe_cholesky, validate_training_data
+from gpnys.linalg import safe_cholesky
 
 __all__ = ["ExactGPModel", "FitResult", "fit", "predict", "gaussian_nll", "hyperparameters", "cholesky_loss",
            "read_checkpoint", "OPTIMIZERS"]

@@ -42,9 +42,10 @@ import torch.distributed as dist
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, LinearOperator
 
+from gpnys.checks import NumericalWarning, validate_count, validate_training_data
+from gpnys.collectives import CollectiveError, RowGroup
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.estimator import Estimate
-from gpnys.gp.path import choose_path, path_costs, uses_costs
 from gpnys.gp.operators import (
     BatchPreconditionedMVN,
     CallerSettingsMVN,
@@ -53,13 +54,13 @@ from gpnys.gp.operators import (
     PreconditionedMVN,
     PreconditionerOperator,
 )
+from gpnys.gp.path import choose_path, path_costs, uses_costs
 from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import EstimatorSettings, current_gpytorch_settings
-from gpnys.kernels.backends.partitioned import CollectiveError, RowGroup
 from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import NumericalWarning, Preconditioner, validate_count, validate_training_data
+from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner

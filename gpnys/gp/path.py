@@ -18,25 +18,24 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
-import gpytorch
 import torch
 
 from gpnys.budget import dense_limit_bytes
 
-__all__ = ["PathCosts", "calibrate", "path_costs", "choose_path", "uses_costs", "SOLVERS", "cache_file"]
+__all__ = ["PathCosts", "calibrate", "install_calibration", "path_costs", "choose_path", "uses_costs", "cache_file",
+           "fit_costs", "costs_key"]
 
-#: ``EstimatorSettings.solver`` values: ``"auto"`` (the cost model), ``"cholesky"``, ``"iterative"``
-SOLVERS = ("auto", "cholesky", "iterative")
 #: Cholesky's working set, in ``n x n`` matrices: the kernel, its factor and autograd's saved inverse
 DENSE_MATRICES = 4
 #: a path is left for the other only when the other is predicted this much faster (no flip-flopping near the switch)
 HYSTERESIS = 1.25
 _memo: dict[str, "PathCosts"] = {}
+_calibrator: Callable[[torch.device, torch.dtype], "PathCosts"] | None = None
 
 
 @dataclass
@@ -77,12 +76,13 @@ def cache_file() -> Path:
     return Path(root) / "costs.json"
 
 
-def _key(device: torch.device, dtype: torch.dtype) -> str:
+def costs_key(device: torch.device, dtype: torch.dtype) -> str:
+    """The cache key of :class:`PathCosts`: device (and GPU name), dtype and thread count."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return f"{device.type}:{name}:{dtype}:threads={torch.get_num_threads()}"
 
 
-def _fit(sizes: tuple[int, int], seconds: tuple[float, float], powers: tuple[int, int]) -> tuple[float, float]:
+def fit_costs(sizes: tuple[int, int], seconds: tuple[float, float], powers: tuple[int, int]) -> tuple[float, float]:
     """``(p, q)`` with ``seconds = p n^powers[0] + q n^powers[1]`` through the two points, both non-negative (a
     negative lower-order term, from timing noise, is dropped and the leading one refitted on the larger size)."""
     (n1, n2), (t1, t2), (u, v) = sizes, seconds, powers
@@ -94,55 +94,19 @@ def _fit(sizes: tuple[int, int], seconds: tuple[float, float], powers: tuple[int
     return p, q
 
 
-def _problem(n: int, device: torch.device, dtype: torch.dtype) -> tuple[gpytorch.models.ExactGP, torch.Tensor,
-                                                                         torch.Tensor]:
-    from gpnys.gp.exact import ExactGPModel  # the model class of this layer (imported here: no cycle at import)
-
-    g = torch.Generator().manual_seed(n)
-    X = torch.rand(n, 4, generator=g, dtype=torch.float64)
-    y = torch.sin(4 * X[:, 0]) + X[:, 1] + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
-    X, y = X.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
-    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32", ard=True)
-    model = model.to(device=device, dtype=dtype)
-    model.covar_module.base_kernel.lengthscale = 0.4
-    model.likelihood.noise = 0.01
-    return model, X, y
-
-
-def _time_path(n: int, device: torch.device, dtype: torch.dtype, solver: str, reps: int = 2) -> float:
-    """Median seconds of a value + gradient on the synthetic problem; each repetition moves the length-scale (a
-    training step: the preconditioner is rebuilt)."""
-    from gpnys.gp.hook import use_preconditioner
-    from gpnys.gp.settings import EstimatorSettings
-
-    model, X, y = _problem(n, device, dtype)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
-    times = []
-    with warnings.catch_warnings(), use_preconditioner(model, settings=EstimatorSettings(solver=solver, probe_seed=0)):
-        warnings.simplefilter("ignore")
-        for rep in range(reps + 1):  # the first is a warm-up
-            model.covar_module.base_kernel.lengthscale = 0.4 * (1 + 0.05 * rep)
-            model.zero_grad()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            (-mll(model(X), y)).backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-    return sorted(times[1:])[len(times[1:]) // 2]
-
-
 def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> PathCosts:
-    """Time both paths on a synthetic problem (4-D, ARD Matérn-3/2, noise 0.01) at two sizes each and fit
-    :class:`PathCosts`. About 4 s on 2 CPU cores. Not cached (see :func:`path_costs`)."""
-    device = torch.device(device)
-    big = device.type == "cuda"
-    exact_sizes = (1000, 2000) if big else (300, 600)
-    iter_sizes = (2000, 4000) if big else (500, 1000)
-    exact = _fit(exact_sizes, tuple(_time_path(n, device, dtype, "cholesky") for n in exact_sizes), (3, 2))
-    iterative = _fit(iter_sizes, tuple(_time_path(n, device, dtype, "iterative") for n in iter_sizes), (2, 1))
-    return PathCosts(exact=exact, iterative=iterative, sizes=(exact_sizes, iter_sizes), key=_key(device, dtype))
+    """Time both paths on a synthetic problem at two sizes each and fit :class:`PathCosts` (not cached; see
+    :func:`path_costs`). The timing drives the hook, a layer above this module, so it lives in
+    :mod:`gpnys.gp.calibration`, which installs itself here when :mod:`gpnys.gp` is imported."""
+    if _calibrator is None:
+        raise RuntimeError("gpnys.gp.path: no calibration installed (import gpnys.gp.calibration)")
+    return _calibrator(torch.device(device), dtype)
+
+
+def install_calibration(fn: Callable[[torch.device, torch.dtype], PathCosts]) -> None:
+    """Make ``fn`` the calibration :func:`calibrate` runs (:mod:`gpnys.gp.calibration` installs its own)."""
+    global _calibrator
+    _calibrator = fn
 
 
 def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
@@ -157,7 +121,7 @@ def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
         (True, True)
     """
     device = torch.device(device)
-    key = _key(device, dtype)
+    key = costs_key(device, dtype)
     if key in _memo:
         return _memo[key]
     path = cache_file()

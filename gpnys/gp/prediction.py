@@ -3,9 +3,8 @@ bound (:meth:`HookPrediction.predict`), without GPyTorch's dense ``n x n`` predi
 
 from __future__ import annotations
 
-from typing import Callable
-
 import time
+from typing import Callable
 
 import gpytorch
 import torch
@@ -13,12 +12,13 @@ import torch
 from gpnys.budget import block_rows
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.exact import predict as exact_predict
+from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.variance import LocalVariance
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.landmarks import select
+from gpnys.linalg import safe_cholesky
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import safe_cholesky
-from gpnys.solvers.pcg import PCGResult, pcg
+from gpnys.solvers.pcg import PCGResult
 
 #: landmarks of :class:`~gpnys.gp.variance.LocalVariance` when the preconditioner has none (FSAI, pivoted Cholesky,
 #: a sketched Nyström): the AFN default's k.
@@ -174,10 +174,10 @@ class HookPrediction:
         ``m(x) + k_x^T alpha``. Not GPyTorch's prediction cache, which evaluates the dense ``n x n`` kernel. Also
         the smallest Ritz value of ``P̂^{-1} K̂`` from the same run's Lanczos tridiagonal (an estimate of its
         smallest eigenvalue, for :class:`~gpnys.gp.variance.LocalVariance`) and the iteration count."""
-        A, M = self.system(X)
-        r = (self.model.train_targets - self.model.forward(X).mean)[:, None]
+        r = self.model.train_targets - self.model.forward(X).mean
         tol = 1e-6 if X.dtype == torch.float64 else 1e-5
-        res = pcg(A, r, precond=M, tol=tol, maxiter=self.settings.max_cg_iterations, lanczos=True, miniter=10)
+        res = PCGPosterior(*self.system(X), self.settings.max_cg_iterations).mean_weights(
+            r, key=None, tol=tol, start=torch.zeros_like(r), lanczos=True, miniter=10)
         return res.x[:, 0], ritz_min(res), res.iterations
 
     def _variance_landmarks(self, op: StationaryKernelOperator) -> torch.Tensor:
@@ -196,15 +196,12 @@ class HookPrediction:
     def _pcg_quad(self, X: torch.Tensor, noise: torch.Tensor) -> Callable:
         """``B -> (diag(B^T K̂^{-1} B), bound)`` by PCG (see :meth:`predict`), each ``(b,)``; an optional per-column
         relative tolerance ``(b,)`` replaces ``settings.variance_tolerance``."""
-        A, M = self.system(X)
-        floor = noise.min()
+        post = PCGPosterior(*self.system(X), self.settings.max_cg_iterations)
 
         def quad(B: torch.Tensor, tol: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-            tol = self.settings.variance_tolerance if tol is None else tol
-            res = pcg(A, B, precond=M, x0=M(B), tol=tol, maxiter=self.settings.max_cg_iterations)
-            self.variance_iterations = res.iterations
-            # 2 b'x - x'Ax = b'K̂⁻¹b - r'K̂⁻¹r, and r'K̂⁻¹r <= ||r||² / λ_min(K̂) <= ||r||² / min σ²
-            return (B * res.x).sum(0) + (res.x * res.residual).sum(0), res.residual.square().sum(0) / floor
+            out = post.quad(B, self.settings.variance_tolerance if tol is None else tol, noise.min())
+            self.variance_iterations = post.iterations
+            return out
 
         return quad
 

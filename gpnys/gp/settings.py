@@ -10,8 +10,11 @@ from typing import Any
 
 import gpytorch
 
-from gpnys.gp.path import SOLVERS
 from gpnys.gp.variance import VARIANCE_NEIGHBOURS
+
+#: ``EstimatorSettings.solver`` values: ``"auto"`` (the cost model of :mod:`gpnys.gp.path`), ``"cholesky"``,
+#: ``"iterative"``
+SOLVERS = ("auto", "cholesky", "iterative")
 
 __all__ = ["EstimatorSettings", "VARIANCE_METHODS"]
 

@@ -14,10 +14,11 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_elems
+from gpnys.checks import validate_count
 from gpnys.kernels.entries import split_outputscale
 from gpnys.kernels.formulas import k_of_r2
 from gpnys.kernels.operator import _nu, supported
-from gpnys.precond.base import safe_cholesky, validate_count
+from gpnys.linalg import safe_cholesky
 
 __all__ = ["LocalVariance", "VarianceEstimate", "VARIANCE_NEIGHBOURS"]
 

@@ -14,7 +14,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows
-from gpnys.kernels.backends.partitioned import RowGroup
+from gpnys.collectives import RowGroup
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 
 __all__ = ["KernelEntries", "split_outputscale", "evaluate", "computation_dtype"]
@@ -94,7 +94,7 @@ class KernelEntries:
         kernel operator's backends (:mod:`gpnys.kernels.backends`, cutoff included) for a plain RBF/Matérn kernel
         and no explicit ``block``, otherwise in GPyTorch row blocks (memory ``O(block * n)``). ``(n, t)``
 
-        ``group`` (a :class:`~gpnys.kernels.backends.partitioned.RowGroup`, or a ``torch.distributed`` group /
+        ``group`` (a :class:`~gpnys.collectives.RowGroup`, or a ``torch.distributed`` group /
         ``True``): every rank computes its rows and one gather assembles ``K V`` on all (docs/scaling.md, "Across
         processes and GPUs")."""
         n = self.n

@@ -41,9 +41,11 @@ import gpytorch
 import torch
 from linear_operator.operators import LinearOperator
 
-from gpnys.budget import block_rows, dense_limit_bytes as budget_dense_limit
+from gpnys.budget import block_rows
+from gpnys.budget import dense_limit_bytes as budget_dense_limit
+from gpnys.collectives import resolve_group
 from gpnys.kernels.backends import LEAF, make_backend, select_backend
-from gpnys.kernels.backends.partitioned import PartitionedBackend, resolve_group
+from gpnys.kernels.backends.partitioned import PartitionedBackend
 from gpnys.kernels.backends.torch_tiles import Tile, TorchTiles, squared_norms
 from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
 from gpnys.kernels.formulas import formula

@@ -5,7 +5,7 @@ Every class implements :class:`~gpnys.precond.base.Preconditioner` (``solve``, `
 """
 
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import NumericalWarning, Preconditioner
+from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.nystrom import NystromPreconditioner
@@ -19,7 +19,6 @@ from gpnys.precond.strategy import (
 
 __all__ = [
     "Preconditioner",
-    "NumericalWarning",
     "PointCache",
     "NystromPreconditioner",
     "FSAIPreconditioner",

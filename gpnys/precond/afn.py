@@ -26,11 +26,12 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows, dense_limit_bytes
-from gpnys.kernels.backends.partitioned import RowGroup, gather_rows
+from gpnys.checks import validate_count
+from gpnys.collectives import RowGroup, gather_rows
 from gpnys.kernels.entries import evaluate
 from gpnys.kernels.operator import supported
-from gpnys.linalg import thin_matmul
-from gpnys.precond.base import Preconditioner, add_diag, safe_cholesky, shift_at, validate_count
+from gpnys.linalg import add_diag, safe_cholesky, shift_at, thin_matmul
+from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_inputs
 

@@ -18,15 +18,11 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows
-from gpnys.kernels.backends.partitioned import RowGroup, gather_rows
+from gpnys.checks import NumericalWarning, validate_count
+from gpnys.collectives import RowGroup, gather_rows
 from gpnys.kernels.entries import KernelEntries
-from gpnys.precond.base import (
-    NumericalWarning,
-    Preconditioner,
-    add_diag,
-    safe_cholesky,
-    validate_count,
-)
+from gpnys.linalg import add_diag, safe_cholesky
+from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache, metric_scale
 
 __all__ = ["fsai_factor", "SparseTriangular", "FSAIPreconditioner"]

@@ -53,10 +53,11 @@ import gpytorch
 import torch
 
 from gpnys import landmarks as _landmarks
-from gpnys.kernels.backends.partitioned import RowGroup
+from gpnys.checks import validate_count
+from gpnys.collectives import RowGroup
 from gpnys.kernels.entries import KernelEntries, evaluate
-from gpnys.linalg import small_dense, thin_matmul
-from gpnys.precond.base import Preconditioner, safe_cholesky, validate_count
+from gpnys.linalg import safe_cholesky, small_dense, thin_matmul
+from gpnys.precond.base import Preconditioner
 
 __all__ = ["NystromPreconditioner", "SAMPLINGS", "SCALINGS", "LANDMARKS"]
 
@@ -99,7 +100,7 @@ class NystromPreconditioner(Preconditioner):
             group; docs/scaling.md, "Across processes and GPUs"). Each rank evaluates its rows of ``Y`` (column
             sampling) or of the product ``K Omega`` (sketch; ``Omega`` orthonormalised by TSQR, its core summed over
             the ranks), and of ``B``, whose thin SVD is a TSQR
-            (:meth:`~gpnys.kernels.backends.partitioned.RowGroup.tall_svd`); ``U`` is gathered, the ``k x k`` core's
+            (:meth:`~gpnys.collectives.RowGroup.tall_svd`); ``U`` is gathered, the ``k x k`` core's
             factor is computed on every rank. The same preconditioner as one process, to rounding.
 
     Attributes:

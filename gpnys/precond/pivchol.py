@@ -42,8 +42,10 @@ import torch
 from linear_operator.functions import pivoted_cholesky
 from linear_operator.operators import LinearOperator
 
+from gpnys.checks import NumericalWarning, validate_count
 from gpnys.kernels.entries import KernelEntries, evaluate
-from gpnys.precond.base import NumericalWarning, Preconditioner, draw, validate_count
+from gpnys.linalg import draw
+from gpnys.precond.base import Preconditioner
 
 __all__ = ["PivotedCholeskyPreconditioner", "KernelRowsOperator"]
 

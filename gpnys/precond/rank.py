@@ -27,10 +27,10 @@ from typing import Any, Callable
 import gpytorch
 import torch
 
+from gpnys.checks import validate_count, validate_mu, validate_points
 from gpnys.kernels.entries import KernelEntries
 from gpnys.landmarks import fps
 from gpnys.linalg import small_dense
-from gpnys.precond.base import validate_count, validate_mu, validate_points
 
 __all__ = ["RankEstimate", "estimate_rank", "nystrom_rel_error", "numerical_rank"]
 

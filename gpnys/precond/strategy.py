@@ -18,8 +18,9 @@ from typing import Any
 import gpytorch
 import torch
 
+from gpnys.checks import validate_count
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.precond.base import Preconditioner, validate_count
+from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.nystrom import NystromPreconditioner

@@ -23,7 +23,7 @@ import gpytorch
 import torch
 
 from gpnys.kernels.entries import KernelEntries
-from gpnys.precond.base import safe_cholesky
+from gpnys.linalg import safe_cholesky
 from gpnys.precond.strategy import AutoPreconditioner
 from gpnys.reduced.gsa import GSAPosterior
 from gpnys.reduced.lla import (

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from gpnys.precond.base import safe_cholesky
+from gpnys.linalg import safe_cholesky
 
 __all__ = ["FeatureGP", "feature_nll"]
 

@@ -27,7 +27,7 @@ import warnings
 import gpytorch
 import torch
 
-from gpnys.precond.base import NumericalWarning
+from gpnys.checks import NumericalWarning
 from gpnys.reduced.features import Solver
 from gpnys.reduced.lla import LLAPosterior, kernel_block, kernel_diag
 

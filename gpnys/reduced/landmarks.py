@@ -25,8 +25,8 @@ import gpytorch
 import torch
 
 from gpnys import landmarks as _lm
+from gpnys.checks import validate_count, validate_points, validate_positive
 from gpnys.kernels.entries import split_outputscale
-from gpnys.precond.base import validate_count, validate_points, validate_positive
 from gpnys.precond.rank import estimate_rank
 from gpnys.reduced.lla import kernel_block, kernel_diag
 

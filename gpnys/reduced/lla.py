@@ -22,7 +22,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows
-from gpnys.precond.base import NumericalWarning
+from gpnys.checks import NumericalWarning
 from gpnys.reduced.features import FeatureGP, Solver
 
 __all__ = ["NystromFeatureMap", "LLAPosterior", "kernel_block", "validate_regression"]

@@ -19,9 +19,10 @@ import gpytorch
 import torch
 from linear_operator.operators import DiagLinearOperator
 
+from gpnys.checks import validate_training_data
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.kernels.entries import computation_dtype
-from gpnys.precond.base import safe_cholesky, validate_training_data
+from gpnys.linalg import safe_cholesky
 from gpnys.reduced.features import feature_nll
 from gpnys.reduced.gsa import GSAPosterior
 from gpnys.reduced.landmarks import choose_m, select_landmarks

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import gpytorch
 import torch
 
-from gpnys.precond.base import NumericalWarning, validate_count, validate_positive
+from gpnys.checks import NumericalWarning, validate_count, validate_positive
 from gpnys.reduced.lla import (
     NystromFeatureMap,
     _finite_2d,

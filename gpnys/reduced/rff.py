@@ -28,10 +28,10 @@ import math
 import gpytorch
 import torch
 
+from gpnys.checks import validate_count
 from gpnys.kernels.entries import split_outputscale
 from gpnys.kernels.operator import supported
 from gpnys.landmarks import _generator
-from gpnys.precond.base import validate_count
 from gpnys.reduced.features import FeatureGP, Solver
 from gpnys.reduced.lla import _finite_2d, validate_regression
 

@@ -33,15 +33,11 @@ import gpytorch
 import torch
 
 from gpnys.budget import dense_limit_bytes as dense_limit_bytes_budget
+from gpnys.checks import NumericalWarning, validate_mu, validate_points
 from gpnys.kernels.entries import KernelEntries, computation_dtype
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.linalg import thin_matmul
-from gpnys.precond.base import (
-    NumericalWarning,
-    Preconditioner,
-    validate_mu,
-    validate_points,
-)
+from gpnys.precond.base import Preconditioner
 
 __all__ = ["PCGResult", "ConvergenceWarning", "NonFiniteError", "pcg", "KernelSystem", "kernel_system"]
 

@@ -20,7 +20,7 @@ import importlib.util
 
 import torch
 
-from gpnys.kernels.backends import KernelBackend, check_rows
+from gpnys.kernels.backends.base import KernelBackend, check_rows
 from gpnys.kernels.cutoff import LeafPlan
 from gpnys.kernels.formulas import k_and_h
 

@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gpnys.budget import block_elems, block_rows
-from gpnys.kernels.backends import LEAF, KernelBackend, check_rows
+from gpnys.collectives import LEAF
+from gpnys.kernels.backends.base import KernelBackend, check_rows
 from gpnys.kernels.cutoff import LeafPlan
 from gpnys.kernels.formulas import Formula
 

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from gpnys.kernels.backends import LEAF, KernelBackend, check_rows
+from gpnys.collectives import LEAF
+from gpnys.kernels.backends.base import KernelBackend, check_rows
 from gpnys.kernels.cutoff import LeafPlan
 
 __all__ = ["TritonBackend", "BLOCK", "guarded_launch", "failed"]

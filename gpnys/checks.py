@@ -1,0 +1,72 @@
+"""Argument checks and gpnys's warning category, shared by every layer (the ground floor).
+
+Each check raises ``ValueError`` naming the argument, in the manner of scikit-learn's ``utils/validation.py``;
+:class:`NumericalWarning` marks numerical trouble that gpnys recovered from.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["NumericalWarning", "validate_points", "validate_training_data", "validate_positive", "validate_mu",
+           "validate_count"]
+
+
+class NumericalWarning(RuntimeWarning):
+    """Numerical trouble that gpnys recovered from (a diagonal shift, a fallback); see ``summary()``."""
+
+
+def validate_points(X: torch.Tensor, name: str = "X") -> None:
+    """Raise ``ValueError`` unless ``X`` is a finite, non-empty ``(n, d)`` floating tensor."""
+    if not isinstance(X, torch.Tensor) or X.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor (n, d), got {getattr(X, 'shape', type(X))}")
+    if X.shape[0] == 0 or X.shape[1] == 0:
+        raise ValueError(f"{name} is empty: shape {tuple(X.shape)}")
+    if not X.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor, got {X.dtype}")
+    if not torch.isfinite(X).all():
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def validate_training_data(X: torch.Tensor, y: torch.Tensor, names: tuple[str, str] = ("train_x", "train_y")) -> None:
+    """Raise ``ValueError`` naming the argument unless ``X`` passes :func:`validate_points` and ``y`` is a finite
+    ``(n,)`` floating tensor with ``X``'s ``n`` (checked before any optimiser step touches a parameter)."""
+    validate_points(X, names[0])
+    if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.shape[0] != X.shape[0]:
+        raise ValueError(f"{names[1]} must be a 1-D tensor of {X.shape[0]} targets, got {getattr(y, 'shape', type(y))}")
+    if not y.is_floating_point():
+        raise ValueError(f"{names[1]} must be a floating tensor, got {y.dtype}")
+    if not torch.isfinite(y).all():
+        raise ValueError(f"{names[1]} contains NaN or inf")
+
+
+def validate_positive(value: float, name: str) -> float:
+    """Return ``value`` as a float; raise ``ValueError`` naming ``name`` unless it is positive and finite."""
+    try:
+        val = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a positive number, got {value!r}") from exc
+    if not (val > 0 and math.isfinite(val)):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+    return val
+
+
+def validate_mu(mu: float) -> float:
+    """Return ``mu`` as a float; raise ``ValueError`` unless it is positive and finite."""
+    return validate_positive(mu, "mu")
+
+
+def validate_count(value: int, name: str, low: int = 1, high: int | None = None, high_name: str = "n") -> int:
+    """Return ``value`` as an int in ``[low, high]``; raise ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int,)) and not (
+        isinstance(value, float) and value.is_integer()
+    ):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}={value} exceeds {high_name}={high}")
+    return value

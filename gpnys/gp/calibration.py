@@ -1,0 +1,78 @@
+"""Calibration of the path cost model (:mod:`gpnys.gp.path`): both paths timed on this device.
+
+A synthetic problem (4-D, ARD Matérn-3/2, noise 0.01) is evaluated (value + gradient) under the hook with the path
+forced, at two sizes per path, and :class:`~gpnys.gp.path.PathCosts` is fitted through the medians. About 4 s on 2
+CPU cores. It drives the hook, which decides by the cost model, so it sits above both and installs itself into
+:mod:`gpnys.gp.path` on import (:func:`gpnys.gp.path.install_calibration`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import gpytorch
+import torch
+
+from gpnys.gp.exact import ExactGPModel
+from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.path import PathCosts, costs_key, fit_costs, install_calibration
+from gpnys.gp.settings import EstimatorSettings
+
+__all__ = ["calibrate"]
+
+
+def _problem(n: int, device: torch.device, dtype: torch.dtype) -> tuple[gpytorch.models.ExactGP, torch.Tensor,
+                                                                         torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    X = torch.rand(n, 4, generator=g, dtype=torch.float64)
+    y = torch.sin(4 * X[:, 0]) + X[:, 1] + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    X, y = X.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32", ard=True)
+    model = model.to(device=device, dtype=dtype)
+    model.covar_module.base_kernel.lengthscale = 0.4
+    model.likelihood.noise = 0.01
+    return model, X, y
+
+
+def _time_path(n: int, device: torch.device, dtype: torch.dtype, solver: str, reps: int = 2) -> float:
+    """Median seconds of a value + gradient on the synthetic problem; each repetition moves the length-scale (a
+    training step: the preconditioner is rebuilt)."""
+    model, X, y = _problem(n, device, dtype)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    times = []
+    with warnings.catch_warnings(), use_preconditioner(model, settings=EstimatorSettings(solver=solver, probe_seed=0)):
+        warnings.simplefilter("ignore")
+        for rep in range(reps + 1):  # the first is a warm-up
+            model.covar_module.base_kernel.lengthscale = 0.4 * (1 + 0.05 * rep)
+            model.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            (-mll(model(X), y)).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> PathCosts:
+    """Time both paths at two sizes each (module docstring) and fit :class:`~gpnys.gp.path.PathCosts`.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.gp.calibration import calibrate
+        >>> costs = calibrate("cpu", torch.float64)  # a few seconds
+        >>> costs.exact_s(300) < costs.exact_s(3000)
+        True
+    """
+    device = torch.device(device)
+    big = device.type == "cuda"
+    exact_sizes = (1000, 2000) if big else (300, 600)
+    iter_sizes = (2000, 4000) if big else (500, 1000)
+    exact = fit_costs(exact_sizes, tuple(_time_path(n, device, dtype, "cholesky") for n in exact_sizes), (3, 2))
+    iterative = fit_costs(iter_sizes, tuple(_time_path(n, device, dtype, "iterative") for n in iter_sizes), (2, 1))
+    return PathCosts(exact=exact, iterative=iterative, sizes=(exact_sizes, iter_sizes), key=costs_key(device, dtype))
+
+
+install_calibration(calibrate)

@@ -1,0 +1,107 @@
+"""The PCG posterior: the solves a GP prediction needs, with one preconditioned training system ``K̂ = K + σ² I``.
+
+Used by :meth:`gpnys.gp.hook.PreconditionerHook.predict` and by
+:class:`gpnys.bo.PreconditionedSingleTaskGP`'s posterior, so that both solve, cache and bound alike:
+
+* **mean weights** ``α = K̂⁻¹ (y − m(X))`` (``(n,)``): one PCG solve, cached under a caller's key (data and
+  hyperparameters) and started from a caller's guess (a previous solution) where there is one, else ``P̂⁻¹ r``
+  (:meth:`PCGPosterior.mean_weights`); the predictive mean is ``m(x) + k_xᵀ α``;
+* **kernel-column solves** ``B ≈ K̂⁻¹ R`` for ``R = K(X, X*)`` (``(n, t)``), warm-started from the previous block
+  when the shape repeats, ``x0 = B_prev + P̂⁻¹ (R − R_prev)`` (an acquisition optimiser moves ``X*`` a little per
+  step), else ``P̂⁻¹ R`` (:meth:`PCGPosterior.solve`);
+* **quadratic forms** ``diag(Rᵀ K̂⁻¹ R)`` in the variational form ``2 rᵀb − bᵀK̂b = rᵀK̂⁻¹r − ‖e‖²_K̂`` (second order
+  in the solve's error ``e``), with the bound ``‖ρ‖² / min σ²`` on what it misses (``ρ`` the true residual;
+  :meth:`PCGPosterior.quad`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+import torch
+
+from gpnys.solvers.pcg import PCGResult, pcg
+
+__all__ = ["PCGPosterior"]
+
+Operator = Callable[[torch.Tensor], torch.Tensor]
+
+
+class PCGPosterior:
+    """Posterior solves with the system ``A = K̂`` and the preconditioner solve ``M = P̂⁻¹`` (module docstring).
+
+    Args:
+        A: ``R (n, t) -> K̂ R``.
+        M: ``R (n, t) -> P̂⁻¹ R``.
+        maxiter: PCG iteration cap of every solve.
+
+    Attributes:
+        iterations: PCG iterations of the latest :meth:`solve` / :meth:`quad`; mean_iterations: of the latest
+            solve for ``α``.
+
+    Example:
+        ``α`` and a quadratic form against dense solves:
+
+        >>> import torch
+        >>> from gpnys.gp.posterior import PCGPosterior
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = torch.rand(80, 2, dtype=torch.float64, generator=g)
+        >>> K = torch.exp(-torch.cdist(X, X) ** 2) + 0.1 * torch.eye(80, dtype=torch.float64)
+        >>> post = PCGPosterior(lambda R: K @ R, lambda R: R / 1.1, maxiter=200)
+        >>> r = torch.randn(80, dtype=torch.float64, generator=g)
+        >>> alpha = post.mean_weights(r, key="data", tol=1e-10).x[:, 0]
+        >>> bool(torch.allclose(alpha, torch.linalg.solve(K, r)))
+        True
+        >>> R = torch.randn(80, 3, dtype=torch.float64, generator=g)
+        >>> q, bound = post.quad(R, tol=1e-8, floor=0.1)
+        >>> bool(((q - (R * torch.linalg.solve(K, R)).sum(0)).abs() <= bound + 1e-12).all())
+        True
+    """
+
+    def __init__(self, A: Operator, M: Operator, maxiter: int) -> None:
+        self.A, self.M, self.maxiter = A, M, maxiter
+        self._mean: tuple[Hashable, PCGResult] | None = None
+        self._warm: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.iterations = 0
+        self.mean_iterations = 0
+
+    def update(self, A: Operator, M: Operator) -> "PCGPosterior":
+        """Solve with new operators (the preconditioner is rebuilt when the hyperparameters change); the cached
+        ``α`` stays under its key and the previous block stays a warm start. Returns ``self``."""
+        self.A, self.M = A, M
+        return self
+
+    @property
+    def alpha(self) -> torch.Tensor | None:
+        """The latest cached ``α`` (``(n,)``), or ``None``."""
+        return None if self._mean is None else self._mean[1].x[:, 0]
+
+    def mean_weights(self, r: torch.Tensor, key: Hashable, tol: float, start: torch.Tensor | None = None,
+                     **pcg_options) -> PCGResult:
+        """The PCG result of ``K̂ α = r`` (``r (n,)``; ``.x`` is ``(n, 1)``), cached under ``key``; ``start`` ``(n,)``
+        replaces the start ``P̂⁻¹ r``; ``pcg_options`` go to :func:`~gpnys.solvers.pcg.pcg` (e.g. ``lanczos=True``)."""
+        if self._mean is None or self._mean[0] != key:
+            rhs = r[:, None]
+            x0 = start[:, None].to(rhs) if start is not None and start.shape == r.shape else self.M(rhs)
+            res = pcg(self.A, rhs, precond=self.M, x0=x0, tol=tol, maxiter=self.maxiter, **pcg_options)
+            self._mean = (key, res)
+            self.mean_iterations = res.iterations
+        return self._mean[1]
+
+    def solve(self, R: torch.Tensor, tol: float | torch.Tensor, warm: bool = True) -> PCGResult:
+        """``B ≈ K̂⁻¹ R`` (``R (n, t)``), from the previous block's solution when ``warm`` and its shape repeats."""
+        prev = self._warm if warm else None
+        x0 = self.M(R) if prev is None or prev[0].shape != R.shape else prev[1] + self.M(R - prev[0])
+        res = pcg(self.A, R, precond=self.M, x0=x0, tol=tol, maxiter=self.maxiter)
+        self.iterations = res.iterations
+        if warm:
+            self._warm = (R, res.x)
+        return res
+
+    def quad(self, R: torch.Tensor, tol: float | torch.Tensor, floor: torch.Tensor | float,
+             warm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(diag(Rᵀ K̂⁻¹ R), bound)``, each ``(t,)``, in the variational form; ``floor``: the smallest noise
+        variance (``λ_min(K̂) ≥ floor``)."""
+        res = self.solve(R, tol, warm)
+        # 2 r'b - b'Ab = r'K̂⁻¹r - ρ'K̂⁻¹ρ, and ρ'K̂⁻¹ρ <= ||ρ||² / λ_min(K̂) <= ||ρ||² / min σ²
+        return (R * res.x).sum(0) + (res.x * res.residual).sum(0), res.residual.square().sum(0) / floor
