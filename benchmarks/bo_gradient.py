@@ -34,7 +34,7 @@ from gpytorch.mlls import ExactMarginalLogLikelihood
 from torch.quasirandom import SobolEngine
 
 from gpnys.bo import PreconditionedSingleTaskGP
-from gpnys.gp.hook import EstimatorSettings
+from gpnys.gp.settings import EstimatorSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: the length-scales a gpnys fit of this problem found at n = 5000 (``bo_compare.py --n 5000``: the point where its

@@ -101,8 +101,9 @@ import gpytorch  # noqa: E402
 
 from gpnys import datasets  # noqa: E402
 from gpnys.gp.exact import ExactGPModel, cholesky_loss, fit, hyperparameters, read_checkpoint  # noqa: E402
-from gpnys.gp.hook import GP_DEFAULTS, EstimatorSettings, use_preconditioner  # noqa: E402
+from gpnys.gp.hook import GP_DEFAULTS, use_preconditioner  # noqa: E402
 from gpnys.gp.mll import grad_errors  # noqa: E402
+from gpnys.gp.settings import EstimatorSettings  # noqa: E402
 from gpnys.kernels.backends import select_backend, triton_available  # noqa: E402
 from gpnys.kernels.operator import StationaryKernelOperator, caches_dense  # noqa: E402
 from gpnys.landmarks import fps  # noqa: E402

@@ -33,7 +33,8 @@ import torch
 
 from gpnys import datasets
 from gpnys.gp.exact import ExactGPModel, fit, gaussian_nll
-from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.settings import EstimatorSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -14,11 +14,11 @@ import argparse
 import time
 
 import gpytorch
-import torch
 
 from gpnys import datasets
 from gpnys.gp import ExactGPModel, fit
-from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.settings import EstimatorSettings
 
 
 def main(argv: list[str] | None = None) -> dict:

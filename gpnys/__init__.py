@@ -10,7 +10,8 @@ switch for existing ``ExactGP`` models::
 from gpnys import datasets, landmarks
 from gpnys.budget import memory_budget
 from gpnys.checks import NumericalWarning
-from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.settings import EstimatorSettings
 from gpnys.precond import (
     AFNPreconditioner,
     AutoPreconditioner,

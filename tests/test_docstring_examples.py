@@ -11,7 +11,7 @@ import pytest
 
 import gpnys
 
-#: optional dependencies whose absence skips a module's examples (gpnys.kernels.keops needs pykeops)
+#: optional dependencies whose absence skips a module's examples (gpnys.kernels.backends.keops needs pykeops)
 OPTIONAL = {"pykeops"}
 
 

@@ -13,8 +13,9 @@ from gpnys.cli.main import main
 from gpnys.gp import estimator
 from gpnys.gp.estimator import _jacobian, _jacobian_by_columns, gradient_at_noise, slq_terms
 from gpnys.gp.exact import ExactGPModel, fit
-from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.mll import evaluate
+from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.solvers.pcg import pcg
 

@@ -10,7 +10,8 @@ import torch
 from gpnys import datasets
 from gpnys.checks import NumericalWarning
 from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
-from gpnys.gp.hook import EstimatorSettings, PreconditionerHook, use_preconditioner
+from gpnys.gp.hook import PreconditionerHook, use_preconditioner
+from gpnys.gp.settings import EstimatorSettings
 from gpnys.precond.afn import AFNPreconditioner
 
 

@@ -1,7 +1,7 @@
 """KeOps reductions of StationaryKernelOperator (gpnys.kernels.backends.keops), forced on the CPU.
 
-The operator never picks KeOps by itself (pykeops segfaults on CUDA 13); ``keops=True`` runs the same formulas through
-KeOps's CPU backend, which is what these tests compare with the torch tiles and GPyTorch's dense kernel. Skipped
+The operator never picks KeOps by itself (pykeops segfaults on CUDA 13); ``backend="keops"`` runs the same formulas
+through KeOps's CPU backend, which is what these tests compare with the torch tiles and GPyTorch's dense kernel. Skipped
 when pykeops is not installed (it is an optional dependency: ``pip install pykeops``; it compiles each formula
 with the system C++ compiler on first use).
 """
@@ -24,7 +24,7 @@ def build(X, name, keops, ard=False):
     kern.outputscale = 1.3
     kern.base_kernel.lengthscale = [0.6, 0.9, 1.2] if ard else 0.8
     op = StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel,
-                                  cache={}, keops=keops)
+                                  cache={}, backend="keops" if keops else None)
     return op, kern
 
 
@@ -58,4 +58,4 @@ def test_keops_is_off_on_cpu_by_default_and_validated(monkeypatch):
     base = gpytorch.kernels.RBFKernel().double()
     with pytest.raises(ValueError, match="pykeops"):
         StationaryKernelOperator(X, torch.tensor(1.0, dtype=torch.float64), base.lengthscale, base=base, cache={},
-                                 keops=True)
+                                 backend="keops")

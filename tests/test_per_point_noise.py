@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers import dense_P, make_kernel, points
 
-from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.settings import EstimatorSettings
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.nystrom import NystromPreconditioner

@@ -9,7 +9,7 @@ unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(
   on failure) inside :meth:`PreconditionedSingleTaskGP.preconditioned`, i.e. GPyTorch's CG + SLQ with
   the gpnys preconditioner, the exact ``log det P`` and the preconditioner control variate (Wenger et al. 2022;
   :mod:`gpnys.gp.estimator`). Probes are drawn from a fixed seed at every evaluation (common random numbers,
-  :attr:`gpnys.gp.hook.EstimatorSettings.probe_seed`), so BoTorch's L-BFGS-B sees a deterministic objective.
+  :attr:`gpnys.gp.settings.EstimatorSettings.probe_seed`), so BoTorch's L-BFGS-B sees a deterministic objective.
 * **posterior** up to ``posterior_cholesky_size`` points (default :data:`POSTERIOR_CHOLESKY_SIZE`): BoTorch's
   exact path, one Cholesky of ``K̂`` per data and hyperparameters (GPyTorch's prediction caches), then triangular
   solves per call. A fit needs a factorisation *and its backward pass* per evaluation, tens of them; an acquisition
@@ -60,9 +60,10 @@ from gpytorch.module import Module
 
 from gpnys.checks import NumericalWarning, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
-from gpnys.gp.hook import EstimatorSettings, PreconditionerHook
+from gpnys.gp.hook import PreconditionerHook
 from gpnys.gp.path import choose_path
 from gpnys.gp.posterior import PCGPosterior
+from gpnys.gp.settings import EstimatorSettings
 from gpnys.precond.strategy import PRECONDITIONERS
 
 __all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS", "BO_LANDMARK_CAP", "POSTERIOR_CHOLESKY_SIZE"]
@@ -107,7 +108,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             (Cholesky), above it it is preconditioned. ``None``: GPyTorch's ``max_cholesky_size`` setting at call
             time (4096 once BoTorch is imported), and above it the cost model of :mod:`gpnys.gp.path` (calibrated
             once per device and dtype) keeps Cholesky where that is predicted faster and fits the memory budget.
-        settings: the MLL estimator's knobs (:class:`~gpnys.gp.hook.EstimatorSettings`); by default 16 probes
+        settings: the MLL estimator's knobs (:class:`~gpnys.gp.settings.EstimatorSettings`); by default 16 probes
             with a fixed ``probe_seed`` (= ``seed``) so the training objective is deterministic for L-BFGS-B. Its
             ``solver`` (default ``$GPNYS_SOLVER`` or ``"auto"``) applies to ``max_cholesky_size=None``:
             ``"iterative"`` / ``"cholesky"`` force the path above GPyTorch's threshold.
@@ -243,9 +244,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             >>> X = torch.rand(60, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
             >>> Y = X.sum(-1, keepdim=True).sin()
             >>> old = PreconditionedSingleTaskGP(X[:50], Y[:50], max_cholesky_size=0)
-            >>> old.covar_module.base_kernel.lengthscale = 0.3
+            >>> old.covar_module.lengthscale = 0.3
             >>> new = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0).warm_start_from(old)
-            >>> new.covar_module.base_kernel.lengthscale.flatten().tolist() == [0.3, 0.3]
+            >>> torch.allclose(new.covar_module.lengthscale, old.covar_module.lengthscale)
             True
         """
         state = previous if isinstance(previous, Mapping) else previous.state_dict()

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from gpnys.distributed import rank_and_size
-from gpnys.gp.hook import EstimatorSettings
-from gpnys.gp.settings import SOLVERS
+from gpnys.gp.settings import SOLVERS, EstimatorSettings
 from gpnys.kernels import KERNEL_NAMES
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

@@ -71,8 +71,6 @@ from gpnys.precond.strategy import (
     make_preconditioner,
 )
 
-# EstimatorSettings (gp/settings.py), the GPyTorch glue (gp/operators.py) and HookPrediction (gp/prediction.py) live
-# beside this module; their names stay importable from here
 __all__ = ["use_preconditioner", "PreconditionerHook", "StepRecord", "GP_DEFAULTS"]
 
 @dataclass
@@ -588,7 +586,7 @@ class PreconditionerHook(HookPrediction):
         return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self._kernel_cache,
                                         dense_limit_bytes=self.settings.dense_limit_bytes,
                                         prune_tol=self.settings.kernel_prune_tol, backend=self.settings.kernel_backend,
-                                        keops=self.settings.kernel_keops, tf32=self.settings.kernel_tf32,
+                                        tf32=self.settings.kernel_tf32,
                                         group=self.settings.kernel_group)
 
     def _promoted(self, X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -757,7 +755,7 @@ class BatchElement(PreconditionerHook):
                 base=split_outputscale(kernel)[0],
                 cache=self._kernel_cache, dense_limit_bytes=self.settings.dense_limit_bytes,
                 prune_tol=self.settings.kernel_prune_tol, backend=self.settings.kernel_backend,
-                keops=self.settings.kernel_keops, tf32=self.settings.kernel_tf32)
+                tf32=self.settings.kernel_tf32)
         return PreconditionedAddedDiag(kop, DiagLinearOperator(diag), preconditioner_override=self.override)
 
 

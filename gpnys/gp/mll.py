@@ -18,7 +18,8 @@ import gpytorch
 import torch
 
 from gpnys.gp.exact import ExactGPModel
-from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.settings import EstimatorSettings
 from gpnys.precond.strategy import PRECONDITIONERS
 
 __all__ = ["evaluate", "grad_errors", "validate_inputs", "METHODS"]

@@ -63,7 +63,8 @@ class HookPrediction:
 
             >>> import gpytorch, torch
             >>> from gpnys.gp import ExactGPModel, predict
-            >>> from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+            >>> from gpnys.gp.settings import EstimatorSettings
+            >>> from gpnys.gp.hook import use_preconditioner
             >>> _ = torch.manual_seed(0)
             >>> X = torch.rand(200, 2, dtype=torch.float64)
             >>> y = torch.sin(6 * X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64)

@@ -56,8 +56,8 @@ class EstimatorSettings:
             ``0``: compute every entry.
         kernel_backend: the backend of that operator's recomputed products (:mod:`gpnys.kernels.backends`):
             ``None`` picks fused Triton kernels on CUDA and torch tiles on CPU; ``"torch"``, ``"triton"``,
-            ``"keops"`` force one. ``kernel_keops=True`` is ``kernel_backend="keops"`` (KeOps is never chosen
-            by itself). ``kernel_tf32``: let float32 Triton tile products use TF32 (about 1e-3 relative error).
+            ``"keops"`` force one (KeOps is never chosen by itself). ``kernel_tf32``: let float32 Triton tile
+            products use TF32 (about 1e-3 relative error).
         kernel_group: split that operator's products and derivative sums, and the FSAI / AFN preconditioner
             builds, by rows over the ranks of a ``torch.distributed`` process group (``True``: the default group;
             :mod:`gpnys.distributed`). Every rank runs the same training loop on the same data with the same seed
@@ -98,7 +98,8 @@ class EstimatorSettings:
 
         >>> import gpytorch, torch
         >>> from gpnys.gp import ExactGPModel
-        >>> from gpnys.gp.hook import EstimatorSettings, use_preconditioner
+        >>> from gpnys.gp.settings import EstimatorSettings
+        >>> from gpnys.gp.hook import use_preconditioner
         >>> _ = torch.manual_seed(0)
         >>> X = torch.rand(200, 2, dtype=torch.float64)
         >>> y = torch.sin(6 * X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64)
@@ -129,7 +130,6 @@ class EstimatorSettings:
     dense_limit_bytes: int | None = None
     kernel_prune_tol: float | None = None
     kernel_backend: str | None = None
-    kernel_keops: bool | None = None
     kernel_tf32: bool = False
     kernel_group: Any = None
     variance_method: str = "auto"

@@ -97,7 +97,6 @@ class StationaryKernelOperator(LinearOperator):
         backend: the recomputed passes' backend (:func:`gpnys.kernels.backends.select_backend`): ``None`` picks
             Triton on CUDA and torch tiles elsewhere; ``"torch"``, ``"triton"`` or ``"keops"`` forces one. The
             dense cache, when it fits, comes first either way.
-        keops: ``True`` is ``backend="keops"`` (kept for compatibility); ``None``/``False`` leave ``backend``.
         tf32: let the Triton backend's float32 tile products use TF32 (~1e-3 relative error); off by default.
         group: split the recomputed passes by rows over the ranks of a ``torch.distributed`` process group
             (``True``: the default group; :mod:`gpnys.kernels.backends.partitioned`); no dense cache then. Every
@@ -124,7 +123,6 @@ class StationaryKernelOperator(LinearOperator):
         dense_limit_bytes: int | None = None,
         prune_tol: float | None = None,
         backend: str | None = None,
-        keops: bool | None = None,
         tf32: bool = False,
         group: Any = None,
     ) -> None:
@@ -136,10 +134,6 @@ class StationaryKernelOperator(LinearOperator):
         if prune_tol is not None and not prune_tol >= 0:
             raise ValueError(f"prune_tol must be >= 0 (or None), got {prune_tol}")
         tol = torch.finfo(X.dtype).eps if prune_tol is None else float(prune_tol)
-        if keops:
-            if backend not in (None, "keops"):
-                raise ValueError(f"keops=True contradicts backend={backend!r}")
-            backend = "keops"
         name = select_backend(X.device, backend)
         super().__init__(X, outputscale, lengthscale, base=base, cache=cache, dense_limit_bytes=limit, prune_tol=tol,
                          backend=name, tf32=bool(tf32), group=group)  # (kwargs rebuild the operator: keep them all)

@@ -70,7 +70,7 @@ def select_backend(device: torch.device, backend: str | None = None) -> str:
         from gpnys.kernels.backends import keops
 
         if not keops.available():
-            raise ValueError("backend='keops' (keops=True) needs pykeops (pip install pykeops)")
+            raise ValueError("backend='keops' needs pykeops (pip install pykeops)")
     if backend == "triton":
         if not triton_available():
             raise ValueError("backend='triton' needs triton (pip install triton)")
