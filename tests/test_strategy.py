@@ -24,6 +24,20 @@ def cube(n, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("ls, expected", [(50.0, "nystrom"), (0.7, "afn")])
+def test_auto_answers_for_the_preconditioner_it_chose(ls, expected):
+    """``chosen`` and ``landmark_rows()``: what callers read of the preconditioner that applies, without
+    unwrapping ``AutoPreconditioner`` by hand."""
+    X = cube(300)
+    P = AutoPreconditioner(X, make_kernel("matern32", ls, F64), 1e-3, max_k=40, w=10, m=100)
+    assert P.chosen is P.inner and P.chosen.kind == expected and P.chosen.chosen is P.chosen
+    rows = P.landmark_rows()
+    assert rows is P.inner.landmark_rows() and rows.shape == (P.inner.rank if expected == "nystrom" else 40,)
+    assert rows.unique().numel() == rows.numel() and int(rows.max()) < 300
+    fsai = make_preconditioner("fsai", X, make_kernel("matern32", ls, F64), 1e-3, w=10)
+    assert fsai.landmark_rows() is None and fsai.chosen is fsai
+
+
+@pytest.mark.parametrize("ls, expected", [(50.0, "nystrom"), (0.7, "afn")])
 def test_auto_switches_on_estimated_rank(ls, expected):
     X = cube(400)
     P = AutoPreconditioner(X, make_kernel("matern32", ls, F64), 1e-3, max_k=60, w=20, m=100)

@@ -428,7 +428,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 J = _jacobian([o for o, _ in outs], [g for _, g in outs], tensors, batch)
             if hook.variance_reduction and tensors:
                 hook.last_probes = Z
-                inner = getattr(P, "inner", P)
+                inner = P.chosen
                 afn = isinstance(inner, AFNPreconditioner)
                 proxy = (afn and settings.control_variate != "frozen"
                          and (inner.n - inner.k) * inner.w**2 * inner.k * settings.num_probes > PROXY_ABOVE)

@@ -343,7 +343,7 @@ class PreconditionerHook(HookPrediction):
         if self._current is None or self.last_probes is None:
             return None
         P, _ = self._current
-        P = getattr(P, "inner", P)  # AutoPreconditioner: the Nyström or AFN it chose
+        P = P.chosen  # AutoPreconditioner: the Nyström or AFN it chose
         Z = self.last_probes
         self.last_probes = None
         if not hasattr(P, "differentiable_terms"):
@@ -370,7 +370,7 @@ class PreconditionerHook(HookPrediction):
         takes by autograd. ``None`` without an AFN preconditioner or for a kernel outside the formula table."""
         if self._current is None:
             return None
-        P = getattr(self._current[0], "inner", self._current[0])
+        P = self._current[0].chosen
         if not isinstance(P, AFNPreconditioner):
             return None
         base, s2, mu = self._family_parameters(P)

@@ -121,7 +121,7 @@ class HookPrediction:
                     method = _choose(n, m, iters, op._dense() is not None, cached)
                 if method == "cached":
                     P, s2 = self.preconditioner()
-                    inner = getattr(P, "inner", P)
+                    inner = P.chosen
                     quad = ((lambda C: inner.schur_quad(C[inner.rest_idx]) / s2)
                             if isinstance(inner, AFNPreconditioner) and Z is inner.landmark_idx else None)
                     cache = LocalVariance(op.X, kernel, noise, Z, lambda R: P.solve(R) / s2, lam,
@@ -185,9 +185,7 @@ class HookPrediction:
         """``(k,)`` landmark rows for :class:`~gpnys.gp.variance.LocalVariance`: the preconditioner's (AFN, column
         Nyström), else :data:`VARIANCE_LANDMARKS` chosen by AFN's rule (FPS for d <= 10, else uniform)."""
         P, _ = self.preconditioner()
-        inner = getattr(P, "inner", P)
-        Z = getattr(inner, "landmark_idx", None)
-        Z = getattr(inner, "landmark_indices", None) if Z is None else Z
+        Z = P.landmark_rows()
         if Z is None:
             X = op.X
             k = min(VARIANCE_LANDMARKS, X.shape[0] // 2)

@@ -201,6 +201,10 @@ class AFNPreconditioner(Preconditioner):
         out[self.perm] = torch.cat([top, bottom])
         return out
 
+    def landmark_rows(self) -> torch.Tensor:
+        """The ``(k,)`` landmark rows of ``X`` (``landmark_idx``)."""
+        return self.landmark_idx
+
     def _solve(self, R: torch.Tensor) -> torch.Tensor:
         r1, r2 = self._split(R)
         w1 = torch.linalg.solve_triangular(self.L, r1, upper=False)

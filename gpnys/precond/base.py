@@ -102,6 +102,17 @@ class Preconditioner(abc.ABC):
         """
         return self._sample(draw((self.n, int(num)), self.dtype, self.device, generator, distribution))
 
+    @property
+    def chosen(self) -> "Preconditioner":
+        """The preconditioner that applies: this one; :class:`~gpnys.precond.strategy.AutoPreconditioner` answers with
+        the Nyström or AFN it chose."""
+        return self
+
+    def landmark_rows(self) -> torch.Tensor | None:
+        """``(k,)`` rows of ``X`` this preconditioner is built on (AFN's landmarks, a column Nyström's), else
+        ``None``."""
+        return None
+
     def summary(self) -> dict[str, Any]:
         """Facts for reports: kind, n, rank, mu, diagonal shifts added, setup seconds (+ subclass extras)."""
         return {

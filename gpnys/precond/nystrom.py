@@ -381,6 +381,10 @@ class NystromPreconditioner(Preconditioner):
             return R
         return R / self.s[:, None] if power > 0 else R * self.s[:, None]  # s = D^{-1/2}
 
+    def landmark_rows(self) -> torch.Tensor | None:
+        """The ``(k,)`` landmark rows of ``X`` (``None`` for ``sampling="sketch"``)."""
+        return self.landmark_indices
+
     def _solve(self, R: torch.Tensor) -> torch.Tensor:
         """``P^{-1} R``: stable ``U (Lam+mu)^{-1} U^T R + (1/mu)(I - U U^T) R`` (eq. 8) or the RAN form; with per-point
         shifts ``D^{-1/2}`` on both sides. ``(n, t)``"""

@@ -119,6 +119,14 @@ class AutoPreconditioner(Preconditioner):
     def _solve(self, R: torch.Tensor) -> torch.Tensor:
         return self.inner._solve(R)
 
+    @property
+    def chosen(self) -> Preconditioner:
+        """The Nyström or AFN preconditioner this one chose (``inner``)."""
+        return self.inner
+
+    def landmark_rows(self) -> torch.Tensor | None:
+        return self.inner.landmark_rows()
+
     def _matmul(self, R: torch.Tensor) -> torch.Tensor:
         return self.inner._matmul(R)
 
