@@ -32,10 +32,9 @@ from typing import Callable, Optional, Union
 import gpytorch
 import torch
 
-from gpnys.budget import dense_limit_bytes as dense_limit_bytes_budget
 from gpnys.checks import NumericalWarning, validate_mu, validate_points
 from gpnys.kernels.entries import KernelEntries, computation_dtype
-from gpnys.kernels.operator import StationaryKernelOperator, supported
+from gpnys.kernels.operator import StationaryKernelOperator, caches_dense, supported
 from gpnys.linalg import thin_matmul
 from gpnys.precond.base import Preconditioner
 
@@ -322,8 +321,8 @@ def _tridiagonal(alphas: list[torch.Tensor], betas: list[torch.Tensor],
 class KernelSystem:
     """The product ``v -> (K + mu I) v`` for a unit-variance kernel matrix ``K = k(X, X)``.
 
-    ``K`` is cached densely (built in row blocks) when ``n * n * itemsize < dense_limit_bytes`` (``None``: the
-    memory budget's for ``X``'s device, :mod:`gpnys.budget`);
+    ``K`` is cached densely (built in row blocks) where :func:`~gpnys.kernels.operator.caches_dense` says it fits
+    ``dense_limit_bytes`` (``None``: the memory budget's for ``X``'s device, :mod:`gpnys.budget`);
     otherwise every product recomputes ``K``: for a plain RBF/Matérn kernel through
     :class:`~gpnys.kernels.operator.StationaryKernelOperator` (cutoff plan in low dimension; torch tiles on CPU,
     fused Triton kernels on CUDA), else in row blocks via :meth:`KernelEntries.matmul` (memory ``O(block * n)``). Call with
@@ -343,8 +342,8 @@ class KernelSystem:
         X = X.to(self.dtype)
         self.entries = KernelEntries(X, kernel)
         self.n = X.shape[0]
-        limit = dense_limit_bytes_budget(X.device) if dense_limit_bytes is None else int(dense_limit_bytes)
-        self.dense = self.n * self.n * X.element_size() < limit
+        # the operator's rule (one matrix: no Matérn H here)
+        self.dense = caches_dense(self.n, X.element_size(), False, dense_limit_bytes, X.device)
         self._K: torch.Tensor | None = None
         if self.dense:
             self._K = self.entries(slice(None), slice(None))  # built in row blocks of the budget
