@@ -203,6 +203,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_seed: torch.Tensor | None = None
         #: why the latest :meth:`uses_preconditioner` chose its path
         self.path_reason = ""
+        #: the cost model's choice for ``max_cholesky_size=None``: ``((n, device, dtype, solver), path, reason)``
+        self._gpnys_path: tuple[tuple, str, str] | None = None
         settings = settings or EstimatorSettings(probe_seed=seed)
         self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
                               # the model decides the path (uses_preconditioner); its hook always iterates
@@ -249,13 +251,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             >>> torch.allclose(new.covar_module.lengthscale, old.covar_module.lengthscale)
             True
         """
-        state = previous if isinstance(previous, Mapping) else previous.state_dict()
+        state = (previous.warm_state() if isinstance(previous, PreconditionedSingleTaskGP)
+                 else previous if isinstance(previous, Mapping) else previous.state_dict())
         for name in ("covar_module", "mean_module") + (() if self._known_noise() else ("likelihood",)):
             getattr(self, name).load_state_dict({k[len(name) + 1:]: v for k, v in state.items()
                                                  if k.startswith(name + ".")})
         self._gpnys_warm_fit = True
-        if isinstance(previous, PreconditionedSingleTaskGP):
-            state = previous.warm_state()
         self._gpnys_seed = None
         alpha, Xp, X = state.get("gpnys_solution"), state.get("gpnys_solution_inputs"), self._kernel_inputs()
         if (alpha is not None and Xp is not None and Xp.dim() == 2 and X.dim() == 2
@@ -289,8 +290,13 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             self.path_reason = f"{X.shape[-2]} points <= max_cholesky_size"
             return False
         if limit is None:  # above GPyTorch's threshold the cost model may still find Cholesky faster on this device
-            path, self.path_reason = choose_path(X.shape[-2], 1, X.device, X.dtype, self._gpnys_config["solver"],
-                                                 "auto")
+            # decided once per size, device and dtype: this runs on every posterior call of an acquisition
+            # optimisation, whose posteriors must not switch path as the free memory moves
+            n, solver = X.shape[-2], self._gpnys_config["solver"]
+            key = (n, X.device, X.dtype, solver)
+            if self._gpnys_path is None or self._gpnys_path[0] != key:
+                self._gpnys_path = (key, *choose_path(n, 1, X.device, X.dtype, solver, "auto"))
+            _, path, self.path_reason = self._gpnys_path
             if path == "cholesky":
                 return False
         else:
@@ -430,11 +436,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                tuple(torch.cat([p.detach().reshape(-1) for p in self.parameters()]).tolist()))
         with torch.no_grad():
             r = self.train_targets - self.mean_module(X)
-            # the start: the hook's last training solve (same data; after a fit, at these hyperparameters), else
-            # the previous model's (warm_start_from), else P̂⁻¹ r
-            start = self.hook()._warm_a
-            start = self._gpnys_seed if start is None else start
-            alpha = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=start).x[:, 0]
+            # the start: the hook's last training solve (same data; after a fit, at these hyperparameters; a new hook
+            # starts with warm_start_from's seed), else P̂⁻¹ r
+            alpha = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=self.hook()._warm_a).x[:, 0]
         self.alpha_iterations = post.mean_iterations
         return alpha
 

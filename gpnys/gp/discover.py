@@ -24,8 +24,8 @@ def same_points(A: torch.Tensor, B: torch.Tensor) -> bool:
 def training_kernel(model: gpytorch.models.ExactGP) -> tuple[gpytorch.kernels.Kernel, torch.Tensor]:
     """``(kernel, inputs)`` of ``model``'s prior covariance at its training inputs: the kernel object its
     ``forward`` evaluated and the ``(n, d)`` (batch mode: ``(b, n, d)``) points it passed to it. No kernel entry is
-    computed (the covariance stays lazy). ``ValueError`` when the covariance is not a single kernel evaluated on one set of points (e.g.
-    ``k1(x) + k2(x)`` added outside a kernel object: wrap them in one kernel, ``k1 + k2``).
+    computed (the covariance stays lazy). ``ValueError`` when the covariance is not a single kernel evaluated on one
+    set of points (e.g. ``k1(x) + k2(x)`` added outside a kernel object: wrap them in one kernel, ``k1 + k2``).
 
     Example:
         A ``forward`` that scales its inputs before the kernel sees them:
