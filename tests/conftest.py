@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The iterative machinery is checked against Cholesky at small n, where the cost model's "auto" path would take
-# Cholesky itself: the suite forces the preconditioned path (tests/test_path.py checks "auto"'s choice). Cost
+# Cholesky itself: the suite forces the preconditioned path (tests/gp/test_path.py checks "auto"'s choice). Cost
 # calibrations go to a folder of this run, not the user's cache.
 os.environ.setdefault("GPNYS_SOLVER", "iterative")
 os.environ.setdefault("GPNYS_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpnys-tests-{os.getpid()}"))

@@ -1,5 +1,5 @@
 """A bad-input matrix over the public entry points: each bad input raises a ValueError whose message names the
-argument. The CLI's one-line exit-2 errors are in tests/test_fit_cli.py."""
+argument. The CLI's one-line exit-2 errors are in tests/cli/test_fit_cli.py."""
 
 import gpytorch
 import pytest

@@ -6,7 +6,7 @@ runs the same logic on the CPU (where the kernel operator's default backend is t
 
 Everything under test lives on ``cuda_device``; every reference is built in float64 on CPU copies (dense Cholesky
 / ``torch.linalg``), so it never depends on the device code it checks. The BoTorch model is in
-``tests/test_cuda_bo.py`` (it needs the module-wide ``USES_BOTORCH`` settings of conftest).
+``tests/bo/test_cuda_bo.py`` (it needs the module-wide ``USES_BOTORCH`` settings of conftest).
 
 Tolerances: float64 ones are a few orders of magnitude above the measured errors (CPU mode) and far below any
 real error; float32 ones follow the rounding of the computation (noted where it is large).

@@ -509,7 +509,7 @@ def test_sum_product_and_linear_kernels_train_under_the_hook(name, method):
 
 def test_a_covariance_of_two_kernel_calls_passes_through():
     """k1(x) + k2(x) added inside forward(): no single kernel to precondition; GPyTorch's own computation runs, with
-    one warning that says how to have it accelerated (tests/test_passthrough.py checks the bits)."""
+    one warning that says how to have it accelerated (tests/gp/test_passthrough.py checks the bits)."""
 
     class TwoCalls(gpytorch.models.ExactGP):
         def __init__(self, x, y):

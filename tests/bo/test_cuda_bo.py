@@ -2,7 +2,7 @@
 
 The ``cuda`` suite's BoTorch part (the rest is ``tests/test_cuda.py``): conftest runs a module under BoTorch's global
 GPyTorch settings only when the module sets ``USES_BOTORCH = True``, and that flag is module-wide, so these tests
-live in their own module. ``max_cholesky_size=0`` forces the preconditioned path (as in ``tests/test_bo.py``); the
+live in their own module. ``max_cholesky_size=0`` forces the preconditioned path (as in ``tests/bo/test_bo.py``); the
 model and its data live on ``cuda_device``, the reference ``SingleTaskGP`` (dense Cholesky) on float64 CPU copies
 with the same hyperparameters (state dict).
 """
