@@ -105,7 +105,8 @@ from gpnys.gp.hook import GP_DEFAULTS, use_preconditioner  # noqa: E402
 from gpnys.gp.mll import grad_errors  # noqa: E402
 from gpnys.gp.settings import EstimatorSettings  # noqa: E402
 from gpnys.kernels.backends import select_backend, triton_available  # noqa: E402
-from gpnys.kernels.operator import StationaryKernelOperator, caches_dense  # noqa: E402
+from gpnys.kernels.operator import StationaryKernelOperator  # noqa: E402
+from gpnys.kernels.product import caches_dense  # noqa: E402
 from gpnys.landmarks import fps  # noqa: E402
 from gpnys.precond.cache import PointCache  # noqa: E402
 from gpnys.precond.knn import causal_knn  # noqa: E402

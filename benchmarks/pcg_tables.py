@@ -30,9 +30,10 @@ import torch
 
 from gpnys import datasets
 from gpnys.kernels import base_kernel
+from gpnys.kernels.system import kernel_system
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import make_preconditioner
-from gpnys.solvers.pcg import ConvergenceWarning, kernel_system, pcg
+from gpnys.solvers.pcg import ConvergenceWarning, pcg
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NA = None  # "not converged within 500" in the paper

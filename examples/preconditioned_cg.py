@@ -13,8 +13,9 @@ import gpytorch
 import torch
 
 from gpnys import datasets
+from gpnys.kernels.system import kernel_system
 from gpnys.precond import PointCache, make_preconditioner
-from gpnys.solvers import kernel_system, pcg
+from gpnys.solvers import pcg
 
 
 def main(argv=None) -> list[dict]:

@@ -9,6 +9,7 @@ import gpnys
 from gpnys import datasets
 from gpnys.gp.exact import ExactGPModel, fit
 from gpnys.kernels.operator import StationaryKernelOperator
+from gpnys.kernels.system import kernel_system
 from gpnys.precond import (
     AFNPreconditioner,
     FSAIPreconditioner,
@@ -17,7 +18,6 @@ from gpnys.precond import (
     make_preconditioner,
 )
 from gpnys.reduced import ReducedGP, reduced_posterior
-from gpnys.solvers import kernel_system
 
 N, D = 40, 2
 

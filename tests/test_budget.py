@@ -13,8 +13,8 @@ import torch
 from helpers import points
 
 from gpnys import budget, memory_budget
+from gpnys.kernels.system import kernel_system
 from gpnys.precond.afn import AFNPreconditioner
-from gpnys.solvers.pcg import kernel_system
 
 
 def test_scoped_and_restored():

@@ -34,10 +34,10 @@ from gpnys.kernels import make_kernel as make_scale_kernel
 from gpnys.kernels.backends import triton_available
 from gpnys.kernels.cutoff import cutoff_radius, leaf_plan, spatial_order
 from gpnys.kernels.operator import StationaryKernelOperator
+from gpnys.kernels.system import kernel_system
 from gpnys.precond import AutoPreconditioner, PointCache, make_preconditioner
 from gpnys.reduced import reduced_posterior
 from gpnys.reduced.nytro import nytro
-from gpnys.solvers.pcg import kernel_system
 
 pytestmark = pytest.mark.cuda
 

@@ -19,7 +19,7 @@ from gpnys.cli.common import (
 from gpnys.gp.higp_adapter import evaluate_higp  # imports higp itself only when called
 from gpnys.gp.mll import METHODS, NOISE_LOWER_BOUND, evaluate, grad_errors
 from gpnys.kernels.backends import select_backend
-from gpnys.kernels.operator import caches_dense
+from gpnys.kernels.product import caches_dense
 
 NAME = "mll"
 HELP = "negative MLL per point and its raw-parameter gradient: exact Cholesky vs GPyTorch default vs gpnys"

@@ -14,9 +14,10 @@ from gpnys.cli.common import (
     emit_json,
 )
 from gpnys.kernels import base_kernel
+from gpnys.kernels.system import kernel_system
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import PRECONDITIONERS, make_preconditioner
-from gpnys.solvers.pcg import kernel_system, pcg
+from gpnys.solvers.pcg import pcg
 
 NAME = "pcg"
 HELP = "preconditioned CG on K + mu I: iterations, setup and solve seconds per preconditioner and length-scale"

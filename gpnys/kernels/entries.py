@@ -16,6 +16,7 @@ import torch
 from gpnys.budget import block_rows
 from gpnys.collectives import RowGroup
 from gpnys.kernels.operator import StationaryKernelOperator, supported
+from gpnys.kernels.product import choose_product
 
 __all__ = ["KernelEntries", "split_outputscale", "evaluate", "computation_dtype"]
 
@@ -90,27 +91,31 @@ class KernelEntries:
         return self.points(P, P)
 
     def matmul(self, V: torch.Tensor, block: int | None = None, group: Any = None) -> torch.Tensor:
-        """``K @ V`` for ``V: (n, t)``: dense when ``K`` fits one block, else recomputed on the fly — by the
-        kernel operator's backends (:mod:`gpnys.kernels.backends`, cutoff included) for a plain RBF/Matérn kernel
-        and no explicit ``block``, otherwise in GPyTorch row blocks (memory ``O(block * n)``). ``(n, t)``
+        """``K @ V`` for ``V: (n, t)``, computed as :func:`~gpnys.kernels.product.choose_product` says: one
+        transient block when ``K`` fits the block budget (``block`` rows, default the memory budget's), the kernel
+        operator's fused backends (cutoff included) for a plain RBF/Matérn kernel and no explicit ``block``,
+        otherwise GPyTorch row blocks (memory ``O(block * n)``). ``(n, t)``
 
         ``group`` (a :class:`~gpnys.collectives.RowGroup`, or a ``torch.distributed`` group /
         ``True``): every rank computes its rows and one gather assembles ``K V`` on all (docs/scaling.md, "Across
         processes and GPUs")."""
         n = self.n
         ranks = RowGroup.of(group)
-        if ranks is not None and ranks.size > 1:
-            if block is None and supported(self.kernel):  # the partitioned operator (no dense cache)
-                return self._operator_matmul(V, ranks.group)
+        partitioned = ranks is not None and ranks.size > 1
+        rows = block or block_rows(n, cap=n, device=self.X.device)
+        itemsize = self.X.element_size()
+        how = choose_product(n, itemsize, closed_form=supported(self.kernel), dense_limit_bytes=rows * n * itemsize,
+                             explicit_block=block is not None, partitioned=partitioned)
+        if how == "partitioned-fused":
+            return self._operator_matmul(V, ranks.group)
+        if how == "partitioned-rows":
             return ranks.gather_rows("kernel product", n, lambda a, b: self._rows_matmul(a, b, V, block), [V],
                                      (V.shape[1],))
-        explicit = block is not None
-        block = block or block_rows(n, cap=n, device=self.X.device)
-        if block >= n:
+        if how == "dense":
             return self(slice(None), slice(None)) @ V
-        if not explicit and supported(self.kernel):
+        if how == "fused":
             return self._operator_matmul(V, None)
-        return self._rows_matmul(0, n, V, block)
+        return self._rows_matmul(0, n, V, rows)
 
     def _operator_matmul(self, V: torch.Tensor, group: Any) -> torch.Tensor:
         """``K @ V`` by the on-the-fly operator of the unit-variance kernel (``dense_limit_bytes=0``), its passes

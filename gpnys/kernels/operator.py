@@ -49,18 +49,10 @@ from gpnys.kernels.backends.partitioned import PartitionedBackend
 from gpnys.kernels.backends.torch_tiles import Tile, TorchTiles, squared_norms
 from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
 from gpnys.kernels.formulas import formula
+from gpnys.kernels.product import choose_product
 from gpnys.linalg import thin_matmul
 
-__all__ = ["StationaryKernelOperator", "supported", "caches_dense"]
-
-
-def caches_dense(n: int, itemsize: int, matern: bool, dense_limit_bytes: int | None = None,
-                 device: torch.device | str | None = None) -> bool:
-    """Whether :class:`StationaryKernelOperator` keeps the kernel dense for ``n`` points: ``K`` (and, for Matérn,
-    ``H = k'/r``) of ``n x n`` entries of ``itemsize`` bytes within ``dense_limit_bytes`` (``None``: the budget's
-    for ``device``)."""
-    limit = budget_dense_limit(device) if dense_limit_bytes is None else dense_limit_bytes
-    return (2 if matern else 1) * n * n * itemsize <= limit
+__all__ = ["StationaryKernelOperator", "supported"]
 
 
 def _nu(base: gpytorch.kernels.Kernel) -> float | None:
@@ -107,10 +99,6 @@ class StationaryKernelOperator(LinearOperator):
     LEAF = LEAF
     #: the cutoff plan is used only when it skips at least this share of the n^2 entries
     MIN_SKIPPED = 0.25
-    #: with the Triton backend the dense cache is skipped when the cutoff plan computes at most this share of the
-    #: entries: recomputing that share in the fused kernels costs about as much as reading a stored K, and forming
-    #: K is saved (docs/gpu.md)
-    FUSED_SHARE = 0.4
 
     def __init__(
         self,
@@ -166,10 +154,11 @@ class StationaryKernelOperator(LinearOperator):
         length-scale, or ``None`` if too big. The buffers are reused across length-scales (no fresh n^2
         allocation per training step)."""
         n = self.X.shape[0]
-        if not caches_dense(n, self.X.element_size(), self.nu is not None, self.dense_limit_bytes):
+        share = (lambda: None if (plan := self.plan()) is None else plan.fraction) if self.backend.name == "triton" \
+            else None  # the fused kernels over a small enough plan share beat reading a stored K
+        if choose_product(n, self.X.element_size(), closed_form=True, dense_limit_bytes=self.dense_limit_bytes,
+                          matern=self.nu is not None, partitioned=self.group is not None, fused_share=share) != "dense":
             return None
-        if self.backend.name == "triton" and (plan := self.plan()) is not None and plan.fraction <= self.FUSED_SHARE:
-            return None  # the fused kernels over the plan's share beat reading a stored K
         key = self._key()
         if self.cache.get("X") is not self.X or self.cache.get("key") != key:
             K, H = self.cache.get("K"), self.cache.get("H")

@@ -21,6 +21,7 @@ from gpnys.kernels.backends.torch_tiles import k_and_h_inplace
 from gpnys.kernels.cutoff import cutoff_radius
 from gpnys.kernels.formulas import FORMULAS, formula, k_and_h, unit_kernel
 from gpnys.kernels.operator import StationaryKernelOperator
+from gpnys.kernels.product import FUSED_SHARE
 
 pytest.importorskip("triton")
 
@@ -385,7 +386,7 @@ def test_triton_skips_the_dense_cache_when_the_cutoff_plan_is_small(dtype):
     for backend in ("triton", "torch"):
         op = StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel,
                                       cache={}, backend=backend, dense_limit_bytes=1 << 30)
-        assert op.plan() is not None and op.plan().fraction <= op.FUSED_SHARE
+        assert op.plan() is not None and op.plan().fraction <= FUSED_SHARE
         got[backend] = (op._dense() is None, op.matmul(V))
     assert got["triton"][0] and not got["torch"][0]
     tol = 1e-10 if dtype == torch.float64 else 1e-4

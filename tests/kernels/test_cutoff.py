@@ -293,7 +293,7 @@ def test_plan_is_skipped_when_it_saves_little():
 def test_kernel_system_recomputes_through_the_cut_operator(dtype):
     """gpnys pcg / prediction solves: KernelSystem off the dense cache uses the operator (and its cutoff plan) and
     equals the dense system; a kernel the operator does not support (RQ) falls back to GPyTorch's blocks."""
-    from gpnys.solvers.pcg import kernel_system
+    from gpnys.kernels.system import kernel_system
 
     X64 = spread(1200, 2, density=0.05)
     X = X64.to(dtype)

@@ -7,13 +7,14 @@ from helpers import dense_A, dense_P, make_kernel, points
 
 from gpnys.checks import NumericalWarning
 from gpnys.cli.main import main
+from gpnys.kernels.system import kernel_system
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import (
     PRECONDITIONERS,
     AutoPreconditioner,
     make_preconditioner,
 )
-from gpnys.solvers.pcg import kernel_system, pcg
+from gpnys.solvers.pcg import pcg
 
 F64 = torch.float64
 

@@ -10,8 +10,9 @@ import torch
 from helpers import make_kernel, points
 
 from gpnys.checks import NumericalWarning
+from gpnys.kernels.system import kernel_system
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
-from gpnys.solvers import ConvergenceWarning, PCGResult, kernel_system, pcg
+from gpnys.solvers import ConvergenceWarning, PCGResult, pcg
 
 
 def spd(n: int, cond: float = 100.0, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -164,7 +165,7 @@ def test_mixed_dtypes_are_promoted_as_gpytorch_does():
     import gpytorch
 
     from gpnys import pcg
-    from gpnys.solvers import kernel_system
+    from gpnys.kernels.system import kernel_system
 
     g = torch.Generator().manual_seed(0)
     X = torch.rand(120, 2, generator=g, dtype=torch.float64)
