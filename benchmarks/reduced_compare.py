@@ -38,9 +38,9 @@ from gpnys.checks import NumericalWarning
 from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import use_preconditioner
 from gpnys.kernels import make_kernel
+from gpnys.landmarks import select_landmarks
 from gpnys.reduced import ExactPosterior, nystrom_krr, nytro
 from gpnys.reduced.evaluate import evaluate_method
-from gpnys.reduced.landmarks import select_landmarks
 from gpnys.reduced.nytro import predict as nytro_predict
 
 RESULTS = Path(__file__).resolve().parent / "results"

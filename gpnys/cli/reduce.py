@@ -29,9 +29,9 @@ from gpnys.cli.common import (
 from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import use_preconditioner
 from gpnys.kernels import make_kernel
+from gpnys.landmarks import RULES
 from gpnys.reduced.error import ExactPosterior
 from gpnys.reduced.evaluate import EVAL_METHODS, evaluate_method
-from gpnys.reduced.landmarks import RULES
 
 NAME = "reduce"
 HELP = "reduced GPs (gsa, lla, ncr, nytro), random Fourier features and the exact GP: test metrics and error vs exact"

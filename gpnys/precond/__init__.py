@@ -1,4 +1,5 @@
-"""Preconditioners for ``K + mu I``: Nyström, FSAI, AFN, pivoted Cholesky, rank estimation and the switch.
+"""Preconditioners for ``K + mu I``: Nyström, FSAI, AFN, pivoted Cholesky and the switch (the rank estimate it
+uses is :func:`gpnys.landmarks.rank.estimate_rank`).
 
 Every class implements :class:`~gpnys.precond.base.Preconditioner` (``solve``, ``matmul``, ``logdet``,
 ``sample``, ``rank``, ``summary``).
@@ -10,7 +11,6 @@ from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.nystrom import NystromPreconditioner
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
-from gpnys.precond.rank import RankEstimate, estimate_rank
 from gpnys.precond.strategy import (
     PRECONDITIONERS,
     AutoPreconditioner,
@@ -25,8 +25,6 @@ __all__ = [
     "AFNPreconditioner",
     "PivotedCholeskyPreconditioner",
     "AutoPreconditioner",
-    "RankEstimate",
-    "estimate_rank",
     "make_preconditioner",
     "PRECONDITIONERS",
 ]

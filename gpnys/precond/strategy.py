@@ -1,7 +1,7 @@
 """The AFN paper's overall strategy (Algorithm 5) and a by-name factory for every preconditioner.
 
 Algorithm 5: estimate the numerical rank k of K for the current kernel parameters (Algorithm 4,
-:func:`gpnys.precond.rank.estimate_rank`); if ``k < max_k`` use the column Nyström preconditioner of rank k
+:func:`gpnys.landmarks.rank.estimate_rank`); if ``k < max_k`` use the column Nyström preconditioner of rank k
 with FPS landmarks, applied in the stable form of eq. (8); otherwise AFN with ``max_k`` landmarks
 (the paper's §3.3 text says AFN is built when the rank "exceeds 2000", its Algorithm 5 ``k >= 2000``; as there
 and in the authors' C code, ``k < max_k`` -> Nyström).
@@ -19,13 +19,13 @@ import gpytorch
 import torch
 
 from gpnys.checks import validate_count
+from gpnys.landmarks.rank import RankEstimate, estimate_rank
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.nystrom import NystromPreconditioner
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
-from gpnys.precond.rank import RankEstimate, estimate_rank
 
 __all__ = ["AutoPreconditioner", "make_preconditioner", "PRECONDITIONERS", "DIAG_PRECONDITIONERS",
            "HOOK_DIAG_PRECONDITIONERS"]

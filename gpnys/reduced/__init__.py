@@ -3,15 +3,16 @@
 * :mod:`~gpnys.reduced.lla` — LLA (Nyström feature map + Bayesian linear regression; = SoR/DTC/SGPR),
   :mod:`~gpnys.reduced.ncr` — NCR (landmark-coefficient form; = LLA), :mod:`~gpnys.reduced.gsa` — GSA (the
   "naive" Gram substitution, two coefficient choices), :mod:`~gpnys.reduced.error` — the exact posterior and
-  RKHS distances ([SPA] eq. (15), (19)), :mod:`~gpnys.reduced.landmarks` — uniform / FPS / k-means / ridge
-  leverage landmarks and ``m="auto"``, :mod:`~gpnys.reduced.nytro` — NYTRO and Nyström KRR,
+  RKHS distances ([SPA] eq. (15), (19)), :mod:`~gpnys.reduced.nytro` — NYTRO and Nyström KRR,
   :mod:`~gpnys.reduced.rff` — random Fourier features, :mod:`~gpnys.reduced.models` — the functional
   constructor and the GPyTorch-compatible :class:`ReducedGP`.
+
+The landmark rules (uniform / FPS / k-means / ridge leverage) and ``m="auto"`` are
+:func:`gpnys.landmarks.select_landmarks` and :func:`gpnys.landmarks.choose_m`.
 """
 
 from gpnys.reduced.error import ExactPosterior, landmark_rkhs_error, rkhs_error
 from gpnys.reduced.gsa import GSAPosterior
-from gpnys.reduced.landmarks import RULES, choose_m, select_landmarks
 from gpnys.reduced.lla import LLAPosterior, NystromFeatureMap
 from gpnys.reduced.models import METHODS, ReducedGP, reduced_posterior
 from gpnys.reduced.ncr import NCRPosterior
@@ -20,4 +21,4 @@ from gpnys.reduced.rff import RandomFourierFeatures, RFFPosterior
 
 __all__ = ["ExactPosterior", "rkhs_error", "landmark_rkhs_error", "GSAPosterior", "LLAPosterior", "NCRPosterior",
            "NystromFeatureMap", "RFFPosterior", "RandomFourierFeatures", "ReducedGP", "reduced_posterior", "METHODS",
-           "RULES", "select_landmarks", "choose_m", "nytro", "nystrom_krr"]
+           "nytro", "nystrom_krr"]

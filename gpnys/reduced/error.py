@@ -22,16 +22,12 @@ import math
 import gpytorch
 import torch
 
+from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.kernels.entries import KernelEntries
 from gpnys.linalg import safe_cholesky
 from gpnys.precond.strategy import AutoPreconditioner
 from gpnys.reduced.gsa import GSAPosterior
-from gpnys.reduced.lla import (
-    LLAPosterior,
-    kernel_block,
-    kernel_diag,
-    validate_regression,
-)
+from gpnys.reduced.lla import LLAPosterior, validate_regression
 from gpnys.reduced.ncr import NCRPosterior
 from gpnys.solvers.pcg import pcg
 

@@ -17,8 +17,8 @@ import gpytorch
 import torch
 
 from gpnys.gp.exact import gaussian_nll
+from gpnys.landmarks.rules import choose_m, select_landmarks
 from gpnys.reduced.error import ExactPosterior, landmark_rkhs_error, rkhs_error
-from gpnys.reduced.landmarks import choose_m, select_landmarks
 from gpnys.reduced.models import reduced_posterior
 from gpnys.reduced.nytro import nytro
 from gpnys.reduced.nytro import predict as nytro_predict

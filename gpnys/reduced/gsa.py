@@ -28,8 +28,9 @@ import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning
+from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.reduced.features import Solver
-from gpnys.reduced.lla import LLAPosterior, kernel_block, kernel_diag
+from gpnys.reduced.lla import LLAPosterior
 
 __all__ = ["GSAPosterior", "COEFFICIENTS"]
 

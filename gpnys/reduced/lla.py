@@ -21,26 +21,13 @@ import warnings
 import gpytorch
 import torch
 
-from gpnys.budget import block_rows
 from gpnys.checks import NumericalWarning
+from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.reduced.features import FeatureGP, Solver
 
-__all__ = ["NystromFeatureMap", "LLAPosterior", "kernel_block", "validate_regression"]
+__all__ = ["NystromFeatureMap", "LLAPosterior", "validate_regression"]
 
 VARIANCES = ("dtc", "sor")
-
-
-def kernel_block(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """Dense ``k(A, B)`` (``(a, b)``) without autograd, evaluated in row blocks of ``A``."""
-    rows = block_rows(B.shape[0], device=B.device)
-    with torch.no_grad():
-        return torch.cat([kernel(A[i : i + rows], B).to_dense() for i in range(0, A.shape[0], rows)])
-
-
-def kernel_diag(kernel: gpytorch.kernels.Kernel, Z: torch.Tensor) -> torch.Tensor:
-    """``k(z, z)`` for every row of ``Z`` (``(nz,)``)."""
-    with torch.no_grad():
-        return kernel(Z, Z, diag=True).to(Z.dtype)
 
 
 def _finite_2d(T: torch.Tensor, name: str) -> None:

@@ -22,10 +22,10 @@ from linear_operator.operators import DiagLinearOperator
 from gpnys.checks import validate_training_data
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.kernels.entries import computation_dtype
+from gpnys.landmarks.rules import choose_m, select_landmarks
 from gpnys.linalg import safe_cholesky
 from gpnys.reduced.features import feature_nll
 from gpnys.reduced.gsa import GSAPosterior
-from gpnys.reduced.landmarks import choose_m, select_landmarks
 from gpnys.reduced.lla import LLAPosterior
 from gpnys.reduced.ncr import NCRPosterior
 from gpnys.reduced.rff import RFFPosterior
@@ -55,7 +55,7 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
         method: ``"lla"``, ``"ncr"``, ``"gsa"`` or ``"rff"``.
         kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2``.
         m: landmarks (RFF: frequencies, i.e. ``2m`` features), or ``"auto"``.
-        landmarks: a rule of :data:`gpnys.reduced.landmarks.RULES` or the points ``(m, d)`` themselves; ``None``:
+        landmarks: a rule of :data:`gpnys.landmarks.RULES` or the points ``(m, d)`` themselves; ``None``:
             ``"fps"`` (RFF takes none: a rule or points with ``"rff"`` is a ``ValueError``).
         seed: seeds landmark selection and RFF frequencies.
         prior_mean: constant prior mean.
@@ -72,7 +72,8 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
         >>> Z = 4 * torch.rand(5, 2, dtype=torch.float64, generator=g)  # test points
         >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
         >>> k = lambda A, B: kernel(A, B).to_dense().detach()  # dense kernel blocks, for the checks
-        >>> from gpnys.reduced import reduced_posterior, select_landmarks
+        >>> from gpnys.landmarks import select_landmarks
+        >>> from gpnys.reduced import reduced_posterior
         >>> post = reduced_posterior("lla", kernel, X, y, noise=0.01, m=30)  # 30 FPS landmarks
         >>> post.method, post.m, post.mean(Z).shape
         ('lla', 30, torch.Size([5]))

@@ -14,8 +14,9 @@ from __future__ import annotations
 import gpytorch
 import torch
 
+from gpnys.kernels.blocks import kernel_block
 from gpnys.reduced.features import Solver
-from gpnys.reduced.lla import LLAPosterior, kernel_block
+from gpnys.reduced.lla import LLAPosterior
 
 __all__ = ["NCRPosterior"]
 

@@ -31,13 +31,8 @@ import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_count, validate_positive
-from gpnys.reduced.lla import (
-    NystromFeatureMap,
-    _finite_2d,
-    kernel_block,
-    kernel_diag,
-    validate_regression,
-)
+from gpnys.kernels.blocks import kernel_block, kernel_diag
+from gpnys.reduced.lla import NystromFeatureMap, _finite_2d, validate_regression
 
 __all__ = ["STOP_RULES", "NytroPath", "landmark_factor", "nystrom_krr", "nytro", "predict"]
 

@@ -31,7 +31,7 @@ import torch
 from gpnys.checks import validate_count
 from gpnys.kernels.entries import split_outputscale
 from gpnys.kernels.operator import supported
-from gpnys.landmarks import _generator
+from gpnys.landmarks.common import generator
 from gpnys.reduced.features import FeatureGP, Solver
 from gpnys.reduced.lla import _finite_2d, validate_regression
 
@@ -107,7 +107,7 @@ class RandomFourierFeatures:
         self.kernel, self.seed = kernel, int(seed)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         device = torch.device("cpu") if device is None else torch.device(device)
-        gen = _generator(self.seed, device)
+        gen = generator(self.seed, device)
         self.G = torch.randn(self.num_frequencies, self.d, generator=gen, dtype=dtype, device=device)
         self.u = None
         if self.nu is not None:

@@ -32,29 +32,17 @@ and a segfault cannot be caught (docs/gpu.md, "Compute backends").
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from gpnys.collectives import LEAF
 from gpnys.kernels.backends.base import KernelBackend, check_rows
 from gpnys.kernels.formulas import Formula
+from gpnys.launch import interpreting, triton_available
 
 __all__ = ["BACKENDS", "LEAF", "KernelBackend", "check_rows", "select_backend", "make_backend",
            "triton_available"]
 
 BACKENDS = ("torch", "triton", "keops")
-
-
-
-def triton_available() -> bool:
-    """Whether ``triton`` is importable."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def select_backend(device: torch.device, backend: str | None = None) -> str:
@@ -74,7 +62,7 @@ def select_backend(device: torch.device, backend: str | None = None) -> str:
     if backend == "triton":
         if not triton_available():
             raise ValueError("backend='triton' needs triton (pip install triton)")
-        if device.type != "cuda" and not _interpreting():
+        if device.type != "cuda" and not interpreting():
             raise ValueError(f"backend='triton' runs on CUDA tensors, or on {device.type} tensors under "
                              "TRITON_INTERPRET=1 (set before triton is first imported)")
     return backend

@@ -6,12 +6,12 @@ one ``2^m`` block and one elementwise column (``TAIL``). float32 tile products u
 FP32 (``input_precision="ieee"``) unless TF32 is asked for; float64 runs in FP64 throughout.
 
 Numerical trouble cannot be silent: if a kernel fails to compile or launch (say, an FP64 ``tl.dot`` on a GPU or a
-Triton build without it), :class:`TritonBackend` warns once and answers with the torch tiles instead.
+Triton build without it), :class:`TritonBackend` warns once and answers with the torch tiles instead
+(:func:`gpnys.launch.guarded_launch`).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -19,39 +19,12 @@ import torch
 from gpnys.collectives import LEAF
 from gpnys.kernels.backends.base import KernelBackend, check_rows
 from gpnys.kernels.cutoff import LeafPlan
+from gpnys.launch import guarded_launch
 
-__all__ = ["TritonBackend", "BLOCK", "guarded_launch", "failed"]
+__all__ = ["TritonBackend", "BLOCK"]
 
 #: points per tile side (= :attr:`StationaryKernelOperator.LEAF`, the cutoff plan's leaf)
 BLOCK = LEAF
-
-#: (kernels, device type, dtype, tf32) whose Triton launch failed: answered by the fallback from then on (one warning)
-_FAILED: set[tuple[str, str, torch.dtype, bool]] = set()
-
-
-def _failure_key(kernels: str, device: torch.device, dtype: torch.dtype, tf32: bool) -> tuple:
-    return kernels, device.type, dtype, bool(tf32) and dtype == torch.float32
-
-
-def failed(kernels: str, device: torch.device, dtype: torch.dtype, tf32: bool = False) -> bool:
-    """Whether the Triton ``kernels`` (``"kernel"``: the product and derivative; ``"fps"``) failed for this device,
-    dtype and TF32 setting, so that their fallback answers."""
-    return _failure_key(kernels, device, dtype, tf32) in _FAILED
-
-
-def guarded_launch(kernels: str, device: torch.device, dtype: torch.dtype, tf32: bool, launch: Callable[[], Any],
-                   fallback: Callable[[], Any], fallback_name: str) -> Any:
-    """``launch()``, or ``fallback()`` once a Triton launch of ``kernels`` failed for this key: the first failure is
-    recorded and warned about (``RuntimeWarning``), so an answer is never silently from another path."""
-    key = _failure_key(kernels, device, dtype, tf32)
-    if key not in _FAILED:
-        try:
-            return launch()
-        except Exception as err:  # noqa: BLE001 - compile / launch errors surface as many types (CompilationError, ...)
-            _FAILED.add(key)
-            warnings.warn(f"Triton kernel failed ({kernels}) for {dtype} on {device.type} ({type(err).__name__}: "
-                          f"{err}); using {fallback_name} instead", RuntimeWarning, stacklevel=5)
-    return fallback()
 
 
 def _pow2(x: int, lo: int, hi: int) -> int:

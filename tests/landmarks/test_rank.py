@@ -1,4 +1,4 @@
-"""Tests of gpnys.precond.rank: AFN Algorithm 4 numerical-rank estimation."""
+"""Tests of gpnys.landmarks.rank: AFN Algorithm 4 numerical-rank estimation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import make_kernel, points
 
-from gpnys.precond.rank import (
+from gpnys.landmarks.rank import (
     RankEstimate,
     estimate_rank,
     numerical_rank,

@@ -3,7 +3,8 @@
 The numerical rank of ``K`` is ``#{ lambda_i(K) > 0.1 mu }``, i.e. ``#{ eig(K + mu I) > 1.1 mu }``: the
 AFN paper's §2 writes "eigenvalues of K + mu I" above ``0.1 mu``, which would count every eigenvalue, so the
 eigenvalues are those of ``K`` (as in the paper's Fig. 5 caption, "1.1 x mu", and the authors' code). It decides
-between the Nyström preconditioner (small rank) and AFN (Algorithm 5) and is cheap to estimate: only ``m x m``
+between the Nyström preconditioner (small rank) and AFN (Algorithm 5), sizes the reduced models' ``m = auto``
+(:func:`gpnys.landmarks.rules.choose_m`), and is cheap to estimate: only ``m x m``
 kernel matrices (``m`` = 500 by default) are formed.
 
 The estimate is biased, in known directions (measured accuracy: docs/preconditioners.md):
@@ -29,7 +30,7 @@ import torch
 
 from gpnys.checks import validate_count, validate_mu, validate_points
 from gpnys.kernels.entries import KernelEntries
-from gpnys.landmarks import fps
+from gpnys.landmarks.farthest import fps
 from gpnys.linalg import small_dense
 
 __all__ = ["RankEstimate", "estimate_rank", "nystrom_rel_error", "numerical_rank"]
@@ -65,7 +66,7 @@ def numerical_rank(eigenvalues: torch.Tensor, mu: float, c: float = 0.1) -> int:
 
     Example:
         >>> import torch
-        >>> from gpnys.precond.rank import numerical_rank
+        >>> from gpnys.landmarks.rank import numerical_rank
         >>> numerical_rank(torch.tensor([2.0, 0.5, 0.05, 0.001]), mu=0.1)  # eigenvalues above 0.01
         3
     """
@@ -215,7 +216,7 @@ def estimate_rank(
 
     Example:
         >>> import gpytorch, torch
-        >>> from gpnys.precond import estimate_rank
+        >>> from gpnys.landmarks import estimate_rank
         >>> g = torch.Generator().manual_seed(0)
         >>> X = 4 * torch.rand(200, 2, dtype=torch.float64, generator=g)
         >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()

@@ -1,4 +1,4 @@
-"""Tests of gpnys.reduced.landmarks: landmark rules, approximate ridge leverage scores, m = auto."""
+"""Tests of gpnys.landmarks.rules and .leverage: landmark rules, approximate ridge leverage scores, m = auto."""
 
 from __future__ import annotations
 
@@ -7,13 +7,8 @@ import torch
 
 from gpnys import datasets, landmarks
 from gpnys.kernels import make_kernel
-from gpnys.precond.rank import numerical_rank
-from gpnys.reduced.landmarks import (
-    RULES,
-    choose_m,
-    ridge_leverage_scores,
-    select_landmarks,
-)
+from gpnys.landmarks import RULES, choose_m, ridge_leverage_scores, select_landmarks
+from gpnys.landmarks.rank import numerical_rank
 
 F64 = torch.float64
 
