@@ -311,9 +311,9 @@ def product_run(backend: str, n: int, dtype: torch.dtype, device: torch.device, 
 
 def triton_failed(device: torch.device, dtype: torch.dtype, tf32: bool = False) -> bool:
     """Whether gpnys's Triton kernels failed for ``(device, dtype, tf32)`` and its torch tiles answer instead."""
-    from gpnys.kernels.backends import triton_fused
+    from gpnys.launch import failed
 
-    return triton_fused.failed("kernel", device, dtype, tf32)
+    return failed("kernel", device, dtype, tf32)
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -1056,10 +1056,10 @@ def main(argv: list[str] | None = None) -> dict:
                 fn(args, bench)
     finally:
         torch.set_num_threads(threads)  # (main is also called in-process by the tests)
-        from gpnys.kernels.backends import triton_fused
+        from gpnys import launch
 
         bench.res["meta"].update(total_s=time.perf_counter() - t0, finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                                 triton_failed=sorted(str(k) for k in triton_fused._FAILED))
+                                 triton_failed=sorted(str(k) for k in launch._FAILED))
         bench.save()
     plot(bench.res, png)
     print(f"\ntotal {time.perf_counter() - t0:.1f} s; wrote {args.out} and {png}")

@@ -218,9 +218,9 @@ def strip_reference(strip_points):
 def assert_no_triton_fallback(device: torch.device, dtype: torch.dtype) -> None:
     """The Triton backend answers a failed compile/launch with the torch tiles (and one warning): make it fail."""
     if device.type == "cuda" and triton_available():
-        from gpnys.kernels.backends import triton_fused
+        from gpnys.launch import failed
 
-        assert not triton_fused.failed("kernel", device, dtype), "Triton kernels failed; torch tiles answered"
+        assert not failed("kernel", device, dtype), "Triton kernels failed; torch tiles answered"
 
 
 @pytest.mark.parametrize("prune_tol", [None, 0.0], ids=["cutoff", "no-cutoff"])

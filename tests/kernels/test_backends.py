@@ -350,10 +350,11 @@ def test_triton_odd_shapes_and_repeatability():
 
 
 def test_triton_failure_warns_and_falls_back_to_torch(monkeypatch):
+    from gpnys import launch
     from gpnys.kernels.backends import triton_fused
 
     X, U, V, kern = setup("rbf", torch.float64, False, n=40)
-    monkeypatch.setattr(triton_fused, "_FAILED", set())
+    monkeypatch.setattr(launch, "_FAILED", set())
 
     def broken(*args, **kwargs):
         raise RuntimeError("no FP64 dot here")
