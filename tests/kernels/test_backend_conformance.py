@@ -592,13 +592,6 @@ class PartitionedTestCase(KernelBackendTestCase):
         assert_within(cg, ref.g, ref.g_scale, TOL[torch.float64], "per-column g")
 
 
-#: a library bug on the row-split path: the empty range of a rank past a ragged end (marked here, not fixed)
-EMPTY_RANK_BUG = pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "row_range gives a rank past the last point the empty range (n, n), but check_rows accepts an empty range only "
-    "at a multiple of 64: when n % 64 != 0 and a rank has no rows, the row-split backends (Triton, KeOps) raise "
-    "ValueError in that rank's derivative sums, and every rank fails the pass (the product skips empty ranks)"))
-
-
 class TestPartitionedTorch(PartitionedTestCase):
     """Each rank its share of the upper triangle's tiles (``upper_split``), partial products added in rank order."""
 
@@ -610,10 +603,6 @@ class TestPartitionedRows(PartitionedTestCase):
 
     INNER = "torch"
     SYMMETRIC = False
-
-    @EMPTY_RANK_BUG
-    def test_a_rank_without_rows_after_a_ragged_end(self):
-        super().test_a_rank_without_rows_after_a_ragged_end()
 
 
 @pytest.mark.skipif(unavailable(TRITON_DEVICE, "triton") is not None,
@@ -634,7 +623,3 @@ class TestPartitionedTriton(PartitionedTestCase):
         if test == "test_coincident_points_stay_finite_and_exact":
             return False
         return pairwise(case) and (test != "test_same_inputs_give_the_same_bits" or case["name"] == "rbf")
-
-    @EMPTY_RANK_BUG
-    def test_a_rank_without_rows_after_a_ragged_end(self):
-        super().test_a_rank_without_rows_after_a_ragged_end()

@@ -19,11 +19,12 @@ __all__ = ["KernelBackend", "check_rows"]
 
 def check_rows(n: int, rows: Rows | None) -> Rows:
     """``rows`` (``None``: all ``n``) as ``(a, b)``; ``ValueError`` unless a range of whole :data:`LEAF`-point blocks
-    within ``[0, n]`` (``b = n`` may end a partial block)."""
+    within ``[0, n]`` (``b = n`` may end a partial block; ``(n, n)`` is the empty range of a rank past the last
+    point, :func:`~gpnys.collectives.row_range`)."""
     if rows is None:
         return 0, n
     a, b = (int(r) for r in rows)
-    if a % LEAF or (b % LEAF and b != n) or not 0 <= a <= b <= n:
+    if (a % LEAF and a != n) or (b % LEAF and b != n) or not 0 <= a <= b <= n:
         raise ValueError(f"rows must be a range of whole {LEAF}-point blocks within [0, {n}], got {rows}")
     return a, b
 

@@ -88,7 +88,7 @@ class TritonBackend(KernelBackend):
     def _blocks(n: int, rows: tuple[int, int] | None) -> tuple[int, int]:
         """``(first row block, number of row blocks)`` of a pass over ``rows`` (all when ``None``)."""
         a, b = check_rows(n, rows)
-        return a // BLOCK, -(-b // BLOCK) - a // BLOCK
+        return a // BLOCK, (-(-b // BLOCK) - a // BLOCK) if b > a else 0
 
     @staticmethod
     def _coords(Z: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
