@@ -13,7 +13,7 @@ the length-scales ``--lengthscale`` and each noise in ``--noise``. For each nois
 * the gpnys estimate (``model.preconditioned()``: CG + SLQ with the BO training preconditioner) for each control
   variate in ``--control-variates`` (``none``: GPyTorch's plain estimate) and each probe seed, and its errors:
   loss relative error and, per component, ``|g - g*| / max(|g*|, 0.1 ||g*||)`` (as
-  :func:`gpnys.gp.mll.grad_errors`).
+  :func:`gpnys.baselines.mll.grad_errors`).
 
 When the noise is tiny that difference is a few per cent of either trace, and the Hutchinson estimate of
 ``tr K̂⁻¹`` carries its error into it (docs/bo.md, "The noise gradient at the noise floor").

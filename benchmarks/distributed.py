@@ -67,8 +67,8 @@ def worker(args) -> None:
 
     import gpnys.distributed as gd
     from gpnys import collectives, datasets, use_preconditioner
-    from gpnys.gp.exact import ExactGPModel
     from gpnys.gp.settings import EstimatorSettings
+    from gpnys.gp.training import ExactGPModel
 
     plain, cuda = args.plain, args.device == "cuda"
     rank, size = (0, 1) if plain else gd.init(backend="nccl" if cuda else "gloo", seed=args.seed)
@@ -387,7 +387,7 @@ def _meta(argv) -> dict:
 def print_model(args, memory: dict | None) -> list[dict]:
     """:func:`cost_model`'s rows, printed."""
     model = cost_model(args, memory)
-    print(f"\ncost model per evaluation (s): n, GPUs, every pair, with the cutoff, all-gathers"
+    print("\ncost model per evaluation (s): n, GPUs, every pair, with the cutoff, all-gathers"
           + ("" if memory is None else f", GiB per rank (against {args.gpu_gib:g})"))
     for m in model:
         print(f"  {m['n']:>9} {m['gpus']} {m['no_cutoff_s']:10.1f} {m['cutoff_s']:8.2f} {m['allgather_s']:.4f}"

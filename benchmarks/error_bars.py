@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from gpnys import datasets
-from gpnys.gp.mll import evaluate
+from gpnys.baselines.mll import evaluate
 from gpnys.gp.settings import EstimatorSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"

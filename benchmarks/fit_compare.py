@@ -7,8 +7,8 @@ Run:  python benchmarks/fit_compare.py --iters 40  (elevators split 0, all ~15k 
 
 Matérn-3/2, the same Adam steps (``--lr``, ``--iters``) from GPyTorch's default initialisation (lengthscale =
 outputscale = softplus(0) = 0.693, noise 0.693 + 1e-4), standardised data. exact: ARD, constant mean, Cholesky
-(``gpnys.gp.exact.cholesky_loss``: one Cholesky and ``cholesky_inverse`` per step with the gradient in closed form,
-the same loss and gradient as GPyTorch's Cholesky path to ~1e-14, 4-5x faster than it at n = 15k; predictions by
+(``gpnys.baselines.exact.cholesky_loss``: one Cholesky and ``cholesky_inverse`` per step with the gradient in closed
+form, the same loss and gradient as GPyTorch's Cholesky path to ~1e-14, 4-5x faster than it at n = 15k; predictions by
 GPyTorch's Cholesky path). GPyTorch's own Cholesky training (autograd through the factorisation) is also timed,
 on ``--gpytorch-cholesky-steps`` steps only (about 4 min and 18 GB per step at the full split), and its training
 time reported as the median step time x the step budget. gpytorch: the same model under ``max_cholesky_size(0)``, else GPyTorch's defaults (CG tolerance
@@ -44,16 +44,16 @@ import numpy as np
 import torch
 
 from gpnys import datasets
-from gpnys.gp.exact import (
+from gpnys.baselines.exact import cholesky_loss
+from gpnys.baselines.higp_adapter import _inv_softplus, _quiet_stdout, _softplus
+from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.training import (
     ExactGPModel,
-    cholesky_loss,
     fit,
     gaussian_nll,
     hyperparameters,
 )
-from gpnys.gp.exact import predict as gp_predict
-from gpnys.gp.higp_adapter import _inv_softplus, _quiet_stdout, _softplus
-from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.training import predict as gp_predict
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIGP_TRAIN = {"afn_rank": 50, "afn_lfil": 0, "niter": 10, "nvec": 10}  # HiGP's defaults
@@ -66,7 +66,8 @@ def _model(ds) -> ExactGPModel:
 
 
 def _gp_method(model, args, settings, predict_fn, info, step_info=None, pre_eval=None, loss=None) -> SimpleNamespace:
-    """A GPyTorch-model method: ``gpnys.gp.exact.fit`` with ``settings`` (and ``loss``); ``predict_fn(x, variance)``."""
+    """A GPyTorch-model method: ``gpnys.gp.training.fit`` with ``settings`` (and ``loss``);
+    ``predict_fn(x, variance)``."""
     def train(on_step):
         fit(model, iters=args.iters, lr=args.lr, progress=False, seed=args.seed, settings=settings, on_step=on_step,
             loss=loss)
@@ -85,7 +86,7 @@ def _gp_method(model, args, settings, predict_fn, info, step_info=None, pre_eval
 def exact_method(ds, args):
     model, cache = _model(ds), {}
     yield _gp_method(model, args, None, lambda x, v: gp_predict(model, x),
-                     {"train": "Cholesky, closed-form gradient (gpnys.gp.exact.cholesky_loss)",
+                     {"train": "Cholesky, closed-form gradient (gpnys.baselines.exact.cholesky_loss)",
                       "predict": "GPyTorch Cholesky"}, loss=lambda m: cholesky_loss(m, cache))
     cache.clear()
 

@@ -16,7 +16,7 @@ Cholesky gives the reference loss and gradient at the full subset. Then every se
   probes 10/30, Lanczos steps 20/100;
 * **HiGP** (when installed): AFN rank 50/1000, fill level 0/50, Lanczos steps 10/50, probes 10/50.
 
-Errors: the loss's relative error and the worst gradient component's (``gpnys.gp.mll.grad_errors``). With
+Errors: the loss's relative error and the worst gradient component's (``gpnys.baselines.mll.grad_errors``). With
 ``--seeds 0,1,2`` every setting runs once per estimator seed (the probes; data subset and hyperparameters stay
 those of ``--seed``) and its error is the root mean square over the seeds (per gradient component, then the worst
 component), its time the median: one draw of a stochastic estimator can land near the truth by luck.
@@ -44,10 +44,10 @@ import gpytorch
 import torch
 
 from gpnys import datasets
-from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
-from gpnys.gp.higp_adapter import evaluate_higp
-from gpnys.gp.mll import evaluate, grad_errors
+from gpnys.baselines.higp_adapter import evaluate_higp
+from gpnys.baselines.mll import evaluate, grad_errors
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.training import ExactGPModel, fit, hyperparameters
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -25,11 +25,11 @@ reset (``None`` on the CPU):
    ``EstimatorSettings(kernel_prune_tol=0)``: every pair, and ``gpnys_prune0_floor10``, the same with the fixed
    floor of 10 Lanczos steps, ``lanczos_share=None``: the estimator before commit 16cf2ec), ``gpytorch_cholesky``
    (GPyTorch's exact path, float64, only where 3 n^2 x 8 bytes fit in the free memory, else ``skipped (memory)``), ``cholesky_closed`` (the same exact loss by
-   :func:`gpnys.gp.exact.cholesky_loss`, float64, closed-form gradient, where 4 n^2 x 8 bytes fit), ``gpytorch_cg``
+   :func:`gpnys.baselines.exact.cholesky_loss`, float64, closed-form gradient, where 4 n^2 x 8 bytes fit), ``gpytorch_cg``
    (``max_cholesky_size(0)``, GPyTorch's defaults; an OOM is recorded as ``OOM``) and, with ``--keops``,
    ``gpytorch_keops`` (``gpytorch.kernels.keops.MaternKernel`` under ``max_cholesky_size(0)``, in a child process).
    Errors are against ``gpytorch_cholesky`` where it ran, else ``cholesky_closed``: |loss - ref| and the largest
-   gradient error |g - g*| / max(|g*|, 0.1 ||g*||) (:func:`gpnys.gp.mll.grad_errors`). Data: kin40k (``--real-data``,
+   gradient error |g - g*| / max(|g*|, 0.1 ||g*||) (:func:`gpnys.baselines.mll.grad_errors`). Data: kin40k (``--real-data``,
    standardised, 8-D) at 10k, 25k and its whole training split (36 000), and ``synthetic3d`` (not standardised) at
    200k and 1e6.
 3. fit: ``--fit-steps`` Adam steps (lr ``--lr``) from GPyTorch's initialisation (constant mean) by ``gpnys``,
@@ -100,9 +100,10 @@ from typing import Any, Callable  # noqa: E402
 import gpytorch  # noqa: E402
 
 from gpnys import datasets  # noqa: E402
-from gpnys.gp.exact import ExactGPModel, cholesky_loss, fit, hyperparameters, read_checkpoint  # noqa: E402
+from gpnys.baselines.exact import cholesky_loss  # noqa: E402
+from gpnys.gp.training import ExactGPModel, fit, hyperparameters, read_checkpoint  # noqa: E402
 from gpnys.gp.hook import GP_DEFAULTS, use_preconditioner  # noqa: E402
-from gpnys.gp.mll import grad_errors  # noqa: E402
+from gpnys.baselines.mll import grad_errors  # noqa: E402
 from gpnys.gp.settings import EstimatorSettings  # noqa: E402
 from gpnys.kernels.backends import select_backend, triton_available  # noqa: E402
 from gpnys.kernels.operator import StationaryKernelOperator  # noqa: E402
@@ -602,7 +603,7 @@ def fit_run(data: str, n_req: int | None, method: str, steps: int, args, bench, 
     elif method == "gpytorch_cg":
         ctx, settings = contextlib.nullcontext(), lambda _n: gpytorch.settings.max_cholesky_size(0)
     else:
-        ctx, settings = contextlib.nullcontext(), None  # gpnys.gp.exact.fit's Cholesky settings
+        ctx, settings = contextlib.nullcontext(), None  # gpnys.gp.training.fit's Cholesky settings
     start, hook = [0.0], [None]
 
     def on_step(t: int, loss: float) -> dict:

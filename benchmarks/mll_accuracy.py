@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from gpnys import datasets
-from gpnys.gp.higp_adapter import evaluate_higp
-from gpnys.gp.mll import evaluate, grad_errors
+from gpnys.baselines.higp_adapter import evaluate_higp
+from gpnys.baselines.mll import evaluate, grad_errors
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -35,8 +35,8 @@ import torch
 
 from gpnys import datasets
 from gpnys.checks import NumericalWarning
-from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.training import ExactGPModel, fit, hyperparameters
 from gpnys.kernels import make_kernel
 from gpnys.landmarks import select_landmarks
 from gpnys.reduced import ExactPosterior, nystrom_krr, nytro

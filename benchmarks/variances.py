@@ -32,9 +32,9 @@ import gpytorch
 import torch
 
 from gpnys import datasets
-from gpnys.gp.exact import ExactGPModel, fit, gaussian_nll
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.training import ExactGPModel, fit, gaussian_nll
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -18,9 +18,9 @@ import torch
 
 import gpnys
 from gpnys import datasets
+from gpnys.baselines.mll import evaluate
 from gpnys.gp.estimator import gradient_at_noise
-from gpnys.gp.exact import ExactGPModel, fit
-from gpnys.gp.mll import evaluate
+from gpnys.gp.training import ExactGPModel, fit
 
 
 def show(name: str, out: dict) -> None:

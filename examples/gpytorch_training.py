@@ -16,7 +16,7 @@ import torch
 
 import gpnys
 from gpnys import datasets
-from gpnys.gp.exact import gaussian_nll
+from gpnys.gp.training import gaussian_nll
 
 
 class GP(gpytorch.models.ExactGP):

@@ -28,7 +28,7 @@ import torch
 
 import gpnys.distributed as gd
 from gpnys import use_preconditioner
-from gpnys.gp.exact import ExactGPModel
+from gpnys.gp.training import ExactGPModel
 from gpnys.kernels import make_kernel
 from gpnys.kernels.operator import StationaryKernelOperator
 

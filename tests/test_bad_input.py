@@ -7,7 +7,7 @@ import torch
 
 import gpnys
 from gpnys import datasets
-from gpnys.gp.exact import ExactGPModel, fit
+from gpnys.gp.training import ExactGPModel, fit
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.kernels.system import kernel_system
 from gpnys.precond import (

@@ -28,8 +28,8 @@ import gpnys
 from gpnys import datasets, memory_budget
 from gpnys.checks import NumericalWarning
 from gpnys.cli.main import main
-from gpnys.gp.exact import ExactGPModel, fit
-from gpnys.gp.exact import predict as exact_predict
+from gpnys.gp.training import ExactGPModel, fit
+from gpnys.gp.training import predict as exact_predict
 from gpnys.kernels import make_kernel as make_scale_kernel
 from gpnys.kernels.backends import triton_available
 from gpnys.kernels.cutoff import cutoff_radius, leaf_plan, spatial_order

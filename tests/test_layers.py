@@ -1,7 +1,7 @@
 """The package's import layers: data flows one way, datasets -> kernels -> landmarks -> precond -> solvers -> gp ->
-reduced / bo / distributed -> cli, with shared utilities on the ground floor. Every ``gpnys`` import a module makes
-at run time (at the top or inside a function; ``if TYPE_CHECKING:`` blocks excepted) must point to its own layer or
-a lower one, and no modules may import each other in a circle."""
+reduced / bo / distributed / baselines -> cli, with shared utilities on the ground floor. Every ``gpnys`` import a
+module makes at run time (at the top or inside a function; ``if TYPE_CHECKING:`` blocks excepted) must point to its
+own layer or a lower one, and no modules may import each other in a circle."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("gpnys.precond",),
     ("gpnys.solvers",),
     ("gpnys.gp",),
-    ("gpnys.reduced", "gpnys.bo", "gpnys.distributed"),
+    ("gpnys.reduced", "gpnys.bo", "gpnys.distributed", "gpnys.baselines"),
     ("gpnys.cli",),
     ("gpnys",),
 ]

@@ -18,7 +18,10 @@ from gpnys.cli.common import (
     emit_json,
     estimator_from_args,
 )
-from gpnys.gp.exact import (
+from gpnys.gp.estimator import gradient_at_noise
+from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.settings import VARIANCE_METHODS
+from gpnys.gp.training import (
     OPTIMIZERS,
     ExactGPModel,
     fit,
@@ -26,9 +29,6 @@ from gpnys.gp.exact import (
     hyperparameters,
     predict,
 )
-from gpnys.gp.estimator import gradient_at_noise
-from gpnys.gp.hook import use_preconditioner
-from gpnys.gp.settings import VARIANCE_METHODS
 from gpnys.precond.strategy import PRECONDITIONERS
 
 NAME = "fit"

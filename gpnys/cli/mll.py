@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import importlib.util
+import math
 
 from gpnys import budget, datasets
+from gpnys.baselines.higp_adapter import evaluate_higp  # imports higp itself only when called
+from gpnys.baselines.mll import METHODS, NOISE_LOWER_BOUND, evaluate, grad_errors
 from gpnys.cli.common import (
     DTYPES,
     add_common_args,
@@ -16,8 +18,6 @@ from gpnys.cli.common import (
     emit_json,
     estimator_from_args,
 )
-from gpnys.gp.higp_adapter import evaluate_higp  # imports higp itself only when called
-from gpnys.gp.mll import METHODS, NOISE_LOWER_BOUND, evaluate, grad_errors
 from gpnys.kernels.backends import select_backend
 from gpnys.kernels.product import caches_dense
 

@@ -26,8 +26,8 @@ from gpnys.cli.common import (
     comma_choices,
     emit_json,
 )
-from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import use_preconditioner
+from gpnys.gp.training import ExactGPModel, fit, hyperparameters
 from gpnys.kernels import make_kernel
 from gpnys.landmarks import RULES
 from gpnys.reduced.error import ExactPosterior

@@ -14,10 +14,10 @@ import warnings
 import gpytorch
 import torch
 
-from gpnys.gp.exact import ExactGPModel
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.path import PathCosts, costs_key, fit_costs, install_calibration
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.training import ExactGPModel
 
 __all__ = ["calibrate"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import gpytorch
 import torch
 
-from gpnys.gp.exact import gaussian_nll
+from gpnys.gp.training import gaussian_nll
 from gpnys.landmarks.rules import choose_m, select_landmarks
 from gpnys.reduced.error import ExactPosterior, landmark_rkhs_error, rkhs_error
 from gpnys.reduced.models import reduced_posterior

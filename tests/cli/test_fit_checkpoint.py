@@ -1,4 +1,4 @@
-"""``gpnys.gp.exact.fit(checkpoint=...)``: a fit stopped and resumed from its checkpoint ends where one straight
+"""``gpnys.gp.training.fit(checkpoint=...)``: a fit stopped and resumed from its checkpoint ends where one straight
 run ends (the exact path bitwise; gpnys's stochastic estimator too, as the random state travels with it)."""
 
 import gpytorch
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gpnys import datasets, use_preconditioner
-from gpnys.gp.exact import ExactGPModel, fit
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.training import ExactGPModel, fit
 
 DS = datasets.load("concrete", n=200, seed=0)
 

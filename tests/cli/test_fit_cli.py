@@ -7,7 +7,7 @@ import torch
 
 from gpnys import datasets
 from gpnys.cli.main import main
-from gpnys.gp.exact import ExactGPModel, fit, gaussian_nll, hyperparameters, predict
+from gpnys.gp.training import ExactGPModel, fit, gaussian_nll, hyperparameters, predict
 
 
 def dense_neg_mll(x, y, lengthscale, outputscale, noise, mean, nu=1.5):

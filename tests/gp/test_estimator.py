@@ -9,13 +9,13 @@ import pytest
 import torch
 from helpers import points
 
+from gpnys.baselines.mll import evaluate
 from gpnys.cli.main import main
 from gpnys.gp import estimator
 from gpnys.gp.estimator import _jacobian, _jacobian_by_columns, gradient_at_noise, slq_terms
-from gpnys.gp.exact import ExactGPModel, fit
 from gpnys.gp.hook import use_preconditioner
-from gpnys.gp.mll import evaluate
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.training import ExactGPModel, fit
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.solvers.pcg import pcg
 

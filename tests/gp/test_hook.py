@@ -9,9 +9,9 @@ import torch
 
 from gpnys import datasets
 from gpnys.checks import NumericalWarning
-from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import PreconditionerHook, use_preconditioner
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.training import ExactGPModel, fit, hyperparameters
 from gpnys.precond.afn import AFNPreconditioner
 
 
@@ -287,7 +287,7 @@ def test_rademacher_probes_have_covariance_p():
 @pytest.mark.parametrize("ard,method", [(False, "pcg"), (True, "pcg"), (True, "cholesky"), (False, "auto")])
 def test_predict_matches_cholesky(concrete, ard, method, dtype):
     """hook.predict: PCG mean and exact-to-tolerance variances (PCG or Cholesky) equal the exact posterior."""
-    from gpnys.gp.exact import gaussian_nll, predict
+    from gpnys.gp.training import gaussian_nll, predict
 
     m = model_at(concrete, ls=1.5, noise=0.05, ard=ard, dtype=dtype)
     X_test = concrete.test_x.to(dtype)
@@ -310,7 +310,7 @@ def test_predict_matches_cholesky(concrete, ard, method, dtype):
 def test_predict_without_training_under_the_hook(concrete, transform):
     """A model fitted elsewhere and only predicted under the hook: gpnys's own paths (no dense GPyTorch cache) with
     the exact posterior; a forward that rescales x still takes GPyTorch's path."""
-    from gpnys.gp.exact import predict
+    from gpnys.gp.training import predict
 
     class Scaled(ExactGPModel):
         def forward(self, x):
@@ -330,7 +330,7 @@ def test_predict_without_training_under_the_hook(concrete, transform):
 
 def test_predict_falls_back_when_forward_transforms_inputs(concrete):
     """A forward that rescales x: the fast variance path (kernel on raw X) would be wrong, GPyTorch's is used."""
-    from gpnys.gp.exact import predict
+    from gpnys.gp.training import predict
 
     class Scaled(ExactGPModel):
         def forward(self, x):
@@ -375,7 +375,7 @@ def test_nested_contexts_on_one_model_are_refused_and_the_outer_survives(concret
 def test_float32_inputs_in_a_float64_model(concrete):
     """GPyTorch promotes float32 inputs to the float64 hyperparameters; so does the hook: the loss is
     Cholesky's to the estimator's accuracy and the predictions are the exact posterior's."""
-    from gpnys.gp.exact import predict
+    from gpnys.gp.training import predict
 
     m = model_at(concrete, ls=1.5, noise=0.05, ard=False, dtype=torch.float64)
     X32 = m.train_inputs[0].float()

@@ -6,9 +6,9 @@ import gpytorch
 import pytest
 import torch
 
-from gpnys.gp.exact import ExactGPModel, predict
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.training import ExactGPModel, predict
 from gpnys.gp.variance import LocalVariance
 from gpnys.precond.afn import AFNPreconditioner
 

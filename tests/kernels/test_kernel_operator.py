@@ -16,9 +16,9 @@ import torch
 from helpers import points
 
 from gpnys import budget, datasets, memory_budget
-from gpnys.gp.exact import ExactGPModel, fit, hyperparameters
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.training import ExactGPModel, fit, hyperparameters
 from gpnys.kernels import KERNEL_NAMES
 from gpnys.kernels import make_kernel as make_scale_kernel
 from gpnys.kernels.backends.torch_tiles import TorchTiles

@@ -9,8 +9,8 @@ import torch
 
 from gpnys import datasets
 from gpnys.checks import NumericalWarning
-from gpnys.gp.exact import ExactGPModel
-from gpnys.gp.exact import predict as exact_predict
+from gpnys.gp.training import ExactGPModel
+from gpnys.gp.training import predict as exact_predict
 from gpnys.kernels import make_kernel
 from gpnys.reduced import (
     ExactPosterior,
@@ -278,7 +278,7 @@ def test_fit_refuses_non_finite_targets_before_any_step(bad):
     """NaN or inf in the targets: a ValueError naming them, and no parameter moved."""
     import gpytorch
 
-    from gpnys.gp.exact import ExactGPModel, fit
+    from gpnys.gp.training import ExactGPModel, fit
     from gpnys.reduced import ReducedGP
 
     X = torch.rand(40, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""``gpnys.gp.exact.cholesky_loss``: the exact -MLL/n with a closed-form gradient, against GPyTorch's Cholesky
+"""``gpnys.baselines.exact.cholesky_loss``: the exact -MLL/n with a closed-form gradient, against GPyTorch's Cholesky
 path with autograd (real data, perturbed hyperparameters, every supported kernel, ARD, both means)."""
 
 import gpytorch
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gpnys import datasets
-from gpnys.gp.exact import ExactGPModel, _exact_settings, cholesky_loss, fit, hyperparameters
+from gpnys.baselines.exact import cholesky_loss
+from gpnys.gp.training import ExactGPModel, exact_settings, fit, hyperparameters
 
 DS = datasets.load("concrete", n=300, seed=0)
 
@@ -26,7 +27,7 @@ def _loss_and_grad(model, closed):
     if closed:
         loss = cholesky_loss(model)
     else:
-        with _exact_settings(model.train_targets.shape[0]):
+        with exact_settings(model.train_targets.shape[0]):
             loss = -gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)(
                 model(*model.train_inputs), model.train_targets)
     loss.backward()

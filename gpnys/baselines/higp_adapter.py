@@ -1,4 +1,4 @@
-"""One HiGP value + gradient of the negative MLL, in the record format of :func:`gpnys.gp.mll.evaluate`.
+"""One HiGP value + gradient of the negative MLL, in the record format of :func:`gpnys.baselines.mll.evaluate`.
 
 HiGP (``pip install higp``, the AFN authors' package) is imported lazily, so gpnys works without it.
 
@@ -15,7 +15,7 @@ Parameterisation (HiGP's C++ sources, ``cpp-src``; checked against the installed
   (``higp.GPRModel.calc_loss_grad`` rescales by ``1/n`` and subtracts ``2 pi``; it is not used here.)
 
 So with GPyTorch's ``lengthscale = softplus(a)``, ``outputscale = softplus(b)``, ``noise = softplus(c) + 1e-6``
-(``GreaterThan(1e-6)``, as :func:`gpnys.gp.mll.evaluate` builds the likelihood), the loss is ``L / n`` and
+(``GreaterThan(1e-6)``, as :func:`gpnys.baselines.mll.evaluate` builds the likelihood), the loss is ``L / n`` and
 
     dloss/da = G_l / (n sigmoid(l_raw)) * sigmoid(a)
     dloss/db = G_f / (n sigmoid(f_raw)) / (2 sqrt(outputscale)) * sigmoid(b)
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from gpnys.gp.mll import NOISE_LOWER_BOUND, validate_inputs
+from gpnys.baselines.mll import NOISE_LOWER_BOUND, validate_inputs
 
 __all__ = ["HIGP_KERNELS", "evaluate_higp"]
 
@@ -127,7 +127,8 @@ def evaluate_higp(
 ) -> dict[str, Any]:
     """HiGP's ``-MLL / n`` and its gradient with respect to GPyTorch's raw parameters.
 
-    Same inputs and record as :func:`gpnys.gp.mll.evaluate` (zero mean, ``ScaleKernel`` over an isotropic kernel).
+    Same inputs and record as :func:`gpnys.baselines.mll.evaluate` (zero mean, ``ScaleKernel`` over an isotropic
+    kernel).
 
     Args:
         X: ``(n, d)`` inputs; y: ``(n,)`` targets. float32 inputs run HiGP in single precision, else double.

@@ -17,9 +17,9 @@ from typing import Any
 import gpytorch
 import torch
 
-from gpnys.gp.exact import ExactGPModel
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.gp.training import ExactGPModel
 from gpnys.precond.strategy import PRECONDITIONERS
 
 __all__ = ["evaluate", "grad_errors", "validate_inputs", "METHODS"]
@@ -88,7 +88,7 @@ def evaluate(
 
     Example:
         >>> import torch
-        >>> from gpnys.gp.mll import evaluate, grad_errors
+        >>> from gpnys.baselines.mll import evaluate, grad_errors
         >>> _ = torch.manual_seed(0)
         >>> X = torch.rand(200, 2, dtype=torch.float64)
         >>> y = torch.sin(6 * X[:, 0]) + 0.1 * torch.randn(200, dtype=torch.float64)
@@ -158,7 +158,7 @@ def grad_errors(grad: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
     for the near-zero ones.
 
     Example:
-        >>> from gpnys.gp.mll import grad_errors
+        >>> from gpnys.baselines.mll import grad_errors
         >>> ref = {"raw_lengthscale": 1.0, "raw_outputscale": -2.0, "raw_noise": 0.0}
         >>> est = {"raw_lengthscale": 1.1, "raw_outputscale": -2.0, "raw_noise": 0.01}
         >>> {k: round(v, 4) for k, v in grad_errors(est, ref).items()}

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from gpnys import datasets
+from gpnys.baselines.higp_adapter import evaluate_higp  # imports higp only when called
+from gpnys.baselines.mll import evaluate
 from gpnys.cli.main import main
-from gpnys.gp.higp_adapter import evaluate_higp  # imports higp only when called
-from gpnys.gp.mll import evaluate
 
 pytest.importorskip("higp")
 

@@ -1,0 +1,14 @@
+"""The references gpnys is compared against, above the training API (:mod:`gpnys.gp`).
+
+* :mod:`~gpnys.baselines.exact` — :func:`cholesky_loss`, the exact ``-MLL / n`` by one Cholesky with a closed-form
+  gradient;
+* :mod:`~gpnys.baselines.mll` — :func:`evaluate`, one loss + gradient by Cholesky, GPyTorch's CG or any gpnys
+  preconditioner (through :func:`gpnys.gp.hook.use_preconditioner`), and :func:`grad_errors`;
+* :mod:`~gpnys.baselines.higp_adapter` — :func:`evaluate_higp`, the same record from HiGP (imported only when called).
+"""
+
+from gpnys.baselines.exact import cholesky_loss
+from gpnys.baselines.higp_adapter import evaluate_higp
+from gpnys.baselines.mll import METHODS, evaluate, grad_errors
+
+__all__ = ["METHODS", "cholesky_loss", "evaluate", "evaluate_higp", "grad_errors"]
