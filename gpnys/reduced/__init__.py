@@ -5,7 +5,8 @@
   "naive" Gram substitution, two coefficient choices), :mod:`~gpnys.reduced.error` — the exact posterior and
   RKHS distances ([SPA] eq. (15), (19)), :mod:`~gpnys.reduced.nytro` — NYTRO and Nyström KRR,
   :mod:`~gpnys.reduced.rff` — random Fourier features, :mod:`~gpnys.reduced.models` — the functional
-  constructor and the GPyTorch-compatible :class:`ReducedGP`.
+  constructor and the GPyTorch-compatible :class:`ReducedGP`, :mod:`~gpnys.reduced.nystrom_features` — the
+  scikit-learn transformer :class:`NystromFeatures` (NSL kernel SVMs with any linear learner).
 
 The landmark rules (uniform / FPS / k-means / ridge leverage) and ``m="auto"`` are
 :func:`gpnys.landmarks.select_landmarks` and :func:`gpnys.landmarks.choose_m`.
@@ -16,9 +17,10 @@ from gpnys.reduced.gsa import GSAPosterior
 from gpnys.reduced.lla import LLAPosterior, NystromFeatureMap
 from gpnys.reduced.models import METHODS, ReducedGP, reduced_posterior
 from gpnys.reduced.ncr import NCRPosterior
+from gpnys.reduced.nystrom_features import NystromFeatures
 from gpnys.reduced.nytro import nystrom_krr, nytro
 from gpnys.reduced.rff import RandomFourierFeatures, RFFPosterior
 
 __all__ = ["ExactPosterior", "rkhs_error", "landmark_rkhs_error", "GSAPosterior", "LLAPosterior", "NCRPosterior",
-           "NystromFeatureMap", "RFFPosterior", "RandomFourierFeatures", "ReducedGP", "reduced_posterior", "METHODS",
+           "NystromFeatureMap", "NystromFeatures", "RFFPosterior", "RandomFourierFeatures", "ReducedGP", "reduced_posterior", "METHODS",
            "nytro", "nystrom_krr"]
