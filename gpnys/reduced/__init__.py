@@ -22,5 +22,5 @@ from gpnys.reduced.nytro import nystrom_krr, nytro
 from gpnys.reduced.rff import RandomFourierFeatures, RFFPosterior
 
 __all__ = ["ExactPosterior", "rkhs_error", "landmark_rkhs_error", "GSAPosterior", "LLAPosterior", "NCRPosterior",
-           "NystromFeatureMap", "NystromFeatures", "RFFPosterior", "RandomFourierFeatures", "ReducedGP", "reduced_posterior", "METHODS",
-           "nytro", "nystrom_krr"]
+           "NystromFeatureMap", "NystromFeatures", "RFFPosterior", "RandomFourierFeatures", "ReducedGP",
+           "reduced_posterior", "METHODS", "nytro", "nystrom_krr"]
