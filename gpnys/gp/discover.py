@@ -1,4 +1,5 @@
-"""Which kernel, on which inputs, a GPyTorch model's training covariance really uses.
+"""Which kernel, on which inputs, a GPyTorch model's training covariance really uses, and whether gpnys can
+accelerate it.
 
 A model may keep its kernel under any attribute name, and its ``forward`` may transform the inputs before the
 kernel sees them (``self.cov(20 * x)``). Both are visible in the covariance GPyTorch builds: in training mode
@@ -11,8 +12,9 @@ from __future__ import annotations
 import gpytorch
 import torch
 from gpytorch.lazy import LazyEvaluatedKernelTensor
+from linear_operator.operators import LinearOperator
 
-__all__ = ["training_kernel", "same_points"]
+__all__ = ["training_kernel", "same_points", "unsupported_model", "unsupported_covariance", "STRUCTURED_KERNELS"]
 
 
 def same_points(A: torch.Tensor, B: torch.Tensor) -> bool:
@@ -53,3 +55,51 @@ def training_kernel(model: gpytorch.models.ExactGP) -> tuple[gpytorch.kernels.Ke
         return cov.kernel, cov.x1
     raise ValueError(f"model: its forward() covariance is a {type(cov).__name__}, not one kernel evaluated on the "
                      "training inputs; combine the kernels into one kernel object (k1 + k2, k1 * k2)")
+
+
+#: kernels whose evaluation is structured or approximate (grid interpolation, inducing points, random features,
+#: task covariances, products over dimensions): the hook leaves them to GPyTorch's own computation
+STRUCTURED_KERNELS = tuple(getattr(gpytorch.kernels, name) for name in (
+    "GridInterpolationKernel", "GridKernel", "InducingPointKernel", "ProductStructureKernel", "AdditiveStructureKernel",
+    "RFFKernel", "IndexKernel", "MultitaskKernel", "LCMKernel", "NewtonGirardAdditiveKernel", "SpectralDeltaKernel",
+) if hasattr(gpytorch.kernels, name))
+
+
+def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | None = None) -> str | None:
+    """Why the hook cannot accelerate ``model`` (its data, outputs or likelihood), or ``None``: batched inputs,
+    several inputs to ``forward`` (a task index), several outputs, or a likelihood other than a
+    ``GaussianLikelihood`` / ``FixedNoiseGaussianLikelihood`` (multitask likelihoods included)."""
+    inputs = model.train_inputs
+    if inputs is None or len(inputs) != 1:
+        return "its forward() takes several inputs (e.g. a task index)"
+    X = inputs[0] if train_x is None else train_x
+    batch = inputs[0].shape[:-2]
+    if len(batch) > 1 or X.shape[:-2] != batch:
+        return f"its training inputs have more than one batch dimension, shape {tuple(inputs[0].shape)}"
+    targets = model.train_targets
+    if targets is None or targets.shape != inputs[0].shape[:-1]:
+        return "it has several outputs or tasks"
+    policy = gpytorch.settings.observation_nan_policy.value()
+    if policy != "ignore" and not bool(torch.isfinite(model.train_targets).all()):
+        return f"its targets hold missing values under observation_nan_policy({policy!r})"
+    likelihood = model.likelihood
+    if not isinstance(likelihood, (gpytorch.likelihoods.GaussianLikelihood,
+                                   gpytorch.likelihoods.FixedNoiseGaussianLikelihood)):
+        return f"its likelihood is a {type(likelihood).__name__}"
+    if tuple(getattr(likelihood, "batch_shape", ())) not in ((), tuple(batch)):
+        return f"its likelihood's batch shape {tuple(likelihood.batch_shape)} is not the inputs' {tuple(batch)}"
+    return None
+
+
+def unsupported_covariance(op: LinearOperator) -> str | None:
+    """Why the hook cannot accelerate the training covariance's kernel part ``op``, or ``None``: it must be one
+    kernel evaluated on one set of ``(n, d)`` points (``(b, n, d)`` in batch mode), with no structured or
+    approximate kernel inside."""
+    if not (isinstance(op, LazyEvaluatedKernelTensor) and op.x1 is op.x2 and op.x1.shape[:-1] == op.shape[:-1]
+            and op.dim() in (2, 3)):
+        return (f"its training covariance is a {type(op).__name__}, not one kernel evaluated on the training inputs "
+                "(combine kernels into one kernel object, k1 + k2, to have it accelerated)")
+    structured = [type(m).__name__ for m in op.kernel.modules() if isinstance(m, STRUCTURED_KERNELS)]
+    if structured:
+        return f"its kernel uses {structured[0]}, a structured or approximate kernel"
+    return None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import gpytorch
 import torch
@@ -35,14 +35,14 @@ from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 from scipy.stats import chi2
 
 from gpnys.checks import NumericalWarning
+from gpnys.gp.settings import EstimatorSettings
 from gpnys.linalg import small_dense
 from gpnys.precond.afn import AFNPreconditioner
+from gpnys.precond.base import Preconditioner
 from gpnys.solvers.pcg import NonFiniteError, QuadratureTest, pcg
 
-if TYPE_CHECKING:
-    from gpnys.gp.hook import PreconditionerHook
-
-__all__ = ["Estimate", "log_prob", "slq_terms", "gradient_at_noise", "PROXY_ABOVE", "NOISE_LEVEL"]
+__all__ = ["Estimate", "EstimatorState", "Evaluation", "log_prob", "slq_terms", "gradient_at_noise", "PROXY_ABOVE",
+           "NOISE_LEVEL"]
 
 #: :func:`gradient_at_noise`: the gradient is taken as zero when a chi-square test at ``1 - NOISE_LEVEL`` cannot
 #: tell it from its noise
@@ -204,17 +204,61 @@ def _rounding(X: torch.Tensor, Z: torch.Tensor, K_abs: torch.Tensor | None) -> f
     return ROUNDING_FACTOR * u * (quad + 0.5 * logdet)
 
 
-def _hyperparameter_summary(hook: "PreconditionerHook") -> str:
-    """``lengthscale=[...], outputscale=..., noise=...`` of the hook's kernel and likelihood, for error messages."""
-    kernel = hook.kernel
+def hyperparameter_summary(kernel: gpytorch.kernels.Kernel, noise: torch.Tensor) -> str:
+    """``lengthscale=[...], outputscale=..., noise=...`` of ``kernel`` and the ``noise`` variances, for error
+    messages."""
     parts = []
     for name, module in (("lengthscale", getattr(kernel, "base_kernel", kernel)), ("outputscale", kernel)):
         value = getattr(module, name, None)
         if isinstance(value, torch.Tensor):
             parts.append(f"{name}={[float(f'{v:.4g}') for v in value.detach().reshape(-1)[:8].tolist()]}")
-    noise = hook.model.likelihood.noise.detach().reshape(-1)
-    parts.append(f"noise={[float(f'{v:.4g}') for v in noise[:8].tolist()]}")
+    parts.append(f"noise={[float(f'{v:.4g}') for v in noise.detach().reshape(-1)[:8].tolist()]}")
     return ", ".join(parts)
+
+
+@dataclass
+class EstimatorState:
+    """What one evaluation of :func:`log_prob` reads; it writes nothing back (its result is an :class:`Evaluation`).
+
+    Attributes:
+        model: the module whose parameters get gradients (their Jacobian rows give the gradient's standard errors).
+        preconditioner: ``P`` of ``K + mu I``; s2: the outputscale, 0-dim (``P̂ = s² P``).
+        noise: the training noise variances, 0-dim or ``(n,)`` (``λ_min`` of the variational bound).
+        settings: the accuracy knobs (:class:`~gpnys.gp.settings.EstimatorSettings`).
+        warm_start: ``K̂⁻¹ r`` of a previous evaluation, ``(n,)``, or ``None``.
+        variance_reduction: subtract the preconditioner's control variate (Wenger et al. 2022, eq. 9).
+        control_variate_terms: ``(Z, schur=None, split=False) -> (log det P̂, [z_jᵀ P̂⁻¹ z_j]_j) | None`` with
+            autograd (:meth:`~gpnys.gp.hook.PreconditionerHook.control_variate_terms`).
+        frozen_jacobian_terms: ``Z -> [(tensor, per-probe rows)] | None``, AFN's frozen family in closed form.
+        describe: the current hyperparameters in words, for error messages.
+        path_reason: why the preconditioned path runs (copied into the :class:`Estimate`).
+    """
+
+    model: torch.nn.Module
+    preconditioner: Preconditioner
+    s2: torch.Tensor
+    noise: torch.Tensor
+    settings: EstimatorSettings
+    warm_start: torch.Tensor | None = None
+    variance_reduction: bool = False
+    control_variate_terms: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    frozen_jacobian_terms: Callable[[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]] | None] | None = None
+    describe: Callable[[], str] = lambda: ""
+    path_reason: str = ""
+
+
+@dataclass
+class Evaluation:
+    """The result of :func:`log_prob`: ``log_prob`` (0-dim, the estimate of ``log p(y)``, with the estimator's
+    gradient), its
+    :class:`Estimate`, ``warm_start`` (``K̂⁻¹ r``, ``(n,)``, the next evaluation's start) and the counts of
+    preconditioner ``applications`` and probe ``samples`` it used."""
+
+    log_prob: torch.Tensor
+    estimate: Estimate
+    warm_start: torch.Tensor
+    applications: int
+    samples: int
 
 
 def _parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -328,18 +372,19 @@ def _split(vec: torch.Tensor, params: list[tuple[str, torch.Tensor]]) -> dict[st
     return out
 
 
-def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.MultivariateNormal,
-             value: torch.Tensor) -> torch.Tensor:
-    """``log p(value)`` under the training marginal ``mvn`` (``(n,)`` mean, ``K̂`` with the hook's preconditioner),
-    estimated as in the module docstring; the :class:`Estimate` goes to ``hook.last_estimate``. Returns a 0-dim
-    tensor whose value is the estimate and whose gradient is the (control-variate) estimator's."""
-    settings = hook.settings
+def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNormal,
+             value: torch.Tensor) -> Evaluation:
+    """``log p(value)`` under the training marginal ``mvn`` (``(n,)`` mean, ``K̂``), preconditioned by
+    ``state.preconditioner`` and estimated as in the module docstring. Returns an :class:`Evaluation` whose
+    ``log_prob`` (0-dim) has the estimate as its value and the (control-variate) estimator's gradient."""
+    settings = state.settings
     cov = mvn.lazy_covariance_matrix.evaluate_kernel()
     n = cov.shape[-1]
-    P, s2 = hook.preconditioner()
+    P, s2 = state.preconditioner, state.s2
+    counts = {"applications": 0, "samples": 0}
 
     def M(R: torch.Tensor) -> torch.Tensor:
-        hook.applications += 1
+        counts["applications"] += 1
         return P.solve(R) / s2
 
     def A(V: torch.Tensor) -> torch.Tensor:
@@ -348,7 +393,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
 
     mean = mvn.mean
     r = (value - mean).detach()
-    lam_min = float(hook._noise().detach().min())
+    lam_min = float(state.noise.detach().min())
     maxiter = settings.max_cg_iterations
     target = settings.target_rel_error
     # the inverse quadratic's column rides along with the first probes (same kernel passes), at a tighter
@@ -360,7 +405,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
     logdet_p = float(P.logdet() + n * torch.log(s2))
 
     # the gradient's terms only where autograd will ask for them
-    params = _parameters(hook.model) if torch.is_grad_enabled() else []
+    params = _parameters(state.model) if torch.is_grad_enabled() else []
     tensors = [p for _, p in params]
     reps = list(cov.representation())
     generator = None
@@ -377,7 +422,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
         warnings.simplefilter("ignore", category=NumericalWarning)  # CG's own warnings: the error bars say it
         while True:
             Z = s2.sqrt() * P.sample(batch, generator=generator, distribution=settings.probes)
-            hook.samples += batch
+            counts["samples"] += batch
             first = a is None
             rhs = torch.cat([r[:, None], Z], 1) if first else Z
             tols = torch.full((rhs.shape[1],), probe_tol, dtype=torch.float64)
@@ -390,7 +435,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             quad = (None if settings.lanczos_share is None or not first
                     else _quadrature_test(n, settings.lanczos_share, tol_r))
             x0 = None
-            warm = getattr(hook, "_warm_a", None)
+            warm = state.warm_start
             if first and settings.warm_start and warm is not None and warm.shape == r.shape:
                 # the solve with r starts from the previous evaluation's K̂⁻¹ r (a training step moves K̂ a little);
                 # the probes start at 0, as their Lanczos quadrature needs
@@ -400,14 +445,13 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, x0=x0, lanczos=True, miniter=floor, quadrature=quad,
                           abs_columns=1 + min(batch, ROUNDING_PROBES) if first else 0)  # for the rounding term
             except NonFiniteError as err:
-                raise NonFiniteError(f"{err}, at {_hyperparameter_summary(hook)}") from err
+                raise NonFiniteError(f"{err}, at {state.describe()}") from err
             iterations = max(iterations, sol.iterations)
             if first:
                 a, rho = sol.x[:, 0], sol.residual[:, 0]
                 inv_quad = float(r @ a + a @ rho)  # 2 r^T a - a^T K a: error in [0, ||rho||^2 / lam_min]
                 bound = float(rho @ rho) / lam_min
                 rounding = _rounding(sol.x, Z, sol.abs_products)
-                hook._warm_a = a.detach()
             k0 = 1 if first else 0
             diag, off = sol.tridiagonal
             l_j, e_j = slq_terms((diag[:, k0:], off[:, k0:]), sol.iterations_per_column[k0:], n)
@@ -426,8 +470,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 outs = [(rep, g) for rep, g in zip(reps, kernel_rows)
                         if g is not None and isinstance(rep, torch.Tensor) and rep.requires_grad]
                 J = _jacobian([o for o, _ in outs], [g for _, g in outs], tensors, batch)
-            if hook.variance_reduction and tensors:
-                hook.last_probes = Z
+            if state.variance_reduction and state.control_variate_terms is not None and tensors:
                 inner = P.chosen
                 afn = isinstance(inner, AFNPreconditioner)
                 proxy = (afn and settings.control_variate != "frozen"
@@ -436,15 +479,15 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                 # the formula table, which has it), never through these terms: their rows may be split over the
                 # ranks (their backward gathers; a per-probe backward through vmap could not)
                 closed_rows = proxy or (afn and settings.control_variate == "frozen")
-                terms = hook.control_variate_terms(split=closed_rows)
+                terms = state.control_variate_terms(Z, split=closed_rows)
                 if terms is not None:
                     cv_logdet = terms[0] if cv_logdet is None else cv_logdet
                     cv.append(terms[1])
                     spread = terms[1]
                     frozen_terms = None
-                    if closed_rows:
+                    if closed_rows and state.frozen_jacobian_terms is not None:
                         # the frozen family's rows in closed form: no backward pass per probe (or per parameter)
-                        frozen_terms = hook.frozen_jacobian_terms(Z)
+                        frozen_terms = state.frozen_jacobian_terms(Z)
                     if frozen_terms is not None:
                         outputs, rows = [o for o, _ in frozen_terms], [g for _, g in frozen_terms]
                     else:
@@ -454,8 +497,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
                         # variance they remove, "frozen" the least, so the standard error is overstated, not
                         # understated (docs/accuracy.md, "Where the error bars come from")
                         if proxy:
-                            hook.last_probes = Z
-                            frozen = hook.control_variate_terms(schur="frozen")
+                            frozen = state.control_variate_terms(Z, schur="frozen")
                             spread = spread if frozen is None else frozen[1]
                         outputs, rows = [spread], [torch.eye(batch, dtype=Z.dtype, device=Z.device)]
                     J = J + _jacobian(outputs, rows, tensors, batch)
@@ -472,7 +514,7 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             value_est = 0.5 * (inv_quad + logdet_p + float(l_all.mean()) + n * math.log(2 * math.pi))
             if not math.isfinite(value_est) or (J is not None and not bool(torch.isfinite(J).all())):
                 raise NonFiniteError(f"the marginal likelihood's estimate or its gradient is NaN or inf, at "
-                                     f"{_hyperparameter_summary(hook)}")
+                                     f"{state.describe()}")
             J_all = torch.cat(jac) if jac else None
             if target is None or t >= settings.max_probes:
                 break
@@ -488,20 +530,20 @@ def log_prob(hook: "PreconditionerHook", mvn: gpytorch.distributions.Multivariat
             if 0.5 * lanczos > target * abs(value_est):  # the quadrature dominates: longer Lanczos runs
                 probe_tol, floor = probe_tol / 10, 2 * floor
             batch = int(min(max(need - t, settings.num_probes), settings.max_probes - t))
-    hook.last_probes = None
     t = sum(x.shape[0] for x in ell)
     grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
-    hook.last_estimate = Estimate(
+    estimate = Estimate(
         value=value_est, std_error=se, n=n, probes=t, batches=batches, cg_iterations=iterations,
         residual_bound=0.5 * bound, lanczos_error=0.5 * lanczos, rounding_error=rounding,
-        path_reason=getattr(hook, "path_reason", ""),
+        path_reason=state.path_reason,
         grad_std_error=_split(grad_se, params) if grad_se is not None else {},
     )
-    hook.estimates += 1
     if not tensors:
-        return torch.as_tensor(-value_est, dtype=r.dtype, device=r.device)
-    surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv)
-    return -(value_est + surrogate - surrogate.detach())
+        logp = torch.as_tensor(-value_est, dtype=r.dtype, device=r.device)
+    else:
+        surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv)
+        logp = -(value_est + surrogate - surrogate.detach())
+    return Evaluation(logp, estimate, a.detach(), counts["applications"], counts["samples"])
 
 
 def _surrogate(reps: list[Any], a: torch.Tensor, mean: torch.Tensor, value: torch.Tensor,

@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import gpytorch
@@ -43,9 +42,9 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, LinearOperator
 
 from gpnys.checks import NumericalWarning, validate_count, validate_training_data
-from gpnys.collectives import CollectiveError, RowGroup
-from gpnys.gp.discover import same_points, training_kernel
-from gpnys.gp.estimator import Estimate
+from gpnys.collectives import RowGroup
+from gpnys.gp.discover import same_points, training_kernel, unsupported_covariance, unsupported_model
+from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob
 from gpnys.gp.operators import (
     BatchPreconditionedMVN,
     CallerSettingsMVN,
@@ -55,6 +54,7 @@ from gpnys.gp.operators import (
     PreconditionerOperator,
 )
 from gpnys.gp.path import choose_path, path_costs, uses_costs
+from gpnys.gp.preconditioners import PreconditionerCache, StepRecord
 from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import EstimatorSettings, current_gpytorch_settings
 from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
@@ -62,28 +62,11 @@ from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
-from gpnys.precond.fsai import FSAIPreconditioner
-from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.precond.strategy import (
-    HOOK_DIAG_PRECONDITIONERS,
     PRECONDITIONERS,
-    AutoPreconditioner,
-    make_preconditioner,
 )
 
-__all__ = ["use_preconditioner", "PreconditionerHook", "StepRecord", "GP_DEFAULTS"]
-
-@dataclass
-class StepRecord:
-    """One preconditioner build: hyperparameters it was built for and what was chosen."""
-
-    mu: float
-    outputscale: float
-    rank: int
-    kind: str
-    setup_s: float
-    fallback: bool = False
-
+__all__ = ["use_preconditioner", "PreconditionerHook", "GP_DEFAULTS"]
 
 #: preconditioner options for GP training when the caller gives none. The AFN paper's k = 2000, w = 100 (Zhao et
 #: al. 2024, §5) target PCG at mu = 1e-4; GP training has mu = noise / outputscale, typically 1e-3..1e-1, where far
@@ -91,54 +74,6 @@ class StepRecord:
 #: of the cost (docs/training.md).
 GP_DEFAULTS: dict[str, dict[str, int]] = {"afn": {"k": 500, "w": 30}, "auto": {"k": 500, "w": 30}}
 
-
-
-#: kernels whose evaluation is structured or approximate (grid interpolation, inducing points, random features,
-#: task covariances, products over dimensions): the hook leaves them to GPyTorch's own computation
-STRUCTURED_KERNELS = tuple(getattr(gpytorch.kernels, name) for name in (
-    "GridInterpolationKernel", "GridKernel", "InducingPointKernel", "ProductStructureKernel", "AdditiveStructureKernel",
-    "RFFKernel", "IndexKernel", "MultitaskKernel", "LCMKernel", "NewtonGirardAdditiveKernel", "SpectralDeltaKernel",
-) if hasattr(gpytorch.kernels, name))
-
-
-def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | None = None) -> str | None:
-    """Why the hook cannot accelerate ``model`` (its data, outputs or likelihood), or ``None``: batched inputs,
-    several inputs to ``forward`` (a task index), several outputs, or a likelihood other than a
-    ``GaussianLikelihood`` / ``FixedNoiseGaussianLikelihood`` (multitask likelihoods included)."""
-    inputs = model.train_inputs
-    if inputs is None or len(inputs) != 1:
-        return "its forward() takes several inputs (e.g. a task index)"
-    X = inputs[0] if train_x is None else train_x
-    batch = inputs[0].shape[:-2]
-    if len(batch) > 1 or X.shape[:-2] != batch:
-        return f"its training inputs have more than one batch dimension, shape {tuple(inputs[0].shape)}"
-    targets = model.train_targets
-    if targets is None or targets.shape != inputs[0].shape[:-1]:
-        return "it has several outputs or tasks"
-    policy = gpytorch.settings.observation_nan_policy.value()
-    if policy != "ignore" and not bool(torch.isfinite(model.train_targets).all()):
-        return f"its targets hold missing values under observation_nan_policy({policy!r})"
-    likelihood = model.likelihood
-    if not isinstance(likelihood, (gpytorch.likelihoods.GaussianLikelihood,
-                                   gpytorch.likelihoods.FixedNoiseGaussianLikelihood)):
-        return f"its likelihood is a {type(likelihood).__name__}"
-    if tuple(getattr(likelihood, "batch_shape", ())) not in ((), tuple(batch)):
-        return f"its likelihood's batch shape {tuple(likelihood.batch_shape)} is not the inputs' {tuple(batch)}"
-    return None
-
-
-def unsupported_covariance(op: LinearOperator) -> str | None:
-    """Why the hook cannot accelerate the training covariance's kernel part ``op``, or ``None``: it must be one
-    kernel evaluated on one set of ``(n, d)`` points (``(b, n, d)`` in batch mode), with no structured or
-    approximate kernel inside."""
-    if not (isinstance(op, LazyEvaluatedKernelTensor) and op.x1 is op.x2 and op.x1.shape[:-1] == op.shape[:-1]
-            and op.dim() in (2, 3)):
-        return (f"its training covariance is a {type(op).__name__}, not one kernel evaluated on the training inputs "
-                "(combine kernels into one kernel object, k1 + k2, to have it accelerated)")
-    structured = [type(m).__name__ for m in op.kernel.modules() if isinstance(m, STRUCTURED_KERNELS)]
-    if structured:
-        return f"its kernel uses {structured[0]}, a structured or approximate kernel"
-    return None
 
 
 def _not_positive(value: torch.Tensor, zero_ok: bool = False) -> torch.Tensor:
@@ -189,8 +124,8 @@ class PreconditionerHook(HookPrediction):
         #: why GPyTorch's own computation runs instead (a model or kernel the hook cannot accelerate), else None
         self.passthrough: str | None = unsupported_model(model, train_x)
         self._warned_passthrough = False
-        self.builds = self.applications = self.samples = self.estimates = 0
-        self.history: list[StepRecord] = []
+        self.applications = self.samples = self.estimates = 0
+        self.history: list[StepRecord] = []  # one per preconditioner build, kept across data changes
         self.last_estimate: Estimate | None = None
         self.batch_estimates: list[Estimate] = []  # batch mode: one per element (last_estimate is their sum)
         #: the path of the latest evaluation, ``"cholesky"`` or ``"iterative"``, and why (:mod:`gpnys.gp.path`)
@@ -261,10 +196,9 @@ class PreconditionerHook(HookPrediction):
         self.options = {**{key: min(value, X.shape[0]) for key, value in defaults.items()}, **self._user_options}
         self.train_x = X.detach().to(computation_dtype(self.model, X))
         self.cache = PointCache(self.train_x)
-        self._key: tuple | None = None
-        self._current: tuple[Preconditioner, torch.Tensor] | None = None
-        # preconditioners built with other options (e.g. a stronger one for posterior solves): options -> (key, P, s2)
-        self._others: dict[tuple, tuple[tuple, tuple[Preconditioner, torch.Tensor]]] = {}
+        group = self.settings.kernel_group if isinstance(self.method, str) else None
+        #: the preconditioners of these points (:class:`~gpnys.gp.preconditioners.PreconditionerCache`)
+        self.preconditioners = PreconditionerCache(self.method, self.options, self.seed, group, self.history)
         self._kernel_cache: dict[str, Any] = {}
         self._kernel_x: torch.Tensor | None = None
         #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
@@ -334,18 +268,20 @@ class PreconditionerHook(HookPrediction):
         terms = self.control_variate_terms()
         return None if terms is None else terms[0] + terms[1].mean()
 
-    def control_variate_terms(self, schur: str | None = None,
+    def control_variate_terms(self, probes: torch.Tensor | None = None, schur: str | None = None,
                               split: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(log det P̂(θ), [z_jᵀ P̂(θ)⁻¹ z_j]_j)`` (0-dim and ``(t,)``, with autograd) on the last probes, the parts
-        of :meth:`control_variate`; consumes the probes. ``None`` as there. ``schur``: AFN's family (default
-        ``settings.control_variate``); ``split``: AFN's rows split over ``kernel_group``'s ranks (only for a caller
-        that takes no per-probe Jacobian through the terms; :meth:`AFNPreconditioner.differentiable_terms`)."""
-        if self._current is None or self.last_probes is None:
+        """``(log det P̂(θ), [z_jᵀ P̂(θ)⁻¹ z_j]_j)`` (0-dim and ``(t,)``, with autograd) on ``probes`` ``(n, t)``
+        (default: the last probes GPyTorch drew, which this consumes), the parts of :meth:`control_variate`.
+        ``None`` as there. ``schur``: AFN's family (default ``settings.control_variate``); ``split``: AFN's rows
+        split over ``kernel_group``'s ranks (only for a caller that takes no per-probe Jacobian through the terms;
+        :meth:`AFNPreconditioner.differentiable_terms`)."""
+        Z = probes
+        if Z is None:
+            Z, self.last_probes = self.last_probes, None
+        current = self.preconditioners.current
+        if current is None or Z is None:
             return None
-        P, _ = self._current
-        P = P.chosen  # AutoPreconditioner: the Nyström or AFN it chose
-        Z = self.last_probes
-        self.last_probes = None
+        P = current[0].chosen  # AutoPreconditioner: the Nyström or AFN it chose
         if not hasattr(P, "differentiable_terms"):
             return None
         base, s2, mu = self._family_parameters(P)
@@ -362,15 +298,39 @@ class PreconditionerHook(HookPrediction):
         self.control_variates += own
         return logdet, quad
 
+    def estimator_state(self) -> EstimatorState:
+        """What gpnys's estimator reads for one evaluation at the current hyperparameters (it writes nothing back;
+        :meth:`evaluate` records its result)."""
+        P, s2 = self.preconditioner()
+        return EstimatorState(
+            model=self.model, preconditioner=P, s2=s2, noise=self._noise(), settings=self.settings,
+            warm_start=self._warm_a, variance_reduction=self.variance_reduction,
+            control_variate_terms=self.control_variate_terms, frozen_jacobian_terms=self.frozen_jacobian_terms,
+            describe=lambda: hyperparameter_summary(self.kernel, self.model.likelihood.noise),
+            path_reason=self.path_reason)
+
+    def evaluate(self, mvn: gpytorch.distributions.MultivariateNormal, value: torch.Tensor) -> torch.Tensor:
+        """``log p(value)`` under the training marginal ``mvn`` by gpnys's estimator
+        (:func:`gpnys.gp.estimator.log_prob`), with its :class:`Estimate` in :attr:`last_estimate` and its solution
+        kept as the next evaluation's warm start. 0-dim, with the estimator's gradient."""
+        result = log_prob(self.estimator_state(), mvn, value)
+        self.applications += result.applications
+        self.samples += result.samples
+        self._warm_a = result.warm_start
+        self.last_estimate = result.estimate
+        self.estimates += 1
+        return result.log_prob
+
     def frozen_jacobian_terms(self, Z: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The per-probe Jacobian of AFN's ``"frozen"`` control-variate terms ``[z_jᵀ P̂(θ)⁻¹ z_j]_j`` (those of
         :meth:`control_variate_terms` with ``schur="frozen"``) in closed form
         (:meth:`~gpnys.precond.afn.AFNPreconditioner.frozen_derivatives`), as ``(tensor, (t, *tensor.shape))``
         pairs: the length-scale, ``mu = noise / s²`` and ``s²``, whose chain to the raw parameters the caller
         takes by autograd. ``None`` without an AFN preconditioner or for a kernel outside the formula table."""
-        if self._current is None:
+        current = self.preconditioners.current
+        if current is None:
             return None
-        P = self._current[0].chosen
+        P = current[0].chosen
         if not isinstance(P, AFNPreconditioner):
             return None
         base, s2, mu = self._family_parameters(P)
@@ -459,19 +419,10 @@ class PreconditionerHook(HookPrediction):
 
     def _noise_level(self) -> torch.Tensor:
         """The scalar noise that labels the preconditioner (``K + noise I``): the noise itself, or the mean of
-        per-point noise. AFN, FSAI and auto's AFN take per-point noise themselves (:meth:`_diag`); Nyström, pivoted
-        Cholesky and the RAN / sketch variants are built for the mean. Either way ``P`` only preconditions:
-        CG and SLQ run on the true ``K + D``, so the answer stays exact."""
+        per-point noise (:class:`~gpnys.gp.preconditioners.PreconditionerCache` says which preconditioners take
+        per-point noise themselves)."""
         noise = self._noise()
         return noise if noise.dim() == 0 else noise.mean()
-
-    def _diag(self, s2: float | torch.Tensor) -> torch.Tensor | None:
-        """Per-point shifts ``D / s^2`` ``(n,)`` for a preconditioner that takes them (``diag=``), else ``None``."""
-        noise = self._noise().detach()
-        method = self.method
-        takes = (method in HOOK_DIAG_PRECONDITIONERS if isinstance(method, str)
-                 else issubclass(method, (AFNPreconditioner, FSAIPreconditioner, AutoPreconditioner)))
-        return noise / s2 if noise.dim() == 1 and takes else None
 
     def _inputs(self) -> torch.Tensor:
         """The points the kernel sees: the training inputs, or what ``forward`` made of them (e.g. ``20 * x``),
@@ -486,70 +437,20 @@ class PreconditionerHook(HookPrediction):
         return self.cache.X
 
     # -- building -------------------------------------------------------------------------------------
-    def _hyper_key(self, kernel: gpytorch.kernels.Kernel, mu: float, s2: float) -> tuple:
-        base, _ = split_outputscale(kernel)
-        ls = getattr(base, "lengthscale", None)
-        ls_key = tuple(ls.detach().reshape(-1).tolist()) if ls is not None else ()
-        noise = self._noise()
-        per_point = (noise.data_ptr(), noise._version) if noise.dim() == 1 else ()  # known noise replaced in place
-        return (ls_key, mu, s2, per_point)
-
-    def _build(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float,
-               options: dict[str, Any], diag: torch.Tensor | None = None) -> tuple[Preconditioner, bool]:
-        extra = {} if diag is None else {"diag": diag}
-        if self.settings.kernel_group is not None and isinstance(self.method, str):
-            extra["group"] = self.settings.kernel_group  # FSAI / AFN / Nyström rows built per rank (docs/scaling.md)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("default", NumericalWarning)
-                if isinstance(self.method, str):
-                    P = make_preconditioner(self.method, X, kernel, mu, cache=self.cache, seed=self.seed, **options,
-                                            **extra)
-                else:
-                    P = self.method(X, kernel, mu, **options, **extra)
-            if not torch.isfinite(P.logdet()):
-                raise RuntimeError("non-finite log det")
-            return P, False
-        except CollectiveError:  # a dead rank: no fallback on one rank can recover the others
-            raise
-        except (RuntimeError, torch.linalg.LinAlgError) as exc:
-            warnings.warn(
-                f"gpnys: building the {self.method!r} preconditioner failed ({exc}); falling back to GPyTorch's "
-                "pivoted Cholesky (rank 100)",
-                NumericalWarning,
-                stacklevel=3,
-            )
-            return PivotedCholeskyPreconditioner(X, kernel, mu, rank=min(100, X.shape[0])), True
+    @property
+    def builds(self) -> int:
+        """Preconditioner builds so far (one :class:`StepRecord` each in :attr:`history`)."""
+        return len(self.history)
 
     def preconditioner(self, options: dict[str, Any] | None = None) -> tuple[Preconditioner, torch.Tensor]:
-        """The preconditioner ``P`` of ``K + μI`` for the current hyperparameters, and ``s²`` (0-dim).
+        """The preconditioner ``P`` of ``K + μI`` for the current hyperparameters, and ``s²`` (0-dim), from
+        :attr:`preconditioners` (:class:`~gpnys.gp.preconditioners.PreconditionerCache`).
 
         ``options`` (e.g. ``{"k": 2000, "w": 60}``) override the hook's preconditioner options for this request;
         such a preconditioner is cached separately from the training one (both rebuilt when the hyperparameters
         change), so posterior solves can use a stronger preconditioner than the many MLL evaluations."""
-        X = self._inputs()
-        kernel = self.kernel
-        opts = self.options if not options else {**self.options, **options}
-        slot = None if opts == self.options else tuple(sorted(opts.items()))
-        with torch.no_grad():
-            _, s2f = split_outputscale(kernel)
-            noise = float(self._noise_level().detach())
-            mu = noise / s2f
-            key = self._hyper_key(kernel, mu, s2f)
-            cached = (self._key, self._current) if slot is None else self._others.get(slot, (None, None))
-            if key != cached[0] or cached[1] is None:
-                t0 = time.perf_counter()
-                P, fallback = self._build(X.detach(), kernel, mu, opts, self._diag(s2f))
-                self.builds += 1
-                s2 = torch.as_tensor(s2f, dtype=X.dtype, device=X.device)
-                cached = (key, (P, s2))
-                if slot is None:
-                    self._key, self._current = cached
-                else:
-                    self._others[slot] = cached
-                self.history.append(StepRecord(mu, s2f, int(P.rank), P.summary().get("choice", P.kind),
-                                               time.perf_counter() - t0, fallback))
-        return cached[1]
+        self._inputs()  # the point cache follows the inputs the kernel sees
+        return self.preconditioners.get(self.cache, self.kernel, self._noise(), options)
 
     # -- the GPyTorch override ------------------------------------------------------------------------
     def override(self, op: AddedDiagLinearOperator) -> tuple[Callable, LinearOperator, torch.Tensor]:
@@ -584,10 +485,7 @@ class PreconditionerHook(HookPrediction):
         # a bare RBF/Matérn (BoTorch's default SingleTaskGP kernel) has the constant outputscale 1
         s2 = kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
         return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self._kernel_cache,
-                                        dense_limit_bytes=self.settings.dense_limit_bytes,
-                                        prune_tol=self.settings.kernel_prune_tol, backend=self.settings.kernel_backend,
-                                        tf32=self.settings.kernel_tf32,
-                                        group=self.settings.kernel_group)
+                                        **self.settings.operator_options())
 
     def _promoted(self, X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``X`` in the dtype GPyTorch computes the kernel in (inputs promoted with the hyperparameters: float32
@@ -712,7 +610,7 @@ class BatchElement(PreconditionerHook):
         self.settings = dataclasses.replace(parent.settings, kernel_group=None,
                                             probe_seed=None if seed is None else int(seed) + index)
         self._user_options = parent._user_options
-        self.builds = self.applications = self.samples = self.estimates = 0
+        self.applications = self.samples = self.estimates = 0
         self.history: list[StepRecord] = []
         self.last_estimate: Estimate | None = None
         self.last_probes: torch.Tensor | None = None
@@ -753,9 +651,7 @@ class BatchElement(PreconditionerHook):
             kop = StationaryKernelOperator(
                 X, s2[self.index] if s2.dim() else s2, ls[self.index] if ls.dim() == 3 else ls,
                 base=split_outputscale(kernel)[0],
-                cache=self._kernel_cache, dense_limit_bytes=self.settings.dense_limit_bytes,
-                prune_tol=self.settings.kernel_prune_tol, backend=self.settings.kernel_backend,
-                tf32=self.settings.kernel_tf32)
+                cache=self._kernel_cache, **self.settings.operator_options(group=False))
         return PreconditionedAddedDiag(kop, DiagLinearOperator(diag), preconditioner_override=self.override)
 
 

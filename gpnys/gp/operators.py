@@ -74,7 +74,7 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
             hook.last_probes = None
             if hook.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
                 with hook.timed():
-                    return estimator.log_prob(hook, self, value)  # per-probe terms: error bars, requested accuracy
+                    return hook.evaluate(self, value)  # per-probe terms: error bars, requested accuracy
         seed = None if hook is None else hook.settings.probe_seed
         if seed is None:
             res = super().log_prob(value)
@@ -110,7 +110,7 @@ class BatchPreconditionedMVN(gpytorch.distributions.MultivariateNormal):
                 i = element.index
                 marginal = gpytorch.distributions.MultivariateNormal(self.mean[i],
                                                                      element.covariance(op, dense, diag[i]))
-                out.append(estimator.log_prob(element, marginal, value[i]))
+                out.append(element.evaluate(marginal, value[i]))
         hook.batch_estimates = [element.last_estimate for element in hook.elements]
         hook.last_estimate = estimator.Estimate.total(hook.batch_estimates)
         hook.estimates += 1

@@ -11,7 +11,7 @@ import torch
 
 from gpnys.budget import block_rows
 from gpnys.gp.discover import same_points, training_kernel
-from gpnys.gp.exact import predict as exact_predict
+from gpnys.gp.training import predict as exact_predict
 from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.variance import LocalVariance
 from gpnys.kernels.operator import StationaryKernelOperator

@@ -16,15 +16,82 @@ from gpnys.gp.variance import VARIANCE_NEIGHBOURS
 #: ``"iterative"``
 SOLVERS = ("auto", "cholesky", "iterative")
 
-__all__ = ["EstimatorSettings", "VARIANCE_METHODS"]
+__all__ = ["EstimatorSettings", "EstimatorOptions", "KernelOptions", "VarianceOptions", "VARIANCE_METHODS"]
 
 #: predictive variance methods of :meth:`gpnys.gp.hook.PreconditionerHook.predict`
 VARIANCE_METHODS = ("auto", "pcg", "cholesky", "cached")
 
 
-@dataclass
-class EstimatorSettings:
-    """Accuracy knobs of GPyTorch's CG + SLQ estimator, applied inside :func:`use_preconditioner`.
+@dataclass(kw_only=True)
+class KernelOptions:
+    """How the training kernel is computed: :class:`~gpnys.kernels.operator.StationaryKernelOperator`'s storage,
+    cutoff, backend and process group.
+
+    Attributes:
+        kernel_operator: during training, replace GPyTorch's autograd-tracked dense kernel by
+            :class:`~gpnys.kernels.operator.StationaryKernelOperator` (RBF/Matérn under a ``ScaleKernel``): same
+            values, closed-form derivative, no ``n x n`` autograd temporaries.
+        dense_limit_bytes: that operator caches the dense kernel up to this size, else recomputes row blocks
+            (:func:`gpnys.kernels.product.choose_product`); ``None``: the memory budget's
+            (:func:`gpnys.budget.memory_budget`, 4 GiB by default).
+        kernel_prune_tol: on the recomputed path the operator skips blocks of entries all ``<= kernel_prune_tol``
+            times the outputscale (:mod:`gpnys.kernels.cutoff`); ``None``: machine epsilon of the data's dtype,
+            ``0``: compute every entry.
+        kernel_backend: the backend of that operator's recomputed products (:mod:`gpnys.kernels.backends`):
+            ``None`` picks fused Triton kernels on CUDA and torch tiles on CPU; ``"torch"``, ``"triton"``,
+            ``"keops"`` force one (KeOps is never chosen by itself). ``kernel_tf32``: let float32 Triton tile
+            products use TF32 (about 1e-3 relative error).
+        kernel_group: split that operator's products and derivative sums, and the FSAI / AFN preconditioner
+            builds, by rows over the ranks of a ``torch.distributed`` process group (``True``: the default group;
+            :mod:`gpnys.distributed`). Every rank runs the same training loop on the same data with the same seed
+            and gets the same numbers.
+    """
+
+    kernel_operator: bool = True
+    dense_limit_bytes: int | None = None
+    kernel_prune_tol: float | None = None
+    kernel_backend: str | None = None
+    kernel_tf32: bool = False
+    kernel_group: Any = None
+
+    def operator_options(self, group: bool = True) -> dict[str, Any]:
+        """These options as :class:`~gpnys.kernels.operator.StationaryKernelOperator`'s keyword arguments
+        (``group=False``: without the process group)."""
+        out = {"dense_limit_bytes": self.dense_limit_bytes, "prune_tol": self.kernel_prune_tol,
+               "backend": self.kernel_backend, "tf32": self.kernel_tf32}
+        if group:
+            out["group"] = self.kernel_group
+        return out
+
+
+@dataclass(kw_only=True)
+class VarianceOptions:
+    """How :meth:`~gpnys.gp.hook.PreconditionerHook.predict` computes predictive variances.
+
+    Attributes:
+        variance_method: ``"auto"``, ``"pcg"``, ``"cholesky"`` or ``"cached"``.
+        variance_tolerance, variance_block: their PCG tolerance and test-point block size.
+        variance_neighbours: ``(w, w2)`` of the cached method (:class:`gpnys.gp.variance.LocalVariance`).
+        variance_rel_error: recompute by PCG the cached variances whose error bound exceeds this share of the
+            variance (``None``: keep them, with their bound).
+    """
+
+    variance_method: str = "auto"
+    variance_tolerance: float = 1e-3
+    variance_block: int = 1024
+    variance_neighbours: tuple[int, int] = VARIANCE_NEIGHBOURS
+    variance_rel_error: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.variance_method not in VARIANCE_METHODS:
+            raise ValueError(f"variance_method must be one of {VARIANCE_METHODS}, got {self.variance_method!r}")
+        if self.variance_rel_error is not None and not float(self.variance_rel_error) > 0:
+            raise ValueError(f"variance_rel_error must be positive or None, got {self.variance_rel_error!r}")
+
+
+@dataclass(kw_only=True)
+class EstimatorOptions:
+    """The marginal likelihood's estimator: CG, probes, Lanczos quadrature, control variate, path and warm starts.
 
     Attributes:
         cg_tolerance: mean relative residual at which GPyTorch's CG stops (its training default is 1.0, a large
@@ -46,30 +113,9 @@ class EstimatorSettings:
             (:meth:`PreconditionerHook.control_variate`) when the preconditioner supports it.
         probes: ``"rademacher"`` (``z = R e`` with random signs ``e``) or ``"gaussian"`` (``z ~ N(0, P)``); both
             have covariance ``P``, the Rademacher one never has a larger trace-estimator variance.
-        kernel_operator: during training, replace GPyTorch's autograd-tracked dense kernel by
-            :class:`~gpnys.kernels.operator.StationaryKernelOperator` (RBF/Matérn under a ``ScaleKernel``): same
-            values, closed-form derivative, no ``n x n`` autograd temporaries.
-        dense_limit_bytes: that operator caches the dense kernel up to this size, else recomputes row blocks;
-            ``None``: the memory budget's (:func:`gpnys.budget.memory_budget`, 4 GiB by default).
-        kernel_prune_tol: on the recomputed path the operator skips blocks of entries all ``<= kernel_prune_tol``
-            times the outputscale (:mod:`gpnys.kernels.cutoff`); ``None``: machine epsilon of the data's dtype,
-            ``0``: compute every entry.
-        kernel_backend: the backend of that operator's recomputed products (:mod:`gpnys.kernels.backends`):
-            ``None`` picks fused Triton kernels on CUDA and torch tiles on CPU; ``"torch"``, ``"triton"``,
-            ``"keops"`` force one (KeOps is never chosen by itself). ``kernel_tf32``: let float32 Triton tile
-            products use TF32 (about 1e-3 relative error).
-        kernel_group: split that operator's products and derivative sums, and the FSAI / AFN preconditioner
-            builds, by rows over the ranks of a ``torch.distributed`` process group (``True``: the default group;
-            :mod:`gpnys.distributed`). Every rank runs the same training loop on the same data with the same seed
-            and gets the same numbers.
         probe_seed: when set, every MLL evaluation draws its probes from this seed (common random numbers), so
             the estimate is a deterministic function of the hyperparameters — what a quasi-Newton optimiser such as
             BoTorch's L-BFGS-B needs; the global RNG is left untouched. ``None``: fresh probes per call (for Adam).
-        variance_method: ``"auto"``, ``"pcg"``, ``"cholesky"`` or ``"cached"`` for the predictive variances;
-            variance_tolerance, variance_block: their PCG tolerance and test-point block size
-            (:meth:`PreconditionerHook.predict`). variance_neighbours: ``(w, w2)`` of the cached method
-            (:class:`gpnys.gp.variance.LocalVariance`); variance_rel_error: recompute by PCG the cached variances
-            whose error bound exceeds this share of the variance (``None``: keep them, with their bound).
         control_variate: for AFN, ``"diag"`` (cheap, ``O(nk(k + t))``), ``"full"`` (rebuild the FSAI rows with
             autograd, ``O(n w^2 k)``: removes the most variance, at a cost that grows past the CG solve's for
             large ``n``), ``"frozen"`` (``diag`` without rebuilding the ``(n - k) x k`` block ``V``,
@@ -90,6 +136,43 @@ class EstimatorSettings:
             with ``y``; CG and Lanczos tightened where they dominate) until the loss's standard error is below this
             share of ``|loss|`` and the gradient's (the norm of its components' standard errors) below this share of
             ``||gradient||``; ``None``: one batch. max_probes: the cap on probes per evaluation.
+    """
+
+    cg_tolerance: float = 3e-2
+    max_cg_iterations: int = 1000
+    num_probes: int = 16
+    lanczos_steps: int = 10
+    lanczos_share: float | None = 0.1
+    variance_reduction: bool = True
+    probes: str = "rademacher"
+    control_variate: str = "auto"
+    probe_seed: int | None = None
+    error_bars: bool = True
+    target_rel_error: float | None = None
+    max_probes: int = 1024
+    solver: str | None = None
+    warm_start: bool = True
+
+    def __post_init__(self) -> None:
+        if self.solver is None:
+            self.solver = os.environ.get("GPNYS_SOLVER", "auto")
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {SOLVERS}, got {self.solver!r}")
+        if self.target_rel_error is not None and not (0 < float(self.target_rel_error) < 1):
+            raise ValueError(f"target_rel_error must be in (0, 1) or None, got {self.target_rel_error!r}")
+        if isinstance(self.max_probes, bool) or int(self.max_probes) != self.max_probes or self.max_probes < 2:
+            raise ValueError(f"max_probes must be an integer >= 2, got {self.max_probes!r}")
+        if self.lanczos_share is not None and not (0 < float(self.lanczos_share) < 1):
+            raise ValueError(f"lanczos_share must be in (0, 1) or None, got {self.lanczos_share!r}")
+        if isinstance(self.num_probes, bool) or int(self.num_probes) != self.num_probes or self.num_probes < 1:
+            raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
+
+
+@dataclass(kw_only=True)
+class EstimatorSettings(EstimatorOptions, KernelOptions, VarianceOptions):
+    """All of gpnys's options for one model, applied inside :func:`use_preconditioner`: the estimator's
+    (:class:`EstimatorOptions`), the kernel computation's (:class:`KernelOptions`) and the predictive variances'
+    (:class:`VarianceOptions`), composed into one flat set of fields.
 
     Example:
         Ask for standard errors below 0.2 % of the loss and of the gradient's norm; probes are added in batches
@@ -118,49 +201,9 @@ class EstimatorSettings:
         True
     """
 
-    cg_tolerance: float = 3e-2
-    max_cg_iterations: int = 1000
-    num_probes: int = 16
-    lanczos_steps: int = 10
-    lanczos_share: float | None = 0.1
-    variance_reduction: bool = True
-    probes: str = "rademacher"
-    control_variate: str = "auto"
-    kernel_operator: bool = True
-    dense_limit_bytes: int | None = None
-    kernel_prune_tol: float | None = None
-    kernel_backend: str | None = None
-    kernel_tf32: bool = False
-    kernel_group: Any = None
-    variance_method: str = "auto"
-    variance_tolerance: float = 1e-3
-    variance_block: int = 1024
-    variance_neighbours: tuple[int, int] = VARIANCE_NEIGHBOURS
-    variance_rel_error: float | None = None
-    probe_seed: int | None = None
-    error_bars: bool = True
-    target_rel_error: float | None = None
-    max_probes: int = 1024
-    solver: str | None = None
-    warm_start: bool = True
-
     def __post_init__(self) -> None:
-        if self.solver is None:
-            self.solver = os.environ.get("GPNYS_SOLVER", "auto")
-        if self.solver not in SOLVERS:
-            raise ValueError(f"solver must be one of {SOLVERS}, got {self.solver!r}")
-        if self.target_rel_error is not None and not (0 < float(self.target_rel_error) < 1):
-            raise ValueError(f"target_rel_error must be in (0, 1) or None, got {self.target_rel_error!r}")
-        if isinstance(self.max_probes, bool) or int(self.max_probes) != self.max_probes or self.max_probes < 2:
-            raise ValueError(f"max_probes must be an integer >= 2, got {self.max_probes!r}")
-        if self.lanczos_share is not None and not (0 < float(self.lanczos_share) < 1):
-            raise ValueError(f"lanczos_share must be in (0, 1) or None, got {self.lanczos_share!r}")
-        if self.variance_method not in VARIANCE_METHODS:
-            raise ValueError(f"variance_method must be one of {VARIANCE_METHODS}, got {self.variance_method!r}")
-        if self.variance_rel_error is not None and not float(self.variance_rel_error) > 0:
-            raise ValueError(f"variance_rel_error must be positive or None, got {self.variance_rel_error!r}")
-        if isinstance(self.num_probes, bool) or int(self.num_probes) != self.num_probes or self.num_probes < 1:
-            raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
+        EstimatorOptions.__post_init__(self)
+        VarianceOptions.__post_init__(self)
 
     def context(self) -> contextlib.ExitStack:
         # importing BoTorch turns GPyTorch's fast (CG/SLQ) log_prob and solves off globally; they are the point here

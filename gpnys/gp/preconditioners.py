@@ -1,0 +1,148 @@
+"""The preconditioners of one training point set: built for the current hyperparameters, kept while they hold.
+
+:class:`PreconditionerCache` owns what :class:`~gpnys.gp.hook.PreconditionerHook` once did by hand: the
+hyperparameter key of a build, the build itself (``make_preconditioner`` or a user's class) for ``K + mu I`` with
+``mu = noise / s²``, one slot per option set (the training options, and e.g. a stronger one for posterior solves),
+and the fallback to GPyTorch's pivoted Cholesky when a build fails.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import gpytorch
+import torch
+
+from gpnys.checks import NumericalWarning
+from gpnys.collectives import CollectiveError
+from gpnys.kernels.entries import split_outputscale
+from gpnys.precond.afn import AFNPreconditioner
+from gpnys.precond.base import Preconditioner
+from gpnys.precond.cache import PointCache
+from gpnys.precond.fsai import FSAIPreconditioner
+from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
+from gpnys.precond.strategy import HOOK_DIAG_PRECONDITIONERS, AutoPreconditioner, make_preconditioner
+
+__all__ = ["PreconditionerCache", "StepRecord"]
+
+
+@dataclass
+class StepRecord:
+    """One preconditioner build: hyperparameters it was built for and what was chosen."""
+
+    mu: float
+    outputscale: float
+    rank: int
+    kind: str
+    setup_s: float
+    fallback: bool = False
+
+
+class PreconditionerCache:
+    """Preconditioners ``P`` of ``K + mu I`` for one point set, keyed on the hyperparameters.
+
+    Args:
+        method: a name of :data:`~gpnys.precond.strategy.PRECONDITIONERS` or a
+            :class:`~gpnys.precond.base.Preconditioner` subclass (called as ``cls(X, kernel, mu, **options)``).
+        options: the training preconditioner's options (e.g. ``{"k": 500, "w": 30}``).
+        seed: the seed of a named preconditioner's randomness.
+        group: a process group the FSAI / AFN / Nyström rows are built over (``None``: one process).
+        history: the list each build's :class:`StepRecord` is appended to (a hook keeps one across data changes).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpnys.gp.preconditioners import PreconditionerCache
+        >>> from gpnys.precond.cache import PointCache
+        >>> X = torch.rand(300, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> cache = PreconditionerCache("afn", {"k": 50, "w": 10})
+        >>> P, s2 = cache.get(PointCache(X), kernel, torch.tensor(0.01, dtype=torch.float64))
+        >>> Q, _ = cache.get(PointCache(X), kernel, torch.tensor(0.01, dtype=torch.float64))
+        >>> Q is P, len(cache.history), P.kind  # same hyperparameters: the same preconditioner
+        (True, 1, 'afn')
+    """
+
+    def __init__(self, method: str | type[Preconditioner], options: dict[str, Any], seed: int = 0,
+                 group: Any = None, history: list[StepRecord] | None = None) -> None:
+        self.method, self.options, self.seed, self.group = method, options, seed, group
+        self.history: list[StepRecord] = [] if history is None else history
+        #: (key, (P, s²)) of the training options, and of other option sets by their sorted items
+        self._slots: dict[tuple | None, tuple[tuple, tuple[Preconditioner, torch.Tensor]]] = {}
+
+    @property
+    def current(self) -> tuple[Preconditioner, torch.Tensor] | None:
+        """``(P, s²)`` last built with the training options, or ``None``."""
+        slot = self._slots.get(None)
+        return None if slot is None else slot[1]
+
+    def get(self, points: PointCache, kernel: gpytorch.kernels.Kernel, noise: torch.Tensor,
+            options: dict[str, Any] | None = None) -> tuple[Preconditioner, torch.Tensor]:
+        """``(P, s²)`` for the points, ``kernel`` (its outputscale ``s²``, 0-dim) and the noise variances ``noise``
+        (0-dim, or ``(n,)`` per point: ``P`` then takes ``diag = noise / s²`` where it can, else their mean);
+        rebuilt only when a hyperparameter changed. ``options`` override the training options, in a slot of their
+        own."""
+        opts = self.options if not options else {**self.options, **options}
+        slot = None if opts == self.options else tuple(sorted(opts.items()))
+        X = points.X
+        with torch.no_grad():
+            _, s2f = split_outputscale(kernel)
+            level = noise if noise.dim() == 0 else noise.mean()
+            mu = float(level.detach()) / s2f
+            key = self._key(kernel, mu, s2f, noise)
+            cached = self._slots.get(slot)
+            if cached is None or key != cached[0]:
+                t0 = time.perf_counter()
+                P, fallback = self._build(points, kernel, mu, opts, self._diag(noise.detach(), s2f))
+                s2 = torch.as_tensor(s2f, dtype=X.dtype, device=X.device)
+                cached = self._slots[slot] = (key, (P, s2))
+                self.history.append(StepRecord(mu, s2f, int(P.rank), P.summary().get("choice", P.kind),
+                                               time.perf_counter() - t0, fallback))
+        return cached[1]
+
+    @staticmethod
+    def _key(kernel: gpytorch.kernels.Kernel, mu: float, s2: float, noise: torch.Tensor) -> tuple:
+        base, _ = split_outputscale(kernel)
+        ls = getattr(base, "lengthscale", None)
+        ls_key = tuple(ls.detach().reshape(-1).tolist()) if ls is not None else ()
+        per_point = (noise.data_ptr(), noise._version) if noise.dim() == 1 else ()  # known noise replaced in place
+        return (ls_key, mu, s2, per_point)
+
+    def _diag(self, noise: torch.Tensor, s2: float) -> torch.Tensor | None:
+        """Per-point shifts ``D / s^2`` ``(n,)`` for a preconditioner that takes them (``diag=``), else ``None``:
+        Nyström, pivoted Cholesky and the RAN / sketch variants are built for the mean noise. Either way ``P`` only
+        preconditions: CG and SLQ run on the true ``K + D``, so the answer stays exact."""
+        method = self.method
+        takes = (method in HOOK_DIAG_PRECONDITIONERS if isinstance(method, str)
+                 else issubclass(method, (AFNPreconditioner, FSAIPreconditioner, AutoPreconditioner)))
+        return noise / s2 if noise.dim() == 1 and takes else None
+
+    def _build(self, points: PointCache, kernel: gpytorch.kernels.Kernel, mu: float, options: dict[str, Any],
+               diag: torch.Tensor | None = None) -> tuple[Preconditioner, bool]:
+        X = points.X.detach()
+        extra = {} if diag is None else {"diag": diag}
+        if self.group is not None and isinstance(self.method, str):
+            extra["group"] = self.group  # FSAI / AFN / Nyström rows built per rank (docs/scaling.md)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("default", NumericalWarning)
+                if isinstance(self.method, str):
+                    P = make_preconditioner(self.method, X, kernel, mu, cache=points, seed=self.seed, **options,
+                                            **extra)
+                else:
+                    P = self.method(X, kernel, mu, **options, **extra)
+            if not torch.isfinite(P.logdet()):
+                raise RuntimeError("non-finite log det")
+            return P, False
+        except CollectiveError:  # a dead rank: no fallback on one rank can recover the others
+            raise
+        except (RuntimeError, torch.linalg.LinAlgError) as exc:
+            warnings.warn(
+                f"gpnys: building the {self.method!r} preconditioner failed ({exc}); falling back to GPyTorch's "
+                "pivoted Cholesky (rank 100)",
+                NumericalWarning,
+                stacklevel=4,
+            )
+            return PivotedCholeskyPreconditioner(X, kernel, mu, rank=min(100, X.shape[0])), True
