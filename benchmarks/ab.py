@@ -48,8 +48,8 @@ def child(args) -> None:
 
     import gpnys
     from gpnys import datasets, use_preconditioner
+    from gpnys.gp import ExactGPModel  # exported by every revision
     from gpnys.gp.settings import EstimatorSettings
-    from gpnys.gp.training import ExactGPModel
     from gpnys.kernels.backends.torch_tiles import TorchTiles
 
     data, n, kernel, ard = args.case.split(":")
