@@ -1,6 +1,7 @@
 """NSL kernel SVMs: Nyström features + a linear SVM against scikit-learn's Nystroem and the exact kernel SVC.
 
-Run:  python benchmarks/nsl_svm.py --threads 2      (~8 min on 2 cores)
+Run:  OMP_NUM_THREADS=1 python benchmarks/nsl_svm.py --threads 1    (~6 min; one thread for torch, BLAS, libsvm
+      and liblinear alike, so that the timings compare like with like)
       python benchmarks/nsl_svm.py --quick          (small sizes, < 30 s; run by the test suite)
 
 Binary tasks (inputs standardised on the training rows):
@@ -24,8 +25,10 @@ for ``Nystroem`` and ``SVC``: the same kernel everywhere), and ``C = --C`` for e
     "standard Nyström", eq. (18)/(23)) and by LLA (= NCR, eq. (16)/(24)), ridge ``--krr-ridge``, uniform landmarks.
 
 Times are fit + predict (feature map, landmark selection and the linear solver included), wall clock, mean over
-``--seeds`` seeds on the small sets and ``--large-seeds`` on the large ones (accuracy too). Prints a table, writes ``results/nsl_svm.json`` and ``results/nsl_svm.png``
-(test accuracy against time, one panel per data set, as [NSL] Fig. 1 plots accuracy against m).
+``--seeds`` seeds on the small sets and ``--large-seeds`` on the large ones (accuracy too). Prints a table, writes
+``results/nsl_svm.json`` and ``results/nsl_svm.png`` (test accuracy against time, one panel per data set; [NSL]
+Fig. 1 plots accuracy against m). The check per data set: the cheapest gpnys point within 1 % of the exact SVC's
+accuracy and its share of the SVC's time, and gpnys's accuracy minus sklearn Nystroem's at every m.
 """
 
 from __future__ import annotations
@@ -169,18 +172,19 @@ def run_dataset(name: str, args) -> dict:
 
 
 def target_check(res: dict) -> dict:
-    """Cheapest gpnys k-means point within 1 % (absolute) of the exact SVC's accuracy, its time ratio, and
-    gpnys (k-means, uniform) vs sklearn's Nystroem accuracy at every m."""
+    """Per gpnys landmark rule: the cheapest m within 1 % (absolute) of the exact SVC's accuracy and its time ratio
+    (target: <= 1/10); and the accuracy minus sklearn Nystroem's at every m (target: >= 0)."""
     ex = res["exact_svc"]
-    ok = [r for r in res["methods"]["gpnys kmeans"] if r["accuracy"] >= ex["accuracy"] - 0.01]
-    best = min(ok, key=lambda r: r["time_s"]) if ok else None
     sk = {r["m"]: r["accuracy"] for r in res["methods"]["sklearn Nystroem"]}
-    ahead = {label: {r["m"]: r["accuracy"] - sk[r["m"]] for r in res["methods"][label]}
-             for label in ("gpnys kmeans", "gpnys uniform")}
-    return {"within_1pct": None if best is None else {"m": best["m"], "accuracy": best["accuracy"],
-                                                      "time_ratio": best["time_s"] / ex["time_s"]},
-            "met": best is not None and best["time_s"] <= 0.1 * ex["time_s"],
-            "accuracy_minus_sklearn": ahead}
+    out = {}
+    for label in ("gpnys kmeans", "gpnys uniform"):
+        ok = [r for r in res["methods"][label] if r["accuracy"] >= ex["accuracy"] - 0.01]
+        best = min(ok, key=lambda r: r["time_s"]) if ok else None
+        out[label] = {"within_1pct": None if best is None else {
+                          "m": best["m"], "accuracy": best["accuracy"], "time_ratio": best["time_s"] / ex["time_s"]},
+                      "met": best is not None and best["time_s"] <= 0.1 * ex["time_s"],
+                      "accuracy_minus_sklearn": {r["m"]: r["accuracy"] - sk[r["m"]] for r in res["methods"][label]}}
+    return out
 
 
 def table(name: str, res: dict) -> str:
@@ -191,11 +195,13 @@ def table(name: str, res: dict) -> str:
              f"  {'method':<18}" + "".join(f"{'m=' + str(r['m']):>18}" for r in next(iter(res['methods'].values())))]
     for label, rs in res["methods"].items():
         lines.append(f"  {label:<18}" + "".join(f"{r['accuracy']:>9.4f} {r['time_s']:>6.2f}s " for r in rs))
-    chk = res["check"]
-    w = chk["within_1pct"]
-    lines.append("  gpnys kmeans within 1 % of exact SVC: " + (
-        "never" if w is None else f"m={w['m']} (acc {w['accuracy']:.4f}) at {w['time_ratio']:.3f} x its time") +
-        f"; <= 1/10 of its time: {'yes' if chk['met'] else 'no'}")
+    for label, chk in res["check"].items():
+        w = chk["within_1pct"]
+        ahead = chk["accuracy_minus_sklearn"]
+        lines.append(f"  {label} within 1 % of exact SVC: " + (
+            "never" if w is None else f"m={w['m']} (acc {w['accuracy']:.4f}) at {w['time_ratio']:.3f} x its time") +
+            f" (<= 1/10: {'yes' if chk['met'] else 'no'}); >= sklearn Nystroem at {sum(v >= 0 for v in ahead.values())}"
+            f" of {len(ahead)} m")
     return "\n".join(lines)
 
 
