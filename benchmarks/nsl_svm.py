@@ -210,6 +210,7 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     names = list(results)
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
@@ -220,6 +221,7 @@ def plot(results: dict, path: Path) -> None:
         ex = res["exact_svc"]
         ax.plot([ex["time_s"]], [ex["accuracy"]], "k*", ms=10, label=f"exact SVC (n={ex['n']})")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("fit + predict time (s)")
         ax.set_ylabel("test accuracy")
         ax.set_title(name, fontsize=9)
