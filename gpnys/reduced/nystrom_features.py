@@ -34,6 +34,16 @@ __all__ = ["NystromFeatures", "median_lengthscale", "BASES"]
 
 BASES = ("orthonormal", "standard")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+_NUMPY = {torch.float64: np.float64, torch.float32: np.float32}
+
+
+def _validate_data(est: BaseEstimator, X: Any, **kwargs: Any) -> np.ndarray:
+    """scikit-learn's ``validate_data`` (a function from 1.6 on, a method before)."""
+    try:
+        from sklearn.utils.validation import validate_data
+    except ImportError:  # scikit-learn < 1.6
+        return est._validate_data(X, **kwargs)
+    return validate_data(est, X, **kwargs)
 MEDIAN_SAMPLE = 1000
 
 
@@ -142,22 +152,29 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         self.random_state = random_state
 
     # -- input -------------------------------------------------------------------------------------------------
-    def _as_tensor(self, X: Any, dtype: torch.dtype, device: torch.device | None) -> tuple[torch.Tensor, bool]:
-        """``X`` as a ``(n, d)`` tensor of ``dtype`` on ``device``; ``True`` when the input was a tensor."""
-        is_tensor = isinstance(X, torch.Tensor)
-        if not is_tensor:
+    def _as_tensor(self, X: Any, dtype: torch.dtype, device: torch.device | None,
+                   reset: bool) -> tuple[torch.Tensor, bool]:
+        """``X`` as a ``(n, d)`` tensor of ``dtype`` on ``device``; ``True`` when the input was a tensor.
+
+        Arrays go through scikit-learn's ``validate_data`` (its messages, prefixed ``"X: "``); ``reset`` sets
+        ``n_features_in_``, otherwise ``X`` must have that many columns.
+        """
+        if not isinstance(X, torch.Tensor):
             try:
-                arr = np.asarray(X)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"X must be a 2-D array of numbers, got {type(X).__name__}") from exc
-            if arr.dtype.kind not in "biuf":
-                raise ValueError(f"X must be a 2-D array of real numbers, got dtype {arr.dtype}")
-            X = torch.from_numpy(np.ascontiguousarray(arr))
-        elif X.is_complex() or X.dtype == torch.bool:
-            raise ValueError(f"X must hold real numbers, got {X.dtype}")
+                arr = _validate_data(self, X, reset=reset, dtype=_NUMPY[dtype])
+            except ValueError as exc:
+                raise ValueError(f"X: {exc}") from exc
+            return torch.from_numpy(arr).to(device=device), False
+        if X.is_complex() or X.dtype == torch.bool:
+            raise ValueError(f"X: Complex or boolean data not supported, got {X.dtype}")
         X = X.detach().to(device=device if device is not None else X.device, dtype=dtype)
         validate_points(X, "X")
-        return X, is_tensor
+        if reset:
+            self.n_features_in_ = X.shape[1]
+        elif X.shape[1] != self.n_features_in_:
+            raise ValueError(f"X has {X.shape[1]} features, but {type(self).__name__} is expecting "
+                             f"{self.n_features_in_} features as input.")
+        return X, True
 
     def _seed(self) -> int:
         rs = self.random_state
@@ -174,8 +191,8 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         if not (rs is None or isinstance(rs, np.random.RandomState)
                 or (isinstance(rs, (int, np.integer)) and not isinstance(rs, bool) and 0 <= int(rs) < 2**63)):
             raise ValueError(f"random_state must be None, a non-negative int or a RandomState, got {rs!r}")
-        Xt, _ = self._as_tensor(X, dtype, device)
-        n, d = Xt.shape
+        Xt, _ = self._as_tensor(X, dtype, device, reset=True)
+        n = Xt.shape[0]
         m = validate_count(self.n_components, "n_components", 1, n, "n (training rows)")
         if self.rank is not None:
             validate_count(self.rank, "rank", 1, m, "n_components")
@@ -212,16 +229,12 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         self.landmarks_ = self.components_ = C
         self.landmark_indices_ = idx
         self.A_, self.rank_, self.dropped_ = A, fmap.s, fmap.dropped
-        self.n_features_in_ = d
         self._n_features_out = A.shape[1]
         return self
 
     def transform(self, X: Any) -> Any:
         """Features ``(n, s)`` (orthonormal) or ``(n, m)`` (standard) of the rows of ``X (n, d)``."""
         check_is_fitted(self, "A_")
-        Xt, is_tensor = self._as_tensor(X, self.A_.dtype, self.A_.device)
-        if Xt.shape[1] != self.n_features_in_:
-            raise ValueError(f"X has {Xt.shape[1]} features, but NystromFeatures was fitted with "
-                             f"{self.n_features_in_}")
+        Xt, is_tensor = self._as_tensor(X, self.A_.dtype, self.A_.device, reset=False)
         Phi = self.feature_map_.cross(Xt) @ self.A_
         return Phi if is_tensor else Phi.numpy(force=True)

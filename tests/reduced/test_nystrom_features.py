@@ -11,6 +11,7 @@ from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.model_selection import GridSearchCV
 from sklearn.pipeline import Pipeline
 from sklearn.svm import LinearSVC
+from sklearn.utils.estimator_checks import check_estimator
 
 from gpnys.reduced import LLAPosterior, NCRPosterior, NystromFeatures
 from gpnys.reduced.nystrom_features import median_lengthscale
@@ -50,6 +51,20 @@ def test_clone_and_params_round_trip():
     assert float(kern.lengthscale.detach()) == ell and kern.lengthscale.dtype == torch.float32  # the user's kernel untouched
     assert est.A_.dtype == torch.float32 and est.A_.shape == (20, 20) and est.rank_ == 10
     assert est.get_feature_names_out().shape == (20,)
+
+
+def test_scikit_learn_estimator_checks():
+    """scikit-learn's own conformance suite (clone, params, fit/transform idempotence, input validation, pickling,
+    dtypes, error messages): every check passes."""
+    import sklearn
+
+    if tuple(int(v) for v in sklearn.__version__.split(".")[:2]) < (1, 6):
+        pytest.skip("check_estimator(on_fail=None) needs scikit-learn >= 1.6")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rank-deficient K_mm on the checks' tiny data sets
+        results = check_estimator(NystromFeatures(n_components=5, random_state=0), on_fail=None)
+    failed = [(r["check_name"], str(r["exception"])[:200]) for r in results if r["status"] == "failed"]
+    assert len(results) > 30 and not failed, failed
 
 
 def test_pipelines_and_grid_search():
