@@ -319,3 +319,7 @@ def test_warm_start_quick(tmp_path):
     for w, c in zip(res["warm"], res["cold"]):
         assert abs(w["loss"] - c["loss"]) <= 4 * (w["loss_std_error"] ** 2 + c["loss_std_error"] ** 2) ** 0.5
         assert w["y_solve_iterations"] <= c["y_solve_iterations"]
+    # preconditioner reuse: fewer builds, the same trajectory within the error bars
+    assert res["reuse"][-1]["builds"] <= res["warm"][-1]["builds"]
+    for w, r in zip(res["warm"], res["reuse"]):
+        assert abs(w["loss"] - r["loss"]) <= 4 * (w["loss_std_error"] ** 2 + r["loss_std_error"] ** 2) ** 0.5

@@ -118,6 +118,9 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
                    help="auto: Cholesky where a cost model calibrated on this device predicts it faster (with "
                         "--precond auto), else the preconditioned path; cholesky / iterative force one "
                         "(default: $GPNYS_SOLVER, else auto)")
+    p.add_argument("--reuse-tolerance", type=float, default=None, metavar="REL",
+                   help="reuse the preconditioner across steps while the length-scales and noise/outputscale move "
+                        "less than REL (relative) from those it was built for (e.g. 0.1); default: rebuild")
     p.add_argument("--prune-tol", type=float, default=None,
                    help="skip kernel blocks whose entries are all below this (times the outputscale) when the kernel "
                         "is recomputed on the fly (default: machine epsilon; 0: compute every entry)")
@@ -132,6 +135,8 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
         raise ValueError(f"--lanczos-share must be in [0, 1), got {args.lanczos_share}")
     if args.prune_tol is not None and not args.prune_tol >= 0:
         raise ValueError(f"--prune-tol must be >= 0, got {args.prune_tol}")
+    if args.reuse_tolerance is not None and not args.reuse_tolerance >= 0:
+        raise ValueError(f"--reuse-tolerance must be >= 0, got {args.reuse_tolerance}")
     if args.accuracy is not None and not 0 < args.accuracy < 1:
         raise ValueError(f"--accuracy must be in (0, 1), got {args.accuracy}")
     if args.max_probes < 2:
@@ -146,7 +151,7 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
                                  variance_reduction=cv != "none", control_variate="auto" if cv == "none" else cv,
                                  kernel_prune_tol=args.prune_tol,
                                  kernel_backend=None if args.kernel_backend == "auto" else args.kernel_backend,
-                                 kernel_tf32=args.tf32, solver=args.solver,
+                                 kernel_tf32=args.tf32, solver=args.solver, reuse_tolerance=args.reuse_tolerance,
                                  kernel_group=True if rank_and_size()[1] > 1 else None)  # under torchrun
     return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
 

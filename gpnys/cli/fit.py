@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
                 apps, last["apps"] = hook.applications - last["apps"], hook.applications
                 out = {"path": hook.path, "cg_iters": apps}
                 if hook.path == "iterative" and hook.history:
-                    out.update(precond=hook.history[-1].kind, rank=hook.history[-1].rank)
+                    out.update(precond=hook.history[-1].kind, rank=hook.history[-1].rank, builds=hook.builds,
+                               reused=hook.preconditioners.stale)
                 est = hook.last_estimate
                 if est is not None:
                     worst = max((float(v.max()) for v in est.grad_std_error.values() if v.numel()), default=0.0)

@@ -198,7 +198,8 @@ class PreconditionerHook(HookPrediction):
         self.cache = PointCache(self.train_x)
         group = self.settings.kernel_group if isinstance(self.method, str) else None
         #: the preconditioners of these points (:class:`~gpnys.gp.preconditioners.PreconditionerCache`)
-        self.preconditioners = PreconditionerCache(self.method, self.options, self.seed, group, self.history)
+        self.preconditioners = PreconditionerCache(self.method, self.options, self.seed, group, self.history,
+                                                   self.settings.reuse_tolerance, self.settings.refresh_growth)
         self._kernel_cache: dict[str, Any] = {}
         self._kernel_x: torch.Tensor | None = None
         #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
@@ -304,7 +305,7 @@ class PreconditionerHook(HookPrediction):
         P, s2 = self.preconditioner()
         return EstimatorState(
             model=self.model, preconditioner=P, s2=s2, noise=self._noise(), settings=self.settings,
-            warm_start=self._warm_a, variance_reduction=self.variance_reduction,
+            warm_start=self._warm_a, variance_reduction=self.variance_reduction and not self.preconditioners.stale,
             control_variate_terms=self.control_variate_terms, frozen_jacobian_terms=self.frozen_jacobian_terms,
             describe=lambda: hyperparameter_summary(self.kernel, self.model.likelihood.noise),
             path_reason=self.path_reason)
@@ -317,6 +318,7 @@ class PreconditionerHook(HookPrediction):
         self.applications += result.applications
         self.samples += result.samples
         self._warm_a = result.warm_start
+        self.preconditioners.observe(result.estimate.cg_iterations)
         self.last_estimate = result.estimate
         self.estimates += 1
         return result.log_prob

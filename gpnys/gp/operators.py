@@ -82,7 +82,7 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
             with torch.random.fork_rng(devices=[value.device] if value.device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 res = super().log_prob(value)
-        if hook is not None and hook.variance_reduction and torch.is_grad_enabled():
+        if hook is not None and hook.variance_reduction and not hook.preconditioners.stale and torch.is_grad_enabled():
             C = hook.control_variate()
             if C is not None:
                 res = res - 0.5 * (C - C.detach())

@@ -4,6 +4,15 @@
 hyperparameter key of a build, the build itself (``make_preconditioner`` or a user's class) for ``K + mu I`` with
 ``mu = noise / s²``, one slot per option set (the training options, and e.g. a stronger one for posterior solves),
 and the fallback to GPyTorch's pivoted Cholesky when a build fails.
+
+Reuse across training steps (``reuse_tolerance``). A preconditioner only preconditions: CG and SLQ run on the true
+``K̂``, so ``P`` built at earlier hyperparameters still gives an exact answer, only more iterations. While every
+length-scale and ``mu`` lies within ``reuse_tolerance`` (relative) of those ``P`` was built for, and the CG
+iterations have not grown past ``refresh_growth`` times those of its first evaluation, the training slot returns the
+stored ``P`` with the current outputscale (``P̂ = s² P``). Such a ``P`` is :attr:`PreconditionerCache.stale`: its
+differentiable family at the current hyperparameters is no longer the distribution the probes come from, so the
+estimator drops the control variate for that evaluation (the plain estimator stays unbiased; its standard errors
+say what the variance costs).
 """
 
 from __future__ import annotations
@@ -51,6 +60,10 @@ class PreconditionerCache:
         seed: the seed of a named preconditioner's randomness.
         group: a process group the FSAI / AFN / Nyström rows are built over (``None``: one process).
         history: the list each build's :class:`StepRecord` is appended to (a hook keeps one across data changes).
+        reuse_tolerance: reuse the training preconditioner while the hyperparameters stay within this relative
+            change of those it was built for (module docstring); ``None``: rebuild on every change.
+        refresh_growth: rebuild once an evaluation's CG iterations exceed this multiple of those of the
+            preconditioner's first evaluation (:meth:`observe`).
 
     Example:
         >>> import gpytorch, torch
@@ -66,9 +79,17 @@ class PreconditionerCache:
     """
 
     def __init__(self, method: str | type[Preconditioner], options: dict[str, Any], seed: int = 0,
-                 group: Any = None, history: list[StepRecord] | None = None) -> None:
+                 group: Any = None, history: list[StepRecord] | None = None, reuse_tolerance: float | None = None,
+                 refresh_growth: float = 1.5) -> None:
         self.method, self.options, self.seed, self.group = method, options, seed, group
         self.history: list[StepRecord] = [] if history is None else history
+        self.reuse_tolerance, self.refresh_growth = reuse_tolerance, float(refresh_growth)
+        #: the training preconditioner was built for other hyperparameters than the last request's
+        self.stale = False
+        #: requests served by a stale preconditioner
+        self.reuses = 0
+        self._first_iterations: int | None = None  # CG iterations of the fresh preconditioner's first evaluation
+        self._refresh = False
         #: (key, (P, s²)) of the training options, and of other option sets by their sorted items
         self._slots: dict[tuple | None, tuple[tuple, tuple[Preconditioner, torch.Tensor]]] = {}
 
@@ -93,7 +114,15 @@ class PreconditionerCache:
             mu = float(level.detach()) / s2f
             key = self._key(kernel, mu, s2f, noise)
             cached = self._slots.get(slot)
+            if slot is None:
+                self.stale = cached is not None and key != cached[0] and self._reusable(cached[0], key)
+                if self.stale:
+                    self.reuses += 1
+                    P = cached[1][0]
+                    return P, torch.as_tensor(s2f, dtype=X.dtype, device=X.device)
             if cached is None or key != cached[0]:
+                if slot is None:
+                    self._first_iterations, self._refresh = None, False
                 t0 = time.perf_counter()
                 P, fallback = self._build(points, kernel, mu, opts, self._diag(noise.detach(), s2f))
                 s2 = torch.as_tensor(s2f, dtype=X.dtype, device=X.device)
@@ -101,6 +130,22 @@ class PreconditionerCache:
                 self.history.append(StepRecord(mu, s2f, int(P.rank), P.summary().get("choice", P.kind),
                                                time.perf_counter() - t0, fallback))
         return cached[1]
+
+    def observe(self, iterations: int) -> None:
+        """Record the CG iterations of an evaluation with the training preconditioner: the first one after a build
+        sets the reference; one above ``refresh_growth`` times it asks the next request to rebuild."""
+        if self._first_iterations is None:
+            self._first_iterations = int(iterations)
+        elif iterations > self.refresh_growth * max(self._first_iterations, 1):
+            self._refresh = True
+
+    def _reusable(self, built: tuple, key: tuple) -> bool:
+        """Whether a preconditioner built for the hyperparameter key ``built`` may serve ``key``."""
+        tol = self.reuse_tolerance
+        if tol is None or self._refresh or built[3] != key[3] or len(built[0]) != len(key[0]):
+            return False
+        pairs = list(zip(built[0], key[0])) + [(built[1], key[1])]
+        return all(abs(new - old) <= tol * abs(old) for old, new in pairs)
 
     @staticmethod
     def _key(kernel: gpytorch.kernels.Kernel, mu: float, s2: float, noise: torch.Tensor) -> tuple:

@@ -11,8 +11,8 @@ import torch
 
 from gpnys.budget import block_rows
 from gpnys.gp.discover import same_points, training_kernel
-from gpnys.gp.training import predict as exact_predict
 from gpnys.gp.posterior import PCGPosterior
+from gpnys.gp.training import predict as exact_predict
 from gpnys.gp.variance import LocalVariance
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.landmarks import select

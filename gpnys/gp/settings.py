@@ -130,6 +130,11 @@ class EstimatorOptions:
             ``"auto"`` preconditioner; a named one asks for the preconditioned path; :mod:`gpnys.gp.path`);
             ``"cholesky"`` or ``"iterative"`` force one. ``None``: ``$GPNYS_SOLVER``, else ``"auto"``. The path
             taken and why: ``hook.last_estimate.path`` and ``.path_reason``.
+        reuse_tolerance: reuse the training preconditioner across steps while every length-scale and
+            ``noise / outputscale`` stays within this relative change of those it was built for, without the control
+            variate on those steps (:mod:`gpnys.gp.preconditioners`; docs/training.md, "Warm starts"); ``None``:
+            rebuild whenever a hyperparameter changes. refresh_growth: rebuild anyway once the CG iterations exceed
+            this multiple of those of the preconditioner's first evaluation.
         warm_start: the solve with ``y - m`` starts from the previous evaluation's solution (same data); the
             probes' solves start at 0, as their quadrature needs (docs/training.md, "Warm starts").
         target_rel_error: keep adding batches of ``num_probes`` probes (reusing the preconditioner and the solve
@@ -152,8 +157,14 @@ class EstimatorOptions:
     max_probes: int = 1024
     solver: str | None = None
     warm_start: bool = True
+    reuse_tolerance: float | None = None
+    refresh_growth: float = 1.5
 
     def __post_init__(self) -> None:
+        if self.reuse_tolerance is not None and not float(self.reuse_tolerance) >= 0:
+            raise ValueError(f"reuse_tolerance must be >= 0 or None, got {self.reuse_tolerance!r}")
+        if not float(self.refresh_growth) >= 1:
+            raise ValueError(f"refresh_growth must be >= 1, got {self.refresh_growth!r}")
         if self.solver is None:
             self.solver = os.environ.get("GPNYS_SOLVER", "auto")
         if self.solver not in SOLVERS:

@@ -145,6 +145,7 @@ def test_cli_mll_cutoff_reports_the_share_of_entries_and_matches_the_full_kernel
     "argv,name",
     [
         (["mll", "--prune-tol", "-1", "--method", "auto"], "prune-tol"),
+        (["fit", "--reuse-tolerance", "-0.5"], "reuse-tolerance"),
         (["mll", "--noise", "-1"], "noise"),
         (["mll", "--noise", "nan"], "noise"),
         (["mll", "--lengthscale", "0"], "lengthscale"),
