@@ -45,12 +45,13 @@ from gpnys.budget import block_rows
 from gpnys.budget import dense_limit_bytes as budget_dense_limit
 from gpnys.collectives import resolve_group
 from gpnys.kernels.backends import LEAF, make_backend, select_backend
+from gpnys.kernels.backends.base import KernelBackend
+from gpnys.kernels.backends.dense import DenseBackend
 from gpnys.kernels.backends.partitioned import PartitionedBackend
 from gpnys.kernels.backends.torch_tiles import Tile, TorchTiles, squared_norms
 from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
 from gpnys.kernels.formulas import formula
 from gpnys.kernels.product import choose_product
-from gpnys.linalg import thin_matmul
 
 __all__ = ["StationaryKernelOperator", "supported"]
 
@@ -224,26 +225,26 @@ class StationaryKernelOperator(LinearOperator):
             return None, Z, None
         return plan.perm, Z[plan.perm], plan
 
+    def _route(self) -> tuple[torch.Tensor | None, torch.Tensor, LeafPlan | None, KernelBackend]:
+        """``(perm, Z, plan, backend)`` of a pass: the stored kernel's :class:`DenseBackend` (input order, no plan)
+        where :func:`~gpnys.kernels.product.choose_product` keeps it dense, else the recomputing backend with the
+        working order ``perm`` (``None``: identity), the scaled points ``Z`` in it and the cutoff plan."""
+        dense = self._dense()
+        if dense is not None:
+            return None, self._scaled(), None, DenseBackend(self.formula, *dense, self.cache.get("D"),
+                                                            self._block_rows())
+        return (*self._working(), self.backend)
+
     def _pass(self) -> tuple[torch.Tensor | None, torch.Tensor, Iterator[Tile]]:
         """One torch pass over the kernel: ``(perm, Z, tiles)`` with ``perm`` the working order (``None``:
         identity), ``Z`` the scaled points in it and ``tiles`` (:data:`~gpnys.kernels.backends.torch_tiles.Tile`)
-        read from the dense cache or recomputed (:meth:`TorchTiles.tiles`)."""
-        dense = self._dense()
-        if dense is not None:
-            Z, n, bs = self._scaled(), self.X.shape[0], self._block_rows()
-            K, H = dense
-            tiles = ((slice(a, a + bs), slice(None), K[a : a + bs], None if H is None else H[a : a + bs],
-                      Z[a : a + bs], Z) for a in range(0, n, bs))
-            return None, Z, tiles
-        perm, Z, plan = self._working()
-        return perm, Z, self.tiles.tiles(Z, plan)
+        read from the stored kernel or recomputed (:meth:`TorchTiles.tiles`)."""
+        perm, Z, plan, backend = self._route()
+        return perm, Z, (backend if isinstance(backend, DenseBackend) else self.tiles).tiles(Z, plan)
 
     def _unit_matmul(self, rhs: torch.Tensor) -> torch.Tensor:
-        dense = self._dense()
-        if dense is not None:
-            return thin_matmul(dense[0], rhs)
-        perm, Z, plan = self._working()
-        out = self.backend.matmul(Z, rhs if perm is None else rhs[perm], plan)
+        perm, Z, plan, backend = self._route()
+        out = backend.matmul(Z, rhs if perm is None else rhs[perm], plan)
         if perm is not None:
             out = out.index_copy(0, perm, out)  # back to the input order: result[perm] = out
         return out
@@ -267,17 +268,10 @@ class StationaryKernelOperator(LinearOperator):
         U, V = left_vecs.detach(), right_vecs.detach()
         if U.dim() == 1:
             U, V = U[:, None], V[:, None]
-        dense = self._dense()
-        if dense is not None and self.cache.get("D") is not None:  # two products (_caches_derivative)
-            s = (U * thin_matmul(dense[0], V)).sum()
-            return (None, *self._finish(s, (U * thin_matmul(self.cache["D"], V)).sum().reshape(1), U.dtype))
-        if dense is not None:
-            _, Z, tiles = self._pass()
-            return (None, *self._finish(*TorchTiles.weighted_sums(Z, tiles, lambda r, c: U[r] @ V[c].mT), Z.dtype))
-        perm, Z, plan = self._working()
+        perm, Z, plan, backend = self._route()
         if perm is not None:
             U, V = U[perm], V[perm]
-        return (None, *self._finish(*self.backend.derivative_sums(Z, U, V, plan), Z.dtype))
+        return (None, *self._finish(*backend.derivative_sums(Z, U, V, plan), Z.dtype))
 
     def column_derivatives(self, U: torch.Tensor, V: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
         """Per column ``j``: ``d/d(outputscale, lengthscale) u_j^T K v_j`` for ``U, V: (n, t)``, as
@@ -288,19 +282,10 @@ class StationaryKernelOperator(LinearOperator):
         U, V = U.detach(), V.detach()
         ls = self.lengthscale.detach()
         iso = ls.numel() == 1
-        dense = self._dense()
-        if dense is not None and iso and self.cache.get("D") is not None:  # two products (_caches_derivative)
-            Z = self._scaled()
-            s = (U * thin_matmul(dense[0], V)).sum(0)
-            g = (U * thin_matmul(self.cache["D"], V)).sum(0)[:, None]
-        elif dense is not None:
-            _, Z, tiles = self._pass()
-            s, g = TorchTiles.column_sums(Z, tiles, U, V, iso)
-        else:
-            perm, Z, plan = self._working()
-            if perm is not None:
-                U, V = U[perm], V[perm]
-            s, g = self.backend.column_derivative_sums(Z, U, V, plan, iso)
+        perm, Z, plan, backend = self._route()
+        if perm is not None:
+            U, V = U[perm], V[perm]
+        s, g = backend.column_derivative_sums(Z, U, V, plan, iso)
         d_s2 = s.to(Z.dtype).reshape(-1, *self.outputscale.shape)
         d_ls = -self.outputscale.detach() * g.to(Z.dtype) / ls.reshape(1, -1)
         if ls.numel() == 1:
