@@ -43,6 +43,7 @@ from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperato
 
 from gpnys.checks import NumericalWarning, validate_count, validate_training_data
 from gpnys.collectives import RowGroup
+from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
 from gpnys.gp.discover import same_points, training_kernel, unsupported_covariance, unsupported_model
 from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob
 from gpnys.gp.operators import (
@@ -59,7 +60,6 @@ from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import EstimatorSettings, current_gpytorch_settings
 from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
-from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import (
@@ -259,45 +259,33 @@ class PreconditionerHook(HookPrediction):
         return 1.0 if plan is None else plan.fraction
 
     def control_variate(self) -> torch.Tensor | None:
-        """``C(θ) = log det P̂(θ) + (1/t) Σ_j z_jᵀ P̂(θ)⁻¹ z_j`` on the probes of the last SLQ call.
-
-        Its gradient, ``∂ log det P̂ − (1/t) Σ_j b_jᵀ ∂P̂ b_j`` with ``b_j = P̂⁻¹ z_j``, added to GPyTorch's
-        estimate ``(1/t) Σ_j (K̂⁻¹ z_j)ᵀ ∂K̂ b_j`` gives the estimator of Wenger et al. (2022):
-        ``tr(K̂⁻¹∂K̂) = tr(P̂⁻¹∂P̂) + tr(K̂⁻¹∂K̂ − P̂⁻¹∂P̂)``, exact in its first term, so its variance vanishes as
-        ``P̂ → K̂``. ``None`` when the preconditioner cannot be differentiated (then GPyTorch's plain estimate is used).
-        """
+        """``C(θ) = log det P̂(θ) + (1/t) Σ_j z_jᵀ P̂(θ)⁻¹ z_j`` on the probes of the last SLQ call
+        (:mod:`gpnys.gp.control_variate`); ``None`` when the preconditioner cannot be differentiated (then
+        GPyTorch's plain estimate is used)."""
         terms = self.control_variate_terms()
         return None if terms is None else terms[0] + terms[1].mean()
 
     def control_variate_terms(self, probes: torch.Tensor | None = None, schur: str | None = None,
                               split: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(log det P̂(θ), [z_jᵀ P̂(θ)⁻¹ z_j]_j)`` (0-dim and ``(t,)``, with autograd) on ``probes`` ``(n, t)``
-        (default: the last probes GPyTorch drew, which this consumes), the parts of :meth:`control_variate`.
-        ``None`` as there. ``schur``: AFN's family (default ``settings.control_variate``); ``split``: AFN's rows
-        split over ``kernel_group``'s ranks (only for a caller that takes no per-probe Jacobian through the terms;
-        :meth:`AFNPreconditioner.differentiable_terms`)."""
+        """:func:`gpnys.gp.control_variate.control_variate_terms` of the training preconditioner on ``probes``
+        ``(n, t)`` (default: the last probes GPyTorch drew, which this consumes). ``schur``: AFN's family
+        (default ``settings.control_variate``, the estimate's own, counted in :attr:`control_variates`)."""
         Z = probes
         if Z is None:
             Z, self.last_probes = self.last_probes, None
         current = self.preconditioners.current
         if current is None or Z is None:
             return None
-        P = current[0].chosen  # AutoPreconditioner: the Nyström or AFN it chose
-        if not hasattr(P, "differentiable_terms"):
-            return None
-        base, s2, mu = self._family_parameters(P)
-        try:
-            own = schur is None  # the estimate's own family, not a proxy for its error bars
-            schur = self.settings.control_variate if own else schur
-            kw = {"schur": schur, "split": split} if isinstance(P, AFNPreconditioner) else {}
-            logdet, quad = P.differentiable_terms(base, mu, Z, **kw)
-        except (NotImplementedError, torch.linalg.LinAlgError):  # e.g. RAN scaling, or K11 too ill-conditioned
-            return None
-        if s2 is not None:
-            logdet = logdet + Z.shape[0] * torch.log(s2)
-            quad = quad / s2
-        self.control_variates += own
-        return logdet, quad
+        own = schur is None  # the estimate's own family, not a proxy for its error bars
+        terms = control_variate_terms(current[0], self.kernel, self._noise(),
+                                      Z, self.settings.control_variate if own else schur, split)
+        self.control_variates += own and terms is not None
+        return terms
+
+    def frozen_jacobian_terms(self, Z: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """:func:`gpnys.gp.control_variate.frozen_jacobian_terms` of the training preconditioner."""
+        current = self.preconditioners.current
+        return None if current is None else frozen_jacobian_terms(current[0], self.kernel, self._noise(), Z)
 
     def estimator_state(self) -> EstimatorState:
         """What gpnys's estimator reads for one evaluation at the current hyperparameters (it writes nothing back;
@@ -322,40 +310,6 @@ class PreconditionerHook(HookPrediction):
         self.last_estimate = result.estimate
         self.estimates += 1
         return result.log_prob
-
-    def frozen_jacobian_terms(self, Z: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The per-probe Jacobian of AFN's ``"frozen"`` control-variate terms ``[z_jᵀ P̂(θ)⁻¹ z_j]_j`` (those of
-        :meth:`control_variate_terms` with ``schur="frozen"``) in closed form
-        (:meth:`~gpnys.precond.afn.AFNPreconditioner.frozen_derivatives`), as ``(tensor, (t, *tensor.shape))``
-        pairs: the length-scale, ``mu = noise / s²`` and ``s²``, whose chain to the raw parameters the caller
-        takes by autograd. ``None`` without an AFN preconditioner or for a kernel outside the formula table."""
-        current = self.preconditioners.current
-        if current is None:
-            return None
-        P = current[0].chosen
-        if not isinstance(P, AFNPreconditioner):
-            return None
-        base, s2, mu = self._family_parameters(P)
-        out = P.frozen_derivatives(base, mu, Z)
-        if out is None:
-            return None
-        q, d_ls, d_mu = out
-        ls = base.lengthscale
-        scale = 1.0 if s2 is None else 1.0 / s2.detach()
-        pairs = [(ls, scale * d_ls.reshape(-1, *ls.shape)), (mu, scale * d_mu)]
-        if s2 is not None:
-            pairs.append((s2, -q * scale**2))  # the terms are q / s²
-        return [(o, g) for o, g in pairs if o.requires_grad]
-
-    def _family_parameters(self, P: Any) -> tuple[gpytorch.kernels.Kernel, torch.Tensor | None, torch.Tensor]:
-        """``(base, s², mu)`` of the differentiable preconditioner family (with autograd): the unit-variance kernel,
-        the outputscale (``None`` without a ``ScaleKernel``) and ``mu = noise / s²`` in the form ``P`` was built
-        for (per point when it took ``diag``)."""
-        kernel = self.kernel
-        base, _ = split_outputscale(kernel)
-        s2 = kernel.outputscale.reshape(()) if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
-        noise = self._noise() if P.diag is not None else self._noise_level()  # the family P was built in
-        return base, s2, (noise / s2 if s2 is not None else noise)
 
     def batch_closed_form(self, op: LazyEvaluatedKernelTensor) -> bool:
         """Whether a batch-mode model's elements take gpnys's closed-form kernel operator (a ``ScaleKernel`` over
@@ -418,13 +372,6 @@ class PreconditionerHook(HookPrediction):
     def _likelihood_noise(self) -> torch.Tensor:
         """The likelihood's noise tensor for this hook's points (a batch element takes its slice)."""
         return self.model.likelihood.noise
-
-    def _noise_level(self) -> torch.Tensor:
-        """The scalar noise that labels the preconditioner (``K + noise I``): the noise itself, or the mean of
-        per-point noise (:class:`~gpnys.gp.preconditioners.PreconditionerCache` says which preconditioners take
-        per-point noise themselves)."""
-        noise = self._noise()
-        return noise if noise.dim() == 0 else noise.mean()
 
     def _inputs(self) -> torch.Tensor:
         """The points the kernel sees: the training inputs, or what ``forward`` made of them (e.g. ``20 * x``),
