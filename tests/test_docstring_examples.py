@@ -59,6 +59,7 @@ PUBLIC_ENTRY_POINTS = [
     "gpnys.bo.model.PreconditionedSingleTaskGP",
     "gpnys.reduced.reduced_posterior",
     "gpnys.reduced.ReducedGP",
+    "gpnys.reduced.NystromFeatures",
     "gpnys.datasets.load",
     "gpnys.landmarks.fps",
 ]
