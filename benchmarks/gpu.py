@@ -435,7 +435,7 @@ def mll_eval(X, y, method: str, hypers: dict, seed: int, settings: EstimatorSett
         hook = hook_box[0]
         rec = hook.history[-1] if hook.history else None  # None on auto's Cholesky path (gpnys.gp.path)
         s = settings or EstimatorSettings()
-        kc = hook._kernel_cache  # the training kernel operator's: the dense K, or the on-the-fly path's plan
+        kc = hook.kernels.cache  # the training kernel operator's: the dense K, or the on-the-fly path's plan
         extra = {"path": hook.path, "precond": rec and rec.kind, "rank": rec and rec.rank,
                  "setup_s": rec and rec.setup_s, "cg_iterations": hook.applications,
                  "kernel_fraction": hook.kernel_fraction,

@@ -58,8 +58,9 @@ from gpnys.gp.path import choose_path, path_costs, uses_costs
 from gpnys.gp.preconditioners import PreconditionerCache, StepRecord
 from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import EstimatorSettings, current_gpytorch_settings
+from gpnys.gp.training_kernel import TrainingKernel
 from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
-from gpnys.kernels.operator import StationaryKernelOperator, supported
+from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import (
@@ -119,6 +120,7 @@ class PreconditionerHook(HookPrediction):
         self.model = model
         self.method = method
         self.settings = settings or EstimatorSettings()
+        self.kernels = TrainingKernel(self.settings)  # started afresh with the data (_set_data, _reset)
         self.seed = seed
         self._user_options = dict(options)
         #: why GPyTorch's own computation runs instead (a model or kernel the hook cannot accelerate), else None
@@ -175,6 +177,7 @@ class PreconditionerHook(HookPrediction):
                              f"{f' and batch {shape[0]}' if len(shape) == 3 else ''}, got {tuple(X.shape)}")
         #: one :class:`BatchElement` per batch element of a batch-mode model (its own preconditioner), else None
         self.elements: list[BatchElement] | None = None
+        self.kernels = TrainingKernel(self.settings)  # a batch-mode model's elements have their own (_reset)
         if X.dim() == 3:
             self.elements = [BatchElement(self, i, X[i]) for i in range(X.shape[0])]
         else:
@@ -190,7 +193,8 @@ class PreconditionerHook(HookPrediction):
                              f"shape {tuple(self.model.likelihood.noise.shape)}")
         if bool(_not_positive(noise)):
             raise _positive_error("likelihood.noise", noise)
-        self._promotion: tuple | None = None
+        #: the kernel operator's caches and promoted inputs (:class:`~gpnys.gp.training_kernel.TrainingKernel`)
+        self.kernels = TrainingKernel(self.settings)
         # GP_DEFAULTS' sizes at most n (an explicit size is the caller's, validated against n in __init__)
         defaults = GP_DEFAULTS.get(self.method, {}) if isinstance(self.method, str) else {}
         self.options = {**{key: min(value, X.shape[0]) for key, value in defaults.items()}, **self._user_options}
@@ -200,8 +204,6 @@ class PreconditionerHook(HookPrediction):
         #: the preconditioners of these points (:class:`~gpnys.gp.preconditioners.PreconditionerCache`)
         self.preconditioners = PreconditionerCache(self.method, self.options, self.seed, group, self.history,
                                                    self.settings.reuse_tolerance, self.settings.refresh_growth)
-        self._kernel_cache: dict[str, Any] = {}
-        self._kernel_x: torch.Tensor | None = None
         #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
         #: the inputs as its forward() passed them)
         self._seen: tuple[gpytorch.kernels.Kernel, torch.Tensor] | None = None
@@ -251,12 +253,8 @@ class PreconditionerHook(HookPrediction):
 
     @property
     def kernel_fraction(self) -> float | None:
-        """Share of the ``n^2`` kernel entries the training kernel operator computes per product: ``1.0`` without
-        a cutoff plan, ``None`` before the operator's first on-the-fly product (or with a dense cache)."""
-        if "plan_key" not in self._kernel_cache:
-            return None
-        plan = self._kernel_cache["plan"]
-        return 1.0 if plan is None else plan.fraction
+        """:attr:`TrainingKernel.fraction <gpnys.gp.training_kernel.TrainingKernel.fraction>` of the training kernel."""
+        return self.kernels.fraction
 
     def control_variate(self) -> torch.Tensor | None:
         """``C(θ) = log det P̂(θ) + (1/t) Σ_j z_jᵀ P̂(θ)⁻¹ z_j`` on the probes of the last SLQ call
@@ -312,11 +310,9 @@ class PreconditionerHook(HookPrediction):
         return result.log_prob
 
     def batch_closed_form(self, op: LazyEvaluatedKernelTensor) -> bool:
-        """Whether a batch-mode model's elements take gpnys's closed-form kernel operator (a ``ScaleKernel`` over
-        RBF/Matérn or a bare one, inputs without gradients, ``settings.kernel_operator``) rather than slices of
+        """Whether a batch-mode model's elements take gpnys's closed-form kernel operator rather than slices of
         GPyTorch's evaluated ``(b, n, n)`` kernel."""
-        base, _ = split_outputscale(op.kernel[0])
-        return bool(self.settings.kernel_operator) and supported(base) and not op.x1.requires_grad
+        return self.kernels.closed_form(op.kernel[0], op.x1.requires_grad)
 
     # -- the path: Cholesky or preconditioned -------------------------------------------------------------
     def _problem(self) -> tuple[int, int, torch.device, torch.dtype]:
@@ -378,7 +374,7 @@ class PreconditionerHook(HookPrediction):
         in the computation dtype; the landmark / kNN cache follows them."""
         X = self.train_x
         if self._seen is not None:
-            seen = self._promoted(self._seen[1], X.dtype)
+            seen = self.kernels.promoted(self._seen[1], X.dtype)
             if not same_points(seen, X):
                 X = seen
         if not same_points(self.cache.X, X):
@@ -422,32 +418,9 @@ class PreconditionerHook(HookPrediction):
         self.last_probes = Z
 
     def stationary_operator(self, X: torch.Tensor) -> StationaryKernelOperator | None:
-        """``covar_module(X, X)`` as a :class:`~gpnys.kernels.operator.StationaryKernelOperator` (cached dense values,
-        closed-form blocked derivative) for a ``ScaleKernel`` over RBF/Matérn when ``settings.kernel_operator``;
-        else ``None``."""
-        kernel = self.kernel
-        scaled = isinstance(kernel, gpytorch.kernels.ScaleKernel)
-        base = kernel.base_kernel if scaled else kernel
-        if not (self.settings.kernel_operator and supported(base) and len(kernel.batch_shape) == 0):
-            return None
-        X = self._promoted(X, base.lengthscale.dtype)
-        # a bare RBF/Matérn (BoTorch's default SingleTaskGP kernel) has the constant outputscale 1
-        s2 = kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
-        return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self._kernel_cache,
-                                        **self.settings.operator_options())
-
-    def _promoted(self, X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``X`` in the dtype GPyTorch computes the kernel in (inputs promoted with the hyperparameters: float32
-        inputs in a float64 model give a float64 kernel). The copy is kept while ``X`` is unchanged, so the
-        operator's caches, keyed on its inputs' identity, still hit."""
-        target = torch.promote_types(X.dtype, dtype)
-        if X.dtype == target:
-            return X
-        src, version, out = self._promotion if self._promotion is not None else (None, None, None)
-        if src is not X or version != X._version or out.dtype != target:
-            out = X.detach().to(target)
-            self._promotion = (X, X._version, out)
-        return out
+        """The training kernel on ``X`` as gpnys's closed-form operator, or ``None``
+        (:meth:`~gpnys.gp.training_kernel.TrainingKernel.operator`)."""
+        return self.kernels.operator(self.kernel, X)
 
     def system(self, X: torch.Tensor, options: dict[str, Any] | None = None) -> tuple[Callable, Callable]:
         """``(A, M)`` for the current hyperparameters: ``A(V) = K̂ V`` with ``K̂ = s² K(X, X) + σ² I`` and
@@ -460,7 +433,7 @@ class PreconditionerHook(HookPrediction):
         if op is not None:
             kmm = op._matmul
         else:  # any other kernel: dense row blocks of the memory budget, not GPyTorch's n x n evaluation
-            entries = KernelEntries(self._promoted(X, self.train_x.dtype), self.kernel)
+            entries = KernelEntries(self.kernels.promoted(X, self.train_x.dtype), self.kernel)
             kmm = lambda V: entries.outputscale * entries.matmul(V)  # noqa: E731
 
         def A(V: torch.Tensor) -> torch.Tensor:
@@ -488,7 +461,7 @@ class PreconditionerHook(HookPrediction):
             return op
         so = self.stationary_operator(op.x1)
         if so is not None:
-            self._kernel_x = op.x1
+            self.kernels.inputs = op.x1
         return op if so is None else so
 
     # -- context ---------------------------------------------------------------------------------------
@@ -600,7 +573,7 @@ class BatchElement(PreconditionerHook):
             kop = StationaryKernelOperator(
                 X, s2[self.index] if s2.dim() else s2, ls[self.index] if ls.dim() == 3 else ls,
                 base=split_outputscale(kernel)[0],
-                cache=self._kernel_cache, **self.settings.operator_options(group=False))
+                cache=self.kernels.cache, **self.settings.operator_options(group=False))
         return PreconditionedAddedDiag(kop, DiagLinearOperator(diag), preconditioner_override=self.override)
 
 

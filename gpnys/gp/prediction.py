@@ -92,7 +92,7 @@ class HookPrediction:
         lik.eval()
         with torch.no_grad(), self.settings.context():
             X = model.train_inputs[0]
-            kx = self._kernel_x if self._kernel_x is not None else self._discovered_inputs()
+            kx = self.kernels.inputs if self.kernels.inputs is not None else self._discovered_inputs()
             op = self.stationary_operator(X) if kx is not None else None
             if op is None or not same_points(kx, X):
                 # GPyTorch's own path: a forward that transforms x, or a kernel without gpnys's operator
