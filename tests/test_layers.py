@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("gpnys.precond",),
     ("gpnys.solvers",),
     ("gpnys.gp",),
-    ("gpnys.reduced", "gpnys.bo", "gpnys.distributed", "gpnys.baselines"),
+    ("gpnys.reduced", "gpnys.bo", "gpnys.distributed", "gpnys.baselines", "gpnys.classify"),
     ("gpnys.cli",),
     ("gpnys",),
 ]

@@ -1,0 +1,168 @@
+"""LaplaceGPClassifier against a dense implementation of Rasmussen & Williams (2006), "Gaussian Processes for Machine
+Learning", §3.4, Algorithms 3.1 and 3.2 (Cholesky of B = I + W^½ K W^½)."""
+
+from __future__ import annotations
+
+import math
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys.classify import LaplaceGPClassifier
+
+F64 = torch.float64
+
+
+def data(n, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(n, 2, dtype=dtype, generator=g)
+    y = (torch.sin(6 * X[:, 0]) + X[:, 1] > 0.8).to(dtype)
+    flip = torch.rand(n, generator=g) < 0.1  # label noise: a bounded mode
+    y[flip] = 1 - y[flip]
+    return X, y
+
+
+def make_kernel(dtype=F64):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).to(dtype)
+    k.base_kernel.lengthscale, k.outputscale = 0.3, 4.0
+    return k
+
+
+def dense_laplace(X, y, kernel, Xs):
+    """R&W Algorithm 3.1 (mode, log q(y|X), eq. (3.32)) and Algorithm 3.2 (latent mean/variance, eq. (3.21), (3.24))."""
+    with torch.no_grad():
+        K = kernel(X).to_dense()
+        n = X.shape[0]
+        eye = torch.eye(n, dtype=X.dtype)
+        f = torch.zeros(n, dtype=X.dtype)
+        for _ in range(100):
+            pi = torch.sigmoid(f)
+            W = pi * (1 - pi)
+            sW = W.sqrt()
+            L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
+            b = W * f + (y - pi)
+            a = b - sW * torch.cholesky_solve((sW * (K @ b))[:, None], L)[:, 0]
+            f_new = K @ a
+            done = float((f_new - f).abs().max()) < 1e-13
+            f = f_new
+            if done:
+                break
+        pi = torch.sigmoid(f)
+        W = pi * (1 - pi)
+        sW = W.sqrt()
+        L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
+        mll = -0.5 * a @ f + torch.nn.functional.logsigmoid((2 * y - 1) * f).sum() - L.diagonal().log().sum()
+        Ks = kernel(X, Xs).to_dense()
+        mean = Ks.mT @ (y - pi)
+        v = torch.linalg.solve_triangular(L, sW[:, None] * Ks, upper=False)
+        var = kernel(Xs, diag=True) - (v * v).sum(0)
+        return f, float(mll), mean, var
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    X, y = data(300)
+    kernel = make_kernel()
+    clf = LaplaceGPClassifier(kernel, method="afn", precond_options={"k": 50}, num_probes=32).fit(X, y)
+    Xs = torch.rand(40, 2, dtype=F64, generator=torch.Generator().manual_seed(5))
+    return clf, dense_laplace(X, y, kernel, Xs), Xs
+
+
+def test_mode_and_log_marginal_match_dense(fitted):
+    clf, (f, mll, _, _), _ = fitted
+    assert (clf.f_hat_ - f).abs().max() < 1e-6
+    assert 0 < clf.mll_std_error_ < 0.5
+    assert abs(clf.log_marginal_likelihood_ - mll) <= 4 * clf.mll_std_error_ + 1e-6 * 300
+    assert 2 <= clf.newton_iterations_ <= 20 and len(clf.cg_iterations_) == clf.newton_iterations_
+
+
+def test_predictions_match_dense(fitted):
+    clf, (_, _, mean, var), Xs = fitted
+    mu, v = clf.predict_latent(Xs)
+    assert (mu - mean).abs().max() < 1e-5
+    assert (v - var).abs().max() < 1e-5
+    assert torch.equal(clf.predict_variance(Xs), v)
+    p = clf.predict_proba(Xs)
+    assert p.shape == (40, 2) and bool(((p > 0) & (p < 1)).all())
+    assert torch.allclose(p.sum(1), torch.ones(40, dtype=F64))
+    expected = torch.sigmoid(mean / torch.sqrt(1 + math.pi * var / 8))  # R&W §3.4.2, MacKay's probit approximation
+    assert (p[:, 1] - expected).abs().max() < 1e-5
+    assert torch.equal(clf.predict(Xs), (mean > 0).long())
+
+
+def test_exact_preconditioner_gives_the_exact_log_marginal():
+    """A full-rank Nyström preconditioner is K̃ + W⁻¹/s² itself: log det B is its exact log det, SLQ adds 0."""
+    X, y = data(60)
+    kernel = make_kernel()
+    clf = LaplaceGPClassifier(kernel, method="nystrom", precond_options={"rank": 60}, num_probes=4).fit(X, y)
+    f, mll, _, _ = dense_laplace(X, y, kernel, X[:3])
+    assert abs(clf.log_marginal_likelihood_ - mll) < 1e-8
+    assert clf.mll_std_error_ < 1e-8
+    assert (clf.f_hat_ - f).abs().max() < 1e-8
+
+
+def test_float32_close_to_float64_reference():
+    X, y = data(200)
+    kernel = make_kernel(torch.float32)
+    clf = LaplaceGPClassifier(kernel, method="afn", precond_options={"k": 40}, cg_tolerance=1e-5,
+                              newton_tol=1e-5, slq_tolerance=1e-4).fit(X.float(), y.float())
+    f, mll, mean, var = dense_laplace(X, y, make_kernel(), X[:20])
+    assert clf.f_hat_.dtype == torch.float32
+    assert (clf.f_hat_.double() - f).abs().max() < 1e-3
+    assert abs(clf.log_marginal_likelihood_ - mll) <= 4 * clf.mll_std_error_ + 1e-3 * 200
+    mu, v = clf.predict_latent(X[:20].float())
+    assert (mu.double() - mean).abs().max() < 1e-3 and (v.double() - var).abs().max() < 1e-3
+
+
+def test_same_seed_same_results():
+    X, y = data(150)
+    runs = [LaplaceGPClassifier(make_kernel(), precond_options={"k": 30}, num_probes=8, seed=3).fit(X, y)
+            for _ in range(2)]
+    assert torch.equal(runs[0].f_hat_, runs[1].f_hat_)
+    assert runs[0].log_marginal_likelihood_ == runs[1].log_marginal_likelihood_
+    assert runs[0].mll_std_error_ == runs[1].mll_std_error_
+    assert torch.equal(runs[0].predict_proba(X[:5]), runs[1].predict_proba(X[:5]))
+
+
+def test_accuracy_on_a_separable_set():
+    g = torch.Generator().manual_seed(1)
+    X = torch.rand(300, 2, dtype=F64, generator=g)
+    y = (X[:, 0] + 0.5 * X[:, 1] > 0.75).double()
+    Xt = torch.rand(200, 2, dtype=F64, generator=g)
+    yt = (Xt[:, 0] + 0.5 * Xt[:, 1] > 0.75).long()
+    clf = LaplaceGPClassifier(make_kernel(), precond_options={"k": 50}, num_probes=8).fit(X, y)
+    assert float((clf.predict(Xt) == yt).double().mean()) > 0.9
+
+
+@pytest.mark.parametrize("X, y, name", [
+    (torch.rand(10, 2, dtype=F64), torch.tensor([0, 1, 2, 0, 1, 0, 1, 0, 1, 0], dtype=F64), "y"),
+    (torch.rand(10, 2, dtype=F64), -torch.ones(10, dtype=F64).index_fill(0, torch.tensor([0]), 1.0), "y"),
+    (torch.rand(10, 2, dtype=F64), torch.ones(10, dtype=F64), "y"),
+    (torch.rand(10, 2, dtype=F64), torch.full((10,), float("nan"), dtype=F64), "y"),
+    (torch.rand(10, 2, dtype=F64), torch.tensor([0.0, 1.0] * 4, dtype=F64), "y"),
+    (torch.rand(10, 2, dtype=F64).index_fill(0, torch.tensor([3]), float("inf")), torch.tensor([0.0, 1.0] * 5), "X"),
+    (torch.rand(0, 2, dtype=F64), torch.zeros(0, dtype=F64), "X"),
+    (torch.rand(10, dtype=F64), torch.tensor([0.0, 1.0] * 5), "X"),
+])
+def test_bad_input_names_the_argument(X, y, name):
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        LaplaceGPClassifier(make_kernel()).fit(X, y)
+
+
+def test_bad_options_and_points():
+    with pytest.raises(ValueError, match="method"):
+        LaplaceGPClassifier(make_kernel(), method="pivchol")
+    with pytest.raises(ValueError, match="cg_tolerance"):
+        LaplaceGPClassifier(make_kernel(), cg_tolerance=0)
+    with pytest.raises(ValueError, match="num_probes"):
+        LaplaceGPClassifier(make_kernel(), num_probes=1)
+    X, y = data(40)
+    clf = LaplaceGPClassifier(make_kernel(), precond_options={"k": 10}, num_probes=4)
+    with pytest.raises(RuntimeError, match="fit"):
+        clf.predict(X)
+    clf.fit(X, y.bool())
+    with pytest.raises(ValueError, match=r"\bX\b"):
+        clf.predict_proba(torch.rand(5, 3, dtype=F64))
+    with pytest.raises(ValueError, match=r"\bX\b"):
+        clf.predict_proba(torch.full((5, 2), float("nan"), dtype=F64))
