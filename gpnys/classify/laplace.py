@@ -32,7 +32,8 @@ __all__ = ["LaplaceGPClassifier"]
 #: the floor on ``W = π(1 - π)``: where a probability rounds to 0 or 1, ``W`` underflows and ``W⁻¹`` (the
 #: preconditioner's shift) and ``W^{-½}`` would be infinite; clamping changes the Hessian used by a Newton step
 #: there by at most this much (the mode, where the gradient vanishes, is unchanged) and ``log det B`` by about
-#: ``1e-10 K_ii`` per clamped point
+#: ``1e-10 K_ii`` per clamped point; the latent variances see the clamped points as observed with noise ``1e10``
+#: instead of none, a change of about ``K_ii² 1e-10`` (visible only with large outputscales)
 W_FLOOR = 1e-10
 
 

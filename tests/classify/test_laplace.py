@@ -166,3 +166,21 @@ def test_bad_options_and_points():
         clf.predict_proba(torch.rand(5, 3, dtype=F64))
     with pytest.raises(ValueError, match=r"\bX\b"):
         clf.predict_proba(torch.full((5, 2), float("nan"), dtype=F64))
+
+
+def test_separable_data_with_clamped_w():
+    """A large outputscale on separable labels drives |f̂| past 30, where π(1 - π) underflows below the floor W is
+    clamped to (1e-10): the mode and log q(y|X) still match; the clamp moves the variances by about K_ii² 1e-10."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(200, 2, dtype=F64, generator=g)
+    y = (X[:, 0] > 0.5).double()
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    kernel.base_kernel.lengthscale, kernel.outputscale = 0.5, 1e3
+    clf = LaplaceGPClassifier(kernel, precond_options={"k": 50}, num_probes=16).fit(X, y)
+    f, mll, mean, var = dense_laplace(X, y, kernel, X[:10])
+    assert float(clf.f_hat_.abs().max()) > 30
+    assert (clf.f_hat_ - f).abs().max() < 1e-6
+    assert abs(clf.log_marginal_likelihood_ - mll) <= 4 * clf.mll_std_error_ + 1e-6 * 200
+    mu, v = clf.predict_latent(X[:10])
+    assert (mu - mean).abs().max() < 1e-5
+    assert (v - var).abs().max() < 1e-3
