@@ -60,6 +60,7 @@ PUBLIC_ENTRY_POINTS = [
     "gpnys.reduced.reduced_posterior",
     "gpnys.reduced.ReducedGP",
     "gpnys.reduced.NystromFeatures",
+    "gpnys.classify.LaplaceGPClassifier",
     "gpnys.datasets.load",
     "gpnys.landmarks.fps",
 ]
