@@ -314,12 +314,23 @@ def test_small_n_quick(tmp_path):
 
 def test_warm_start_quick(tmp_path):
     res = load("warm_start").main(["--quick", "--out", str(tmp_path / "warm.json")])
-    assert len(res["warm"]) == len(res["cold"]) == 3
-    # the same trajectory within the two runs' error bars, and no more y-solve iterations when warm
+    assert len(res["warm"]) == len(res["cold"]) == len(res["reuse"]) == 3
+
+    def agree(a, b):  # within the two estimates' error bars, or the solves' relative tolerance where those vanish
+        bars = 4 * (a["loss_std_error"] ** 2 + b["loss_std_error"] ** 2) ** 0.5
+        return abs(a["loss"] - b["loss"]) <= bars + 1e-8 * abs(b["loss"])
+
+    # the same trajectory, and no more y-solve iterations when warm
     for w, c in zip(res["warm"], res["cold"]):
-        assert abs(w["loss"] - c["loss"]) <= 4 * (w["loss_std_error"] ** 2 + c["loss_std_error"] ** 2) ** 0.5
+        assert agree(w, c), (w, c)
         assert w["y_solve_iterations"] <= c["y_solve_iterations"]
-    # preconditioner reuse: fewer builds, the same trajectory within the error bars
-    assert res["reuse"][-1]["builds"] <= res["warm"][-1]["builds"]
-    for w, r in zip(res["warm"], res["reuse"]):
-        assert abs(w["loss"] - r["loss"]) <= 4 * (w["loss_std_error"] ** 2 + r["loss_std_error"] ** 2) ** 0.5
+    # preconditioner reuse: fewer builds; the same hyperparameters up to the first reused step (whose estimate, from a
+    # stale preconditioner, lies within its wider error bars); after it the trajectories part, ending at the same
+    # Cholesky loss
+    builds = [r["builds"] for r in res["reuse"]]
+    assert builds[-1] < res["warm"][-1]["builds"]
+    first_reused = next(i for i in range(1, len(builds)) if builds[i] == builds[i - 1])
+    for w, r in zip(res["warm"][:first_reused + 1], res["reuse"]):
+        assert agree(w, r), (w, r)
+    final = res["final_cholesky_loss"]
+    assert abs(final["reuse"] - final["warm"]) <= 1e-3 * abs(final["warm"]), final
