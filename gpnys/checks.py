@@ -11,7 +11,7 @@ import math
 import torch
 
 __all__ = ["NumericalWarning", "validate_points", "validate_training_data", "validate_positive", "validate_mu",
-           "validate_count"]
+           "validate_count", "validate_positive_tensors"]
 
 
 class NumericalWarning(RuntimeWarning):
@@ -51,6 +51,35 @@ def validate_positive(value: float, name: str) -> float:
     if not (val > 0 and math.isfinite(val)):
         raise ValueError(f"{name} must be positive and finite, got {value!r}")
     return val
+
+
+def validate_positive_tensors(*checks: tuple[str, torch.Tensor, bool], zero: torch.Tensor | None = None) -> bool:
+    """Check tensors in one host read: a ``ValueError`` naming the first ``(name, tensor, zero_ok)`` of ``checks``
+    with an entry that is non-finite, negative or, unless ``zero_ok``, 0. Returns whether every entry of ``zero``
+    is exactly 0 (``False`` without it).
+
+    Example:
+        >>> import torch
+        >>> from gpnys.checks import validate_positive_tensors
+        >>> validate_positive_tensors(("noise", torch.tensor(0.1), False), zero=torch.tensor([0.0]))
+        True
+        >>> validate_positive_tensors(("noise", torch.tensor(0.0), False))
+        Traceback (most recent call last):
+        ...
+        ValueError: noise must be positive and finite, got [0.0]
+    """
+    flags = []
+    for _, value, zero_ok in checks:
+        v = value.detach()
+        bad = ~torch.isfinite(v) | (v < 0)
+        flags.append((bad if zero_ok else bad | (v == 0)).any())
+    if zero is not None:
+        flags.append((zero.detach() == 0).all())
+    *bad, zeros = torch.stack(flags).tolist() + ([] if zero is not None else [False])
+    for (name, value, _), failed in zip(checks, bad):
+        if failed:
+            raise ValueError(f"{name} must be positive and finite, got {value.detach().reshape(-1)[:4].tolist()}")
+    return bool(zeros)
 
 
 def validate_mu(mu: float) -> float:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 import warnings
 from typing import Any, Callable
 
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, LinearOperator
 
-from gpnys.checks import NumericalWarning, validate_count, validate_training_data
+from gpnys.checks import NumericalWarning, validate_count, validate_positive_tensors, validate_training_data
 from gpnys.collectives import RowGroup
 from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
 from gpnys.gp.discover import same_points, training_kernel, unsupported_covariance, unsupported_model
@@ -54,12 +53,12 @@ from gpnys.gp.operators import (
     PreconditionedMVN,
     PreconditionerOperator,
 )
-from gpnys.gp.path import choose_path, path_costs, uses_costs
+from gpnys.gp.path import PathChooser
 from gpnys.gp.preconditioners import PreconditionerCache, StepRecord
 from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import EstimatorSettings, current_gpytorch_settings
 from gpnys.gp.training_kernel import TrainingKernel
-from gpnys.kernels.entries import KernelEntries, computation_dtype, split_outputscale
+from gpnys.kernels.entries import computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
@@ -75,17 +74,6 @@ __all__ = ["use_preconditioner", "PreconditionerHook", "GP_DEFAULTS"]
 #: of the cost (docs/training.md).
 GP_DEFAULTS: dict[str, dict[str, int]] = {"afn": {"k": 500, "w": 30}, "auto": {"k": 500, "w": 30}}
 
-
-
-def _not_positive(value: torch.Tensor, zero_ok: bool = False) -> torch.Tensor:
-    """0-dim bool tensor (no host read): some entry of ``value`` is non-finite, negative or, unless ``zero_ok``, 0."""
-    v = value.detach()
-    bad = ~torch.isfinite(v) | (v < 0)
-    return (bad if zero_ok else bad | (v == 0)).any()
-
-
-def _positive_error(name: str, value: torch.Tensor) -> ValueError:
-    return ValueError(f"{name} must be positive and finite, got {value.detach().reshape(-1)[:4].tolist()}")
 
 
 class PreconditionerHook(HookPrediction):
@@ -130,10 +118,8 @@ class PreconditionerHook(HookPrediction):
         self.history: list[StepRecord] = []  # one per preconditioner build, kept across data changes
         self.last_estimate: Estimate | None = None
         self.batch_estimates: list[Estimate] = []  # batch mode: one per element (last_estimate is their sum)
-        #: the path of the latest evaluation, ``"cholesky"`` or ``"iterative"``, and why (:mod:`gpnys.gp.path`)
-        self.path: str | None = None
-        self.path_reason = ""
-        self._iterative_scale = 1.0  # measured / predicted seconds of this hook's preconditioned evaluations
+        #: the path of each evaluation, Cholesky or preconditioned (:class:`~gpnys.gp.path.PathChooser`)
+        self.paths = PathChooser(self.settings.solver, method, self._problem)
         if self.passthrough is not None:
             return
         failure = None
@@ -152,10 +138,6 @@ class PreconditionerHook(HookPrediction):
         self.last_probes: torch.Tensor | None = None
         self.variance_reduction = bool(self.settings.variance_reduction)
         self.control_variates = 0
-        self.variance_iterations = 0
-        self.variance_method_used: str | None = None
-        self.variance_bound: torch.Tensor | None = None  # (m,) error bound of the latest predict's variances
-        self.prediction_time: dict[str, float] = {}  # seconds of the latest predict: total and variances alone
         self._warned_inputs = False  # one warning per hook for inputs that carry gradients (kernel_operator)
         self._warned_scale = False  # one warning per hook for an outputscale of 0 (hyperparameters_usable)
 
@@ -191,8 +173,7 @@ class PreconditionerHook(HookPrediction):
         if noise.numel() not in (1, X.shape[0]):
             raise ValueError(f"likelihood.noise must be one variance or one per training point ({X.shape[0]}), got "
                              f"shape {tuple(self.model.likelihood.noise.shape)}")
-        if bool(_not_positive(noise)):
-            raise _positive_error("likelihood.noise", noise)
+        validate_positive_tensors(("likelihood.noise", noise, False))
         #: the kernel operator's caches and promoted inputs (:class:`~gpnys.gp.training_kernel.TrainingKernel`)
         self.kernels = TrainingKernel(self.settings)
         # GP_DEFAULTS' sizes at most n (an explicit size is the caller's, validated against n in __init__)
@@ -227,16 +208,10 @@ class PreconditionerHook(HookPrediction):
         checks = [("likelihood.noise", self.model.likelihood.noise, False)]
         if isinstance(getattr(base, "lengthscale", None), torch.Tensor):
             checks.append(("lengthscale", base.lengthscale, False))
-        scaled = isinstance(kernel, gpytorch.kernels.ScaleKernel)
-        if scaled:
-            checks.append(("outputscale", kernel.outputscale, True))
-        flags = [_not_positive(value, zero_ok) for _, value, zero_ok in checks]
-        if scaled:
-            flags.append((kernel.outputscale.detach() == 0).all())
-        *bad, zero_scale = torch.stack(flags).tolist() + ([] if scaled else [False])
-        for (name, value, _), failed in zip(checks, bad):
-            if failed:
-                raise _positive_error(name, value)
+        scale = kernel.outputscale if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
+        if scale is not None:
+            checks.append(("outputscale", scale, True))
+        zero_scale = validate_positive_tensors(*checks, zero=scale)
         if zero_scale and not self._warned_scale:
             self._warned_scale = True
             warnings.warn("gpnys: outputscale is 0, so K̂ = σ² I: GPyTorch's own computation gives its exact loss",
@@ -320,26 +295,15 @@ class PreconditionerHook(HookPrediction):
         X = self.model.train_inputs[0]
         return X.shape[-2], X.shape[0] if X.dim() == 3 else 1, X.device, computation_dtype(self.model, X)
 
-    def choose_path(self) -> tuple[str, str]:
-        """``(path, reason)`` of the next evaluation (:func:`gpnys.gp.path.choose_path`), kept in :attr:`path` and
-        :attr:`path_reason`."""
-        self.path, self.path_reason = choose_path(*self._problem(), self.settings.solver, self.method,
-                                                  current=self.path, iterative_scale=self._iterative_scale)
-        return self.path, self.path_reason
+    @property
+    def path(self) -> str | None:
+        """The path of the latest evaluation, ``"cholesky"`` or ``"iterative"`` (``None`` before)."""
+        return self.paths.path
 
-    @contextlib.contextmanager
-    def timed(self):
-        """Time a preconditioned evaluation; its ratio to the cost model's prediction (an average over this hook's
-        evaluations) scales the model's later predictions for this hook."""
-        if not uses_costs(self.settings.solver, self.method):
-            yield
-            return
-        t0 = time.perf_counter()
-        yield
-        n, batch, device, dtype = self._problem()
-        predicted = batch * path_costs(device, dtype).iterative_s(n)
-        ratio = (time.perf_counter() - t0) / max(predicted, 1e-9)
-        self._iterative_scale = 0.5 * (self._iterative_scale + ratio)
+    @property
+    def path_reason(self) -> str:
+        """Why the latest evaluation took :attr:`path` (:func:`gpnys.gp.path.choose_path`)."""
+        return self.paths.reason
 
     def record_exact(self, log_prob: torch.Tensor) -> None:
         """The Cholesky path's :class:`Estimate`: ``-log_prob`` (``()`` or ``(b,)``), standard errors 0."""
@@ -429,12 +393,7 @@ class PreconditionerHook(HookPrediction):
         P, s2 = self.preconditioner(options)
         noise = self._noise().detach()
         noise = noise if noise.dim() == 0 else noise[:, None]  # K + D for per-point noise
-        op = self.stationary_operator(X)
-        if op is not None:
-            kmm = op._matmul
-        else:  # any other kernel: dense row blocks of the memory budget, not GPyTorch's n x n evaluation
-            entries = KernelEntries(self.kernels.promoted(X, self.train_x.dtype), self.kernel)
-            kmm = lambda V: entries.outputscale * entries.matmul(V)  # noqa: E731
+        kmm = self.kernels.product(self.kernel, X, self.train_x.dtype)
 
         def A(V: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
@@ -491,7 +450,7 @@ class PreconditionerHook(HookPrediction):
                 hook._pass_through(reason)
             if reason is not None or not hook.hyperparameters_usable(cov._linear_op.kernel):
                 return CallerSettingsMVN(out.mean, cov, callers)
-            if hook.model.training and hook.choose_path()[0] == "cholesky":
+            if hook.model.training and hook.paths.choose()[0] == "cholesky":
                 out = CholeskyMVN(out.mean, cov)
                 out._gpnys_hook = hook
                 return out
@@ -525,7 +484,7 @@ class BatchElement(PreconditionerHook):
 
     def __init__(self, parent: PreconditionerHook, index: int, X: torch.Tensor) -> None:
         self.parent, self.index = parent, index
-        self.model, self.method, self.seed = parent.model, parent.method, parent.seed
+        self.model, self.method, self.seed, self.paths = parent.model, parent.method, parent.seed, parent.paths
         # every rank of a process group evaluates every element itself (row groups split one n x n operator), and
         # a probe seed is offset per element: the elements' errors stay independent, so their sum's adds in quadrature
         seed = parent.settings.probe_seed
@@ -539,10 +498,6 @@ class BatchElement(PreconditionerHook):
         self.variance_reduction = False
         self.control_variates = 0
         self._reset(X, parent.model.train_targets[index])
-
-    @property
-    def path_reason(self) -> str:  # type: ignore[override]
-        return self.parent.path_reason
 
     @property
     def kernel(self) -> gpytorch.kernels.Kernel:

@@ -73,7 +73,7 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         if hook is not None:
             hook.last_probes = None
             if hook.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
-                with hook.timed():
+                with hook.paths.timed():
                     return hook.evaluate(self, value)  # per-probe terms: error bars, requested accuracy
         seed = None if hook is None else hook.settings.probe_seed
         if seed is None:
@@ -105,7 +105,7 @@ class BatchPreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         op, diag = cov._linear_op, cov._diag_tensor.diagonal()
         dense = None if hook.batch_closed_form(op) else op.evaluate_kernel()  # GPyTorch's own (b, n, n) then
         out = []
-        with hook.timed():
+        with hook.paths.timed():
             for element in hook.elements:
                 i = element.index
                 marginal = gpytorch.distributions.MultivariateNormal(self.mean[i],

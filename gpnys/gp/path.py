@@ -16,8 +16,10 @@ measured of its own evaluations) and keeps Cholesky only where its matrices fit 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ import torch
 from gpnys.budget import dense_limit_bytes
 
 __all__ = ["PathCosts", "calibrate", "install_calibration", "path_costs", "choose_path", "uses_costs", "cache_file",
-           "fit_costs", "costs_key"]
+           "fit_costs", "costs_key", "PathChooser"]
 
 #: Cholesky's working set, in ``n x n`` matrices: the kernel, its factor and autograd's saved inverse
 DENSE_MATRICES = 4
@@ -190,3 +192,54 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
         if faster * HYSTERESIS > slower:
             path = current
     return path, f"predicted {exact:.3g} s Cholesky, {iterative:.3g} s preconditioned ({costs.key})"
+
+
+#: ``(n, batch, device, dtype)`` of an evaluation, as :func:`choose_path` sees it
+Problem = tuple[int, int, torch.device, torch.dtype]
+
+
+class PathChooser:
+    """The path of one caller's evaluations (a hook's): :func:`choose_path` with the previous choice as
+    ``current``, and the caller's own measured over predicted seconds of its preconditioned evaluations as
+    ``iterative_scale`` (a running average, :meth:`timed`).
+
+    Args:
+        solver: ``EstimatorSettings.solver``; method: the preconditioner's name or class;
+        problem: returns the ``(n, batch, device, dtype)`` of the next evaluation.
+
+    Attributes:
+        path: ``"cholesky"`` / ``"iterative"`` of the latest choice (``None`` before); reason: why;
+        iterative_scale: measured / predicted seconds of the preconditioned evaluations so far.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.gp.path import PathChooser
+        >>> paths = PathChooser("cholesky", "auto", lambda: (500, 1, torch.device("cpu"), torch.float64))
+        >>> paths.choose(), paths.path
+        (('cholesky', "settings.solver='cholesky'"), 'cholesky')
+    """
+
+    def __init__(self, solver: str, method: object, problem: Callable[[], Problem]) -> None:
+        self.solver, self.method, self.problem = solver, method, problem
+        self.path: str | None = None
+        self.reason = ""
+        self.iterative_scale = 1.0
+
+    def choose(self) -> tuple[str, str]:
+        """``(path, reason)`` of the next evaluation, kept in :attr:`path` and :attr:`reason`."""
+        self.path, self.reason = choose_path(*self.problem(), self.solver, self.method, current=self.path,
+                                             iterative_scale=self.iterative_scale)
+        return self.path, self.reason
+
+    @contextlib.contextmanager
+    def timed(self):
+        """Time a preconditioned evaluation; its ratio to the cost model's prediction, averaged into
+        :attr:`iterative_scale`, scales the model's later predictions for this caller."""
+        if not uses_costs(self.solver, self.method):
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        n, batch, device, dtype = self.problem()
+        ratio = (time.perf_counter() - t0) / max(batch * path_costs(device, dtype).iterative_s(n), 1e-9)
+        self.iterative_scale = 0.5 * (self.iterative_scale + ratio)

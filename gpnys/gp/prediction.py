@@ -4,6 +4,8 @@ bound (:meth:`HookPrediction.predict`), without GPyTorch's dense ``n x n`` predi
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Callable
 
 import gpytorch
@@ -29,7 +31,16 @@ __all__ = ["HookPrediction"]
 
 class HookPrediction:
     """The prediction half of :class:`gpnys.gp.hook.PreconditionerHook` (a mixin: it uses the hook's ``system``,
-    ``stationary_operator``, ``kernel``, ``settings`` and counters)."""
+    ``stationary_operator``, ``kernel`` and ``settings``).
+
+    Attributes (of the latest :meth:`predict`): variance_method_used; variance_bound ``(m,)``; variance_iterations
+    (PCG iterations of the variance solves); prediction_time ``{"total_s", "variance_s"}``.
+    """
+
+    variance_method_used: str | None = None
+    variance_bound: torch.Tensor | None = None
+    variance_iterations: int = 0
+    prediction_time: Mapping[str, float] = MappingProxyType({})
 
     def predict(self, test_x: torch.Tensor, variance: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Predictive mean and variance of ``y`` (noise included) at ``test_x (m, d)``: ``((m,), (m,))``.
@@ -81,7 +92,7 @@ class HookPrediction:
         model, lik = self.model, self.model.likelihood
         self.variance_bound = None
         t_start = time.perf_counter()
-        if self.choose_path()[0] == "cholesky":  # small n: GPyTorch's exact prediction (gpnys.gp.path)
+        if self.paths.choose()[0] == "cholesky":  # small n: GPyTorch's exact prediction (gpnys.gp.path)
             mean, var = exact_predict(model, test_x)
             self.variance_method_used = "cholesky"
             self.variance_bound = torch.zeros_like(var)

@@ -8,13 +8,13 @@ kept while they are unchanged, so the operator's caches, keyed on their identity
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import gpytorch
 import torch
 
 from gpnys.gp.settings import KernelOptions
-from gpnys.kernels.entries import split_outputscale
+from gpnys.kernels.entries import KernelEntries, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 
 __all__ = ["TrainingKernel"]
@@ -74,6 +74,17 @@ class TrainingKernel:
         s2 = kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
         return StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache=self.cache,
                                         **self.options.operator_options())
+
+    def product(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor,
+                dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``V -> s² K(X, X) V`` (``(n, t) -> (n, t)``) for ``kernel``: :meth:`operator`'s product where the kernel
+        takes it, else dense row blocks of the memory budget (:class:`~gpnys.kernels.entries.KernelEntries`, never
+        GPyTorch's ``n x n`` evaluation) on ``X`` promoted to ``dtype``."""
+        op = self.operator(kernel, X)
+        if op is not None:
+            return op._matmul
+        entries = KernelEntries(self.promoted(X, dtype), kernel)
+        return lambda V: entries.outputscale * entries.matmul(V)
 
     def promoted(self, X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``X`` in the dtype GPyTorch computes the kernel in (inputs promoted with the hyperparameters: float32

@@ -26,7 +26,6 @@ def costs(monkeypatch):
     """``auto`` left to the cost model (the suite forces the preconditioned path), with :data:`COSTS`."""
     monkeypatch.delenv("GPNYS_SOLVER", raising=False)
     monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: COSTS)
-    monkeypatch.setattr("gpnys.gp.hook.path_costs", lambda device, dtype: COSTS)
 
 
 def _model(n=200, dtype=torch.float64, seed=0):
@@ -111,14 +110,13 @@ def test_auto_takes_cholesky_at_small_n_exactly(costs, dtype):
 def test_auto_takes_the_preconditioned_path_above_the_switch(costs, monkeypatch):
     monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: PathCosts((1e-3, 0.0), (1e-9, 0.0),
                                                                              ((1, 2), (1, 2)), "test"))
-    monkeypatch.setattr("gpnys.gp.hook.path_costs", gpath.path_costs)
     model, X, y = _model()
     exact, _, _ = _value_and_grads(model, X, y)
     loss, _, hook = _value_and_grads(model, X, y, "auto", settings=EstimatorSettings(probe_seed=0))
     est = hook.last_estimate
     assert est.path == "iterative" and hook.builds == 1 and est.std_error > 0
     assert abs(loss - exact) <= 4 * est.std_error / est.n
-    assert hook._iterative_scale != 1.0  # the hook timed its evaluation against the prediction
+    assert hook.paths.iterative_scale != 1.0  # the hook timed its evaluation against the prediction
 
 
 def test_forced_paths_and_named_preconditioners(costs):
