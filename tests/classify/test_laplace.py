@@ -3,12 +3,14 @@ Learning", §3.4, Algorithms 3.1 and 3.2 (Cholesky of B = I + W^½ K W^½)."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import gpytorch
 import pytest
 import torch
 
+from gpnys.checks import NumericalWarning
 from gpnys.classify import LaplaceGPClassifier
 
 F64 = torch.float64
@@ -184,3 +186,130 @@ def test_separable_data_with_clamped_w():
     mu, v = clf.predict_latent(X[:10])
     assert (mu - mean).abs().max() < 1e-5
     assert (v - var).abs().max() < 1e-3
+
+
+def dense_gradient(X, y, kernel):
+    """``∂ log q / ∂θ`` of the dense Laplace approximation by autograd through its Newton iteration (run to its fixed
+    point, so the derivative of the iterate is the implicit one), per raw parameter name."""
+    kernel = copy.deepcopy(kernel).to(X.dtype)
+    kernel.zero_grad()
+    n = X.shape[0]
+    eye = torch.eye(n, dtype=X.dtype)
+    K = kernel(X).to_dense()
+    f = torch.zeros(n, dtype=X.dtype)
+    for _ in range(60):
+        pi = torch.sigmoid(f)
+        W = pi * (1 - pi)
+        sW = W.sqrt()
+        L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
+        b = W * f + (y - pi)
+        a = b - sW * torch.cholesky_solve((sW * (K @ b))[:, None], L)[:, 0]
+        f = K @ a
+    pi = torch.sigmoid(f)
+    sW = (pi * (1 - pi)).sqrt()
+    L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
+    mll = -0.5 * a @ f + torch.nn.functional.logsigmoid((2 * y - 1) * f).sum() - L.diagonal().log().sum()
+    mll.backward()
+    return {name: p.grad.detach().clone() for name, p in kernel.named_parameters()}
+
+
+def rbf_ard(dtype=F64):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=2)).to(dtype)
+    k.base_kernel.lengthscale, k.outputscale = torch.tensor([[0.4, 0.2]]), 3.0
+    return k
+
+
+def bare_rbf(dtype=F64):
+    k = gpytorch.kernels.RBFKernel().to(dtype)
+    k.lengthscale = 0.3
+    return k
+
+
+def rq(dtype=F64):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RQKernel()).to(dtype)
+    k.base_kernel.lengthscale, k.outputscale = 0.3, 4.0
+    return k
+
+
+@pytest.mark.parametrize("make", [make_kernel, rbf_ard, bare_rbf, rq], ids=["matern32", "rbf-ard", "bare-rbf", "rq"])
+def test_gradient_matches_autograd_through_dense_newton(make):
+    X, y = data(200)
+    kernel = make()
+    clf = LaplaceGPClassifier(kernel, precond_options={"k": 40}, num_probes=64)
+    if make is rq:  # no closed-form derivative pass: autograd through GPyTorch's kernel, one warning
+        with pytest.warns(NumericalWarning, match="RQKernel"):
+            clf.fit(X, y)
+    else:
+        clf.fit(X, y)
+    ref = dense_gradient(X, y, kernel)
+    assert set(clf.mll_gradient_) == set(ref)
+    for name, g in ref.items():
+        got, se = clf.mll_gradient_[name], clf.mll_gradient_std_error_[name]
+        assert got.shape == g.shape and bool((se > 0).all()), name
+        assert bool(((got - g).abs() <= 4 * se + 1e-6 * g.abs()).all()), (name, got, g, se)
+
+
+def test_gradient_error_bars_cover():
+    """Over 24 probe seeds the gradient's standardised errors against the dense reference have spread near 1."""
+    X, y = data(120, seed=2)
+    kernel = make_kernel()
+    ref = dense_gradient(X, y, kernel)
+    z = []
+    for seed in range(24):
+        clf = LaplaceGPClassifier(kernel, precond_options={"k": 20}, num_probes=16, seed=seed).fit(X, y)
+        z += [float((clf.mll_gradient_[k] - ref[k]).reshape(-1)[0] / clf.mll_gradient_std_error_[k].reshape(-1)[0])
+              for k in ref]
+    z = torch.tensor(z)
+    assert 0.6 < float(z.std()) < 1.6, z
+    assert float((z.abs() <= 2).double().mean()) >= 0.8, z
+
+
+def test_gradient_float32():
+    X, y = data(200)
+    clf = LaplaceGPClassifier(make_kernel(torch.float32), precond_options={"k": 40}, num_probes=64,
+                              cg_tolerance=1e-5, newton_tol=1e-5, slq_tolerance=1e-4).fit(X.float(), y.float())
+    ref = dense_gradient(X, y, make_kernel())
+    for name, g in ref.items():
+        got, se = clf.mll_gradient_[name], clf.mll_gradient_std_error_[name]
+        assert got.dtype == torch.float32
+        assert bool(((got.double() - g).abs() <= 4 * se.double() + 1e-3 * (1 + g.abs())).all()), (name, got, g)
+
+
+def test_hyperparameter_training_raises_the_dense_log_marginal():
+    X, y = data(200)
+    kernel = make_kernel()
+    kernel.base_kernel.lengthscale, kernel.outputscale = 1.0, 0.5  # a poor start
+    start = dense_laplace(X, y, kernel, X[:2])[1]
+    clf = LaplaceGPClassifier(kernel, precond_options={"k": 40}, num_probes=16, optimizer_steps=15, lr=0.1)
+    clf.fit(X, y)
+    assert len(clf.history_) == 15
+    f, mll, _, _ = dense_laplace(X, y, kernel, X[:2])  # the trained kernel's dense reference
+    assert mll > start + 5
+    assert abs(clf.log_marginal_likelihood_ - mll) <= 4 * clf.mll_std_error_ + 1e-6 * abs(mll)
+    # the Newton iterations of later steps start at the previous mode: fewer than the first step's
+    assert clf.history_[-1]["newton_iterations"] < clf.history_[0]["newton_iterations"]
+    again = LaplaceGPClassifier(make_kernel(), precond_options={"k": 40}, num_probes=16, optimizer_steps=15)
+    again.kernel.base_kernel.lengthscale, again.kernel.outputscale = 1.0, 0.5
+    again.fit(X, y)
+    assert again.log_marginal_likelihood_ == clf.log_marginal_likelihood_  # same seed, same trajectory
+    assert all(torch.equal(again.mll_gradient_[k], clf.mll_gradient_[k]) for k in clf.mll_gradient_)
+
+
+def test_bad_training_options():
+    with pytest.raises(ValueError, match="optimizer_steps"):
+        LaplaceGPClassifier(make_kernel(), optimizer_steps=-1)
+    with pytest.raises(ValueError, match="lr"):
+        LaplaceGPClassifier(make_kernel(), lr=0.0)
+
+
+@pytest.mark.cuda
+def test_gradient_on_the_cuda_device(cuda_device):
+    X, y = data(200)
+    kernel = make_kernel()
+    clf = LaplaceGPClassifier(copy.deepcopy(kernel).to(cuda_device), precond_options={"k": 40}, num_probes=64)
+    clf.fit(X.to(cuda_device), y.to(cuda_device))
+    ref = dense_gradient(X, y, kernel)
+    for name, g in ref.items():
+        got, se = clf.mll_gradient_[name].cpu(), clf.mll_gradient_std_error_[name].cpu()
+        assert bool(((got - g).abs() <= 4 * se + 1e-6 * g.abs()).all()), (name, got, g, se)
+    assert clf.predict_proba(X[:5].to(cuda_device)).device.type == torch.device(cuda_device).type
