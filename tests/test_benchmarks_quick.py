@@ -334,3 +334,12 @@ def test_warm_start_quick(tmp_path):
         assert agree(w, r), (w, r)
     final = res["final_cholesky_loss"]
     assert abs(final["reuse"] - final["warm"]) <= 1e-3 * abs(final["warm"]), final
+
+
+def test_laplace_quick(tmp_path):
+    res = load("laplace").main(["--quick", "--out", str(tmp_path / "laplace.json")])
+    # gpnys's log q and gradient against the dense Cholesky Laplace, within their own error bars
+    assert res["log_q_error_in_std_errors"] <= 4 and res["gradient_errors_in_std_errors_max"] <= 4.5
+    assert 0.6 <= res["gpnys"]["test_accuracy"] <= 1.0 and len(res["gpnys"]["history"]) == res["steps"]
+    assert res["svgp"]["rows"] and all(0.0 <= r["accuracy"] <= 1.0 for r in res["svgp"]["rows"])
+    assert (tmp_path / "laplace.png").exists()

@@ -22,6 +22,7 @@ import torch
 
 from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
 from gpnys.gp.estimator import slq_terms
+from gpnys.gp.hook import GP_DEFAULTS
 from gpnys.kernels.entries import computation_dtype, evaluate, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.kernels.system import kernel_system
@@ -64,7 +65,8 @@ class LaplaceGPClassifier:
             AFN is built on ``W⁻¹`` itself; ``"auto"``'s Nyström branch (a low estimated rank) uses one scalar
             level for all points, a poor fit when ``W⁻¹`` spans decades (confident points).
         precond_options: extra options for :func:`~gpnys.precond.strategy.make_preconditioner` (``k``, ``w``,
-            ``rank``).
+            ``rank``); AFN's sizes default to GP training's (:data:`gpnys.gp.hook.GP_DEFAULTS`, k = 500, w = 30),
+            at most n.
         cg_tolerance: relative residual of every CG solve with ``B`` (Newton steps and predictive variances).
         max_newton: Newton steps at most. newton_tol: stop once a step changes no ``f_i`` by more than
             ``newton_tol * max(1, max|f|)``.
@@ -129,8 +131,10 @@ class LaplaceGPClassifier:
         D = 1.0 / (self._W * self._s2)
         # the scalar level (rank estimate, Nyström's scaled form) is the median shift: the mean is dominated by
         # the confidently classified points' large W⁻¹
+        n = self._X.shape[0]
+        options = {**{key: min(v, n) for key, v in GP_DEFAULTS.get(self.method, {}).items()}, **self.precond_options}
         self._P = make_preconditioner(self.method, self._X, self.kernel, float(D.median()), cache=self._points,
-                                      seed=self.seed, diag=D, **self.precond_options)
+                                      seed=self.seed, diag=D, **options)
 
     def _K(self, V: torch.Tensor) -> torch.Tensor:
         """``K V = s² K̃ V`` (``V`` of shape ``(n,)`` or ``(n, t)``)."""
