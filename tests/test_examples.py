@@ -111,3 +111,9 @@ def test_batch_mode_example_matches_cholesky(capsys):
     for ours, exact, se in zip(res["gpnys"], res["cholesky"], res["std_error"]):
         assert abs(ours - exact) <= 4 * se + 1e-6, (ours, exact, se)
     assert "output 1" in capsys.readouterr().out
+
+
+def test_laplace_classification_example():
+    res = load("laplace_classification").main(["--n", "400", "--steps", "6"])
+    assert res["end"] > res["start"] + 3 * res["end_std_error"]  # training raised log q beyond its error bars
+    assert res["accuracy"] > 0.8
