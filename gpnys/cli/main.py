@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 from gpnys import distributed as gpnys_distributed
 from gpnys.budget import memory_budget
-from gpnys.cli import fit, mll, pcg, reduce
+from gpnys.cli import classify, fit, mll, pcg, reduce
 from gpnys.cli.common import parse_device
 from gpnys.collectives import CollectiveError
 
 #: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
-SUBCOMMANDS = [fit, pcg, mll, reduce]
+SUBCOMMANDS = [fit, pcg, mll, reduce, classify]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,87 @@
+"""``gpnys classify``: the command's record is the classifier's own result on the same data, its log q agrees with a
+dense Cholesky Laplace, and a bad flag exits 2 with one line naming it."""
+
+from __future__ import annotations
+
+import json
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys import datasets
+from gpnys.classify import LaplaceGPClassifier
+from gpnys.cli.main import main
+
+DATA = ["classify", "--data", "concrete", "--n", "300", "--seed", "0"]
+
+
+def run_json(args, capsys):
+    assert main(DATA + args + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _dense_log_q(X, y, kernel):
+    """R&W Algorithm 3.1 by Cholesky: log q(y|X), eq. (3.32)."""
+    with torch.no_grad():
+        K = kernel(X).to_dense()
+        n = X.shape[0]
+        eye = torch.eye(n, dtype=X.dtype)
+        f = torch.zeros(n, dtype=X.dtype)
+        for _ in range(100):
+            pi = torch.sigmoid(f)
+            W = pi * (1 - pi)
+            sW = W.sqrt()
+            L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
+            a = W * f + (y - pi)
+            a = a - sW * torch.cholesky_solve((sW * (K @ a))[:, None], L)[:, 0]
+            f_new = K @ a
+            if float((f_new - f).abs().max()) < 1e-12:
+                f = f_new
+                break
+            f = f_new
+        pi = torch.sigmoid(f)
+        sW = (pi * (1 - pi)).sqrt()
+        L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
+        return float(-0.5 * (y - pi) @ f + torch.nn.functional.logsigmoid((2 * y - 1) * f).sum()
+                     - L.diagonal().log().sum())
+
+
+def test_record_matches_the_classifier_and_the_dense_reference(capsys):
+    rec = run_json(["--steps", "2", "--lengthscale", "2.0", "--k", "100"], capsys)
+    ds = datasets.load("concrete", n=300, seed=0, standardize=False)
+    X = ds.train_x
+    X = (X - X.mean(0)) / X.std(0)
+    y = (ds.train_y > ds.train_y.median()).double()
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
+    kernel.base_kernel.lengthscale, kernel.outputscale = 2.0, 1.0
+    clf = LaplaceGPClassifier(kernel, precond_options={"k": 100}, num_probes=32, optimizer_steps=2).fit(X, y)
+    assert rec["log_marginal_likelihood"] == clf.log_marginal_likelihood_  # same seed, same run
+    assert rec["lengthscale"] == kernel.base_kernel.lengthscale.detach().reshape(-1).tolist()
+    assert len(rec["history"]) == 2 and 0.5 < rec["test_accuracy"] <= 1.0
+    ref = _dense_log_q(X, y, kernel)
+    assert abs(rec["log_marginal_likelihood"] - ref) <= 4 * rec["std_error"] + 1e-6 * abs(ref)
+    assert set(rec["gradient"]) == {"raw_outputscale", "base_kernel.raw_lengthscale"}
+
+
+def test_text_output(capsys):
+    assert main(DATA + ["--steps", "0", "--k", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "log q =" in out and "test accuracy" in out
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--steps", "-1"], "--steps"),
+    (["--lr", "0"], "--lr"),
+    (["--lengthscale", "-2"], "--lengthscale"),
+    (["--outputscale", "nan"], "--outputscale"),
+    (["--probes", "1"], "--probes"),
+    (["--k", "301"], "--k"),
+    (["--labels", "binary"], "--labels"),
+])
+def test_bad_flags_exit_2_naming_the_flag(args, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(DATA + args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0], err
