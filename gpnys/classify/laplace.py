@@ -40,6 +40,11 @@ __all__ = ["LaplaceGPClassifier"]
 W_FLOOR = 1e-10
 
 
+#: a Newton step rebuilds the preconditioner once its CG iterations exceed this factor times those of the first
+#: solve after the previous build
+REBUILD_GROWTH = 1.5
+
+
 def _log_likelihood(f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``log p(y|f) = Σ log σ(y_i' f_i)`` with ``y' = 2y - 1`` (R&W eq. (3.15))."""
     return torch.nn.functional.logsigmoid((2 * y - 1) * f).sum()
@@ -82,7 +87,9 @@ class LaplaceGPClassifier:
         mll_gradient_: ``{raw parameter name: tensor}``, ``∂ log q / ∂θ`` (R&W eq. (5.23)-(5.24)), shapes of the
             parameters; ``None`` for a kernel without raw parameters. mll_gradient_std_error_: the same, its
             standard errors.
-        newton_iterations_: int. cg_iterations_: list of the CG iterations of each Newton step.
+        newton_iterations_: int. cg_iterations_: list of the CG iterations of each Newton step. builds_:
+            preconditioner builds of the last fit (a Newton step reuses the previous one until its CG iterations
+            grow by :data:`REBUILD_GROWTH`; the mode gets a fresh one).
         history_: one ``{"step", "log_marginal_likelihood", "std_error", "newton_iterations"}`` per Adam step.
 
     Example:
@@ -123,11 +130,14 @@ class LaplaceGPClassifier:
         self._warned_kernel = False
 
     # ---- the pieces of B = I + W^½ K W^½ -------------------------------------------------------------------
-    def _state(self, f: torch.Tensor) -> None:
-        """``W`` (clamped, see :data:`W_FLOOR`), ``W^½`` and the preconditioner ``P ≈ K̃ + W⁻¹/s²`` at ``f``."""
+    def _state(self, f: torch.Tensor, build: bool = True) -> None:
+        """``W`` (clamped, see :data:`W_FLOOR`) and ``W^½`` at ``f``, and (``build``) the preconditioner
+        ``P ≈ K̃ + W⁻¹/s²`` for them; without ``build`` the previous ``P`` stays (any SPD ``P`` keeps CG exact)."""
         pi = torch.sigmoid(f)
         self._W = (pi * (1 - pi)).clamp_min(W_FLOOR)
         self._sW = self._W.sqrt()
+        if not build:
+            return
         D = 1.0 / (self._W * self._s2)
         # the scalar level (rank estimate, Nyström's scaled form) is the median shift: the mean is dominated by
         # the confidently classified points' large W⁻¹
@@ -203,13 +213,20 @@ class LaplaceGPClassifier:
         slack = 64 * torch.finfo(dtype).eps
         self.cg_iterations_: list[int] = []
         self.newton_iterations_ = 0
+        self.builds_ = 0
+        fresh = None  # CG iterations of the first solve after the latest build
         for _ in range(self.max_newton):
-            self._state(f)
+            # the preconditioner is rebuilt for the new W only when CG has slowed by half since the last build
+            # (a build costs about as much as a Newton step's solve)
+            build = fresh is None or self.cg_iterations_[-1] > REBUILD_GROWTH * fresh
+            self._state(f, build)
+            self.builds_ += build
             grad = self._y - torch.sigmoid(f)  # ∇ log p(y|f), R&W eq. (3.15)
             # R&W Algorithm 3.1 lines 5-7, a_new = b - W^½ B⁻¹ W^½ K b with b = W f + ∇, started at the previous
             # a: the step is da = W^½ B⁻¹ W^{-½} (∇ - a), so CG's relative tolerance tightens as Newton converges
             res = self._solve_B((grad - a) / self._sW, self.cg_tolerance)
             self.cg_iterations_.append(res.iterations)
+            fresh = res.iterations if build else fresh
             da = self._sW * res.x
             df = self._K(da)
             self.newton_iterations_ += 1
@@ -228,7 +245,8 @@ class LaplaceGPClassifier:
             a, f, psi = a_new, f_new, psi_new
             if change <= self.newton_tol * max(1.0, float(f.abs().max())):
                 break
-        self._state(f)
+        self._state(f)  # a fresh P at the mode: log det B's and the gradient's probes
+        self.builds_ += 1
         self.f_hat_, self.a_ = f, a
         self._grad = self._y - torch.sigmoid(f)
         logdet, se = self._logdet_B()  # keeps its probes and solves for _gradient
