@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from gpnys import datasets
+from gpnys.baselines.laplace import dense_laplace as dense_laplace_mode
 from gpnys.classify import LaplaceGPClassifier
 from gpnys.reduced.nystrom_features import median_lengthscale
 
@@ -68,30 +69,12 @@ def make_kernel(lengthscale: float) -> gpytorch.kernels.Kernel:
 def dense_laplace(X: torch.Tensor, y: torch.Tensor, kernel: gpytorch.kernels.Kernel) -> dict:
     """R&W Algorithm 3.1 (Cholesky of B) and Algorithm 5.1 at ``kernel``'s hyperparameters: log q and its gradient
     per raw parameter name (``∂K/∂θ`` by central differences)."""
-    n = X.shape[0]
-    eye = torch.eye(n, dtype=X.dtype)
     with torch.no_grad():
         K = kernel(X).to_dense()
-        f = torch.zeros(n, dtype=X.dtype)
-        for _ in range(100):
-            pi = torch.sigmoid(f)
-            W = pi * (1 - pi)
-            sW = W.sqrt()
-            L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
-            b = W * f + (y - pi)
-            a = b - sW * torch.cholesky_solve((sW * (K @ b))[:, None], L)[:, 0]
-            f_new = K @ a
-            done = float((f_new - f).abs().max()) < 1e-12
-            f = f_new
-            if done:
-                break
-        pi = torch.sigmoid(f)
-        W = pi * (1 - pi)
-        sW = W.sqrt()
-        L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
-        g = y - pi
-        mll = float(-0.5 * g @ f + torch.nn.functional.logsigmoid((2 * y - 1) * f).sum() - L.diagonal().log().sum())
-        R = sW[:, None] * torch.cholesky_inverse(L) * sW  # (K + W⁻¹)⁻¹
+        ref = dense_laplace_mode(K, y)
+        pi = torch.sigmoid(ref.f)
+        sW, g, mll = ref.W.sqrt(), ref.a, float(ref.log_q)
+        R = sW[:, None] * torch.cholesky_inverse(ref.L) * sW  # (K + W⁻¹)⁻¹
         KR = K @ R
         sigma_diag = K.diagonal() - (KR * K).sum(1)  # diag(K - K R K) = diag((K⁻¹ + W)⁻¹)
         s2 = 0.5 * sigma_diag * (-pi * (1 - pi) * (1 - 2 * pi))  # ∂ log q / ∂f̂ (∂W/∂f = -∇³ log p)

@@ -4,11 +4,14 @@
   gradient;
 * :mod:`~gpnys.baselines.mll` — :func:`evaluate`, one loss + gradient by Cholesky, GPyTorch's CG or any gpnys
   preconditioner (through :func:`gpnys.gp.hook.use_preconditioner`), and :func:`grad_errors`;
+* :mod:`~gpnys.baselines.laplace` — :func:`dense_laplace`, the dense Laplace approximation for GP classification
+  (R&W 2006, Algorithm 3.1);
 * :mod:`~gpnys.baselines.higp_adapter` — :func:`evaluate_higp`, the same record from HiGP (imported only when called).
 """
 
 from gpnys.baselines.exact import cholesky_loss
 from gpnys.baselines.higp_adapter import evaluate_higp
+from gpnys.baselines.laplace import DenseLaplace, dense_laplace
 from gpnys.baselines.mll import METHODS, evaluate, grad_errors
 
-__all__ = ["METHODS", "cholesky_loss", "evaluate", "evaluate_higp", "grad_errors"]
+__all__ = ["METHODS", "DenseLaplace", "cholesky_loss", "dense_laplace", "evaluate", "evaluate_higp", "grad_errors"]
