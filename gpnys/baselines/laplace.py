@@ -1,8 +1,9 @@
-"""The dense Laplace approximation for GP binary classification: the reference :mod:`gpnys.classify` is checked
-against.
+"""The dense Laplace approximation of a GP with a non-Gaussian likelihood: the reference :mod:`gpnys.classify` is
+checked against.
 
 Rasmussen & Williams (2006), Algorithm 3.1: Newton's method for the mode with a Cholesky factor of
-``B = I + W^½ K W^½`` and the approximate log marginal likelihood ``log q(y|X)`` (eq. (3.32)), logistic likelihood.
+``B = I + W^½ K W^½`` and the approximate log marginal likelihood ``log q(y|X)`` (eq. (3.32)), for any
+:class:`~gpnys.classify.likelihoods.LaplaceLikelihood` (default: Bernoulli, logistic link).
 ``O(n³)`` time and ``O(n²)`` memory: for checks at small and moderate n.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from gpnys.classify.likelihoods import Bernoulli, LaplaceLikelihood
 
 __all__ = ["DenseLaplace", "dense_laplace"]
 
@@ -28,8 +31,9 @@ class DenseLaplace:
 
 
 def dense_laplace(K: torch.Tensor, y: torch.Tensor, tol: float = 1e-12, max_iter: int = 100,
-                  extra: int = 3) -> DenseLaplace:
-    """R&W Algorithm 3.1 on the kernel matrix ``K`` ``(n, n)`` and labels ``y`` ``(n,)`` of 0/1: Newton steps until
+                  extra: int = 3, likelihood: LaplaceLikelihood | None = None) -> DenseLaplace:
+    """R&W Algorithm 3.1 on the kernel matrix ``K`` ``(n, n)`` and observations ``y`` ``(n,)`` (labels 0/1 for the
+    default Bernoulli ``likelihood``): Newton steps until
     no ``f_i`` moves by more than ``tol``, then ``extra`` more, so that when ``K`` carries autograd the derivative of
     the iterate is the implicit derivative of the mode (the Newton map converges quadratically in both).
 
@@ -44,16 +48,16 @@ def dense_laplace(K: torch.Tensor, y: torch.Tensor, tol: float = 1e-12, max_iter
         >>> round(float(out.log_q), 4) < 0
         True
     """
+    lik = Bernoulli() if likelihood is None else likelihood
     n = K.shape[0]
     eye = torch.eye(n, dtype=K.dtype, device=K.device)
     f = K.new_zeros(n)
     left = None
     for _ in range(max_iter):
-        pi = torch.sigmoid(f)
-        W = pi * (1 - pi)
+        grad, W, _ = lik.derivatives(f, y)
         sW = W.sqrt()
         L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
-        b = W * f + (y - pi)
+        b = W * f + grad
         a = b - sW * torch.cholesky_solve((sW * (K @ b))[:, None], L)[:, 0]
         f_new = K @ a
         moved = float((f_new - f).detach().abs().max())
@@ -64,10 +68,7 @@ def dense_laplace(K: torch.Tensor, y: torch.Tensor, tol: float = 1e-12, max_iter
             if left == 0:
                 break
             left -= 1
-    pi = torch.sigmoid(f)
-    W = pi * (1 - pi)
-    sW = W.sqrt()
-    L = torch.linalg.cholesky(eye + sW[:, None] * K * sW)
-    a = y - pi
-    log_q = -0.5 * a @ f + torch.nn.functional.logsigmoid((2 * y - 1) * f).sum() - L.diagonal().log().sum()
+    a, W, _ = lik.derivatives(f, y)
+    L = torch.linalg.cholesky(eye + W.sqrt()[:, None] * K * W.sqrt())
+    log_q = -0.5 * a @ f + lik.log_prob(f, y) - L.diagonal().log().sum()
     return DenseLaplace(f=f, a=a, W=W, L=L, log_q=log_q)

@@ -1,5 +1,8 @@
-"""Gaussian-process classifiers on gpnys's preconditioned solvers (:mod:`gpnys.classify.laplace`)."""
+"""Gaussian processes with non-Gaussian likelihoods (Laplace approximation) on gpnys's preconditioned solvers:
+:class:`LaplaceGP` (Bernoulli labels, Poisson counts) and :class:`LaplaceGPClassifier` (:mod:`gpnys.classify.laplace`,
+:mod:`gpnys.classify.likelihoods`)."""
 
-from gpnys.classify.laplace import LaplaceGPClassifier
+from gpnys.classify.laplace import LaplaceGP, LaplaceGPClassifier
+from gpnys.classify.likelihoods import Bernoulli, LaplaceLikelihood, Poisson
 
-__all__ = ["LaplaceGPClassifier"]
+__all__ = ["LaplaceGP", "LaplaceGPClassifier", "LaplaceLikelihood", "Bernoulli", "Poisson"]

@@ -1,4 +1,5 @@
-"""Laplace-approximate GP binary classification (Bernoulli likelihood, logistic link) on preconditioned CG.
+"""Laplace-approximate GPs with non-Gaussian likelihoods on preconditioned CG: binary classification (Bernoulli,
+logistic link) and Poisson counts (log link), :mod:`gpnys.classify.likelihoods`.
 
 Rasmussen & Williams (2006), "Gaussian Processes for Machine Learning" (R&W), §3.4, Algorithms 3.1 (mode and
 approximate log marginal likelihood) and 3.2 (predictions), with every Cholesky factorisation of
@@ -21,6 +22,7 @@ import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
+from gpnys.classify.likelihoods import LIKELIHOODS, Bernoulli, LaplaceLikelihood, Poisson
 from gpnys.gp.estimator import slq_terms
 from gpnys.gp.hook import GP_DEFAULTS
 from gpnys.kernels.entries import computation_dtype, evaluate, split_outputscale
@@ -30,7 +32,7 @@ from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import DIAG_PRECONDITIONERS, make_preconditioner
 from gpnys.solvers.pcg import pcg
 
-__all__ = ["LaplaceGPClassifier"]
+__all__ = ["LaplaceGP", "LaplaceGPClassifier"]
 
 #: the floor on ``W = π(1 - π)``: where a probability rounds to 0 or 1, ``W`` underflows and ``W⁻¹`` (the
 #: preconditioner's shift) and ``W^{-½}`` would be infinite; clamping changes the Hessian used by a Newton step
@@ -45,13 +47,11 @@ W_FLOOR = 1e-10
 REBUILD_GROWTH = 1.5
 
 
-def _log_likelihood(f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``log p(y|f) = Σ log σ(y_i' f_i)`` with ``y' = 2y - 1`` (R&W eq. (3.15))."""
-    return torch.nn.functional.logsigmoid((2 * y - 1) * f).sum()
 
 
-class LaplaceGPClassifier:
-    """Laplace-approximate GP binary classifier (labels 0/1, logistic likelihood; R&W §3.4).
+class LaplaceGP:
+    """Laplace-approximate GP with a non-Gaussian likelihood (R&W §3.4): ``"bernoulli"`` (labels 0/1, logistic
+    link; :class:`LaplaceGPClassifier` adds class probabilities) or ``"poisson"`` (counts, log link).
 
     :meth:`fit` finds the posterior mode, the approximate log marginal likelihood ``log q(y|X, θ)`` (eq. (3.32))
     and its gradient in the kernel's raw hyperparameters θ (R&W §5.5.1, eqs. (5.22)-(5.24), Algorithm 5.1: the
@@ -66,6 +66,7 @@ class LaplaceGPClassifier:
 
     Args:
         kernel: a GPyTorch kernel (e.g. ``ScaleKernel(MaternKernel(nu=1.5))``); its outputscale is ``s²``.
+        likelihood: ``"bernoulli"``, ``"poisson"`` or a :class:`~gpnys.classify.likelihoods.LaplaceLikelihood`.
         method: preconditioner name taking per-point shifts (``"afn"``, ``"fsai"``, ``"nystrom"``, ``"auto"``).
             AFN is built on ``W⁻¹`` itself; ``"auto"``'s Nyström branch (a low estimated rank) uses one scalar
             level for all points, a poor fit when ``W⁻¹`` spans decades (confident points).
@@ -93,27 +94,34 @@ class LaplaceGPClassifier:
         history_: one ``{"step", "log_marginal_likelihood", "std_error", "newton_iterations"}`` per Adam step.
 
     Example:
+        Poisson counts whose log-rate is a smooth function:
+
         >>> import gpytorch, torch
-        >>> from gpnys.classify import LaplaceGPClassifier
+        >>> from gpnys.classify import LaplaceGP
         >>> g = torch.Generator().manual_seed(0)
-        >>> X = torch.rand(80, 2, dtype=torch.float64, generator=g)
-        >>> y = (X[:, 0] > 0.5).double()
-        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
-        >>> kernel.base_kernel.lengthscale, kernel.outputscale = 0.3, 4.0
-        >>> clf = LaplaceGPClassifier(kernel, num_probes=8).fit(X, y)
-        >>> p = clf.predict_proba(X)
-        >>> p.shape, bool(torch.allclose(p.sum(1), torch.ones(80, dtype=torch.float64)))
-        (torch.Size([80, 2]), True)
-        >>> bool((clf.predict(X) == y).double().mean() > 0.9)
+        >>> X = torch.rand(100, 1, dtype=torch.float64, generator=g)
+        >>> y = torch.poisson(torch.exp(1 + torch.sin(6 * X[:, 0])), generator=g)
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        >>> kernel.base_kernel.lengthscale, kernel.outputscale = 0.2, 1.0
+        >>> gp = LaplaceGP(kernel, likelihood="poisson", num_probes=8).fit(X, y)
+        >>> mean, var = gp.predict(X[:3])                       # expected counts and their variances
+        >>> bool(((mean - torch.exp(1 + torch.sin(6 * X[:3, 0]))).abs() < 1.5).all())
         True
     """
 
-    def __init__(self, kernel: gpytorch.kernels.Kernel, *, method: str = "afn", precond_options: dict | None = None,
+    def __init__(self, kernel: gpytorch.kernels.Kernel, *, likelihood: str | LaplaceLikelihood = "bernoulli",
+                 method: str = "afn", precond_options: dict | None = None,
                  cg_tolerance: float = 1e-8, max_newton: int = 50, newton_tol: float = 1e-8, num_probes: int = 32,
                  slq_tolerance: float = 1e-6, max_cg: int = 1000, seed: int = 0, optimizer_steps: int = 0,
                  lr: float = 0.1) -> None:
         if not isinstance(kernel, gpytorch.kernels.Kernel):
             raise ValueError(f"kernel must be a GPyTorch kernel, got {type(kernel).__name__}")
+        if isinstance(likelihood, str) and likelihood in LIKELIHOODS:
+            likelihood = LIKELIHOODS[likelihood]()
+        if not isinstance(likelihood, LaplaceLikelihood):
+            raise ValueError(f"likelihood must be one of {sorted(LIKELIHOODS)} or a LaplaceLikelihood, got "
+                             f"{likelihood!r}")
+        self.likelihood = likelihood
         if method not in DIAG_PRECONDITIONERS:
             raise ValueError(f"method must be one of {DIAG_PRECONDITIONERS}, got {method!r}")
         self.kernel, self.method = kernel, method
@@ -133,8 +141,7 @@ class LaplaceGPClassifier:
     def _state(self, f: torch.Tensor, build: bool = True) -> None:
         """``W`` (clamped, see :data:`W_FLOOR`) and ``W^½`` at ``f``, and (``build``) the preconditioner
         ``P ≈ K̃ + W⁻¹/s²`` for them; without ``build`` the previous ``P`` stays (any SPD ``P`` keeps CG exact)."""
-        pi = torch.sigmoid(f)
-        self._W = (pi * (1 - pi)).clamp_min(W_FLOOR)
+        self._W = self.likelihood.derivatives(f, self._y)[1].clamp_min(W_FLOOR)
         self._sW = self._W.sqrt()
         if not build:
             return
@@ -163,19 +170,15 @@ class LaplaceGPClassifier:
         return pcg(self._B, R, self._M_inv, tol=tol, maxiter=self.max_cg, lanczos=lanczos)
 
     # ---- fit -----------------------------------------------------------------------------------------------
-    def fit(self, X: torch.Tensor, y: torch.Tensor) -> "LaplaceGPClassifier":
+    def fit(self, X: torch.Tensor, y: torch.Tensor) -> "LaplaceGP":
         """Posterior mode (R&W Algorithm 3.1, Newton's method on eq. (3.18)) and log marginal likelihood
-        (eq. (3.32)). ``X: (n, d)``, ``y: (n,)`` of 0/1 (or bool). Returns ``self``."""
+        (eq. (3.32)), after ``optimizer_steps`` Adam steps on the hyperparameters. ``X: (n, d)``, ``y: (n,)`` in the
+        likelihood's support (0/1 or bool labels; counts). Returns ``self``."""
         validate_points(X, "X")
         if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.shape[0] != X.shape[0]:
-            raise ValueError(f"y must be a 1-D tensor of {X.shape[0]} labels, got {getattr(y, 'shape', type(y))}")
-        if y.is_floating_point() and not bool(torch.isfinite(y).all()):
-            raise ValueError("y contains NaN or inf")
-        yv = y.to(torch.float64) if y.dtype == torch.bool else y
-        if not bool(((yv == 0) | (yv == 1)).all()):
-            raise ValueError("y must hold labels 0 and 1 only")
-        if bool((yv == yv[0]).all()):
-            raise ValueError("y holds a single class: both 0 and 1 are needed")
+            raise ValueError(f"y must be a 1-D tensor of {X.shape[0]} observations, got "
+                             f"{getattr(y, 'shape', type(y))}")
+        yv = self.likelihood.check(y.to(torch.float64) if y.dtype == torch.bool else y)
         params = [p for p in self.kernel.parameters() if p.requires_grad]
         self.history_: list[dict] = []
         a0 = None
@@ -209,7 +212,7 @@ class LaplaceGPClassifier:
         # a warm start a0 (the previous hyperparameters' K⁻¹ f̂) gives f = K a0 and Ψ = log p(y|f) - ½ a0ᵀ f
         a = self._X.new_zeros(n) if a0 is None else a0.to(self._X.dtype)
         f = self._X.new_zeros(n) if a0 is None else self._K(a)
-        psi = float(_log_likelihood(f, self._y) - 0.5 * (a * f).sum())
+        psi = float(self.likelihood.log_prob(f, self._y) - 0.5 * (a * f).sum())
         slack = 64 * torch.finfo(dtype).eps
         self.cg_iterations_: list[int] = []
         self.newton_iterations_ = 0
@@ -221,7 +224,7 @@ class LaplaceGPClassifier:
             build = fresh is None or self.cg_iterations_[-1] > REBUILD_GROWTH * fresh
             self._state(f, build)
             self.builds_ += build
-            grad = self._y - torch.sigmoid(f)  # ∇ log p(y|f), R&W eq. (3.15)
+            grad = self.likelihood.derivatives(f, self._y)[0]  # ∇ log p(y|f)
             # R&W Algorithm 3.1 lines 5-7, a_new = b - W^½ B⁻¹ W^½ K b with b = W f + ∇, started at the previous
             # a: the step is da = W^½ B⁻¹ W^{-½} (∇ - a), so CG's relative tolerance tightens as Newton converges
             res = self._solve_B((grad - a) / self._sW, self.cg_tolerance)
@@ -235,7 +238,7 @@ class LaplaceGPClassifier:
             step = 1.0
             for _ in range(30):
                 a_new, f_new = a + step * da, f + step * df
-                psi_new = float(_log_likelihood(f_new, self._y) - 0.5 * (a_new * f_new).sum())
+                psi_new = float(self.likelihood.log_prob(f_new, self._y) - 0.5 * (a_new * f_new).sum())
                 if psi_new >= psi - slack * (abs(psi) + n):
                     break
                 step /= 2
@@ -248,9 +251,10 @@ class LaplaceGPClassifier:
         self._state(f)  # a fresh P at the mode: log det B's and the gradient's probes
         self.builds_ += 1
         self.f_hat_, self.a_ = f, a
-        self._grad = self._y - torch.sigmoid(f)
+        self._grad = self.likelihood.derivatives(f, self._y)[0]
         logdet, se = self._logdet_B()  # keeps its probes and solves for _gradient
-        self.log_marginal_likelihood_ = float(-0.5 * (a * f).sum() + _log_likelihood(f, self._y)) - 0.5 * logdet
+        self.log_marginal_likelihood_ = (float(-0.5 * (a * f).sum() + self.likelihood.log_prob(f, self._y))
+                                         - 0.5 * logdet)
         self.mll_std_error_ = 0.5 * se
 
     def _logdet_B(self) -> tuple[float, float]:
@@ -278,8 +282,7 @@ class LaplaceGPClassifier:
         t = Zp.shape[1]
         with torch.no_grad():
             V = self._P.solve(Zp) / self._s2  # P̂⁻¹ z
-            pi = torch.sigmoid(self.f_hat_)
-            third = -pi * (1 - pi) * (1 - 2 * pi)  # ∇³ log p(y|f) of the logistic likelihood, R&W eq. (3.15)
+            third = self.likelihood.derivatives(self.f_hat_, self._y)[2]  # ∇³ log p(y|f)
             d = U / self._W[:, None] * self._K(V)  # E[d_k] = diag((K⁻¹ + W)⁻¹)
             # ∂ log q / ∂f̂ = -½ diag((K⁻¹ + W)⁻¹) ∂W/∂f̂ with ∂W/∂f̂ = -∇³ log p: a plus sign here (checked
             # against autograd through a dense Newton iteration in the tests)
@@ -329,7 +332,7 @@ class LaplaceGPClassifier:
                 return torch.cat(out, 1).detach()
         if not self._warned_kernel:
             self._warned_kernel = True
-            warnings.warn(f"LaplaceGPClassifier: {type(base).__name__} has no closed-form derivative pass; its "
+            warnings.warn(f"{type(self).__name__}: {type(base).__name__} has no closed-form derivative pass; its "
                           "gradient runs through GPyTorch's kernel a probe at a time (slower)", NumericalWarning,
                           stacklevel=3)
         rows = []
@@ -344,7 +347,7 @@ class LaplaceGPClassifier:
     # ---- predictions ---------------------------------------------------------------------------------------
     def _check_points(self, Xs: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "f_hat_"):
-            raise RuntimeError("LaplaceGPClassifier: call fit first")
+            raise RuntimeError(f"{type(self).__name__}: call fit first")
         validate_points(Xs, "X")
         if Xs.shape[1] != self._X.shape[1]:
             raise ValueError(f"X must have {self._X.shape[1]} columns, got {Xs.shape[1]}")
@@ -369,6 +372,45 @@ class LaplaceGPClassifier:
     def predict_latent(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent predictive mean (R&W eq. (3.21)) and variance (eq. (3.24)). ``X: (m, d)`` -> ``(m,)``, ``(m,)``"""
         return self._latent(self._check_points(X), True)
+
+    def predict(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predictive mean and variance of the observation at ``X`` ``(m, d)``, each ``(m,)``, over the latent
+        Gaussian (R&W eq. (3.21), (3.24)): for counts the log-normal mixture's moments
+        (:meth:`~gpnys.classify.likelihoods.Poisson.moments`); for labels ``P(y = 1)`` by the probit approximation
+        and its Bernoulli variance."""
+        mean, var = self.predict_latent(X)
+        if isinstance(self.likelihood, Poisson):
+            return Poisson.moments(mean, var)
+        if isinstance(self.likelihood, Bernoulli):
+            p1 = torch.sigmoid(mean / torch.sqrt(1 + math.pi * var / 8))
+            return p1, p1 * (1 - p1)
+        raise NotImplementedError(f"predict: no predictive moments for {type(self.likelihood).__name__}")
+
+
+class LaplaceGPClassifier(LaplaceGP):
+    """Laplace-approximate GP binary classifier (labels 0/1, logistic likelihood; R&W §3.4): :class:`LaplaceGP`
+    with ``likelihood="bernoulli"``, class probabilities and labels. Arguments as :class:`LaplaceGP`'s.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpnys.classify import LaplaceGPClassifier
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X = torch.rand(80, 2, dtype=torch.float64, generator=g)
+        >>> y = (X[:, 0] > 0.5).double()
+        >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
+        >>> kernel.base_kernel.lengthscale, kernel.outputscale = 0.3, 4.0
+        >>> clf = LaplaceGPClassifier(kernel, num_probes=8).fit(X, y)
+        >>> p = clf.predict_proba(X)
+        >>> p.shape, bool(torch.allclose(p.sum(1), torch.ones(80, dtype=torch.float64)))
+        (torch.Size([80, 2]), True)
+        >>> bool((clf.predict(X) == y).double().mean() > 0.9)
+        True
+    """
+
+    def __init__(self, kernel: gpytorch.kernels.Kernel, **kwargs) -> None:
+        if "likelihood" in kwargs:
+            raise ValueError("likelihood: LaplaceGPClassifier is Bernoulli; use LaplaceGP for other likelihoods")
+        super().__init__(kernel, likelihood="bernoulli", **kwargs)
 
     def predict_proba(self, X: torch.Tensor) -> torch.Tensor:
         """Class probabilities ``(m, 2)`` (columns: class 0, class 1): the averaged predictive probability

@@ -1,0 +1,134 @@
+"""``LaplaceGP(likelihood="poisson")`` against the dense Laplace approximation (R&W 2006, Algorithm 3.1) with the
+Poisson likelihood: the mode, log q, the latent and count predictions, and the hyperparameters' gradient against
+autograd through the dense Newton iteration."""
+
+from __future__ import annotations
+
+import copy
+
+import gpytorch
+import pytest
+import torch
+
+from gpnys.baselines.laplace import dense_laplace
+from gpnys.classify import LaplaceGP, LaplaceGPClassifier, Poisson
+
+F64 = torch.float64
+
+
+def data(n, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(n, 2, dtype=F64, generator=g)
+    y = torch.poisson(torch.exp(0.5 + torch.sin(5 * X[:, 0]) + X[:, 1]), generator=g)
+    return X.to(dtype), y.to(dtype)
+
+
+def make_kernel(dtype=F64):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).to(dtype)
+    k.base_kernel.lengthscale, k.outputscale = 0.3, 1.0
+    return k
+
+
+def reference(X, y, kernel):
+    with torch.no_grad():
+        return dense_laplace(kernel(X).to_dense(), y, likelihood=Poisson())
+
+
+def dense_gradient(X, y, kernel):
+    kernel = copy.deepcopy(kernel)
+    kernel.zero_grad()
+    dense_laplace(kernel(X).to_dense(), y, likelihood=Poisson()).log_q.backward()
+    return {name: p.grad.detach().clone() for name, p in kernel.named_parameters()}
+
+
+def test_mode_log_q_and_predictions_match_dense():
+    X, y = data(250)
+    kernel = make_kernel()
+    gp = LaplaceGP(kernel, likelihood="poisson", precond_options={"k": 40}, num_probes=32).fit(X, y)
+    ref = reference(X, y, kernel)
+    assert (gp.f_hat_ - ref.f).abs().max() < 1e-6
+    assert abs(gp.log_marginal_likelihood_ - float(ref.log_q)) <= 4 * gp.mll_std_error_ + 1e-8 * abs(float(ref.log_q))
+    Xs = torch.rand(30, 2, dtype=F64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        Ks = kernel(X, Xs).to_dense()
+        mean = Ks.mT @ ref.a  # R&W eq. (3.21)
+        v = torch.linalg.solve_triangular(ref.L, ref.W.sqrt()[:, None] * Ks, upper=False)
+        var = kernel(Xs, diag=True) - (v * v).sum(0)  # eq. (3.24)
+    mu, s2 = gp.predict_latent(Xs)
+    assert (mu - mean).abs().max() < 1e-5 and (s2 - var).abs().max() < 1e-5
+    counts, count_var = gp.predict(Xs)
+    torch.testing.assert_close(counts, torch.exp(mean + var / 2), rtol=1e-4, atol=1e-6)
+    assert bool((count_var >= counts).all())  # over-dispersed: the latent uncertainty adds to the Poisson's
+
+
+def test_exact_preconditioner_gives_the_exact_log_q():
+    X, y = data(80)
+    kernel = make_kernel()
+    gp = LaplaceGP(kernel, likelihood="poisson", method="nystrom", precond_options={"rank": 80}).fit(X, y)
+    assert abs(gp.log_marginal_likelihood_ - float(reference(X, y, kernel).log_q)) < 1e-8
+    assert gp.mll_std_error_ < 1e-8
+
+
+def test_gradient_matches_autograd_through_dense_newton():
+    X, y = data(200)
+    kernel = make_kernel()
+    gp = LaplaceGP(kernel, likelihood="poisson", precond_options={"k": 40}, num_probes=64).fit(X, y)
+    ref = dense_gradient(X, y, kernel)
+    for name, g in ref.items():
+        got, se = gp.mll_gradient_[name], gp.mll_gradient_std_error_[name]
+        assert bool(((got - g).abs() <= 4 * se + 1e-6 * g.abs()).all()), (name, got, g, se)
+
+
+def test_float32():
+    X, y = data(200)
+    gp = LaplaceGP(make_kernel(torch.float32), likelihood="poisson", precond_options={"k": 40}, cg_tolerance=1e-5,
+                   newton_tol=1e-5, slq_tolerance=1e-4).fit(X.float(), y.float())
+    ref = reference(X, y, make_kernel())
+    assert gp.f_hat_.dtype == torch.float32
+    assert (gp.f_hat_.double() - ref.f).abs().max() < 1e-3
+    assert abs(gp.log_marginal_likelihood_ - float(ref.log_q)) <= 4 * gp.mll_std_error_ + 1e-5 * abs(float(ref.log_q))
+
+
+def test_training_raises_log_q_and_is_reproducible():
+    X, y = data(200)
+    runs = []
+    for _ in range(2):
+        kernel = make_kernel()
+        kernel.base_kernel.lengthscale, kernel.outputscale = 1.5, 0.2
+        start = float(reference(X, y, kernel).log_q)
+        gp = LaplaceGP(kernel, likelihood="poisson", precond_options={"k": 40}, num_probes=16, optimizer_steps=12,
+                       seed=1).fit(X, y)
+        runs.append(gp)
+    final = float(reference(X, y, kernel).log_q)
+    assert final > start + 5
+    assert abs(runs[0].log_marginal_likelihood_ - final) <= 4 * runs[0].mll_std_error_ + 1e-6 * abs(final)
+    assert runs[0].log_marginal_likelihood_ == runs[1].log_marginal_likelihood_
+    assert torch.equal(runs[0].f_hat_, runs[1].f_hat_)
+
+
+@pytest.mark.parametrize("y, match", [
+    (torch.tensor([0.0, -1.0] * 5), r"\by\b"),
+    (torch.tensor([0.5, 1.0] * 5), r"\by\b"),
+    (torch.tensor([1.0] * 9), r"\by\b"),
+])
+def test_bad_counts_name_y(y, match):
+    with pytest.raises(ValueError, match=match):
+        LaplaceGP(make_kernel(), likelihood="poisson").fit(torch.rand(10, 2, dtype=F64), y)
+
+
+def test_bad_likelihood_arguments():
+    with pytest.raises(ValueError, match="likelihood"):
+        LaplaceGP(make_kernel(), likelihood="student-t")
+    with pytest.raises(ValueError, match="likelihood"):
+        LaplaceGPClassifier(make_kernel(), likelihood="poisson")
+
+
+@pytest.mark.cuda
+def test_poisson_on_the_cuda_device(cuda_device):
+    X, y = data(200)
+    kernel = make_kernel()
+    gp = LaplaceGP(copy.deepcopy(kernel).to(cuda_device), likelihood="poisson", precond_options={"k": 40})
+    gp.fit(X.to(cuda_device), y.to(cuda_device))
+    ref = reference(X, y, kernel)
+    assert abs(gp.log_marginal_likelihood_ - float(ref.log_q)) <= 4 * gp.mll_std_error_ + 1e-8 * abs(float(ref.log_q))
+    assert gp.predict(X[:4].to(cuda_device))[0].device.type == torch.device(cuda_device).type
