@@ -117,3 +117,9 @@ def test_laplace_classification_example():
     res = load("laplace_classification").main(["--n", "400", "--steps", "6"])
     assert res["end"] > res["start"] + 3 * res["end_std_error"]  # training raised log q beyond its error bars
     assert res["accuracy"] > 0.8
+
+
+def test_laplace_poisson_example():
+    res = load("laplace_poisson").main(["--n", "400", "--steps", "6"])
+    assert res["end"] > res["start"] + 3 * res["end_std_error"]  # training raised log q beyond its error bars
+    assert res["rmse"] < 0.5 * res["rate_sd"]  # the predicted rates follow the true ones
