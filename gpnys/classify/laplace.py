@@ -86,7 +86,7 @@ class LaplaceGP:
         f_hat_: ``(n,)`` posterior mode. log_marginal_likelihood_: float, R&W eq. (3.32).
         mll_std_error_: float, the SLQ standard error of ``log_marginal_likelihood_``.
         mll_gradient_: ``{raw parameter name: tensor}``, ``∂ log q / ∂θ`` (R&W eq. (5.23)-(5.24)), shapes of the
-            parameters; ``None`` for a kernel without raw parameters. mll_gradient_std_error_: the same, its
+            parameters; empty for a kernel without trainable parameters. mll_gradient_std_error_: the same, its
             standard errors.
         newton_iterations_: int. cg_iterations_: list of the CG iterations of each Newton step. builds_:
             preconditioner builds of the last fit (a Newton step reuses the previous one until its CG iterations
@@ -278,6 +278,10 @@ class LaplaceGP:
         Per probe ``k`` (class docstring): ``½ aᵀ ∂K a - ½ u_kᵀ ∂K v_k + c_kᵀ ∂K ∇log p`` with
         ``c_k = (K + W⁻¹)⁻¹ W⁻¹ s2_k``, ``s2_k = ½ d_k ∘ ∇³ log p``, ``d_k = (W⁻¹ u_k) ∘ (K v_k)`` (eq. (5.23):
         ``(I - K R) b = W⁻¹ (K + W⁻¹)⁻¹ b``)."""
+        params = [p for p in self.kernel.parameters() if p.requires_grad]
+        self.mll_gradient_, self.mll_gradient_std_error_ = {}, {}
+        if not params:  # a frozen kernel: nothing to differentiate
+            return []
         Zp, U = self._probes
         t = Zp.shape[1]
         with torch.no_grad():
@@ -292,12 +296,11 @@ class LaplaceGP:
         left = torch.cat([a[:, None], U, C], 1)
         right = torch.cat([a[:, None], V, g[:, None].expand(-1, t)], 1)
         weights = torch.cat([left.new_full((1,), 0.5), left.new_full((t,), -0.5), left.new_ones(t)])
-        params = [p for p in self.kernel.parameters() if p.requires_grad]
         columns = self._column_gradients(left * weights, right, params)  # (2t + 1, p)
         rows = columns[0] + columns[1 : t + 1] + columns[t + 1 :]  # (t, p): one per probe
         mean, se = rows.mean(0), rows.std(0) / math.sqrt(t)
         names = [name for name, p in self.kernel.named_parameters() if p.requires_grad]
-        grads, self.mll_gradient_, self.mll_gradient_std_error_ = [], {}, {}
+        grads = []
         offset = 0
         for name, p in zip(names, params):
             k = p.numel()

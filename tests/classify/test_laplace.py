@@ -278,3 +278,13 @@ def test_gradient_on_the_cuda_device(cuda_device):
         got, se = clf.mll_gradient_[name].cpu(), clf.mll_gradient_std_error_[name].cpu()
         assert bool(((got - g).abs() <= 4 * se + 1e-6 * g.abs()).all()), (name, got, g, se)
     assert clf.predict_proba(X[:5].to(cuda_device)).device.type == torch.device(cuda_device).type
+
+
+def test_frozen_kernel_has_no_gradient_and_still_fits():
+    X, y = data(100)
+    kernel = make_kernel()
+    for p in kernel.parameters():
+        p.requires_grad_(False)
+    clf = LaplaceGPClassifier(kernel, precond_options={"k": 30}, num_probes=8, optimizer_steps=3).fit(X, y)
+    assert clf.mll_gradient_ == {} and clf.mll_gradient_std_error_ == {} and clf.history_ == []
+    assert abs(clf.log_marginal_likelihood_ - dense_laplace(X, y, kernel, X[:2])[1]) <= 4 * clf.mll_std_error_ + 1e-8
