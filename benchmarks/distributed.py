@@ -108,7 +108,7 @@ def worker(args) -> None:
         del P
     # the replicated work of an evaluation: the preconditioner's applies (PCG's, SLQ's and the control variate's),
     # and the forward of the control variate's differentiable terms (its backward runs inside loss.backward())
-    from gpnys.gp.hook import PreconditionerHook
+    from gpnys.gp.problem import TrainingProblem
 
     applied = {"seconds": 0.0, "cv_seconds": 0.0}
 
@@ -122,7 +122,7 @@ def worker(args) -> None:
                 applied[key] += time.perf_counter() - t
         return wrapper
     Preconditioner.solve = timed(Preconditioner.solve, "seconds")
-    PreconditionerHook.control_variate_terms = timed(PreconditionerHook.control_variate_terms, "cv_seconds")
+    TrainingProblem.control_variate_terms = timed(TrainingProblem.control_variate_terms, "cv_seconds")
     times, records, apply_s, cv_s = [], [], [], []
     base_mib = _reset_peak(device) if args.memory_only else None
     with use_preconditioner(model, "auto", settings=settings, seed=args.seed):

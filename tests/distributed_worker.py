@@ -14,6 +14,7 @@
 * ``mismatch``: rank-dependent right-hand sides, which must raise;
 * ``die``: rank 1 exits before the product; rank 0 records the error it gets and how long it took;
 * ``reject``: rank 1's targets hold a NaN: it rejects them on entering the hook, and rank 0 must hear of it;
+* ``laplace``: a Laplace GP classifier (Newton mode, log q, its gradient, two Adam steps, predictions);
 * ``nan``: a NaN in rank 1's rows of one kernel product during an MLL evaluation; every rank records its error.
 
 Rank 0 writes what it computed to OUT (``torch.save``, on the CPU). Without RANK it computes the single-process
@@ -306,6 +307,23 @@ def nan_on_one_rank(rank, group):
             setattr(TorchTiles, name, fn)
 
 
+def laplace(group):
+    """A Laplace GP classifier fitted with two Adam steps (mode, log q, its gradient, predictions), the kernel
+    products, preconditioner builds and derivative passes split over ``group``."""
+    from gpnys.classify import LaplaceGPClassifier
+
+    X, y, _ = data()
+    labels = (y > y.median()).to(X.dtype)
+    kern = make_kernel("matern32", 3).double().to(X.device)
+    kern.base_kernel.lengthscale = torch.tensor([4.0, 0.8, 1.1])
+    with __import__("gpnys").memory_budget(dense_bytes=0):  # the recomputed passes, which the group splits
+        gp = LaplaceGPClassifier(kern, num_probes=8, optimizer_steps=2, precond_options={"k": 40, "w": 10},
+                                 group=group).fit(X, labels)
+        proba = gp.predict_proba(X[:20])
+    return {"f_hat": gp.f_hat_, "log_q": gp.log_marginal_likelihood_, "std_error": gp.mll_std_error_,
+            "grads": [gp.mll_gradient_[k] for k in sorted(gp.mll_gradient_)], "proba": proba}
+
+
 def main():
     mode, out_path = sys.argv[1], sys.argv[2]
     count_partitioned_passes()
@@ -319,6 +337,8 @@ def main():
         res = passes(group)
     elif mode == "mll":
         res = mll(group)
+    elif mode == "laplace":
+        res = laplace(group)
     elif mode == "mll_cv":
         res = mll_cv(group)
     elif mode == "precond":

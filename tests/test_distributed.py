@@ -153,6 +153,17 @@ def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
     assert ref["std_error"] is not None and _close(got["std_error"], ref["std_error"], 1e-8)
 
 
+def test_two_gloo_ranks_give_the_one_process_laplace_classifier(tmp_path):
+    ref = reference("laplace", tmp_path / "ref.pt")
+    assert run_ranks("laplace", tmp_path / "dist.pt") == [0, 0]
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    # the Newton solves' products, the AFN builds and the gradient's per-probe pass were all split
+    assert got["calls"]["matmul"] > 0 and got["calls"]["column_derivative_sums"] > 0, got["calls"]
+    assert got["calls"]["gather_rows"] >= 2, got["calls"]
+    for key in ("f_hat", "log_q", "std_error", "grads", "proba"):
+        assert _close(got[key], ref[key], 1e-8), key
+
+
 def test_two_gloo_ranks_split_the_control_variate_rows(tmp_path):
     """AFN's diag and frozen control-variate families with their non-landmark rows split over the ranks (their
     derivatives added in the backward, RowGroup.split_sum), and the frozen family's closed-form per-probe rows

@@ -76,7 +76,7 @@ POSTERIOR_CHOLESKY_SIZE = 10_000
 #: landmark / neighbour counts of ``afn`` and ``auto`` in :class:`PreconditionedSingleTaskGP` unless given (``k`` is
 #: capped at a fraction of ``n``, :data:`BO_LANDMARK_CAP`). BO data are often nearly noiseless (BoTorch's noise
 #: floor is 1e-4 after ``Standardize``), so ``mu`` is far below the 1e-3..1e-1 that
-#: :data:`gpnys.gp.hook.GP_DEFAULTS` (k = 500) was chosen for, and more landmarks pay for themselves in fewer CG
+#: :data:`gpnys.gp.settings.GP_DEFAULTS` (k = 500) was chosen for, and more landmarks pay for themselves in fewer CG
 #: iterations and a smaller gradient error. The posterior preconditioner is built once per data and hyperparameters
 #: and then applied in every PCG iteration of an acquisition optimisation, so it gets more still (docs/bo.md,
 #: "Posterior").
@@ -271,7 +271,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         ``gpnys_solution (n,)`` with its kernel inputs ``gpnys_solution_inputs (n, d)`` where there is one."""
         state = {k: v.detach().clone() for k, v in self.state_dict().items() if not k.startswith("outcome_transform")}
         alpha = getattr(self._gpnys_posterior, "alpha", None)
-        alpha = getattr(self._gpnys_hook, "_warm_a", None) if alpha is None else alpha
+        if alpha is None and self._gpnys_hook is not None:
+            alpha = self._gpnys_hook.problem.warm_start
         if alpha is not None:
             state.update(gpnys_solution=alpha.detach().clone(), gpnys_solution_inputs=self._kernel_inputs().clone())
         return state
@@ -328,7 +329,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             h = PreconditionerHook(self, c["precond"], c["settings"], c["seed"], train_x=X,
                                    **self._options("train", X.shape[0]))
             if self._gpnys_seed is not None and self._gpnys_seed.shape == X.shape[:1]:
-                h._warm_a = self._gpnys_seed
+                h.problem.warm_start = self._gpnys_seed
             self._gpnys_hook, self._gpnys_posterior = h, None
         return h
 
@@ -438,7 +439,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             r = self.train_targets - self.mean_module(X)
             # the start: the hook's last training solve (same data; after a fit, at these hyperparameters; a new hook
             # starts with warm_start_from's seed), else P̂⁻¹ r
-            alpha = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=self.hook()._warm_a).x[:, 0]
+            alpha = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=self.hook().problem.warm_start).x[:, 0]
         self.alpha_iterations = post.mean_iterations
         return alpha
 

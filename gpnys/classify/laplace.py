@@ -24,7 +24,7 @@ import torch
 from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
 from gpnys.classify.likelihoods import LIKELIHOODS, Bernoulli, LaplaceLikelihood, Poisson
 from gpnys.gp.estimator import slq_terms
-from gpnys.gp.hook import GP_DEFAULTS
+from gpnys.gp.settings import GP_DEFAULTS
 from gpnys.kernels.entries import computation_dtype, evaluate, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.kernels.system import kernel_system
@@ -71,7 +71,7 @@ class LaplaceGP:
             AFN is built on ``W⁻¹`` itself; ``"auto"``'s Nyström branch (a low estimated rank) uses one scalar
             level for all points, a poor fit when ``W⁻¹`` spans decades (confident points).
         precond_options: extra options for :func:`~gpnys.precond.strategy.make_preconditioner` (``k``, ``w``,
-            ``rank``); AFN's sizes default to GP training's (:data:`gpnys.gp.hook.GP_DEFAULTS`, k = 500, w = 30),
+            ``rank``); AFN's sizes default to GP training's (:data:`gpnys.gp.settings.GP_DEFAULTS`, k = 500, w = 30),
             at most n.
         cg_tolerance: relative residual of every CG solve with ``B`` (Newton steps and predictive variances).
         max_newton: Newton steps at most. newton_tol: stop once a step changes no ``f_i`` by more than

@@ -89,7 +89,7 @@ def _plain(obj: Any) -> Any:
 def add_estimator_args(p: argparse.ArgumentParser) -> None:
     """Flags of the gpnys MLL estimator (preconditioner size, CG tolerance, probes)."""
     p.add_argument("--k", type=int, default=None,
-                   help="AFN landmarks / Nyström-AFN switch (default 500 for afn/auto, see gpnys.gp.hook.GP_DEFAULTS)")
+                   help="AFN landmarks / Nyström-AFN switch (default 500 for afn/auto, see gpnys.gp.settings.GP_DEFAULTS)")
     p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row")
     p.add_argument("--cg-tol", type=float, default=EstimatorSettings.cg_tolerance, help="CG tolerance")
     p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes, help="SLQ probe vectors")

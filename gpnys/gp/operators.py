@@ -10,12 +10,11 @@ import gpytorch
 import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
-from gpnys.gp import estimator
 from gpnys.linalg import small_dense
 from gpnys.precond.base import Preconditioner
 
 if TYPE_CHECKING:
-    from gpnys.gp.hook import PreconditionerHook
+    from gpnys.gp.problem import TrainingProblem
 
 __all__ = ["PreconditionerOperator", "PreconditionedMVN", "BatchPreconditionedMVN", "CholeskyMVN",
            "PreconditionedAddedDiag", "CallerSettingsMVN"]
@@ -63,27 +62,29 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
     (:func:`gpnys.gp.estimator.log_prob`, with ``settings.error_bars``), else GPyTorch's with the control variate.
 
     ``log_prob = GPyTorch's log_prob − ½ (C − stop_grad(C))``: the value is unchanged, the gradient of the
-    log-determinant term becomes the variance-reduced estimator (see :meth:`PreconditionerHook.control_variate`).
+    log-determinant term becomes the variance-reduced estimator
+    (:meth:`~gpnys.gp.problem.TrainingProblem.control_variate`).
     """
 
-    _gpnys_hook: "PreconditionerHook | None" = None
+    _gpnys_problem: "TrainingProblem | None" = None
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        hook = self._gpnys_hook
-        if hook is not None:
-            hook.last_probes = None
-            if hook.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
-                with hook.paths.timed():
-                    return hook.evaluate(self, value)  # per-probe terms: error bars, requested accuracy
-        seed = None if hook is None else hook.settings.probe_seed
+        problem = self._gpnys_problem
+        if problem is not None:
+            problem.last_probes = None
+            if problem.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
+                with problem.paths.timed():
+                    return problem.evaluate(self, value)  # per-probe terms: error bars, requested accuracy
+        seed = None if problem is None else problem.settings.probe_seed
         if seed is None:
             res = super().log_prob(value)
         else:
             with torch.random.fork_rng(devices=[value.device] if value.device.type == "cuda" else []):
                 torch.manual_seed(seed)
                 res = super().log_prob(value)
-        if hook is not None and hook.variance_reduction and not hook.preconditioners.stale and torch.is_grad_enabled():
-            C = hook.control_variate()
+        if (problem is not None and problem.variance_reduction and not problem.preconditioners.stale
+                and torch.is_grad_enabled()):
+            C = problem.control_variate()
             if C is not None:
                 res = res - 0.5 * (C - C.detach())
         return res
@@ -91,29 +92,27 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
 
 class BatchPreconditionedMVN(gpytorch.distributions.MultivariateNormal):
     """The training marginal of a batch-mode model, ``N(m_i, K̂_i)`` for ``i < b`` (mean ``(b, n)``): ``log_prob``
-    runs gpnys's estimator on each element with its own preconditioner (:class:`~gpnys.gp.hook.BatchElement`)
+    runs gpnys's estimator on each element with its own preconditioner (:class:`~gpnys.gp.problem.BatchElement`)
     and returns the ``(b,)`` log-likelihoods; ``hook.last_estimate`` is their sum
     (:meth:`~gpnys.gp.estimator.Estimate.total`), ``hook.batch_estimates`` one per element."""
 
-    _gpnys_hook: "PreconditionerHook | None" = None
+    _gpnys_problem: "TrainingProblem | None" = None
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        hook = self._gpnys_hook
-        if hook is None or value.shape != self.mean.shape:
+        problem = self._gpnys_problem
+        if problem is None or value.shape != self.mean.shape:
             return super().log_prob(value)
         cov = self.lazy_covariance_matrix
         op, diag = cov._linear_op, cov._diag_tensor.diagonal()
-        dense = None if hook.batch_closed_form(op) else op.evaluate_kernel()  # GPyTorch's own (b, n, n) then
+        dense = None if problem.batch_closed_form(op) else op.evaluate_kernel()  # GPyTorch's own (b, n, n) then
         out = []
-        with hook.paths.timed():
-            for element in hook.elements:
+        with problem.paths.timed():
+            for element in problem.elements:
                 i = element.index
                 marginal = gpytorch.distributions.MultivariateNormal(self.mean[i],
                                                                      element.covariance(op, dense, diag[i]))
                 out.append(element.evaluate(marginal, value[i]))
-        hook.batch_estimates = [element.last_estimate for element in hook.elements]
-        hook.last_estimate = estimator.Estimate.total(hook.batch_estimates)
-        hook.estimates += 1
+        problem.record_batch([element.last_estimate for element in problem.elements])
         return torch.stack(out)
 
 
@@ -121,15 +120,15 @@ class CholeskyMVN(gpytorch.distributions.MultivariateNormal):
     """The training marginal on the Cholesky path (:mod:`gpnys.gp.path`): GPyTorch's own ``log_prob`` with its dense
     Cholesky forced; ``hook.last_estimate`` records the exact value (standard errors 0, ``path="cholesky"``)."""
 
-    _gpnys_hook: "PreconditionerHook | None" = None
+    _gpnys_problem: "TrainingProblem | None" = None
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         n = value.shape[-1]
         with gpytorch.settings.max_cholesky_size(n + 1), small_dense(n, value.device):
             res = super().log_prob(value)
-        hook = self._gpnys_hook
-        if hook is not None:
-            hook.record_exact(res.detach())
+        problem = self._gpnys_problem
+        if problem is not None:
+            problem.record_exact(res.detach())
         return res
 
 

@@ -30,8 +30,8 @@ __all__ = ["HookPrediction"]
 
 
 class HookPrediction:
-    """The prediction half of :class:`gpnys.gp.hook.PreconditionerHook` (a mixin: it uses the hook's ``system``,
-    ``stationary_operator``, ``kernel`` and ``settings``).
+    """The prediction half of :class:`gpnys.gp.problem.TrainingProblem` (a mixin: it uses the problem's ``system``,
+    ``stationary_operator``, ``kernel`` and ``settings``); ``hook.predict`` reads it.
 
     Attributes (of the latest :meth:`predict`): variance_method_used; variance_bound ``(m,)``; variance_iterations
     (PCG iterations of the variance solves); prediction_time ``{"total_s", "variance_s"}``.
@@ -114,7 +114,7 @@ class HookPrediction:
                 pred = lik(model(test_x))
                 return pred.mean, pred.variance
             kernel = self.kernel
-            noise = self._noise().detach()
+            noise = self.noise().detach()
             n, m = X.shape[0], test_x.shape[0]
             alpha, lam, iters = self._mean_weights(X)
             t_var = 0.0  # seconds spent on the variances alone (cache, evaluation, solves)
@@ -176,10 +176,10 @@ class HookPrediction:
         loaded for prediction): without them :meth:`predict` would take GPyTorch's path, which forms the dense
         ``n x n`` kernel. ``None`` when the covariance is not one kernel call (GPyTorch's path then)."""
         try:
-            self._seen = training_kernel(self.model)
+            self.seen = training_kernel(self.model)
         except ValueError:
             return None
-        return self._seen[1]
+        return self.seen[1]
 
     def _mean_weights(self, X: torch.Tensor) -> tuple[torch.Tensor, float, int]:
         """``alpha = K̂^{-1} (y - m(X))`` (``(n,)``) by PCG with this preconditioner: the predictive mean is

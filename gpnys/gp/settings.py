@@ -16,7 +16,14 @@ from gpnys.gp.variance import VARIANCE_NEIGHBOURS
 #: ``"iterative"``
 SOLVERS = ("auto", "cholesky", "iterative")
 
-__all__ = ["EstimatorSettings", "EstimatorOptions", "KernelOptions", "VarianceOptions", "VARIANCE_METHODS"]
+__all__ = ["EstimatorSettings", "EstimatorOptions", "KernelOptions", "VarianceOptions", "VARIANCE_METHODS",
+           "GP_DEFAULTS"]
+
+#: preconditioner options for GP training when the caller gives none. The AFN paper's k = 2000, w = 100 (Zhao et
+#: al. 2024, §5) target PCG at mu = 1e-4; GP training has mu = noise / outputscale, typically 1e-3..1e-1, where far
+#: fewer landmarks and neighbours already give loss and gradient errors well below the probe noise, at a fraction
+#: of the cost (docs/training.md).
+GP_DEFAULTS: dict[str, dict[str, int]] = {"afn": {"k": 500, "w": 30}, "auto": {"k": 500, "w": 30}}
 
 #: predictive variance methods of :meth:`gpnys.gp.hook.PreconditionerHook.predict`
 VARIANCE_METHODS = ("auto", "pcg", "cholesky", "cached")

@@ -70,10 +70,10 @@ def test_a_data_change_drops_the_start(monkeypatch):
     X2, y2 = _data(seed=1, n=N + 20)
     with gpnys.use_preconditioner(model, settings=EstimatorSettings(solver="iterative", probe_seed=0)) as hook:
         mll(model(X), y)
-        assert hook._warm_a is not None and hook._warm_a.shape == (N,)
+        assert hook.problem.warm_start is not None and hook.problem.warm_start.shape == (N,)
         model.set_train_data(X2, y2, strict=False)
         loss = -mll(model(X2), y2)
-        assert hook._warm_a.shape == (N + 20,)  # rebuilt on the new data, not started from the old
+        assert hook.problem.warm_start.shape == (N + 20,)  # rebuilt on the new data, not started from the old
     with torch.no_grad(), gpytorch.settings.max_cholesky_size(10**6):
         exact = float(-mll(model(X2), y2))
     assert abs(float(loss.detach()) - exact) <= 4 * hook.last_estimate.std_error / (N + 20)
