@@ -329,6 +329,22 @@ def test_cli_mll_under_torchrun_matches_one_process():
     assert abs(rb["loss"] - ra["loss"]) <= 1e-10 * abs(ra["loss"])
 
 
+def test_cli_classify_under_torchrun_matches_one_process():
+    """``torchrun --nproc-per-node 2 -m gpnys.cli.main classify``: rank 0's JSON, the one-process fit."""
+    import json
+
+    argv = ["classify", "--data", "concrete", "--num-points", "300", "--steps", "1", "--probes", "8", "--k", "40",
+            "--dense-gib", "0", "--json"]
+    one = subprocess.run([sys.executable, "-m", "gpnys.cli.main", *argv], capture_output=True, text=True,
+                         timeout=300, check=True)
+    two = _torchrun(["-m", "gpnys.cli.main", *argv])
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = json.loads(one.stdout), json.loads(two.stdout)
+    assert (a["processes"], b["processes"]) == (1, 2)
+    assert abs(b["log_marginal_likelihood"] - a["log_marginal_likelihood"]) <= 1e-8 * abs(a["log_marginal_likelihood"])
+    assert b["test_accuracy"] == a["test_accuracy"]
+
+
 def test_example_under_torchrun_matches_one_process(capsys):
     from helpers import load_script
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
 from gpnys.classify.likelihoods import LIKELIHOODS, Bernoulli, LaplaceLikelihood, Poisson
+from gpnys.collectives import resolve_group
 from gpnys.gp.estimator import slq_terms
 from gpnys.gp.settings import GP_DEFAULTS
 from gpnys.kernels.entries import computation_dtype, evaluate, split_outputscale
@@ -81,6 +83,10 @@ class LaplaceGP:
         seed: seeds the probes and the preconditioner's randomness (same seed, same results).
         optimizer_steps: Adam steps on the kernel's hyperparameters in :meth:`fit` (0: keep them). lr: Adam's
             learning rate.
+        group: a ``torch.distributed`` process group (``True``: the default one) whose ranks split the kernel
+            products, the preconditioner builds and the gradient's derivative pass by rows (every rank holds all of
+            ``X`` and ``y``, runs the same Newton steps and gets the same results; start the ranks with the same
+            seed, e.g. :func:`gpnys.distributed.init`). ``None``: one process.
 
     Attributes (after :meth:`fit`):
         f_hat_: ``(n,)`` posterior mode. log_marginal_likelihood_: float, R&W eq. (3.32).
@@ -113,7 +119,7 @@ class LaplaceGP:
                  method: str = "afn", precond_options: dict | None = None,
                  cg_tolerance: float = 1e-8, max_newton: int = 50, newton_tol: float = 1e-8, num_probes: int = 32,
                  slq_tolerance: float = 1e-6, max_cg: int = 1000, seed: int = 0, optimizer_steps: int = 0,
-                 lr: float = 0.1) -> None:
+                 lr: float = 0.1, group: Any = None) -> None:
         if not isinstance(kernel, gpytorch.kernels.Kernel):
             raise ValueError(f"kernel must be a GPyTorch kernel, got {type(kernel).__name__}")
         if isinstance(likelihood, str) and likelihood in LIKELIHOODS:
@@ -135,6 +141,7 @@ class LaplaceGP:
         self.seed = validate_count(seed, "seed", 0)
         self.optimizer_steps = validate_count(optimizer_steps, "optimizer_steps", 0)
         self.lr = validate_positive(lr, "lr")
+        self.group = None if group is None or group is False else resolve_group(group)
         self._warned_kernel = False
 
     # ---- the pieces of B = I + W^½ K W^½ -------------------------------------------------------------------
@@ -151,7 +158,7 @@ class LaplaceGP:
         n = self._X.shape[0]
         options = {**{key: min(v, n) for key, v in GP_DEFAULTS.get(self.method, {}).items()}, **self.precond_options}
         self._P = make_preconditioner(self.method, self._X, self.kernel, float(D.median()), cache=self._points,
-                                      seed=self.seed, diag=D, **options)
+                                      seed=self.seed, diag=D, group=self.group, **options)
 
     def _K(self, V: torch.Tensor) -> torch.Tensor:
         """``K V = s² K̃ V`` (``V`` of shape ``(n,)`` or ``(n, t)``)."""
@@ -206,7 +213,7 @@ class LaplaceGP:
         self._y = y.to(dtype)
         _, s2 = split_outputscale(self.kernel)
         self._s2 = s2
-        self._system = kernel_system(self._X, self.kernel, mu=1.0)  # K̃ V = system(V) - V
+        self._system = kernel_system(self._X, self.kernel, mu=1.0, group=self.group)  # K̃ V = system(V) - V
         self._points = PointCache(self._X)  # FPS order and kNN patterns, shared by every Newton step's build
         n = X.shape[0]
         # a warm start a0 (the previous hyperparameters' K⁻¹ f̂) gives f = K a0 and Ψ = log p(y|f) - ½ a0ᵀ f
@@ -320,7 +327,7 @@ class LaplaceGP:
         if supported(base):
             with torch.enable_grad():
                 s2 = self.kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
-                op = StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache={})
+                op = StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache={}, group=self.group)
                 _, d_s2, d_ls = op.column_derivatives(L, R)
                 out = []
                 for p in params:  # chain rule to the raw parameters: the constraints act entrywise

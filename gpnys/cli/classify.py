@@ -17,6 +17,7 @@ import torch
 from gpnys import datasets
 from gpnys.classify import LaplaceGPClassifier
 from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
+from gpnys.distributed import rank_and_size
 from gpnys.kernels import make_kernel
 from gpnys.reduced.nystrom_features import median_lengthscale
 
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     options = {key: value for key, value in (("k", args.k), ("w", args.w)) if value is not None}
     t0 = time.perf_counter()
     clf = LaplaceGPClassifier(kernel, precond_options=options, num_probes=args.probes, seed=args.seed,
-                              optimizer_steps=args.steps, lr=args.lr).fit(X, y)
+                              optimizer_steps=args.steps, lr=args.lr,
+                              group=True if rank_and_size()[1] > 1 else None).fit(X, y)  # under torchrun
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     accuracy = float((clf.predict(Xt).to(yt.dtype) == yt).double().mean()) if yt.numel() else None
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         "lengthscale": kernel.base_kernel.lengthscale.detach().reshape(-1).tolist(),
         "outputscale": float(kernel.outputscale.detach()), "test_accuracy": accuracy,
         "newton_iterations": clf.newton_iterations_, "train_s": train_s, "predict_s": predict_s,
+        "processes": rank_and_size()[1],
         "history": clf.history_,
     }
     if args.json:

@@ -6,6 +6,8 @@ operator's fused passes, or GPyTorch row blocks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import gpytorch
 import torch
 
@@ -28,11 +30,16 @@ class KernelSystem:
     fused Triton kernels on CUDA), else in row blocks via :meth:`KernelEntries.matmul` (memory ``O(block * n)``). Call with
     ``V: (n,)`` or ``(n, t)``; returns the same shape.
 
+    ``group`` (a ``torch.distributed`` group, ``True`` for the default one) splits a plain RBF/Matérn kernel's
+    recomputed products by rows over its ranks (:mod:`gpnys.kernels.backends.partitioned`; every rank holds ``X``
+    and ``V`` and gets the whole product); another kernel's row blocks run whole on every rank.
+
     Attributes: ``n``, ``mu``, ``dense`` (whether ``K`` is cached), ``entries`` (:class:`KernelEntries`).
     """
 
     def __init__(
-        self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float, dense_limit_bytes: int | None = None
+        self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float, dense_limit_bytes: int | None = None,
+        group: Any = None,
     ) -> None:
         validate_points(X)
         self.mu = validate_mu(mu)
@@ -44,17 +51,18 @@ class KernelSystem:
         self.n = X.shape[0]
         base = self.entries.kernel
         # one matrix (no Matérn H here); "rows" is KernelEntries.matmul's own product
+        partitioned = group is not None and group is not False
         how = choose_product(self.n, X.element_size(), closed_form=supported(base),
-                             dense_limit_bytes=dense_limit_bytes, device=X.device)
+                             dense_limit_bytes=dense_limit_bytes, device=X.device, partitioned=partitioned)
         self.dense = how == "dense"
         self._K: torch.Tensor | None = None
         if self.dense:
             self._K = self.entries(slice(None), slice(None))  # built in row blocks of the budget
         self._op: StationaryKernelOperator | None = None
-        if how == "fused":
+        if how in ("fused", "partitioned-fused"):
             one = torch.ones((), dtype=X.dtype, device=X.device)
             self._op = StationaryKernelOperator(X, one, base.lengthscale.detach().to(X.dtype), base=base, cache={},
-                                                dense_limit_bytes=0)
+                                                dense_limit_bytes=0, group=group if partitioned else None)
 
     def __call__(self, V: torch.Tensor) -> torch.Tensor:
         vec = V.dim() == 1
@@ -71,9 +79,11 @@ class KernelSystem:
 
 
 def kernel_system(
-    X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float, dense_limit_bytes: int | None = None
+    X: torch.Tensor, kernel: gpytorch.kernels.Kernel, mu: float, dense_limit_bytes: int | None = None,
+    group: Any = None,
 ) -> KernelSystem:
-    """Return the callable ``v -> K v + mu v`` (see :class:`KernelSystem`); ``X: (n, d)``, ``mu > 0``.
+    """Return the callable ``v -> K v + mu v`` (see :class:`KernelSystem`); ``X: (n, d)``, ``mu > 0``; ``group``
+    splits the recomputed products over a process group's ranks.
 
     The outputscale of a ``ScaleKernel`` is stripped (``K`` has unit variance, ``mu = noise/outputscale``).
 
@@ -94,4 +104,4 @@ def kernel_system(
         >>> A.dense, torch.allclose(A(V), K1 @ V + 0.1 * V)
         (False, True)
     """
-    return KernelSystem(X, kernel, mu, dense_limit_bytes=dense_limit_bytes)
+    return KernelSystem(X, kernel, mu, dense_limit_bytes=dense_limit_bytes, group=group)

@@ -140,6 +140,8 @@ def test_bad_options_and_points():
         LaplaceGPClassifier(make_kernel(), cg_tolerance=0)
     with pytest.raises(ValueError, match="num_probes"):
         LaplaceGPClassifier(make_kernel(), num_probes=1)
+    with pytest.raises(ValueError, match="group needs torch.distributed"):  # no process group to split over
+        LaplaceGPClassifier(make_kernel(), group=True)
     X, y = data(40)
     clf = LaplaceGPClassifier(make_kernel(), precond_options={"k": 10}, num_probes=4)
     with pytest.raises(RuntimeError, match="fit"):
