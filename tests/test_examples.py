@@ -119,6 +119,12 @@ def test_laplace_classification_example():
     assert res["accuracy"] > 0.8
 
 
+def test_laplace_student_t_example():
+    res = load("laplace_student_t").main(["--n", "400", "--steps", "8"])
+    assert res["rmse_student_t"] < 0.5 * res["rmse_gaussian"]  # the outliers pull the Gaussian GP, not the t
+    assert res["scale"] < 0.3 < res["gaussian_noise_sd"]
+
+
 def test_laplace_poisson_example():
     res = load("laplace_poisson").main(["--n", "400", "--steps", "6"])
     assert res["end"] > res["start"] + 3 * res["end_std_error"]  # training raised log q beyond its error bars

@@ -1,8 +1,8 @@
 """Gaussian processes with non-Gaussian likelihoods (Laplace approximation) on gpnys's preconditioned solvers:
-:class:`LaplaceGP` (Bernoulli labels, Poisson counts) and :class:`LaplaceGPClassifier` (:mod:`gpnys.classify.laplace`,
+:class:`LaplaceGP` (Bernoulli labels, Poisson counts, Student-t noise) and :class:`LaplaceGPClassifier` (:mod:`gpnys.classify.laplace`,
 :mod:`gpnys.classify.likelihoods`)."""
 
 from gpnys.classify.laplace import LaplaceGP, LaplaceGPClassifier
-from gpnys.classify.likelihoods import Bernoulli, LaplaceLikelihood, Poisson
+from gpnys.classify.likelihoods import Bernoulli, LaplaceLikelihood, Poisson, StudentT
 
-__all__ = ["LaplaceGP", "LaplaceGPClassifier", "LaplaceLikelihood", "Bernoulli", "Poisson"]
+__all__ = ["LaplaceGP", "LaplaceGPClassifier", "LaplaceLikelihood", "Bernoulli", "Poisson", "StudentT"]

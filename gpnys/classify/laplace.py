@@ -1,5 +1,6 @@
 """Laplace-approximate GPs with non-Gaussian likelihoods on preconditioned CG: binary classification (Bernoulli,
-logistic link) and Poisson counts (log link), :mod:`gpnys.classify.likelihoods`.
+logistic link), Poisson counts (log link) and robust regression (Student-t noise, with the Fisher information as
+``W``), :mod:`gpnys.classify.likelihoods`.
 
 Rasmussen & Williams (2006), "Gaussian Processes for Machine Learning" (R&W), §3.4, Algorithms 3.1 (mode and
 approximate log marginal likelihood) and 3.2 (predictions), with every Cholesky factorisation of
@@ -23,7 +24,7 @@ import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
-from gpnys.classify.likelihoods import LIKELIHOODS, Bernoulli, LaplaceLikelihood, Poisson
+from gpnys.classify.likelihoods import LIKELIHOODS, LaplaceLikelihood
 from gpnys.collectives import resolve_group
 from gpnys.gp.estimator import slq_terms
 from gpnys.gp.settings import GP_DEFAULTS
@@ -68,7 +69,9 @@ class LaplaceGP:
 
     Args:
         kernel: a GPyTorch kernel (e.g. ``ScaleKernel(MaternKernel(nu=1.5))``); its outputscale is ``s²``.
-        likelihood: ``"bernoulli"``, ``"poisson"`` or a :class:`~gpnys.classify.likelihoods.LaplaceLikelihood`.
+        likelihood: ``"bernoulli"``, ``"poisson"``, ``"studentt"`` or a
+            :class:`~gpnys.classify.likelihoods.LaplaceLikelihood` (e.g. ``StudentT(df=4.0, scale=0.5)``); its
+            trainable parameters (the Student-t's scale) are trained with the kernel's.
         method: preconditioner name taking per-point shifts (``"afn"``, ``"fsai"``, ``"nystrom"``, ``"auto"``).
             AFN is built on ``W⁻¹`` itself; ``"auto"``'s Nyström branch (a low estimated rank) uses one scalar
             level for all points, a poor fit when ``W⁻¹`` spans decades (confident points).
@@ -186,7 +189,8 @@ class LaplaceGP:
             raise ValueError(f"y must be a 1-D tensor of {X.shape[0]} observations, got "
                              f"{getattr(y, 'shape', type(y))}")
         yv = self.likelihood.check(y.to(torch.float64) if y.dtype == torch.bool else y)
-        params = [p for p in self.kernel.parameters() if p.requires_grad]
+        self.likelihood.to(computation_dtype(self.kernel, X), X.device)
+        params = [p for p in self.kernel.parameters() if p.requires_grad] + self.likelihood.parameters()
         self.history_: list[dict] = []
         a0 = None
         if self.optimizer_steps and params:
@@ -285,9 +289,12 @@ class LaplaceGP:
         Per probe ``k`` (class docstring): ``½ aᵀ ∂K a - ½ u_kᵀ ∂K v_k + c_kᵀ ∂K ∇log p`` with
         ``c_k = (K + W⁻¹)⁻¹ W⁻¹ s2_k``, ``s2_k = ½ d_k ∘ ∇³ log p``, ``d_k = (W⁻¹ u_k) ∘ (K v_k)`` (eq. (5.23):
         ``(I - K R) b = W⁻¹ (K + W⁻¹)⁻¹ b``)."""
-        params = [p for p in self.kernel.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in self.kernel.named_parameters() if p.requires_grad]
+        named += self.likelihood.named_parameters()
+        params = [p for _, p in named]
+        kernel_params = params[: len(params) - len(self.likelihood.parameters())]
         self.mll_gradient_, self.mll_gradient_std_error_ = {}, {}
-        if not params:  # a frozen kernel: nothing to differentiate
+        if not params:  # a frozen kernel (and likelihood): nothing to differentiate
             return []
         Zp, U = self._probes
         t = Zp.shape[1]
@@ -298,24 +305,46 @@ class LaplaceGP:
             # ∂ log q / ∂f̂ = -½ diag((K⁻¹ + W)⁻¹) ∂W/∂f̂ with ∂W/∂f̂ = -∇³ log p: a plus sign here (checked
             # against autograd through a dense Newton iteration in the tests)
             s2 = 0.5 * d * third[:, None]
-            C = self._sW[:, None] * self._solve_B(s2 / self._sW[:, None], self.cg_tolerance).x  # A⁻¹ = W^½ B⁻¹ W^½
-        a, g = self.a_, self._grad
-        left = torch.cat([a[:, None], U, C], 1)
-        right = torch.cat([a[:, None], V, g[:, None].expand(-1, t)], 1)
-        weights = torch.cat([left.new_full((1,), 0.5), left.new_full((t,), -0.5), left.new_ones(t)])
-        columns = self._column_gradients(left * weights, right, params)  # (2t + 1, p)
-        rows = columns[0] + columns[1 : t + 1] + columns[t + 1 :]  # (t, p): one per probe
+            C = torch.zeros_like(s2) if not bool(third.any()) else (  # A⁻¹ = W^½ B⁻¹ W^½
+                self._sW[:, None] * self._solve_B(s2 / self._sW[:, None], self.cg_tolerance).x)
+        parts = []
+        if kernel_params:
+            a, g = self.a_, self._grad
+            left = torch.cat([a[:, None], U, C], 1)
+            right = torch.cat([a[:, None], V, g[:, None].expand(-1, t)], 1)
+            weights = torch.cat([left.new_full((1,), 0.5), left.new_full((t,), -0.5), left.new_ones(t)])
+            columns = self._column_gradients(left * weights, right, kernel_params)  # (2t + 1, p)
+            parts.append(columns[0] + columns[1 : t + 1] + columns[t + 1 :])  # (t, p): one per probe
+        if len(params) > len(kernel_params):
+            parts.append(self._likelihood_rows(d, C, params[len(kernel_params):]))
+        rows = torch.cat(parts, 1)
         mean, se = rows.mean(0), rows.std(0) / math.sqrt(t)
-        names = [name for name, p in self.kernel.named_parameters() if p.requires_grad]
         grads = []
         offset = 0
-        for name, p in zip(names, params):
+        for name, p in named:
             k = p.numel()
             grads.append(mean[offset : offset + k].reshape(p.shape))
             self.mll_gradient_[name] = grads[-1]
             self.mll_gradient_std_error_[name] = se[offset : offset + k].reshape(p.shape)
             offset += k
         return grads
+
+    def _likelihood_rows(self, d: torch.Tensor, C: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """Per probe ``k``, ``∂ log q / ∂θ`` for the likelihood's parameters ``θ`` (``(t, p)``): at the mode held
+        fixed, ``∂ log p(y|f̂) - ½ Σ_i d_ki ∂W_i`` (``E[d_k] = diag((K⁻¹ + W)⁻¹)``, ``∂ log det B = tr((K⁻¹ +
+        W)⁻¹ ∂W)``), plus the implicit term through the mode, ``(K c_k)ᵀ ∂∇log p`` (``f̂ = K ∇log p`` gives
+        ``∂f̂ = (K⁻¹ + W)⁻¹ ∂∇log p``, and ``(K⁻¹ + W)⁻¹ s2_k = K c_k``). By autograd of these ``t`` scalars."""
+        f = self.f_hat_.detach()
+        KC = self._K(C) if bool(C.any()) else C
+        with torch.enable_grad():
+            grad, W, _ = self.likelihood.derivatives(f, self._y)
+            per_probe = self.likelihood.log_prob(f, self._y) - 0.5 * (W[:, None] * d).sum(0) + grad @ KC  # (t,)
+            rows = []
+            for k in range(per_probe.shape[0]):
+                got = torch.autograd.grad(per_probe[k], params, retain_graph=True, allow_unused=True)
+                rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                                       for p, g in zip(params, got)]))
+        return torch.stack(rows).detach().to(d.dtype)
 
     def _column_gradients(self, L: torch.Tensor, R: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
         """Rows ``j``: ``∂(l_jᵀ K(θ) r_j) / ∂θ`` flattened over ``params`` (``(t, p)``). For a ``ScaleKernel`` over
@@ -385,16 +414,12 @@ class LaplaceGP:
 
     def predict(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Predictive mean and variance of the observation at ``X`` ``(m, d)``, each ``(m,)``, over the latent
-        Gaussian (R&W eq. (3.21), (3.24)): for counts the log-normal mixture's moments
+        Gaussian (R&W eq. (3.21), (3.24)), by the likelihood's ``moments``: for counts the log-normal mixture's
         (:meth:`~gpnys.classify.likelihoods.Poisson.moments`); for labels ``P(y = 1)`` by the probit approximation
-        and its Bernoulli variance."""
+        and its Bernoulli variance; for Student-t noise the latent mean and ``v + σ² ν / (ν − 2)``."""
         mean, var = self.predict_latent(X)
-        if isinstance(self.likelihood, Poisson):
-            return Poisson.moments(mean, var)
-        if isinstance(self.likelihood, Bernoulli):
-            p1 = torch.sigmoid(mean / torch.sqrt(1 + math.pi * var / 8))
-            return p1, p1 * (1 - p1)
-        raise NotImplementedError(f"predict: no predictive moments for {type(self.likelihood).__name__}")
+        with torch.no_grad():
+            return self.likelihood.moments(mean, var)
 
 
 class LaplaceGPClassifier(LaplaceGP):
@@ -425,11 +450,11 @@ class LaplaceGPClassifier(LaplaceGP):
     def predict_proba(self, X: torch.Tensor) -> torch.Tensor:
         """Class probabilities ``(m, 2)`` (columns: class 0, class 1): the averaged predictive probability
         (R&W eq. (3.25)) by MacKay's probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W §3.4.2)."""
-        mean, var = self.predict_latent(X)
-        p1 = torch.sigmoid(mean / torch.sqrt(1 + math.pi * var / 8))
+        with torch.no_grad():
+            p1, _ = self.likelihood.moments(*self.predict_latent(X))
         return torch.stack([1 - p1, p1], 1)
 
-    def predict(self, X: torch.Tensor) -> torch.Tensor:
+    def predict(self, X: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Labels ``(m,)`` (0/1, long): the sign of the latent mean, the more probable class (R&W §3.4.2)."""
         mean, _ = self._latent(self._check_points(X), False)
         return (mean > 0).long()

@@ -3,17 +3,21 @@ observations and its first three derivatives in the latent ``f``.
 
 The Laplace approximation (Rasmussen & Williams 2006, §3.4) needs ``∇ log p(y|f)`` (the Newton step),
 ``W = -∇∇ log p(y|f)`` (diagonal, non-negative for a log-concave likelihood, so that ``B = I + W^½ K W^½`` is
-SPD) and ``∇³ log p(y|f)`` (the implicit term of the hyperparameters' gradient, §5.5.1, eq. (5.23)). Both
-likelihoods here are log-concave in ``f``.
+SPD) and ``∇³ log p(y|f)`` (the implicit term of the hyperparameters' gradient, §5.5.1, eq. (5.23)). Bernoulli and
+Poisson are log-concave in ``f``. The Student-t is not (its ``-∇∇ log p`` is negative for outliers), so
+:class:`StudentT` gives its Fisher information, the expected ``-∇∇ log p``, as ``W``: positive, so ``B`` stays SPD.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
 
-__all__ = ["LaplaceLikelihood", "Bernoulli", "Poisson", "LIKELIHOODS"]
+from gpnys.checks import validate_positive
+
+__all__ = ["LaplaceLikelihood", "Bernoulli", "Poisson", "StudentT", "LIKELIHOODS"]
 
 
 class LaplaceLikelihood(ABC):
@@ -32,7 +36,23 @@ class LaplaceLikelihood(ABC):
     @abstractmethod
     def derivatives(self, f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(∇ log p, W = -∇∇ log p, ∇³ log p)`` at ``f``, each ``(n,)`` (the Hessian and third derivative are
-        diagonal)."""
+        diagonal). ``∇³ log p`` is ``-∂W/∂f`` for whichever ``W`` is given."""
+
+    def moments(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance of an observation whose latent value is ``N(mean, var)`` (``(m,)`` each)."""
+        raise NotImplementedError(f"{type(self).__name__} has no predictive moments")
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The likelihood's trainable tensors (none by default); :class:`~gpnys.classify.LaplaceGP` trains them with
+        the kernel's."""
+        return []
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return []
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> "LaplaceLikelihood":
+        """Its tensors in ``dtype`` on ``device`` (in place); returns ``self``."""
+        return self
 
 
 def _finite_1d(y: torch.Tensor) -> torch.Tensor:
@@ -74,6 +94,12 @@ class Bernoulli(LaplaceLikelihood):
         W = pi * (1 - pi)
         return y - pi, W, -W * (1 - 2 * pi)
 
+    def moments(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``P(y = 1)`` by the probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W §3.4.2) and its Bernoulli
+        variance."""
+        p1 = torch.sigmoid(mean / torch.sqrt(1 + math.pi * var / 8))
+        return p1, p1 * (1 - p1)
+
 
 class Poisson(LaplaceLikelihood):
     """Counts ``y ∈ {0, 1, 2, ...}``, log link (rate ``λ = e^f``): ``log p(y|f) = y f - e^f - log y!``;
@@ -110,5 +136,72 @@ class Poisson(LaplaceLikelihood):
         return rate, rate + torch.expm1(var) * rate**2
 
 
+class StudentT(LaplaceLikelihood):
+    """Robust regression ``y = f + ε`` with Student-t noise of ``df = ν`` degrees of freedom and scale ``σ``:
+    ``log p(y|f) = log Γ((ν+1)/2) - log Γ(ν/2) - ½ log(ν π σ²) - (ν+1)/2 log(1 + r²/(ν σ²))``, ``r = y - f``;
+    ``∇ = (ν+1) r / (ν σ² + r²)``.
+
+    Not log-concave: ``-∇∇ log p = (ν+1)(ν σ² - r²) / (ν σ² + r²)²`` is negative for ``r² > ν σ²``, where
+    ``B = I + W^½ K W^½`` would not be SPD. ``W`` is therefore the Fisher information ``E[-∇∇ log p] =
+    (ν+1) / ((ν+3) σ²)`` (constant in ``f``, so ``∇³ = 0`` here): the Newton steps become Fisher scoring, which
+    converges to the same mode (the stationarity ``f = K ∇ log p`` does not involve ``W``), and ``log q`` and the
+    predictive variances use ``(K⁻¹ + W)⁻¹`` with this ``W`` (a Fisher–Laplace approximation; Vanhatalo, Jylänki
+    and Vehtari 2009 discuss the observed-information Laplace approximation for this likelihood and its negative
+    ``W``). The scale is trained with the kernel (``train_scale``); ``df`` stays fixed.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.classify.likelihoods import StudentT
+        >>> lik = StudentT(df=4.0, scale=0.5)
+        >>> g, W, t = lik.derivatives(torch.zeros(2, dtype=torch.float64), torch.tensor([0.0, 1.0]))
+        >>> [round(v, 4) for v in g.tolist()], [round(v, 4) for v in W.tolist()], t.tolist()
+        ([0.0, 2.5], [2.8571, 2.8571], [0.0, 0.0])
+    """
+
+    name = "studentt"
+
+    def __init__(self, df: float = 4.0, scale: float = 1.0, train_scale: bool = True) -> None:
+        self.df = validate_positive(df, "df")
+        #: ``log σ`` (trained when ``train_scale``)
+        self.raw_scale = torch.tensor(math.log(validate_positive(scale, "scale")), requires_grad=bool(train_scale))
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """``σ`` (0-dim, carries autograd)."""
+        return self.raw_scale.exp()
+
+    def check(self, y: torch.Tensor) -> torch.Tensor:
+        return _finite_1d(y)
+
+    def log_prob(self, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nu, s2 = self.df, self.scale.to(f.dtype).square()
+        r2 = (y - f).square()
+        const = math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2) - 0.5 * math.log(nu * math.pi)
+        return (const - 0.5 * s2.log() - (nu + 1) / 2 * torch.log1p(r2 / (nu * s2))).sum()
+
+    def derivatives(self, f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        nu, s2 = self.df, self.scale.to(f.dtype).square()
+        r = y - f
+        W = ((nu + 1) / ((nu + 3) * s2)).expand_as(f)
+        return (nu + 1) * r / (nu * s2 + r.square()), W, torch.zeros_like(f)
+
+    def moments(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``E[y] = μ`` and ``Var[y] = v + σ² ν / (ν - 2)`` (infinite for ``ν ≤ 2``)."""
+        noise = self.scale.detach().square() * self.df / (self.df - 2) if self.df > 2 else math.inf
+        return mean, var + noise
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.raw_scale] if self.raw_scale.requires_grad else []
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return [("likelihood.raw_scale", self.raw_scale)] if self.raw_scale.requires_grad else []
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> "StudentT":
+        if self.raw_scale.dtype != dtype or self.raw_scale.device != torch.device(device):
+            train = self.raw_scale.requires_grad
+            self.raw_scale = self.raw_scale.detach().to(dtype=dtype, device=device).requires_grad_(train)
+        return self
+
+
 #: the likelihoods by name
-LIKELIHOODS: dict[str, type[LaplaceLikelihood]] = {"bernoulli": Bernoulli, "poisson": Poisson}
+LIKELIHOODS: dict[str, type[LaplaceLikelihood]] = {"bernoulli": Bernoulli, "poisson": Poisson, "studentt": StudentT}
