@@ -17,7 +17,9 @@ RBF kernel with the median-heuristic length-scale ``l`` of the training inputs (
 for ``Nystroem`` and ``SVC``: the same kernel everywhere), and ``C = --C`` for every SVM. For each ``m`` in ``--m``:
 
 (a) gpnys :class:`~gpnys.reduced.NystromFeatures` (orthonormal basis, [NSL] Algorithm 1-2) with k-means and
-    uniform landmarks + ``LinearSVC`` (squared hinge, primal solver);
+    uniform landmarks + ``LinearSVC`` (squared hinge; ``--linear-solver``: liblinear's dual coordinate descent,
+    the default, or its primal trust-region Newton; both minimise the same objective, and on dense n x m
+    features with n >> m the dual was the faster, docs/classification.md);
 (b) ``sklearn.kernel_approximation.Nystroem`` (uniform landmarks) + the same ``LinearSVC``;
 (c) the exact kernel ``SVC`` (hinge loss, libsvm) on at most ``--svc-cap`` training rows (a seeded subsample
     above it; the JSON and table state the n it ran at);
@@ -98,11 +100,11 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def run_features(make, Xtr, ytr, Xte, yte, C) -> tuple[float, float]:
-    """Accuracy and fit + predict time of ``make()`` features + LinearSVC."""
+def run_features(make, Xtr, ytr, Xte, yte, C, solver="dual") -> tuple[float, float]:
+    """Accuracy and fit + predict time of ``make()`` features + LinearSVC (``solver``: ``"dual"`` or ``"primal"``)."""
     def go():
         fmap = make()
-        clf = LinearSVC(C=C, dual=False, tol=1e-4).fit(fmap.fit_transform(Xtr), ytr)
+        clf = LinearSVC(C=C, dual=solver == "dual", tol=1e-4, max_iter=10_000).fit(fmap.fit_transform(Xtr), ytr)
         return clf.predict(fmap.transform(Xte))
     pred, t = timed(go)
     return float((pred == yte).mean()), t
@@ -144,7 +146,7 @@ def run_dataset(name: str, args) -> dict:
         }
         for label, make in methods.items():
             for m in ms:
-                acc, t = run_features(lambda: make(m), Xtr, ytr, Xte, yte, args.C)
+                acc, t = run_features(lambda: make(m), Xtr, ytr, Xte, yte, args.C, args.linear_solver)
                 rows.setdefault(label, {}).setdefault(m, []).append((acc, t))
         if name in SMALL:
             for label, cls in (("GSA krr", GSAPosterior), ("LLA krr", LLAPosterior)):
@@ -245,6 +247,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--data", default=",".join(DATASETS))
     ap.add_argument("--m", default="50,100,200,400,800")
     ap.add_argument("--C", type=float, default=1.0)
+    ap.add_argument("--linear-solver", choices=("dual", "primal"), default="dual",
+                    help="LinearSVC's solver: liblinear's dual coordinate descent or primal Newton (same objective)")
     ap.add_argument("--svc-cap", type=int, default=15000, help="largest n of the exact SVC")
     ap.add_argument("--synthetic-test", type=int, default=10000)
     ap.add_argument("--krr-ridge", type=float, default=1e-2)
