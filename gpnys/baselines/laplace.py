@@ -29,6 +29,12 @@ class DenseLaplace:
     L: torch.Tensor
     log_q: torch.Tensor
 
+    def latent(self, Ks: torch.Tensor, kss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent predictive mean ``k*ᵀ a`` and variance ``k** − vᵀv``, ``v = L⁻¹ W^½ k*`` (R&W Algorithm 3.2,
+        eq. (3.21), (3.24)) at ``m`` test points: ``Ks = K(X, X*)`` ``(n, m)``, ``kss = k(x*, x*)`` ``(m,)``."""
+        v = torch.linalg.solve_triangular(self.L, self.W.sqrt()[:, None] * Ks, upper=False)
+        return Ks.mT @ self.a, kss - (v * v).sum(0)
+
 
 def dense_laplace(K: torch.Tensor, y: torch.Tensor, tol: float = 1e-12, max_iter: int = 100,
                   extra: int = 3, likelihood: LaplaceLikelihood | None = None) -> DenseLaplace:

@@ -36,10 +36,7 @@ def dense_laplace(X, y, kernel, Xs):
     """R&W Algorithm 3.1 (mode, log q(y|X), eq. (3.32)) and Algorithm 3.2 (latent mean/variance, eq. (3.21), (3.24))."""
     with torch.no_grad():
         ref = baseline_laplace(kernel(X).to_dense(), y)
-        Ks = kernel(X, Xs).to_dense()
-        mean = Ks.mT @ ref.a
-        v = torch.linalg.solve_triangular(ref.L, ref.W.sqrt()[:, None] * Ks, upper=False)
-        var = kernel(Xs, diag=True) - (v * v).sum(0)
+        mean, var = ref.latent(kernel(X, Xs).to_dense(), kernel(Xs, diag=True))
         return ref.f, float(ref.log_q), mean, var
 
 
