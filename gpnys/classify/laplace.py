@@ -434,8 +434,10 @@ class LaplaceGP:
 
 
 class LaplaceGPClassifier(LaplaceGP):
-    """Laplace-approximate GP binary classifier (labels 0/1, logistic likelihood; R&W §3.4): :class:`LaplaceGP`
-    with ``likelihood="bernoulli"``, class probabilities and labels. Arguments as :class:`LaplaceGP`'s.
+    """Laplace-approximate GP binary classifier (labels 0/1; R&W §3.4): :class:`LaplaceGP` with the Bernoulli
+    likelihood, class probabilities and labels. ``link``: ``"logit"`` (R&W eq. (3.15),
+    :class:`~gpnys.classify.likelihoods.Bernoulli`) or ``"probit"`` (eq. (3.16),
+    :class:`~gpnys.classify.likelihoods.BernoulliProbit`). Other arguments as :class:`LaplaceGP`'s.
 
     Example:
         >>> import gpytorch, torch
@@ -453,14 +455,18 @@ class LaplaceGPClassifier(LaplaceGP):
         True
     """
 
-    def __init__(self, kernel: gpytorch.kernels.Kernel, **kwargs) -> None:
+    def __init__(self, kernel: gpytorch.kernels.Kernel, *, link: str = "logit", **kwargs) -> None:
         if "likelihood" in kwargs:
             raise ValueError("likelihood: LaplaceGPClassifier is Bernoulli; use LaplaceGP for other likelihoods")
-        super().__init__(kernel, likelihood="bernoulli", **kwargs)
+        if link not in ("logit", "probit"):
+            raise ValueError(f"link must be 'logit' or 'probit', got {link!r}")
+        self.link = link
+        super().__init__(kernel, likelihood="bernoulli" if link == "logit" else "bernoulli_probit", **kwargs)
 
     def predict_proba(self, X: torch.Tensor) -> torch.Tensor:
         """Class probabilities ``(m, 2)`` (columns: class 0, class 1): the averaged predictive probability
-        (R&W eq. (3.25)) by MacKay's probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W §3.4.2)."""
+        (R&W eq. (3.25)), for the logit link by MacKay's probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W
+        §3.4.2), for the probit link exactly, ``Φ(μ / √(1 + v))``."""
         with torch.no_grad():
             p1, _ = self.likelihood.moments(*self.predict_latent(X))
         return torch.stack([1 - p1, p1], 1)

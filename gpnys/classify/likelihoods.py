@@ -17,7 +17,7 @@ import torch
 
 from gpnys.checks import validate_positive
 
-__all__ = ["LaplaceLikelihood", "Bernoulli", "Poisson", "StudentT", "LIKELIHOODS"]
+__all__ = ["LaplaceLikelihood", "Bernoulli", "BernoulliProbit", "Poisson", "StudentT", "LIKELIHOODS"]
 
 
 class LaplaceLikelihood(ABC):
@@ -98,6 +98,36 @@ class Bernoulli(LaplaceLikelihood):
         """``P(y = 1)`` by the probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W §3.4.2) and its Bernoulli
         variance."""
         p1 = torch.sigmoid(mean / torch.sqrt(1 + math.pi * var / 8))
+        return p1, p1 * (1 - p1)
+
+
+class BernoulliProbit(Bernoulli):
+    """Labels ``y ∈ {0, 1}``, probit link: ``log p(y|f) = log Φ(z)``, ``z = y' f``, ``y' = 2y - 1`` (R&W eq. (3.16));
+    with ``r = N(z) / Φ(z)``: ``∇ = y' r``, ``W = r² + z r``, ``∇³ = y' r (2r² + 3zr + z² - 1)``. ``r`` is formed
+    from ``log Φ`` (``torch.special.log_ndtr``), finite far in the tails.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.classify.likelihoods import BernoulliProbit
+        >>> g, W, t = BernoulliProbit().derivatives(torch.zeros(2, dtype=torch.float64), torch.tensor([0.0, 1.0]))
+        >>> [round(v, 4) for v in g.tolist()], [round(v, 4) for v in W.tolist()]
+        ([-0.7979, 0.7979], [0.6366, 0.6366])
+    """
+
+    name = "bernoulli_probit"
+
+    def log_prob(self, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.special.log_ndtr((2 * y - 1) * f).sum()
+
+    def derivatives(self, f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = 2 * y - 1
+        z = s * f
+        r = torch.exp(-0.5 * z * z - 0.5 * math.log(2 * math.pi) - torch.special.log_ndtr(z))  # N(z) / Φ(z)
+        return s * r, r * (r + z), s * r * (2 * r * r + 3 * z * r + z * z - 1)
+
+    def moments(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``P(y = 1) = Φ(μ / √(1 + v))``, exact for the probit link (R&W eq. (3.82)), and its Bernoulli variance."""
+        p1 = torch.special.ndtr(mean / torch.sqrt(1 + var))
         return p1, p1 * (1 - p1)
 
 
@@ -204,4 +234,5 @@ class StudentT(LaplaceLikelihood):
 
 
 #: the likelihoods by name
-LIKELIHOODS: dict[str, type[LaplaceLikelihood]] = {"bernoulli": Bernoulli, "poisson": Poisson, "studentt": StudentT}
+LIKELIHOODS: dict[str, type[LaplaceLikelihood]] = {"bernoulli": Bernoulli, "bernoulli_probit": BernoulliProbit,
+                                                   "poisson": Poisson, "studentt": StudentT}

@@ -30,6 +30,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_common_args(p)
     p.add_argument("--labels", choices=("median", "binary"), default="median",
                    help="median: the target > its training median (default); binary: the target holds 0/1 labels")
+    p.add_argument("--link", choices=("logit", "probit"), default="logit", help="the Bernoulli likelihood's link")
     p.add_argument("--steps", type=int, default=10, help="Adam steps on the hyperparameters (0: keep them)")
     p.add_argument("--lr", type=float, default=0.1, help="Adam's learning rate")
     p.add_argument("--lengthscale", type=float, default=None, help="initial length-scale (default: median heuristic)")
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     kernel.outputscale = args.outputscale
     options = {key: value for key, value in (("k", args.k), ("w", args.w)) if value is not None}
     t0 = time.perf_counter()
-    clf = LaplaceGPClassifier(kernel, precond_options=options, num_probes=args.probes, seed=args.seed,
+    clf = LaplaceGPClassifier(kernel, link=args.link, precond_options=options, num_probes=args.probes, seed=args.seed,
                               optimizer_steps=args.steps, lr=args.lr,
                               group=True if rank_and_size()[1] > 1 else None).fit(X, y)  # under torchrun
     train_s = time.perf_counter() - t0
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     predict_s = time.perf_counter() - t0
     record = {
         "data": ds.describe(), "labels": args.labels, "n": X.shape[0], "n_test": Xt.shape[0], "kernel": args.kernel,
-        "steps": args.steps, "seed": args.seed,
+        "link": args.link, "steps": args.steps, "seed": args.seed,
         "log_marginal_likelihood": clf.log_marginal_likelihood_, "std_error": clf.mll_std_error_,
         "gradient": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_.items()},
         "gradient_std_error": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_std_error_.items()},

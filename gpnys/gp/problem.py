@@ -4,8 +4,9 @@ evaluations.
 :class:`TrainingProblem` owns what :class:`~gpnys.gp.hook.PreconditionerHook` intercepts GPyTorch *for*: it
 validates and follows the training data (``set_train_data``, in-place edits, device moves), finds the training
 kernel and its inputs, serves the preconditioner ``P`` of ``K + μI``
-(:class:`~gpnys.gp.preconditioners.PreconditionerCache`), hands gpnys's estimator its explicit :class:`~gpnys.gp.estimator.EstimatorState` and records each
-:class:`~gpnys.gp.estimator.Estimate`, with the counters. Prediction (:class:`~gpnys.gp.prediction.HookPrediction`)
+(:class:`~gpnys.gp.preconditioners.PreconditionerCache`), hands gpnys's estimator its explicit
+:class:`~gpnys.gp.estimator.EstimatorState` and records each :class:`~gpnys.gp.estimator.Estimate`, with the
+counters. Prediction (:class:`~gpnys.gp.prediction.HookPrediction`)
 reads the same state. A batch-mode model has one :class:`BatchElement` per element.
 """
 

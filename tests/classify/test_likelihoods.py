@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpnys.classify.likelihoods import Bernoulli, Poisson
+from gpnys.classify.likelihoods import Bernoulli, BernoulliProbit, Poisson
 
 
 @pytest.mark.parametrize("lik, y", [(Bernoulli(), torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0])),
-                                    (Poisson(), torch.tensor([0.0, 3.0, 1.0, 7.0, 2.0]))], ids=["bernoulli", "poisson"])
+                                    (BernoulliProbit(), torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0])),
+                                    (Poisson(), torch.tensor([0.0, 3.0, 1.0, 7.0, 2.0]))],
+                         ids=["bernoulli", "probit", "poisson"])
 def test_derivatives_match_autograd(lik, y, dtype):
     y = y.to(dtype)
     f = torch.tensor([-2.0, -0.3, 0.0, 0.8, 2.5], dtype=dtype, requires_grad=True)
@@ -30,6 +32,7 @@ def test_derivatives_match_autograd(lik, y, dtype):
     (Poisson(), torch.ones(2, 2)),
     (Bernoulli(), torch.tensor([0.0, 2.0, 1.0])),
     (Bernoulli(), torch.tensor([1.0, 1.0, 1.0])),
+    (BernoulliProbit(), torch.tensor([0.0, 0.5, 1.0])),
 ])
 def test_bad_observations_name_y(lik, y):
     with pytest.raises(ValueError, match=r"\by\b"):
@@ -44,3 +47,18 @@ def test_poisson_moments_against_monte_carlo():
     m, v = Poisson.moments(mean, var)
     assert abs(float(m) - float(y.mean())) < 4 * float(y.std()) / 400_000**0.5
     assert abs(float(v) / float(y.var()) - 1) < 0.02
+
+
+def test_probit_far_in_the_tails_and_its_exact_predictive_probability():
+    lik = BernoulliProbit()
+    f = torch.tensor([-40.0, 40.0], dtype=torch.float64)
+    grad, W, third = lik.derivatives(f, torch.tensor([1.0, 0.0], dtype=torch.float64))  # both badly misclassified
+    assert bool(torch.isfinite(grad).all() & torch.isfinite(W).all() & torch.isfinite(third).all())
+    torch.testing.assert_close(grad, torch.tensor([40.0, -40.0], dtype=torch.float64), rtol=1e-3, atol=0)  # r ~ |z|
+    torch.testing.assert_close(W, torch.ones(2, dtype=torch.float64), rtol=1e-3, atol=0)  # W -> 1 as z -> -inf
+    # P(y = 1) = E[Φ(f)] over f ~ N(μ, v) is Φ(μ / √(1 + v)): against Monte Carlo
+    g = torch.Generator().manual_seed(0)
+    mean, var = torch.tensor([0.7, -1.2], dtype=torch.float64), torch.tensor([0.5, 2.0], dtype=torch.float64)
+    draws = mean + var.sqrt() * torch.randn(200_000, 2, generator=g, dtype=torch.float64)
+    p1, _ = lik.moments(mean, var)
+    torch.testing.assert_close(p1, torch.special.ndtr(draws).mean(0), rtol=0, atol=3e-3)
