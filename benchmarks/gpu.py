@@ -102,7 +102,8 @@ import gpytorch  # noqa: E402
 from gpnys import datasets  # noqa: E402
 from gpnys.baselines.exact import cholesky_loss  # noqa: E402
 from gpnys.baselines.mll import grad_errors  # noqa: E402
-from gpnys.gp.hook import GP_DEFAULTS, use_preconditioner  # noqa: E402
+from gpnys.gp.hook import use_preconditioner  # noqa: E402
+from gpnys.gp.settings import GP_DEFAULTS  # noqa: E402
 from gpnys.gp.settings import EstimatorSettings  # noqa: E402
 from gpnys.gp.training import ExactGPModel, fit, hyperparameters, read_checkpoint  # noqa: E402
 from gpnys.kernels.backends import select_backend, triton_available  # noqa: E402

@@ -65,8 +65,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args._run(args) or 0)
     except ValueError as exc:
         parser.exit(2, f"gpnys {args.command}: error: {exc}\n")
-    except CollectiveError as exc:  # another rank died or timed out: one line, as for any other error
-        parser.exit(1, f"gpnys {args.command}: error: {str(exc).splitlines()[0]}\n")
+    except CollectiveError as exc:  # another rank died or timed out: one line, as for any other error, then out
+        # at once: with a peer gone, tearing the group down (or exiting with it alive) can abort in the backend's
+        # destructors (SIGABRT, "terminate called without an active exception") instead of exiting with 1
+        sys.stderr.write(f"gpnys {args.command}: error: {str(exc).splitlines()[0]}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
     except OSError as exc:  # a file that cannot be read, or an output that cannot be written (pipe, full disk)
         where = exc.filename if exc.filename else "standard output"
         if exc.filename is None:  # stop the interpreter's final flush from writing to the broken stream again
