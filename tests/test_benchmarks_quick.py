@@ -345,3 +345,8 @@ def test_laplace_quick(tmp_path):
     assert 0.6 <= res["gpnys"]["test_accuracy"] <= 1.0 and len(res["gpnys"]["history"]) == res["steps"]
     assert res["svgp"]["rows"] and all(0.0 <= r["accuracy"] <= 1.0 for r in res["svgp"]["rows"])
     assert (tmp_path / "laplace.png").exists()
+    # without the dense reference (large n): gpnys and SVGP only, the same trained model for the same seed
+    bare = load("laplace").main(["--quick", "--no-dense", "--out", str(tmp_path / "bare.json")])
+    assert bare["dense"] is None and bare["log_q_error_per_point"] is None
+    assert all(v["dense"] is None for v in bare["gradient"].values())
+    assert bare["gpnys"]["log_q"] == res["gpnys"]["log_q"] and bare["svgp"]["rows"]
