@@ -283,7 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads shared by the ranks")
     ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--build-k", type=int, default=1000, help="AFN landmarks and Nyström rank of the timed builds")
+    ap.add_argument("--build-k", type=int, default=None,
+                    help="AFN landmarks and Nyström rank of the timed builds (default 1000; quick 200)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: every rank on cuda:LOCAL_RANK over NCCL (P = 1 on a single GPU)")
     add_budget_args(ap)  # the workers' gpnys.memory_budget (module docstring)
@@ -312,6 +313,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.n = args.n or (2000 if args.quick else 50_000)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.build_k = args.build_k or (200 if args.quick else 1000)
     args.mem_n = args.mem_n or max(2, args.n // 5)
     if args.worker:
         from gpnys import memory_budget

@@ -2,7 +2,7 @@
 with the cost-aware ``auto`` path against Cholesky (``--precond none``) and the forced preconditioned path.
 
 Run:  python benchmarks/small_n.py                 (n = 600, ARD Matérn-3/2, 10 Adam steps; ~3 minutes on 2 cores)
-      python benchmarks/small_n.py --quick         (n = 300, 3 steps, two sizes, fits idle only; the test suite)
+      python benchmarks/small_n.py --quick         (n = 300, 3 steps, m = 64 and 128, fits idle only; the test suite)
 
 The busy process is a second Python running float32 matrix products on all threads, as another job on a shared
 machine would. Factorisations: median seconds of ``eigvalsh``, ``eigh``, ``cholesky`` and ``qr`` of an ``m x m``
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(RESULTS / "small_n.json"))
     args = p.parse_args(argv)
     n, iters = (300, 3) if args.quick else (args.n, args.iters)
-    sizes, reps = ([100, 300], 2) if args.quick else ([100, 300, 500, 1000], 5)
+    sizes, reps = ([64, 128], 1) if args.quick else ([100, 300, 500, 1000], 5)
     fits = [("cholesky (--precond none)", "none", None), ("auto", "auto", "auto"),
             ("preconditioned (--solver iterative)", "auto", "iterative")]
     # the cost model, calibrated once per machine (cached on disk) before any timing, in a process like the fits'

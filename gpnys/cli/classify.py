@@ -19,7 +19,6 @@ from gpnys.classify import LaplaceGPClassifier
 from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
 from gpnys.distributed import rank_and_size
 from gpnys.kernels import make_kernel
-from gpnys.reduced.nystrom_features import median_lengthscale
 
 NAME = "classify"
 HELP = "Laplace GP binary classification: train the kernel by log q's gradient, report log q and test accuracy"
@@ -76,7 +75,13 @@ def run(args: argparse.Namespace) -> int:
     if args.k is not None and args.k > X.shape[0]:
         raise ValueError(f"--k must be <= n = {X.shape[0]}, got {args.k}")
     kernel = make_kernel(args.kernel).to(X)
-    kernel.base_kernel.lengthscale = args.lengthscale or median_lengthscale(X, seed=args.seed)
+    lengthscale = args.lengthscale
+    if lengthscale is None:
+        # imported here, not at the top: its module imports scikit-learn (~2 s), which no other subcommand needs
+        from gpnys.reduced.nystrom_features import median_lengthscale
+
+        lengthscale = median_lengthscale(X, seed=args.seed)
+    kernel.base_kernel.lengthscale = lengthscale
     kernel.outputscale = args.outputscale
     options = {key: value for key, value in (("k", args.k), ("w", args.w)) if value is not None}
     t0 = time.perf_counter()

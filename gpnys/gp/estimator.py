@@ -32,7 +32,6 @@ from typing import Any, Callable
 import gpytorch
 import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
-from scipy.stats import chi2
 
 from gpnys.checks import NumericalWarning
 from gpnys.gp.settings import EstimatorSettings
@@ -610,6 +609,8 @@ def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, level: 
         return False
     floor = float(torch.cat(positive).min())
     stat = torch.cat([(g.to(se.dtype) * estimate.n / se.clamp_min(floor)).square() for g, se in pairs])
+    from scipy.stats import chi2  # here, not at import: scipy.stats costs about a second to import
+
     return bool(float(stat.sum()) <= float(chi2.ppf(level, stat.numel())))
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import scipy.spatial
 import torch
 
 from gpnys.budget import block_bytes, block_rows
@@ -266,6 +265,8 @@ def _order_candidates(dist: torch.Tensor, cols: torch.Tensor, kk: int) -> tuple[
 def _tree_knn(X: torch.Tensor, m: int, idx: torch.Tensor, valid: torch.Tensor) -> None:
     """Fill ``idx[:, :m]`` / ``valid[:, :m]`` by chunks: k-d tree of the earlier chunks plus brute force inside
     the chunk (module docstring). CPU only (scipy)."""
+    from scipy.spatial import cKDTree  # here, not at import: scipy.spatial pulls in scipy.sparse (~0.3 s)
+
     n = X.shape[0]
     P = X.detach().to(torch.float64).numpy()
     inf = float("inf")
@@ -279,7 +280,7 @@ def _tree_knn(X: torch.Tensor, m: int, idx: torch.Tensor, valid: torch.Tensor) -
         cols = cols + s
         if s > 0:
             kt = min(m, s)
-            dt, it = scipy.spatial.cKDTree(P[:s]).query(P[s:e], k=kt)
+            dt, it = cKDTree(P[:s]).query(P[s:e], k=kt)
             dt, it = np.asarray(dt).reshape(e - s, kt), np.asarray(it).reshape(e - s, kt)
             dist = torch.cat([dist, torch.from_numpy(dt)], 1)
             cols = torch.cat([cols, torch.from_numpy(it).to(torch.long)], 1)

@@ -17,10 +17,23 @@ from gpnys.reduced.gsa import GSAPosterior
 from gpnys.reduced.lla import LLAPosterior, NystromFeatureMap
 from gpnys.reduced.models import METHODS, ReducedGP, reduced_posterior
 from gpnys.reduced.ncr import NCRPosterior
-from gpnys.reduced.nystrom_features import NystromFeatures
 from gpnys.reduced.nytro import nystrom_krr, nytro
 from gpnys.reduced.rff import RandomFourierFeatures, RFFPosterior
 
 __all__ = ["ExactPosterior", "rkhs_error", "landmark_rkhs_error", "GSAPosterior", "LLAPosterior", "NCRPosterior",
            "NystromFeatureMap", "NystromFeatures", "RFFPosterior", "RandomFourierFeatures", "ReducedGP",
            "reduced_posterior", "METHODS", "nytro", "nystrom_krr"]
+
+
+def __getattr__(name: str):
+    # NystromFeatures on first use (PEP 562): its module imports scikit-learn (~2 s), which the rest of the package
+    # and every CLI subcommand do without
+    if name == "NystromFeatures":
+        from gpnys.reduced.nystrom_features import NystromFeatures
+
+        return NystromFeatures
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "NystromFeatures"})

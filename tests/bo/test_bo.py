@@ -653,26 +653,37 @@ def test_hook_builds_under_botorch_settings():
 
 
 # -- the example and the benchmark (their --quick modes) ---------------------------------------------------
-def test_bo_large_n_example_quick(tmp_path):
-    out = load_script("examples", "bo_large_n").main(["--quick", "--json", str(tmp_path / "bo.json")])
-    assert (tmp_path / "bo.json").exists() and (tmp_path / "bo.png").exists()
-    runs = {r["method"]: r for r in out["runs"]}
-    assert set(runs) == {"gpnys", "singletask"}
-    for r in runs.values():
-        assert len(r["records"]) == 2 and r["best"] >= r["initial_best"]
-    assert all(rec["builds"] >= 1 for rec in runs["gpnys"]["records"])  # the preconditioned path ran
+@pytest.fixture(scope="module")
+def bo_loop_checkpoint(tmp_path_factory):
+    """The example's quick loop cut after one iteration (both methods): its checkpoint directory and records."""
+    tmp = tmp_path_factory.mktemp("bo_loop")
+    out = load_script("examples", "bo_large_n").main(["--quick", "--iters", "1", "--checkpoint", str(tmp / "ckpt"),
+                                                       "--json", str(tmp / "first.json")])
+    return tmp / "ckpt", {r["method"]: r["records"] for r in out["runs"]}
 
 
-def test_bo_large_n_example_resumes_from_checkpoint(tmp_path):
+def test_bo_large_n_example_quick_and_resumes_from_its_checkpoint(tmp_path, bo_loop_checkpoint):
+    """The quick loop runs both methods (JSON and PNG written); a campaign resumed from the one-iteration checkpoint
+    continues exactly as the uninterrupted one."""
+    import shutil
+
     main = load_script("examples", "bo_large_n").main
-    common = ["--quick", "--methods", "gpnys", "--json", str(tmp_path / "bo.json")]
-    full = main(common + ["--iters", "2"])["runs"][0]["records"]
-    first = main(common + ["--iters", "1", "--checkpoint", str(tmp_path / "ckpt")])["runs"][0]["records"]
-    resumed = main(common + ["--iters", "2", "--checkpoint", str(tmp_path / "ckpt")])["runs"][0]["records"]
-    assert len(first) == 1 and len(resumed) == 2
-    assert resumed[0] == first[0]  # the saved record, times included, not a rerun
+    out = main(["--quick", "--iters", "2", "--json", str(tmp_path / "bo.json")])
+    assert (tmp_path / "bo.json").exists() and (tmp_path / "bo.png").exists()
+    full = {r["method"]: r for r in out["runs"]}
+    assert set(full) == {"gpnys", "singletask"}
+    for r in full.values():
+        assert len(r["records"]) == 2 and r["best"] >= r["initial_best"]
+    assert all(rec["builds"] >= 1 for rec in full["gpnys"]["records"])  # the preconditioned path ran
+
+    ckpt, first = bo_loop_checkpoint
+    shutil.copytree(ckpt, tmp_path / "ckpt")  # the fixture's checkpoint stays at one iteration for other tests
+    resumed = main(["--quick", "--methods", "gpnys", "--iters", "2", "--checkpoint", str(tmp_path / "ckpt"),
+                    "--json", str(tmp_path / "resumed.json")])["runs"][0]["records"]
+    assert len(first["gpnys"]) == 1 and len(resumed) == 2
+    assert resumed[0] == first["gpnys"][0]  # the saved record, times included, not a rerun
     # the same data, hyperparameters and RNG state: the resumed campaign continues exactly as the uninterrupted one
-    for a, b in zip(resumed, full):
+    for a, b in zip(resumed, full["gpnys"]["records"]):
         assert (a["n"], a["best"]) == (b["n"], b["best"])
         assert abs(a["noise"] - b["noise"]) <= 1e-9 * b["noise"]
 
@@ -685,11 +696,9 @@ def test_bo_compare_quick(tmp_path):
     assert chk["mean_rel_err_max"] < 1e-6 and chk["var_rel_err_max"] < 1e-4
 
 
-def test_bo_compare_warm_iteration_from_checkpoints(tmp_path):
+def test_bo_compare_warm_iteration_from_checkpoints(tmp_path, bo_loop_checkpoint):
     """--warm-from: one iteration per model from the loop's checkpoints, each model from its own last state."""
-    ckpt = str(tmp_path / "ckpt")
-    load_script("examples", "bo_large_n").main(["--quick", "--iters", "1", "--checkpoint", ckpt,
-                                                 "--json", str(tmp_path / "loop.json")])
+    ckpt = str(bo_loop_checkpoint[0])
     res = load_script("benchmarks", "bo_compare").main(["--quick", "--n", "120", "--warm-from", ckpt, "--seeds", "0",
                                                         "--out", str(tmp_path / "warm.json")])
     per = res["seeds"]["0"]
