@@ -181,7 +181,7 @@ def main(argv=None) -> dict:
         if args.quick:
             if table == "3b":
                 X = X[:600]
-            cols = cols[:2]
+            cols = cols[:1]
         elif args.columns:
             cols = [cols[int(i)] for i in args.columns.split(",")]
         ran_rank = min(args.ran_rank, X.shape[0] // 4)

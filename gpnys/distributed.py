@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.linalg import settle_transposed, time_transposed
 
 __all__ = ["init", "launched", "settings", "device", "is_main", "rank_and_size", "DEFAULT_TIMEOUT_S"]
 
@@ -68,9 +69,22 @@ def init(backend: str | None = None, seed: int | None = 0, timeout_s: float = DE
         timeout = datetime.timedelta(seconds=float(timeout_s))
         store = _checked_store(rank, size, timeout)
         dist.init_process_group(name, store=store, rank=rank, world_size=size, timeout=timeout)
+    _settle_thin_products()
     if seed is not None:
         torch.manual_seed(int(seed))
     return rank_and_size()
+
+
+def _settle_thin_products() -> None:
+    """Every rank adopts rank 0's timed form of the thin products (:func:`gpnys.linalg.transposed_faster`): the
+    forms round differently, and ranks timing on their own under different loads had chosen differently, so that
+    their replicated vectors differed and the row partition's input check failed."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    choices = [None]
+    if dist.get_rank() == 0:
+        choices[0] = {str(dtype): time_transposed(dtype, device) for dtype in (torch.float32, torch.float64)}
+    dist.broadcast_object_list(choices, src=0)
+    settle_transposed(device, choices[0])
 
 
 def _checked_store(rank: int, size: int, timeout: datetime.timedelta) -> Any:

@@ -14,7 +14,9 @@ Thin products (:func:`thin_matmul`). ``A @ B`` with a large ``A (m, k)`` and a t
 the probes of the MLL estimator, the CG block, a q-batch) runs far below memory bandwidth in one of the forms
 ``A @ B`` and ``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view), and which one depends on the BLAS build and the
 machine, so the faster is timed once per process. The hot products of the kernel operator, the kernel system and
-the Nyström / AFN preconditioners go through it.
+the Nyström / AFN preconditioners go through it. The two forms round differently, so the ranks of a process group
+must use the same one: :func:`gpnys.distributed.init` gives every rank rank 0's timed choice
+(:func:`settle_transposed`), and a group initialised otherwise takes the direct form untimed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from gpnys.checks import NumericalWarning
 
-__all__ = ["thin_matmul", "transposed_faster", "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag",
+__all__ = ["thin_matmul", "transposed_faster", "time_transposed", "settle_transposed", "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag",
            "shift_at", "draw"]
 
 #: factorisations of ``m x m`` with ``m`` at most this run on one CPU thread (module docstring)
@@ -83,30 +85,47 @@ _transposed: dict[tuple[torch.dtype, str], bool] = {}
 
 
 def transposed_faster(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``(Bᵀ Aᵀ)ᵀ`` beats ``A @ B`` for a large ``A`` and 17 columns on this device and dtype, timed once
-    per process on a 2048 x 2048 product (a few tens of ms). Which form wins depends on the BLAS build and the
-    machine: 2.8x for the transposed one on one 2-core CPU with torch 2.13, 1.6x for the direct one on another with
-    the same wheel (docs/scaling.md, "Why the defaults are what they are")."""
-    key = (dtype, str(device))
+    """Whether :func:`thin_matmul` takes ``(Bᵀ Aᵀ)ᵀ`` rather than ``A @ B`` on this device and dtype: timed once per
+    process (:func:`time_transposed`), or settled for every rank of a process group (:func:`settle_transposed`).
+    Under an initialised ``torch.distributed`` group without a settled choice, the direct form, untimed: ranks
+    timing on their own, under different loads, could choose differently and round differently."""
+    key = (dtype, str(torch.device(device)))
     if key not in _transposed:
-        g = torch.Generator(device=device).manual_seed(0)
-        A = torch.rand(2048, 2048, generator=g, dtype=dtype, device=device)
-        B = torch.rand(2048, 17, generator=g, dtype=dtype, device=device)
-
-        def best(form: Callable[[], torch.Tensor]) -> float:
-            times = []
-            for _ in range(4):
-                if A.is_cuda:
-                    torch.cuda.synchronize(A.device)
-                t0 = time.perf_counter()
-                form()
-                if A.is_cuda:
-                    torch.cuda.synchronize(A.device)
-                times.append(time.perf_counter() - t0)
-            return min(times[1:])
-
-        _transposed[key] = best(lambda: (B.mT @ A.mT).mT.contiguous()) < 0.9 * best(lambda: A @ B)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return False
+        _transposed[key] = time_transposed(dtype, device)
     return _transposed[key]
+
+
+def time_transposed(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether ``(Bᵀ Aᵀ)ᵀ`` beats ``A @ B`` for a large ``A`` and 17 columns, timed on a 2048 x 2048 product (a
+    few tens of ms). Which form wins depends on the BLAS build and the machine: 2.8x for the transposed one on one
+    2-core CPU with torch 2.13, 1.6x for the direct one on another with the same wheel (docs/scaling.md, "Why the
+    defaults are what they are")."""
+    g = torch.Generator(device=device).manual_seed(0)
+    A = torch.rand(2048, 2048, generator=g, dtype=dtype, device=device)
+    B = torch.rand(2048, 17, generator=g, dtype=dtype, device=device)
+
+    def best(form: Callable[[], torch.Tensor]) -> float:
+        times = []
+        for _ in range(4):
+            if A.is_cuda:
+                torch.cuda.synchronize(A.device)
+            t0 = time.perf_counter()
+            form()
+            if A.is_cuda:
+                torch.cuda.synchronize(A.device)
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+    return best(lambda: (B.mT @ A.mT).mT.contiguous()) < 0.9 * best(lambda: A @ B)
+
+
+def settle_transposed(device: torch.device | str, choices: dict[str, bool]) -> None:
+    """Fix :func:`transposed_faster` on ``device`` to ``choices`` (``{"torch.float32": bool, ...}``, as rank 0 timed
+    them; :func:`gpnys.distributed.init`)."""
+    for name, value in choices.items():
+        _transposed[(getattr(torch, name.removeprefix("torch.")), str(torch.device(device)))] = bool(value)
 
 
 def shift_at(shift: float | torch.Tensor, index: torch.Tensor) -> float | torch.Tensor:

@@ -27,3 +27,28 @@ def test_thin_matmul_vector_and_batch(dtype):
     torch.testing.assert_close(thin_matmul(A, B), A @ B)
     v = torch.randn(20, generator=g, dtype=dtype)
     torch.testing.assert_close(thin_matmul(A[0], v), A[0] @ v)
+
+
+def test_process_group_ranks_share_one_form_of_the_thin_products(tmp_path, monkeypatch):
+    """The two forms round differently: under a process group ``transposed_faster`` is untimed (the direct form)
+    until ``gpnys.distributed.init`` settles rank 0's timed choice on every rank."""
+    import torch.distributed as dist
+
+    import gpnys.distributed as gd
+    from gpnys import linalg
+
+    monkeypatch.setattr(linalg, "_transposed", {})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert linalg.transposed_faster(torch.float64, torch.device("cpu")) is False and linalg._transposed == {}
+        gd.init(seed=None)  # already initialised: settles the forms only
+        cpu = str(torch.device("cpu"))
+        assert set(linalg._transposed) == {(torch.float32, cpu), (torch.float64, cpu)}
+        timed = linalg.time_transposed(torch.float64, "cpu")  # (a fresh timing may differ; the settled one holds)
+        assert isinstance(timed, bool)
+        settled = linalg._transposed[(torch.float64, cpu)]
+        assert linalg.transposed_faster(torch.float64, torch.device("cpu")) is settled
+        linalg.settle_transposed("cpu", {"torch.float64": not settled})
+        assert linalg.transposed_faster(torch.float64, torch.device("cpu")) is (not settled)
+    finally:
+        dist.destroy_process_group()
