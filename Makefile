@@ -5,6 +5,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # torch==2.13.0 first: a bare torch requirement with no torch installed pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# pytest-xdist workers of `make test`, one thread each (tests/conftest.py): 2 fill a 2-core machine
+TEST_WORKERS ?= 2
 
 .PHONY: venv install install-test install-docs demo test docs clean
 
@@ -28,7 +30,7 @@ demo: install
 	$(VENV)/bin/gpnys fit --data elevators --split 0 --kernel matern32 --ard --iters 40 --lr 0.1 --seed 0
 
 test: install-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 docs: install-docs
 	$(VENV)/bin/mkdocs build --strict

@@ -11,12 +11,13 @@ if not torch.cuda.is_available():
 # Cholesky itself: the suite forces the preconditioned path (tests/gp/test_path.py checks "auto"'s choice). Cost
 # calibrations go to a folder of this run, not the user's cache.
 os.environ.setdefault("GPNYS_SOLVER", "iterative")
-# Under pytest-xdist (``-n 2``, the Makefile's) the workers share the machine's cores: one thread each, children
-# included, so no BLAS or OpenMP pool spins against the other worker's.
+os.environ.setdefault("GPNYS_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpnys-tests-{os.getpid()}"))
+# Under pytest-xdist (``make test`` runs two workers) the workers share the machine's cores: one thread each, their
+# child processes included, so that no BLAS or OpenMP pool spins against the other worker's; and a cache folder each.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-os.environ.setdefault("GPNYS_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpnys-tests-{os.getpid()}"))
+    os.environ["GPNYS_CACHE_DIR"] += "-" + os.environ["PYTEST_XDIST_WORKER"]
 
 import pytest  # noqa: E402
 
