@@ -159,14 +159,17 @@ def uses_costs(solver: str, method: object) -> bool:
 
 
 def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, solver: str, method: object,
-                current: str | None = None, iterative_scale: float = 1.0) -> tuple[str, str]:
+                current: str | None = None, iterative_scale: float = 1.0, partitioned: bool = False
+                ) -> tuple[str, str]:
     """``("cholesky" | "iterative", reason)`` for an evaluation of ``batch`` marginals of ``n`` points.
 
     ``solver`` ``"cholesky"`` / ``"iterative"`` force a path; ``"auto"`` decides by :class:`PathCosts` for
     ``method="auto"`` (a named preconditioner asks for the preconditioned path) where Cholesky's
     :data:`DENSE_MATRICES` ``n x n`` matrices fit :func:`~gpnys.budget.dense_limit_bytes`. ``current``: the path of
     the previous evaluation, left only for one predicted :data:`HYSTERESIS` times faster; ``iterative_scale``: the
-    caller's measured over predicted time of its own preconditioned evaluations.
+    caller's measured over predicted time of its own preconditioned evaluations. ``partitioned``: a process group
+    splits the kernel by rows; ``"auto"`` then takes the preconditioned path on every rank, since ranks deciding by
+    their own cost caches and timings could take different paths and wait for each other's collectives.
 
     Example:
         >>> import torch
@@ -181,6 +184,8 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
         return solver, f"settings.solver={solver!r}"
     if not uses_costs(solver, method):
         return "iterative", f"method {method!r} names a preconditioner"
+    if partitioned:
+        return "iterative", "a process group splits the kernel by rows: the preconditioned path on every rank"
     need = DENSE_MATRICES * batch * n * n * torch.empty((), dtype=dtype).element_size()
     if need > dense_limit_bytes(device):
         return "iterative", f"Cholesky needs {need / 2**30:.3g} GiB, above the memory budget"
@@ -205,7 +210,8 @@ class PathChooser:
 
     Args:
         solver: ``EstimatorSettings.solver``; method: the preconditioner's name or class;
-        problem: returns the ``(n, batch, device, dtype)`` of the next evaluation.
+        problem: returns the ``(n, batch, device, dtype)`` of the next evaluation; partitioned: a process group
+        splits the kernel (:func:`choose_path`).
 
     Attributes:
         path: ``"cholesky"`` / ``"iterative"`` of the latest choice (``None`` before); reason: why;
@@ -219,8 +225,8 @@ class PathChooser:
         (('cholesky', "settings.solver='cholesky'"), 'cholesky')
     """
 
-    def __init__(self, solver: str, method: object, problem: Callable[[], Problem]) -> None:
-        self.solver, self.method, self.problem = solver, method, problem
+    def __init__(self, solver: str, method: object, problem: Callable[[], Problem], partitioned: bool = False) -> None:
+        self.solver, self.method, self.problem, self.partitioned = solver, method, problem, partitioned
         self.path: str | None = None
         self.reason = ""
         self.iterative_scale = 1.0
@@ -228,14 +234,14 @@ class PathChooser:
     def choose(self) -> tuple[str, str]:
         """``(path, reason)`` of the next evaluation, kept in :attr:`path` and :attr:`reason`."""
         self.path, self.reason = choose_path(*self.problem(), self.solver, self.method, current=self.path,
-                                             iterative_scale=self.iterative_scale)
+                                             iterative_scale=self.iterative_scale, partitioned=self.partitioned)
         return self.path, self.reason
 
     @contextlib.contextmanager
     def timed(self):
         """Time a preconditioned evaluation; its ratio to the cost model's prediction, averaged into
         :attr:`iterative_scale`, scales the model's later predictions for this caller."""
-        if not uses_costs(self.solver, self.method):
+        if not uses_costs(self.solver, self.method) or self.partitioned:
             yield
             return
         t0 = time.perf_counter()

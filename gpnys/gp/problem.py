@@ -86,7 +86,8 @@ class TrainingProblem(HookPrediction):
         self.last_probes: torch.Tensor | None = None
         self.variance_reduction = bool(settings.variance_reduction)
         #: the path of each evaluation, Cholesky or preconditioned (:class:`~gpnys.gp.path.PathChooser`)
-        self.paths = PathChooser(settings.solver, method, self._problem)
+        self.paths = PathChooser(settings.solver, method, self._problem,
+                                 partitioned=settings.kernel_group is not None and settings.kernel_group is not False)
         self._warned_scale = False  # one warning for an outputscale of 0 (hyperparameters_usable)
         #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
         #: the inputs as its forward() passed them)

@@ -84,6 +84,30 @@ def test_choose_path(costs):
     assert choose_path(2000, 1, cpu, f64, "auto", "auto", iterative_scale=4.0)[0] == "cholesky"
 
 
+def test_a_process_group_takes_the_preconditioned_path_on_every_rank(costs, tmp_path):
+    """Under a kernel group ``auto`` does not consult the ranks' own costs or timings (which could differ between
+    ranks and send them down different paths); a forced path stays forced."""
+    import torch.distributed as dist
+
+    import gpnys.distributed as gd
+
+    cpu, f64 = torch.device("cpu"), torch.float64
+    path, reason = choose_path(500, 1, cpu, f64, "auto", "auto", partitioned=True)
+    assert path == "iterative" and "process group" in reason
+    assert choose_path(500, 1, cpu, f64, "cholesky", "auto", partitioned=True)[0] == "cholesky"
+    model, X, y = _model()
+    exact, _, _ = _value_and_grads(model, X, y)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        loss, _, hook = _value_and_grads(model, X, y, "auto", settings=gd.settings(solver="auto", probe_seed=0))
+    finally:
+        dist.destroy_process_group()
+    est = hook.last_estimate
+    assert est.path == "iterative" and "process group" in est.path_reason and hook.builds == 1
+    assert hook.paths.iterative_scale == 1.0  # no timing feeds a per-rank decision
+    assert abs(loss - exact) <= 4 * est.std_error / est.n
+
+
 def test_solver_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="solver"):
         EstimatorSettings(solver="fast")
