@@ -52,3 +52,27 @@ def test_process_group_ranks_share_one_form_of_the_thin_products(tmp_path, monke
         assert linalg.transposed_faster(torch.float64, torch.device("cpu")) is (not settled)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_thin_products_form_is_timed_once_per_machine_and_read_back(tmp_path, monkeypatch):
+    """Every later process on the machine takes the first one's choice from the cache folder instead of timing
+    again (a timing beside other jobs could choose the other form, which rounds differently)."""
+    import json
+
+    from gpnys import linalg
+
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linalg, "_transposed", {})
+    calls = []
+    monkeypatch.setattr(linalg, "time_transposed", lambda dtype, device: calls.append(dtype) or True)
+    assert linalg.transposed_faster(torch.float64, torch.device("cpu")) is True and calls == [torch.float64]
+    stored = json.loads((tmp_path / linalg.THIN_PRODUCTS_FILE).read_text())
+    assert list(stored.values()) == [True] and "float64" in next(iter(stored))
+    monkeypatch.setattr(linalg, "_transposed", {})  # a new process: read back, not timed
+    monkeypatch.setattr(linalg, "time_transposed", lambda dtype, device: calls.append(dtype) or False)
+    assert linalg.transposed_faster(torch.float64, torch.device("cpu")) is True and calls == [torch.float64]
+    A, B = torch.rand(300, 200, dtype=torch.float64), torch.rand(200, 17, dtype=torch.float64)
+    torch.testing.assert_close(linalg.thin_matmul(A, B), A @ B)
+    (tmp_path / linalg.THIN_PRODUCTS_FILE).write_text("{not json")  # corrupt: timed afresh
+    monkeypatch.setattr(linalg, "_transposed", {})
+    assert linalg.transposed_faster(torch.float64, torch.device("cpu")) is False and len(calls) == 2

@@ -17,10 +17,7 @@ measured of its own evaluations) and keeps Cholesky only where its matrices fit 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,9 +25,13 @@ from typing import Callable
 import torch
 
 from gpnys.budget import dense_limit_bytes
+from gpnys.cache import cache_dir, read_entry, write_entry
 
 __all__ = ["PathCosts", "calibrate", "install_calibration", "path_costs", "choose_path", "uses_costs", "cache_file",
            "fit_costs", "costs_key", "PathChooser"]
+
+#: the cost model's file in the cache folder (:mod:`gpnys.cache`)
+COSTS_FILE = "costs.json"
 
 #: Cholesky's working set, in ``n x n`` matrices: the kernel, its factor and autograd's saved inverse
 DENSE_MATRICES = 4
@@ -73,9 +74,8 @@ class PathCosts:
 
 
 def cache_file() -> Path:
-    """``$GPNYS_CACHE_DIR/costs.json`` (default ``~/.cache/gpnys/costs.json``)."""
-    root = os.environ.get("GPNYS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gpnys")
-    return Path(root) / "costs.json"
+    """``$GPNYS_CACHE_DIR/costs.json`` (default ``~/.cache/gpnys/costs.json``; :mod:`gpnys.cache`)."""
+    return cache_dir() / COSTS_FILE
 
 
 def costs_key(device: torch.device, dtype: torch.dtype) -> str:
@@ -126,28 +126,13 @@ def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
     key = costs_key(device, dtype)
     if key in _memo:
         return _memo[key]
-    path = cache_file()
-    stored: dict = {}
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
-    entry = stored.get(key) if isinstance(stored, dict) else None
+    entry = read_entry(COSTS_FILE, key)
     try:
         costs = PathCosts(exact=tuple(entry["exact"]), iterative=tuple(entry["iterative"]),
                           sizes=tuple(tuple(s) for s in entry["sizes"]), key=key)
     except (TypeError, KeyError, ValueError):
         costs = calibrate(device, dtype)
-        stored = stored if isinstance(stored, dict) else {}
-        stored[key] = asdict(costs)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(stored, indent=1))
-            tmp.replace(path)
-        except OSError as err:
-            warnings.warn(f"gpnys: could not cache the path costs in {path} ({err}); they are kept for this process",
-                          RuntimeWarning, stacklevel=2)
+        write_entry(COSTS_FILE, key, asdict(costs), "the path costs")
     _memo[key] = costs
     return costs
 

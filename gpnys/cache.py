@@ -1,0 +1,59 @@
+"""The on-disk cache of what gpnys measures once per machine: ``$GPNYS_CACHE_DIR`` (default ``~/.cache/gpnys``),
+one JSON file per kind of measurement, each a dict of entries keyed by device, dtype and thread count.
+
+Two kinds use it: the path cost model (``costs.json``, :mod:`gpnys.gp.path`) and the faster form of the thin
+products (``thin_products.json``, :func:`gpnys.linalg.transposed_faster`). Reading them back makes every later
+process on the machine decide as the first did, where a timing of its own, beside other jobs, could decide
+otherwise. A missing or corrupt file reads as empty; an unwritable one warns and the value is kept in memory only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cache_dir", "read_entry", "write_entry"]
+
+
+def cache_dir() -> Path:
+    """``$GPNYS_CACHE_DIR``, default ``~/.cache/gpnys``.
+
+    Example:
+        >>> from gpnys.cache import cache_dir, read_entry
+        >>> cache_dir().is_absolute(), read_entry("costs.json", "no such key")
+        (True, None)
+    """
+    return Path(os.environ.get("GPNYS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gpnys"))
+
+
+def _read(name: str) -> dict:
+    try:
+        stored = json.loads((cache_dir() / name).read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def read_entry(name: str, key: str) -> Any:
+    """The entry ``key`` of the cache file ``name`` (e.g. ``"costs.json"``), or ``None``."""
+    return _read(name).get(key)
+
+
+def write_entry(name: str, key: str, value: Any, what: str) -> None:
+    """Set the entry ``key`` of the cache file ``name`` to ``value`` (JSON), written whole to a temporary file and
+    renamed over the old one, so that a concurrent reader sees either file; where the folder is unwritable, a
+    ``RuntimeWarning`` naming ``what`` (e.g. ``"the path costs"``)."""
+    path = cache_dir() / name
+    stored = _read(name)
+    stored[key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stored, indent=1))
+        tmp.replace(path)
+    except OSError as err:
+        warnings.warn(f"gpnys: could not cache {what} in {path} ({err}); they are kept for this process",
+                      RuntimeWarning, stacklevel=3)
