@@ -28,10 +28,7 @@ CUDA_SUITE_DEVICE = os.environ.get("GPNYS_CUDA_SUITE_DEVICE", "cuda")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Start the ``long``-marked tests first (the longest jobs first, so that ``make test``'s two workers finish
-    together, not one of them alone on a long test at the end); skip ``cuda``-marked tests where their device is
-    missing (CI never has a GPU)."""
-    items[:] = sorted(items, key=lambda item: item.get_closest_marker("long") is None)  # stable: else as collected
+    """Skip ``cuda``-marked tests where their device is missing (CI never has a GPU)."""
     if CUDA_SUITE_DEVICE != "cuda" or torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (pytest -m cuda on a GPU machine)")

@@ -13,7 +13,6 @@ def load(name):
     return load_script("benchmarks", name)
 
 
-@pytest.mark.long
 def test_pcg_tables_quick(tmp_path):
     out = tmp_path / "pcg.json"
     res = load("pcg_tables").main(["--quick", "--out", str(out)])
@@ -79,7 +78,6 @@ def test_reduced_compare_quick(tmp_path):
     assert len(r["nytro"]["test_rmse_path"]) == r["nytro"]["t_max"]
 
 
-@pytest.mark.long
 def test_scale_quick(tmp_path):
     """Two on-the-fly MLL runs in child processes: time, peak RSS and the cutoff share are recorded."""
     out = tmp_path / "scale.json"
@@ -95,7 +93,6 @@ def test_scale_quick(tmp_path):
     assert res["knn"][0]["same_pattern"]
 
 
-@pytest.mark.long
 def test_gpu_quick(tmp_path):
     """The GPU benchmark on the CPU: products by torch tiles and (interpreted) Triton, MLL rows against
     Cholesky, short fits; every row in the JSON."""
@@ -232,7 +229,6 @@ def test_frontier_quick(tmp_path):
     assert case["max_time_s"] is None and set(case["checks"]) == {"loss_rel_error", "grad_rel_error"}
 
 
-@pytest.mark.long
 def test_distributed_quick(tmp_path):
     """The distributed benchmark at n = 2000: P = 1 without a group, P = 1 and 2 with one (gloo); identical results,
     the communication counted, the cost model's rows."""
@@ -278,7 +274,6 @@ def test_distributed_quick(tmp_path):
         bench.main(["--model-from", str(out), "--memory-from", ",".join(map(str, recs)), "--out", str(model)])
 
 
-@pytest.mark.long
 def test_ab_quick(tmp_path):
     """This tree against itself: the same loss and gradient to the bit (same seeds, same code), ratios near 1."""
     out = load("ab").main(["--quick", "--out", str(tmp_path / "ab.json")])
@@ -308,7 +303,6 @@ def test_kernel_model_quick(tmp_path):
     assert row["columns"] == 17 and 200 < row["after_instructions"] < 5000 and row["after_spill_stores"] == 0
 
 
-@pytest.mark.long
 def test_small_n_quick(tmp_path):
     res = load("small_n").main(["--quick", "--out", str(tmp_path / "small_n.json")])
     for runs in res["fits"].values():

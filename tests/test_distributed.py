@@ -153,7 +153,6 @@ def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
     assert ref["std_error"] is not None and _close(got["std_error"], ref["std_error"], 1e-8)
 
 
-@pytest.mark.long
 def test_two_gloo_ranks_give_the_one_process_laplace_classifier(tmp_path):
     ref = reference("laplace", tmp_path / "ref.pt")
     assert run_ranks("laplace", tmp_path / "dist.pt") == [0, 0]
@@ -313,7 +312,6 @@ def _torchrun(args: list, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.long
 def test_cli_mll_under_torchrun_matches_one_process():
     """``torchrun --nproc-per-node 2 -m gpnys.cli.main mll``: one JSON document (rank 0's), the same loss as one
     process."""
@@ -331,7 +329,6 @@ def test_cli_mll_under_torchrun_matches_one_process():
     assert abs(rb["loss"] - ra["loss"]) <= 1e-10 * abs(ra["loss"])
 
 
-@pytest.mark.long
 def test_cli_classify_under_torchrun_matches_one_process():
     """``torchrun --nproc-per-node 2 -m gpnys.cli.main classify``: rank 0's JSON, the one-process fit."""
     import json
@@ -348,7 +345,6 @@ def test_cli_classify_under_torchrun_matches_one_process():
     assert b["test_accuracy"] == a["test_accuracy"]
 
 
-@pytest.mark.long
 def test_example_under_torchrun_matches_one_process(capsys):
     from helpers import load_script
 

@@ -101,7 +101,6 @@ def test_ranges_admit_newest_releases(wheel, tmp_path):
     assert re.match(r"triton\s*>=\s*3\.3\b", triton) and "<" not in triton.split(";")[0], triton
 
 
-@pytest.mark.long
 def test_wheel_installs_beside_torch_and_runs_readme_example(wheel, tmp_path):
     python = _fresh_env(tmp_path / "env")
     # the environment "already has torch": this interpreter's packages, less the checkout's own gpnys

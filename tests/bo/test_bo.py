@@ -390,7 +390,6 @@ def test_default_landmarks_capped_per_use():
     assert PreconditionedSingleTaskGP(X, Y, precond="fsai")._options("posterior", 200) == {}
 
 
-@pytest.mark.long
 def test_fit_subset_start():
     """``fit_subset``: Cholesky fit on a seeded subset, then the preconditioned full-data fit from there; the
     result is a full-data optimum (exact MLL as good as SingleTaskGP's fit) and reproducible."""

@@ -64,7 +64,6 @@ def test_the_seeded_solve_is_no_slower_and_gives_the_same_posterior():
     torch.testing.assert_close(vw, vc, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.long
 def test_warm_fit_skips_the_subset_start_and_reaches_the_same_optimum():
     X, Y = _data(320, torch.float64)
     opts = {**OPTIONS, "fit_subset": 100}

@@ -467,7 +467,6 @@ print("compiled", len(JOBS))
 '''
 
 
-@pytest.mark.long
 def test_triton_kernels_compile_to_cubin_for_a100_and_h100(tmp_path):
     """Triton's full compiler (TTIR -> PTX -> cubin with the ptxas it ships) on the kernels for sm_80 and sm_90:
     no GPU is needed to compile, so CI checks what the interpreter cannot (types, FP64 ``tl.dot``, constexpr
