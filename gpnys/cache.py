@@ -15,7 +15,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_dir", "read_entry", "write_entry"]
+import torch
+
+__all__ = ["cache_dir", "entry_key", "read_entry", "write_entry"]
 
 
 def cache_dir() -> Path:
@@ -27,6 +29,12 @@ def cache_dir() -> Path:
         (True, None)
     """
     return Path(os.environ.get("GPNYS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gpnys"))
+
+
+def entry_key(device: torch.device, dtype: torch.dtype) -> str:
+    """The key of a measurement: device type (and GPU name), dtype and the current thread count."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{device.type}:{name}:{dtype}:threads={torch.get_num_threads()}"
 
 
 def _read(name: str) -> dict:

@@ -13,8 +13,9 @@ little at these sizes.
 Thin products (:func:`thin_matmul`). ``A @ B`` with a large ``A (m, k)`` and a thin ``B (k, t)`` (t ~ 5-64 columns:
 the probes of the MLL estimator, the CG block, a q-batch) runs far below memory bandwidth in one of the forms
 ``A @ B`` and ``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view), and which one depends on the BLAS build and the
-machine, so the faster is timed once per machine (and cached on disk, :mod:`gpnys.cache`). The hot products of the kernel operator, the kernel system and
-the Nyström / AFN preconditioners go through it. The two forms round differently, so the ranks of a process group
+machine, so the faster is timed once per machine and cached on disk (:mod:`gpnys.cache`). The hot products of the
+kernel operator, the kernel system and the Nyström / AFN preconditioners go through it. The two forms round
+differently, so the ranks of a process group
 must use the same one: :func:`gpnys.distributed.init` gives every rank rank 0's timed choice
 (:func:`settle_transposed`), and a group initialised otherwise takes the direct form untimed.
 """
@@ -28,11 +29,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from gpnys.cache import read_entry, write_entry
+from gpnys.cache import entry_key, read_entry, write_entry
 from gpnys.checks import NumericalWarning
 
-__all__ = ["thin_matmul", "transposed_faster", "time_transposed", "settle_transposed", "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag",
-           "shift_at", "draw"]
+__all__ = ["thin_matmul", "transposed_faster", "machine_transposed", "time_transposed", "settle_transposed",
+           "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag", "shift_at", "draw"]
 
 #: the thin-product choices' file in the cache folder (:mod:`gpnys.cache`)
 THIN_PRODUCTS_FILE = "thin_products.json"
@@ -89,29 +90,29 @@ _transposed: dict[tuple[torch.dtype, str], bool] = {}
 
 
 def transposed_faster(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :func:`thin_matmul` takes ``(Bᵀ Aᵀ)ᵀ`` rather than ``A @ B`` on this device and dtype: timed once per
-    machine, device, dtype and thread count (:func:`time_transposed`) and kept in ``thin_products.json`` of the
-    cache folder (:mod:`gpnys.cache`), so that every process there rounds alike; or settled for every rank of a
-    process group (:func:`settle_transposed`).
-    Under an initialised ``torch.distributed`` group without a settled choice, the direct form, untimed: ranks
-    timing on their own, under different loads, could choose differently and round differently."""
+    """Whether :func:`thin_matmul` takes ``(Bᵀ Aᵀ)ᵀ`` rather than ``A @ B`` on this device and dtype: this
+    machine's choice (:func:`machine_transposed`), or the one settled for every rank of a process group
+    (:func:`settle_transposed`). Under an initialised ``torch.distributed`` group without a settled choice, the
+    direct form, untimed: ranks timing on their own, under different loads, could choose differently and round
+    differently."""
     key = (dtype, str(torch.device(device)))
     if key not in _transposed:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return False
-        name = _cache_key(dtype, torch.device(device))
-        stored = read_entry(THIN_PRODUCTS_FILE, name)
-        if not isinstance(stored, bool):
-            stored = time_transposed(dtype, device)
-            write_entry(THIN_PRODUCTS_FILE, name, stored, "the thin products' form")
-        _transposed[key] = stored
+        _transposed[key] = machine_transposed(dtype, device)
     return _transposed[key]
 
 
-def _cache_key(dtype: torch.dtype, device: torch.device) -> str:
-    """The on-disk key of a thin-product choice: device (and GPU name), dtype and thread count."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return f"{device.type}:{name}:{dtype}:threads={torch.get_num_threads()}"
+def machine_transposed(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """This machine's choice of form for ``dtype`` on ``device`` at the current thread count: read from
+    ``thin_products.json`` in the cache folder (:mod:`gpnys.cache`), else timed (:func:`time_transposed`) and
+    written there, so that every process on the machine rounds alike."""
+    name = entry_key(torch.device(device), dtype)
+    stored = read_entry(THIN_PRODUCTS_FILE, name)
+    if not isinstance(stored, bool):
+        stored = time_transposed(dtype, device)
+        write_entry(THIN_PRODUCTS_FILE, name, stored, "the thin products' form")
+    return stored
 
 
 def time_transposed(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -138,11 +139,11 @@ def time_transposed(dtype: torch.dtype, device: torch.device | str) -> bool:
     return best(lambda: (B.mT @ A.mT).mT.contiguous()) < 0.9 * best(lambda: A @ B)
 
 
-def settle_transposed(device: torch.device | str, choices: dict[str, bool]) -> None:
-    """Fix :func:`transposed_faster` on ``device`` to ``choices`` (``{"torch.float32": bool, ...}``, as rank 0 timed
-    them; :func:`gpnys.distributed.init`)."""
-    for name, value in choices.items():
-        _transposed[(getattr(torch, name.removeprefix("torch.")), str(torch.device(device)))] = bool(value)
+def settle_transposed(device: torch.device | str, choices: dict[torch.dtype, bool]) -> None:
+    """Fix :func:`transposed_faster` on ``device`` to ``choices`` (``{torch.float32: bool, ...}``, rank 0's;
+    :func:`gpnys.distributed.init`)."""
+    for dtype, value in choices.items():
+        _transposed[(dtype, str(torch.device(device)))] = bool(value)
 
 
 def shift_at(shift: float | torch.Tensor, index: torch.Tensor) -> float | torch.Tensor:

@@ -48,7 +48,7 @@ def test_process_group_ranks_share_one_form_of_the_thin_products(tmp_path, monke
         assert isinstance(timed, bool)
         settled = linalg._transposed[(torch.float64, cpu)]
         assert linalg.transposed_faster(torch.float64, torch.device("cpu")) is settled
-        linalg.settle_transposed("cpu", {"torch.float64": not settled})
+        linalg.settle_transposed("cpu", {torch.float64: not settled})
         assert linalg.transposed_faster(torch.float64, torch.device("cpu")) is (not settled)
     finally:
         dist.destroy_process_group()

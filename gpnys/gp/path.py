@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from gpnys.budget import dense_limit_bytes
-from gpnys.cache import cache_dir, read_entry, write_entry
+from gpnys.cache import cache_dir, entry_key, read_entry, write_entry
 
 __all__ = ["PathCosts", "calibrate", "install_calibration", "path_costs", "choose_path", "uses_costs", "cache_file",
            "fit_costs", "costs_key", "PathChooser"]
@@ -79,9 +79,9 @@ def cache_file() -> Path:
 
 
 def costs_key(device: torch.device, dtype: torch.dtype) -> str:
-    """The cache key of :class:`PathCosts`: device (and GPU name), dtype and thread count."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return f"{device.type}:{name}:{dtype}:threads={torch.get_num_threads()}"
+    """The cache key of :class:`PathCosts`: device (and GPU name), dtype and thread count
+    (:func:`gpnys.cache.entry_key`)."""
+    return entry_key(device, dtype)
 
 
 def fit_costs(sizes: tuple[int, int], seconds: tuple[float, float], powers: tuple[int, int]) -> tuple[float, float]:
