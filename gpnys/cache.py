@@ -2,7 +2,7 @@
 one JSON file per kind of measurement, each a dict of entries keyed by device, dtype and thread count.
 
 Two kinds use it: the path cost model (``costs.json``, :mod:`gpnys.gp.path`) and the faster form of the thin
-products (``thin_products.json``, :func:`gpnys.linalg.transposed_faster`). Reading them back makes every later
+products (``thin_products.json``, :func:`gpnys.linalg.thin_form`). Reading them back makes every later
 process on the machine decide as the first did, where a timing of its own, beside other jobs, could decide
 otherwise. A missing or corrupt file reads as empty; an unwritable one warns and the value is kept in memory only.
 """

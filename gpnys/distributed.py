@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from gpnys.gp.settings import EstimatorSettings
-from gpnys.linalg import machine_transposed, settle_transposed
+from gpnys.linalg import machine_thin_form, settle_thin_forms
 
 __all__ = ["init", "launched", "settings", "device", "is_main", "rank_and_size", "DEFAULT_TIMEOUT_S"]
 
@@ -76,15 +76,15 @@ def init(backend: str | None = None, seed: int | None = 0, timeout_s: float = DE
 
 
 def _settle_thin_products() -> None:
-    """Every rank adopts rank 0's machine's form of the thin products (:func:`gpnys.linalg.machine_transposed`,
+    """Every rank adopts rank 0's machine's form of the thin products (:func:`gpnys.linalg.machine_thin_form`,
     cached on disk): the forms round differently, and ranks timing on their own under different loads had chosen
     differently, so that their replicated vectors differed and the row partition's input check failed."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     choices = [None]
     if dist.get_rank() == 0:
-        choices[0] = {dtype: machine_transposed(dtype, device) for dtype in (torch.float32, torch.float64)}
+        choices[0] = {dtype: machine_thin_form(dtype, device) for dtype in (torch.float32, torch.float64)}
     dist.broadcast_object_list(choices, src=0)
-    settle_transposed(device, choices[0])
+    settle_thin_forms(device, choices[0])
 
 
 def _checked_store(rank: int, size: int, timeout: datetime.timedelta) -> Any:

@@ -11,13 +11,13 @@ instead of 8.5 ms on 2 cores (benchmarks/small_n.py; docs/scaling.md). Alone on 
 little at these sizes.
 
 Thin products (:func:`thin_matmul`). ``A @ B`` with a large ``A (m, k)`` and a thin ``B (k, t)`` (t ~ 5-64 columns:
-the probes of the MLL estimator, the CG block, a q-batch) runs far below memory bandwidth in one of the forms
-``A @ B`` and ``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view), and which one depends on the BLAS build and the
-machine, so the faster is timed once per machine and cached on disk (:mod:`gpnys.cache`). The hot products of the
-kernel operator, the kernel system and the Nyström / AFN preconditioners go through it. The two forms round
-differently, so the ranks of a process group
-must use the same one: :func:`gpnys.distributed.init` gives every rank rank 0's timed choice
-(:func:`settle_transposed`), and a group initialised otherwise takes the direct form untimed.
+the probes of the MLL estimator, the CG block, a q-batch) runs far below memory bandwidth in some of the forms
+``A @ B`` and ``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view), with ``B``'s columns as they are or zero-padded to a
+multiple of 4, and which one is fastest depends on the BLAS build and the machine, so it is timed once per machine
+and cached on disk (:mod:`gpnys.cache`). The hot products of the kernel operator, the kernel system and the Nyström
+/ AFN preconditioners go through it. The forms round differently, so the ranks of a process group must use the same
+one: :func:`gpnys.distributed.init` gives every rank rank 0's timed choice (:func:`settle_thin_forms`), and a group
+initialised otherwise takes the direct form untimed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from gpnys.cache import entry_key, read_entry, write_entry
 from gpnys.checks import NumericalWarning
 
-__all__ = ["thin_matmul", "transposed_faster", "machine_transposed", "time_transposed", "settle_transposed",
+__all__ = ["thin_matmul", "THIN_FORMS", "thin_form", "machine_thin_form", "time_thin_forms", "settle_thin_forms",
            "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag", "shift_at", "draw"]
 
 #: the thin-product choices' file in the cache folder (:mod:`gpnys.cache`)
@@ -70,8 +70,8 @@ def small_dense(m: int, device: torch.device | str = "cpu") -> Iterator[None]:
 
 
 def thin_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """``A @ B`` for ``A (..., m, k)`` and ``B (..., k, t)``, contiguous ``(..., m, t)``, in whichever of the forms
-    ``A @ B`` and ``(Bᵀ Aᵀ)ᵀ`` this device's BLAS runs faster (:func:`transposed_faster`); a 1-D ``B`` is
+    """``A @ B`` for ``A (..., m, k)`` and ``B (..., k, t)``, contiguous ``(..., m, t)``, in the form of
+    :data:`THIN_FORMS` this device's BLAS runs fastest (:func:`thin_form`); a 1-D ``B`` or a single column is
     multiplied directly.
 
     Example:
@@ -81,69 +81,90 @@ def thin_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
         >>> torch.allclose(thin_matmul(A, B), A @ B), thin_matmul(A, B).is_contiguous()
         (True, True)
     """
-    if B.dim() == 1 or not transposed_faster(A.dtype, A.device):
+    if B.dim() == 1 or B.shape[-1] == 1:
         return A @ B
-    return (B.mT @ A.mT).mT.contiguous()
+    return _apply_form(thin_form(A.dtype, A.device), A, B)
 
 
-_transposed: dict[tuple[torch.dtype, str], bool] = {}
+#: the forms of a thin product: ``A @ B`` or ``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view), each with ``B``'s
+#: columns as they are or zero-padded to a multiple of :data:`PAD_COLUMNS`
+THIN_FORMS = ("direct", "transposed", "direct-padded", "transposed-padded")
+
+#: the padded forms' column multiple (MKL's double-precision kernels on a 2-core AMD EPYC ran 13-15 columns at
+#: 1.5-2.7x the time of 16; docs/scaling.md, "Why the defaults are what they are")
+PAD_COLUMNS = 4
 
 
-def transposed_faster(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :func:`thin_matmul` takes ``(Bᵀ Aᵀ)ᵀ`` rather than ``A @ B`` on this device and dtype: this
-    machine's choice (:func:`machine_transposed`), or the one settled for every rank of a process group
-    (:func:`settle_transposed`). Under an initialised ``torch.distributed`` group without a settled choice, the
-    direct form, untimed: ranks timing on their own, under different loads, could choose differently and round
+def _apply_form(form: str, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    t = B.shape[-1]
+    if form.endswith("-padded") and t % PAD_COLUMNS:
+        B = torch.nn.functional.pad(B, (0, PAD_COLUMNS - t % PAD_COLUMNS))
+    out = A @ B if form.startswith("direct") else (B.mT @ A.mT).mT
+    return out[..., :t].contiguous()
+
+
+_forms: dict[tuple[torch.dtype, str], str] = {}
+
+
+def thin_form(dtype: torch.dtype, device: torch.device | str) -> str:
+    """The form of :data:`THIN_FORMS` that :func:`thin_matmul` takes on this device and dtype: this machine's
+    choice (:func:`machine_thin_form`), or the one settled for every rank of a process group
+    (:func:`settle_thin_forms`). Under an initialised ``torch.distributed`` group without a settled choice,
+    ``"direct"``, untimed: ranks timing on their own, under different loads, could choose differently and round
     differently."""
     key = (dtype, str(torch.device(device)))
-    if key not in _transposed:
+    if key not in _forms:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return False
-        _transposed[key] = machine_transposed(dtype, device)
-    return _transposed[key]
+            return "direct"
+        _forms[key] = machine_thin_form(dtype, device)
+    return _forms[key]
 
 
-def machine_transposed(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """This machine's choice of form for ``dtype`` on ``device`` at the current thread count: read from
-    ``thin_products.json`` in the cache folder (:mod:`gpnys.cache`), else timed (:func:`time_transposed`) and
+def machine_thin_form(dtype: torch.dtype, device: torch.device | str) -> str:
+    """This machine's form for ``dtype`` on ``device`` at the current thread count: read from
+    ``thin_products.json`` in the cache folder (:mod:`gpnys.cache`), else timed (:func:`time_thin_forms`) and
     written there, so that every process on the machine rounds alike."""
     name = entry_key(torch.device(device), dtype)
     stored = read_entry(THIN_PRODUCTS_FILE, name)
-    if not isinstance(stored, bool):
-        stored = time_transposed(dtype, device)
+    if stored not in THIN_FORMS:  # absent, corrupt, or written by an older gpnys
+        stored = time_thin_forms(dtype, device)
         write_entry(THIN_PRODUCTS_FILE, name, stored, "the thin products' form")
     return stored
 
 
-def time_transposed(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether ``(Bᵀ Aᵀ)ᵀ`` beats ``A @ B`` for a large ``A`` and 17 columns, timed on a 2048 x 2048 product (a
-    few tens of ms). Which form wins depends on the BLAS build and the machine: 2.8x for the transposed one on one
-    2-core CPU with torch 2.13, 1.6x for the direct one on another with the same wheel (docs/scaling.md, "Why the
-    defaults are what they are")."""
+def time_thin_forms(dtype: torch.dtype, device: torch.device | str) -> str:
+    """The fastest of :data:`THIN_FORMS` for a large ``A`` and 17 columns, timed on a 2048 x 2048 product (about
+    0.1 s in all); another form than ``"direct"`` only if it is 10 % faster. Which wins depends on the BLAS build
+    and the machine: the transposed form ran 2.8x faster on one 2-core CPU with torch 2.13, the direct one 1.6x
+    faster on another with the same wheel (docs/scaling.md, "Why the defaults are what they are")."""
     g = torch.Generator(device=device).manual_seed(0)
     A = torch.rand(2048, 2048, generator=g, dtype=dtype, device=device)
     B = torch.rand(2048, 17, generator=g, dtype=dtype, device=device)
 
-    def best(form: Callable[[], torch.Tensor]) -> float:
+    def best(form: str) -> float:
         times = []
         for _ in range(4):
             if A.is_cuda:
                 torch.cuda.synchronize(A.device)
             t0 = time.perf_counter()
-            form()
+            _apply_form(form, A, B)
             if A.is_cuda:
                 torch.cuda.synchronize(A.device)
             times.append(time.perf_counter() - t0)
         return min(times[1:])
 
-    return best(lambda: (B.mT @ A.mT).mT.contiguous()) < 0.9 * best(lambda: A @ B)
+    times = {form: best(form) for form in THIN_FORMS}
+    fastest = min(times, key=times.__getitem__)
+    return fastest if times[fastest] < 0.9 * times["direct"] else "direct"
 
 
-def settle_transposed(device: torch.device | str, choices: dict[torch.dtype, bool]) -> None:
-    """Fix :func:`transposed_faster` on ``device`` to ``choices`` (``{torch.float32: bool, ...}``, rank 0's;
+def settle_thin_forms(device: torch.device | str, choices: dict[torch.dtype, str]) -> None:
+    """Fix :func:`thin_form` on ``device`` to ``choices`` (``{torch.float32: "direct", ...}``, rank 0's;
     :func:`gpnys.distributed.init`)."""
-    for dtype, value in choices.items():
-        _transposed[(dtype, str(torch.device(device)))] = bool(value)
+    for dtype, form in choices.items():
+        if form not in THIN_FORMS:
+            raise ValueError(f"choices must map dtypes to one of {THIN_FORMS}, got {form!r} for {dtype}")
+        _forms[(dtype, str(torch.device(device)))] = form
 
 
 def shift_at(shift: float | torch.Tensor, index: torch.Tensor) -> float | torch.Tensor:
