@@ -63,6 +63,16 @@ def squared_norms(Z: torch.Tensor) -> torch.Tensor:
     return Z.to(acc).square().sum(1)
 
 
+def _zero_self_pairs(R: torch.Tensor, rows: slice, cols: slice | torch.Tensor) -> None:
+    """Set each point's distance to itself to 0 in the tile ``rows`` x ``cols`` (the expanded form leaves
+    ``~eps |z|²`` there); a leaf's own positions form one ascending run of ``cols``."""
+    if isinstance(cols, slice):
+        R.diagonal(offset=rows.start - (cols.start or 0)).zero_()
+    else:
+        q0, q1 = (int(q) for q in torch.searchsorted(cols, cols.new_tensor([rows.start, rows.stop])))
+        R[cols[q0:q1] - rows.start, torch.arange(q0, q1, device=R.device)] = 0.0
+
+
 def _tail(cols: Any, skip: int) -> Any:
     """A tile's columns past its first ``skip`` (``cols`` a slice or an index tensor)."""
     return slice(cols.start + skip, cols.stop) if isinstance(cols, slice) else cols[skip:]
@@ -99,16 +109,17 @@ class TorchTiles(KernelBackend):
                 # points at a short length-scale), so its sums run in float64 and are rounded once
                 R = scratch.copy_(torch.addmm(sc[None, :], Zr.to(acc), Zc.to(acc).mT, alpha=-2.0).add_(sr[:, None]))
             R.clamp_(min=0.0)
+            if self.formula.rbf:  # k = exp(-r²/2) and -k r² from r² itself: no square root and square
+                _zero_self_pairs(R, rows, cols)
+                k = torch.mul(R, -0.5, out=out[0]).exp_()
+                if derivative is not None:
+                    torch.mul(R, k, out=derivative).neg_()
+                return out
             if derivative is not None:
                 derivative.copy_(R)
                 derivative.diagonal(offset=rows.start - (cols.start or 0)).zero_()
             R.sqrt_()  # the expanded (matmul) form of the distance
-            # ... leaves ~sqrt(eps) |z| on the diagonal
-            if full:
-                R.diagonal(offset=rows.start - (cols.start or 0)).zero_()
-            else:  # a leaf's own positions form one ascending run of `cols`
-                q0, q1 = (int(q) for q in torch.searchsorted(cols, cols.new_tensor([rows.start, rows.stop])))
-                R[cols[q0:q1] - rows.start, torch.arange(q0, q1, device=R.device)] = 0.0
+            _zero_self_pairs(R, rows, cols)  # it leaves ~sqrt(eps) |z| on the diagonal
             if singular:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
                 R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * zmax, 0.0)
             k_and_h_inplace(R, self.formula, *out)
