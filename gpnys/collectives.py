@@ -44,6 +44,12 @@ def reset_stats() -> None:
     STATS.update(collectives=0, bytes_received=0, seconds=0.0)
 
 
+def partitioned(group: Any) -> bool:
+    """Whether ``kernel_group`` asks for a row partition: ``True`` or a process group (``None`` and ``False`` do
+    not)."""
+    return group is not None and group is not False
+
+
 def resolve_group(group: Any) -> Any:
     """``group``: ``True`` (the default group) or a process group; raises ``ValueError`` when torch.distributed is
     not initialised."""

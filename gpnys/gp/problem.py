@@ -23,7 +23,7 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, LinearOperator
 
 from gpnys.checks import NumericalWarning, validate_count, validate_positive_tensors, validate_training_data
-from gpnys.collectives import RowGroup
+from gpnys.collectives import RowGroup, partitioned
 from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob
@@ -87,7 +87,7 @@ class TrainingProblem(HookPrediction):
         self.variance_reduction = bool(settings.variance_reduction)
         #: the path of each evaluation, Cholesky or preconditioned (:class:`~gpnys.gp.path.PathChooser`)
         self.paths = PathChooser(settings.solver, method, self._problem,
-                                 partitioned=settings.kernel_group is not None and settings.kernel_group is not False)
+                                 partitioned=partitioned(settings.kernel_group))
         self._warned_scale = False  # one warning for an outputscale of 0 (hyperparameters_usable)
         #: (kernel, inputs) of the training covariance GPyTorch built last (the kernel under any attribute name,
         #: the inputs as its forward() passed them)
@@ -106,7 +106,7 @@ class TrainingProblem(HookPrediction):
         except ValueError as err:
             failure = err
         group = settings.kernel_group
-        if group is not None and group is not False and dist.is_available() and dist.is_initialized():
+        if partitioned(group) and dist.is_available() and dist.is_initialized():
             RowGroup.of(group).agree("input", failure)  # a rank that rejects its input tells the others now
         elif failure is not None:
             raise failure

@@ -43,7 +43,7 @@ from linear_operator.operators import LinearOperator
 
 from gpnys.budget import block_rows
 from gpnys.budget import dense_limit_bytes as budget_dense_limit
-from gpnys.collectives import resolve_group
+from gpnys.collectives import partitioned, resolve_group
 from gpnys.kernels.backends import LEAF, make_backend, select_backend
 from gpnys.kernels.backends.base import KernelBackend
 from gpnys.kernels.backends.dense import DenseBackend
@@ -116,7 +116,7 @@ class StationaryKernelOperator(LinearOperator):
         group: Any = None,
     ) -> None:
         limit = budget_dense_limit(X.device) if dense_limit_bytes is None else int(dense_limit_bytes)
-        if group is not None and group is not False:  # row-partitioned: every rank recomputes only its rows
+        if partitioned(group):  # row-partitioned: every rank recomputes only its rows
             group, limit = resolve_group(group), 0
         else:
             group = None

@@ -12,6 +12,7 @@ import gpytorch
 import torch
 
 from gpnys.checks import validate_mu, validate_points
+from gpnys.collectives import partitioned
 from gpnys.kernels.entries import KernelEntries, computation_dtype
 from gpnys.kernels.operator import StationaryKernelOperator, supported
 from gpnys.kernels.product import choose_product
@@ -51,9 +52,8 @@ class KernelSystem:
         self.n = X.shape[0]
         base = self.entries.kernel
         # one matrix (no Matérn H here); "rows" is KernelEntries.matmul's own product
-        partitioned = group is not None and group is not False
         how = choose_product(self.n, X.element_size(), closed_form=supported(base),
-                             dense_limit_bytes=dense_limit_bytes, device=X.device, partitioned=partitioned)
+                             dense_limit_bytes=dense_limit_bytes, device=X.device, partitioned=partitioned(group))
         self.dense = how == "dense"
         self._K: torch.Tensor | None = None
         if self.dense:
@@ -62,7 +62,7 @@ class KernelSystem:
         if how in ("fused", "partitioned-fused"):
             one = torch.ones((), dtype=X.dtype, device=X.device)
             self._op = StationaryKernelOperator(X, one, base.lengthscale.detach().to(X.dtype), base=base, cache={},
-                                                dense_limit_bytes=0, group=group if partitioned else None)
+                                                dense_limit_bytes=0, group=group if partitioned(group) else None)
 
     def __call__(self, V: torch.Tensor) -> torch.Tensor:
         vec = V.dim() == 1
