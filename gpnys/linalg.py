@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
