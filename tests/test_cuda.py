@@ -110,6 +110,27 @@ def cube_points(n: int) -> torch.Tensor:
     return points(n, 3, dtype=F64, seed=0, scale=n ** (1.0 / 3))
 
 
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_thin_product_form_on_device(cuda_device, dtype, t, monkeypatch):
+    """``thin_matmul`` in each of ``THIN_FORMS`` on the device equals the float64 product; the form this device's
+    timing picks is one of them."""
+    from gpnys import linalg
+
+    g = torch.Generator().manual_seed(0)
+    A64, B64 = torch.randn(300, 200, generator=g, dtype=F64), torch.randn(200, t, generator=g, dtype=F64)
+    A, B = on(cuda_device, A64, B64, dtype=dtype)
+    tol = 1e-12 if dtype == F64 else 1e-5
+    for form in linalg.THIN_FORMS:
+        monkeypatch.setattr(linalg, "_forms", {(dtype, str(A.device)): form})
+        assert linalg.thin_form(dtype, A.device) == form
+        out = linalg.thin_matmul(A, B)
+        assert_on(cuda_device, out)
+        assert out.shape == (300, t) and out.is_contiguous() and out.dtype == dtype
+        assert rel(out, A64 @ B64) < tol, form
+    assert linalg.time_thin_forms(dtype, cuda_device) in linalg.THIN_FORMS
+
+
 @pytest.mark.parametrize("name", list(PRECOND_OPTIONS))
 def test_preconditioner_identities_on_device(cuda_device, name, dtype):
     X64 = cube_points(N_P)
