@@ -69,10 +69,10 @@ def small_dense(m: int, device: torch.device | str = "cpu") -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def thin_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def thin_matmul(A: torch.Tensor, B: torch.Tensor, form: str | None = None) -> torch.Tensor:
     """``A @ B`` for ``A (..., m, k)`` and ``B (..., k, t)``, contiguous ``(..., m, t)``, in the form of
-    :data:`THIN_FORMS` this device's BLAS runs fastest (:func:`thin_form`); a 1-D ``B`` or a single column is
-    multiplied directly.
+    :data:`THIN_FORMS` this device's BLAS runs fastest (:func:`thin_form`), or in ``form``; a 1-D ``B`` or a single
+    column is multiplied directly.
 
     Example:
         >>> import torch
@@ -81,9 +81,11 @@ def thin_matmul(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
         >>> torch.allclose(thin_matmul(A, B), A @ B), thin_matmul(A, B).is_contiguous()
         (True, True)
     """
+    if form is not None and form not in THIN_FORMS:
+        raise ValueError(f"form must be one of {THIN_FORMS} (or None), got {form!r}")
     if B.dim() == 1 or B.shape[-1] == 1:
         return A @ B
-    return _apply_form(thin_form(A.dtype, A.device), A, B)
+    return _apply_form(form or thin_form(A.dtype, A.device), A, B)
 
 
 #: the forms of a thin product: ``A @ B`` or ``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view), each with ``B``'s

@@ -314,6 +314,22 @@ def test_small_n_quick(tmp_path):
     assert {r["op"] for r in res["factorisations"]["busy"]} == {"eigvalsh", "eigh", "cholesky", "qr"}
 
 
+def test_thin_products_quick(tmp_path):
+    """Every form timed at every column count for both dtypes, each row naming its fastest form, the timed choice
+    one of the forms; JSON and PNG written."""
+    from gpnys.linalg import THIN_FORMS
+
+    out = tmp_path / "thin.json"
+    res = load("thin_products").main(["--quick", "--out", str(out)])
+    assert set(res["dtypes"]) == {"float64", "float32"} and set(res["chosen"].values()) <= set(THIN_FORMS)
+    for rows in res["dtypes"].values():
+        assert [r["t"] for r in rows] == [1, 5, 17]
+        for r in rows:
+            assert all(r[form] > 0 for form in THIN_FORMS)
+            assert r[r["fastest"]] == min(r[form] for form in THIN_FORMS)
+    assert json.loads(out.read_text())["n"] == 512 and out.with_suffix(".png").exists()
+
+
 def test_warm_start_quick(tmp_path):
     res = load("warm_start").main(["--quick", "--out", str(tmp_path / "warm.json")])
     assert len(res["warm"]) == len(res["cold"]) == len(res["reuse"]) == 3

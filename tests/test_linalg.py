@@ -9,32 +9,43 @@ from gpnys.linalg import THIN_FORMS, thin_matmul
 
 @pytest.mark.parametrize("form", THIN_FORMS)
 @pytest.mark.parametrize("shape", [(300, 300, 17), (120, 40, 5), (40, 120, 1), (50, 50, 64), (64, 30, 3)])
-def test_thin_matmul_equals_matmul(shape, form, dtype, monkeypatch):
-    monkeypatch.setattr(linalg, "_forms", {(dtype, "cpu"): form})
+def test_thin_matmul_equals_matmul(shape, form, dtype):
     m, k, t = shape
     g = torch.Generator().manual_seed(0)
     A = torch.randn(m, k, generator=g, dtype=dtype)
     B = torch.randn(k, t, generator=g, dtype=dtype)
-    out = thin_matmul(A, B)
+    out = thin_matmul(A, B, form)
     assert out.shape == (m, t) and out.is_contiguous() and out.dtype == dtype
     eps = torch.finfo(dtype).eps
     scale = float((A.abs() @ B.abs()).max())
     torch.testing.assert_close(out, A @ B, rtol=0, atol=10 * k * eps * scale)
-    assert thin_matmul(A.mT, torch.randn(m, 3, generator=g, dtype=dtype)).shape == (k, 3)
+    assert thin_matmul(A.mT, torch.randn(m, 3, generator=g, dtype=dtype), form).shape == (k, 3)
 
 
 @pytest.mark.parametrize("form", THIN_FORMS)
-def test_thin_matmul_vector_and_batch(form, dtype, monkeypatch):
-    monkeypatch.setattr(linalg, "_forms", {(dtype, "cpu"): form})
+def test_thin_matmul_vector_and_batch(form, dtype):
     g = torch.Generator().manual_seed(1)
     A = torch.randn(2, 30, 20, generator=g, dtype=dtype)
     for t in (4, 7):
         B = torch.randn(2, 20, t, generator=g, dtype=dtype)
-        out = thin_matmul(A, B)
+        out = thin_matmul(A, B, form)
         assert out.shape == (2, 30, t) and out.is_contiguous()
         torch.testing.assert_close(out, A @ B)
     v = torch.randn(20, generator=g, dtype=dtype)
-    torch.testing.assert_close(thin_matmul(A[0], v), A[0] @ v)
+    torch.testing.assert_close(thin_matmul(A[0], v, form), A[0] @ v)
+
+
+def test_thin_matmul_takes_the_device_form_and_rejects_an_unknown_one(monkeypatch):
+    """Without ``form``, the form this device timed (here pinned); a form outside ``THIN_FORMS`` is a ValueError."""
+    A, B = torch.rand(40, 30, dtype=torch.float64), torch.rand(30, 5, dtype=torch.float64)
+    monkeypatch.setattr(linalg, "_forms", {(torch.float64, "cpu"): "transposed-padded"})
+    applied = []
+    original = linalg._apply_form
+    monkeypatch.setattr(linalg, "_apply_form", lambda form, *a: applied.append(form) or original(form, *a))
+    torch.testing.assert_close(thin_matmul(A, B), A @ B)
+    assert applied == ["transposed-padded"]
+    with pytest.raises(ValueError, match="form"):
+        thin_matmul(A, B, "padded")
 
 
 def test_process_group_ranks_share_one_form_of_the_thin_products(tmp_path, monkeypatch):
