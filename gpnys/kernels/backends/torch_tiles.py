@@ -64,8 +64,8 @@ def squared_norms(Z: torch.Tensor) -> torch.Tensor:
 
 
 def _zero_self_pairs(R: torch.Tensor, rows: slice, cols: slice | torch.Tensor) -> None:
-    """Set each point's distance to itself to 0 in the tile ``rows`` x ``cols`` (the expanded form leaves
-    ``~eps |z|²`` there); a leaf's own positions form one ascending run of ``cols``."""
+    """Set each point's (squared) distance to itself to 0 in the tile ``rows`` x ``cols``; a leaf's own positions
+    form one ascending run of ``cols``."""
     if isinstance(cols, slice):
         R.diagonal(offset=rows.start - (cols.start or 0)).zero_()
     else:
@@ -109,22 +109,20 @@ class TorchTiles(KernelBackend):
                 # points at a short length-scale), so its sums run in float64 and are rounded once
                 R = scratch.copy_(torch.addmm(sc[None, :], Zr.to(acc), Zc.to(acc).mT, alpha=-2.0).add_(sr[:, None]))
             R.clamp_(min=0.0)
+            _zero_self_pairs(R, rows, cols)  # the expanded (matmul) form leaves ~eps |z|² there
             if self.formula.rbf:  # k = exp(-r²/2) and -k r² from r² itself: no square root and square
-                _zero_self_pairs(R, rows, cols)
                 k = torch.mul(R, -0.5, out=out[0]).exp_()
                 if derivative is not None:
                     torch.mul(R, k, out=derivative).neg_()
                 return out
             if derivative is not None:
                 derivative.copy_(R)
-                derivative.diagonal(offset=rows.start - (cols.start or 0)).zero_()
-            R.sqrt_()  # the expanded (matmul) form of the distance
-            _zero_self_pairs(R, rows, cols)  # it leaves ~sqrt(eps) |z| on the diagonal
+            R.sqrt_()
             if singular:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
                 R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * zmax, 0.0)
             k_and_h_inplace(R, self.formula, *out)
             if derivative is not None:
-                derivative.mul_(out[0]).neg_() if out[1] is None else derivative.mul_(out[1])
+                derivative.mul_(out[1])
             return out
 
     @staticmethod
