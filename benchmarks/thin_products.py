@@ -2,11 +2,12 @@
 columns, timed in each of :data:`gpnys.linalg.THIN_FORMS`, with the form :func:`gpnys.linalg.time_thin_forms`
 picks on its small calibration product.
 
-Run:  python benchmarks/thin_products.py            (n = 8000, t = 1-20, 24, 32; float64 and float32; ~2 minutes
+Run:  python benchmarks/thin_products.py            (n = 8000, t = 2-20, 24, 32; float64 and float32; ~2 minutes
                                                     on 2 cores)
-      python benchmarks/thin_products.py --quick    (n = 512, t = 1, 5, 17; the test suite)
+      python benchmarks/thin_products.py --quick    (n = 512, t = 2, 5, 17; the test suite)
 
-Each cell is the fastest of ``--repeats`` runs after a warm-up, in milliseconds. Prints a table per dtype, writes
+Each cell is the fastest of ``--repeats`` runs after a warm-up, in milliseconds. A single column has no form to
+choose (``thin_matmul`` runs it as a matrix-vector product), so ``t`` starts at 2. Prints a table per dtype, writes
 ``benchmarks/results/thin_products.json`` and a PNG of time against ``t``.
 """
 
@@ -73,17 +74,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--n", type=int, default=None, help="rows and columns of A (default 8000; quick 512)")
-    ap.add_argument("--columns", default=None, help="comma-separated column counts (default 1-20,24,32)")
+    ap.add_argument("--columns", default=None, help="comma-separated column counts, each >= 2 (default 2-20,24,32)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default 3; quick 2)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     n = args.n or (512 if args.quick else 8000)
     columns = ([int(c) for c in args.columns.split(",")] if args.columns
-               else [1, 5, 17] if args.quick else list(range(1, 21)) + [24, 32])
+               else [2, 5, 17] if args.quick else list(range(2, 21)) + [24, 32])
     repeats = args.repeats or (2 if args.quick else 3)
-    if n < 1 or repeats < 1 or min(columns) < 1:
-        raise SystemExit("--n, --repeats and every --columns entry must be positive")
+    if n < 1 or repeats < 1 or min(columns) < 2:
+        raise SystemExit("--n and --repeats must be positive and every --columns entry at least 2")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = {"float64": torch.float64, "float32": torch.float32}

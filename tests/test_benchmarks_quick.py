@@ -323,7 +323,7 @@ def test_thin_products_quick(tmp_path):
     res = load("thin_products").main(["--quick", "--out", str(out)])
     assert set(res["dtypes"]) == {"float64", "float32"} and set(res["chosen"].values()) <= set(THIN_FORMS)
     for rows in res["dtypes"].values():
-        assert [r["t"] for r in rows] == [1, 5, 17]
+        assert [r["t"] for r in rows] == [2, 5, 17]
         for r in rows:
             assert all(r[form] > 0 for form in THIN_FORMS)
             assert r[r["fastest"]] == min(r[form] for form in THIN_FORMS)
