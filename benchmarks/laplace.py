@@ -116,10 +116,15 @@ def against_dense(clf: LaplaceGPClassifier, ref: dict | None, seconds: float | N
             "gradient_errors_in_std_errors_max": max(z)}
 
 
-def svgp(Xtr, ytr, Xte, yte, lengthscale: float, inducing: int, iters: int, every: int, seed: int) -> list[dict]:
-    """GPyTorch's variational classifier: ``(seconds, test accuracy)`` every ``every`` iterations."""
+def svgp(Xtr, ytr, Xte, yte, lengthscale: float, inducing: int, iters: int, every: int, seed: int,
+         batch: int | None = None, lr: float = 0.05) -> list[dict]:
+    """GPyTorch's variational classifier: ``(seconds, test accuracy)`` every ``every`` iterations. ``batch``: rows
+    per iteration, drawn as seeded epochs of a permutation (GPyTorch's minibatch recipe); ``None``: every row."""
     torch.manual_seed(seed)
     Z = Xtr[torch.randperm(Xtr.shape[0])[:inducing]].clone()
+    n = Xtr.shape[0]
+    order = torch.randperm(n)
+    at = 0
 
     class Model(gpytorch.models.ApproximateGP):
         def __init__(self):
@@ -134,13 +139,21 @@ def svgp(Xtr, ytr, Xte, yte, lengthscale: float, inducing: int, iters: int, ever
 
     model, lik = Model().double(), gpytorch.likelihoods.BernoulliLikelihood().double()
     mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=ytr.numel())
-    opt = torch.optim.Adam([*model.parameters(), *lik.parameters()], lr=0.05)
+    opt = torch.optim.Adam([*model.parameters(), *lik.parameters()], lr=lr)
     rows, elapsed = [], 0.0
     for it in range(1, iters + 1):
         model.train(), lik.train()
         t0 = time.perf_counter()
+        if batch is None or batch >= n:
+            rows_x, rows_y = Xtr, ytr
+        else:
+            if at + batch > n:
+                order, at = torch.randperm(n), 0
+            idx = order[at : at + batch]
+            at += batch
+            rows_x, rows_y = Xtr[idx], ytr[idx]
         opt.zero_grad()
-        loss = -mll(model(Xtr), ytr)
+        loss = -mll(model(rows_x), rows_y)
         loss.backward()
         opt.step()
         elapsed += time.perf_counter() - t0

@@ -1,9 +1,12 @@
 """Gaussian processes with non-Gaussian likelihoods (Laplace approximation) on gpnys's preconditioned solvers:
 :class:`LaplaceGP` (Bernoulli labels with a logit or probit link, Poisson counts, Student-t noise) and
-:class:`LaplaceGPClassifier` (:mod:`gpnys.classify.laplace`, :mod:`gpnys.classify.likelihoods`)."""
+:class:`LaplaceGPClassifier` (:mod:`gpnys.classify.laplace`, :mod:`gpnys.classify.likelihoods`), and the same
+models on a rank-``s`` Nyström kernel, :class:`ReducedLaplaceGP` and :class:`ReducedLaplaceClassifier`
+(:mod:`gpnys.classify.reduced`)."""
 
 from gpnys.classify.laplace import LaplaceGP, LaplaceGPClassifier
 from gpnys.classify.likelihoods import Bernoulli, BernoulliProbit, LaplaceLikelihood, Poisson, StudentT
+from gpnys.classify.reduced import ReducedLaplaceClassifier, ReducedLaplaceGP
 
-__all__ = ["LaplaceGP", "LaplaceGPClassifier", "LaplaceLikelihood", "Bernoulli", "BernoulliProbit", "Poisson",
-           "StudentT"]
+__all__ = ["LaplaceGP", "LaplaceGPClassifier", "ReducedLaplaceGP", "ReducedLaplaceClassifier", "LaplaceLikelihood",
+           "Bernoulli", "BernoulliProbit", "Poisson", "StudentT"]
