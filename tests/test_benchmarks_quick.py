@@ -366,3 +366,15 @@ def test_laplace_quick(tmp_path):
     assert bare["dense"] is None and bare["log_q_error_per_point"] is None
     assert all(v["dense"] is None for v in bare["gradient"].values())
     assert bare["gpnys"]["log_q"] == res["gpnys"]["log_q"] and bare["svgp"]["rows"]
+
+
+def test_classify_scale_quick(tmp_path):
+    res = load("classify_scale").main(["--quick", "--out", str(tmp_path / "scale.json")])
+    assert 0.6 <= res["gpnys"]["test_accuracy"] <= 1.0 and len(res["gpnys"]["history"]) == res["steps"]
+    assert 1 <= res["gpnys"]["rank"] <= res["m"]
+    for key in ("svgp_minibatch", "svgp_full_batch"):
+        rows = res[key]["rows"]
+        assert rows and all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+        at = res[key]["seconds_to_gpnys_accuracy"]
+        assert at is None or at in [r["seconds"] for r in rows if r["accuracy"] >= res["gpnys"]["test_accuracy"]]
+    assert (tmp_path / "scale.png").exists()

@@ -119,6 +119,13 @@ def test_laplace_classification_example():
     assert res["accuracy"] > 0.8
 
 
+def test_reduced_laplace_classification_example():
+    res = load("reduced_laplace_classification").main(["--n", "2000", "--m", "60", "--steps", "10", "--subsample",
+                                                       "500"])
+    assert res["end"] > res["start"] + 10  # training raised the exact log q
+    assert res["accuracy"] > 0.85 and 1 <= res["rank"] <= 60
+
+
 def test_laplace_student_t_example():
     res = load("laplace_student_t").main(["--n", "400", "--steps", "8"])
     assert res["rmse_student_t"] < 0.5 * res["rmse_gaussian"]  # the outliers pull the Gaussian GP, not the t

@@ -1,10 +1,12 @@
-"""``gpnys classify``: Laplace-approximate GP binary classification (:class:`gpnys.classify.LaplaceGPClassifier`).
+"""``gpnys classify``: Laplace-approximate GP binary classification (:class:`gpnys.classify.LaplaceGPClassifier`, or
+with ``--reduced M`` :class:`gpnys.classify.ReducedLaplaceClassifier` on the Nyström kernel of ``M`` landmarks).
 
 The labels are the data set's last column: ``--labels median`` (default) thresholds a regression target at its
 training median (label ``y > median``); ``--labels binary`` takes a column of 0/1 labels as it is. Inputs are
 standardised on the training rows. The kernel's hyperparameters start at ``--lengthscale`` (default: the median
 heuristic) and ``--outputscale`` and are trained by ``--steps`` Adam steps on ``-log q / n`` (0: kept); the command
-reports ``log q`` and its gradient with standard errors, the trained hyperparameters and the test accuracy.
+reports ``log q`` and its gradient with standard errors (exact, without standard errors, for ``--reduced``), the
+trained hyperparameters and the test accuracy.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import torch
 
 from gpnys import datasets
-from gpnys.classify import LaplaceGPClassifier
+from gpnys.classify import LaplaceGPClassifier, ReducedLaplaceClassifier
 from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
 from gpnys.distributed import rank_and_size
 from gpnys.kernels import make_kernel
@@ -38,6 +40,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row (default min(30, n))")
     p.add_argument("--probes", type=int, default=32, help="SLQ probes for log det B and the gradient's traces")
     p.add_argument("--n-test", type=int, default=None, help="a seeded subset of the test rows")
+    p.add_argument("--reduced", type=int, default=None, metavar="M",
+                   help="Laplace on the Nyström kernel of M landmarks (ReducedLaplaceClassifier: O(n M²) a Newton step, "
+                        "exact log q and gradient) instead of the exact kernel")
+    p.add_argument("--landmarks", choices=("kmeans", "fps", "uniform"), default="kmeans",
+                   help="--reduced's landmark rule (default kmeans)")
+    p.add_argument("--subsample", type=int, default=None,
+                   help="--reduced: run the Adam steps on this many seeded rows, then fit every row")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -48,7 +57,8 @@ def _check(args: argparse.Namespace) -> None:
         if value is not None and not (value > 0 and value < float("inf")):
             raise ValueError(f"{flag} must be positive and finite, got {value}")
     for flag, value, low in (("--k", args.k, 1), ("--w", args.w, 1), ("--probes", args.probes, 2),
-                             ("--n-test", args.n_test, 1)):
+                             ("--n-test", args.n_test, 1), ("--reduced", args.reduced, 1),
+                             ("--subsample", args.subsample, 1)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
 
@@ -72,8 +82,11 @@ def run(args: argparse.Namespace) -> int:
         X, Xt = (X - mu) / sd, (Xt - mu) / sd
     threshold = ds.train_y.median()
     y, yt = _labels(ds.train_y, args.labels, threshold), _labels(ds.test_y, args.labels, threshold)
-    if args.k is not None and args.k > X.shape[0]:
-        raise ValueError(f"--k must be <= n = {X.shape[0]}, got {args.k}")
+    for flag, value in (("--k", args.k), ("--reduced", args.reduced), ("--subsample", args.subsample)):
+        if value is not None and value > X.shape[0]:
+            raise ValueError(f"{flag} must be <= n = {X.shape[0]}, got {value}")
+    if args.subsample is not None and args.reduced is None:
+        raise ValueError("--subsample needs --reduced")
     kernel = make_kernel(args.kernel).to(X)
     lengthscale = args.lengthscale
     if lengthscale is None:
@@ -85,19 +98,27 @@ def run(args: argparse.Namespace) -> int:
     kernel.outputscale = args.outputscale
     options = {key: value for key, value in (("k", args.k), ("w", args.w)) if value is not None}
     t0 = time.perf_counter()
-    clf = LaplaceGPClassifier(kernel, link=args.link, precond_options=options, num_probes=args.probes, seed=args.seed,
-                              optimizer_steps=args.steps, lr=args.lr,
-                              group=True if rank_and_size()[1] > 1 else None).fit(X, y)  # under torchrun
+    if args.reduced is None:
+        clf = LaplaceGPClassifier(kernel, link=args.link, precond_options=options, num_probes=args.probes,
+                                  seed=args.seed, optimizer_steps=args.steps, lr=args.lr,
+                                  group=True if rank_and_size()[1] > 1 else None).fit(X, y)  # under torchrun
+    else:
+        clf = ReducedLaplaceClassifier(kernel, link=args.link, m=args.reduced, landmarks=args.landmarks,
+                                       optimizer_steps=args.steps, lr=args.lr, subsample=args.subsample,
+                                       seed=args.seed).fit(X, y)
+    exact = args.reduced is None
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     accuracy = float((clf.predict(Xt).to(yt.dtype) == yt).double().mean()) if yt.numel() else None
     predict_s = time.perf_counter() - t0
     record = {
         "data": ds.describe(), "labels": args.labels, "n": X.shape[0], "n_test": Xt.shape[0], "kernel": args.kernel,
-        "link": args.link, "steps": args.steps, "seed": args.seed,
-        "log_marginal_likelihood": clf.log_marginal_likelihood_, "std_error": clf.mll_std_error_,
+        "link": args.link, "steps": args.steps, "seed": args.seed, "reduced": args.reduced,
+        "landmarks": None if exact else args.landmarks, "subsample": args.subsample,
+        "log_marginal_likelihood": clf.log_marginal_likelihood_, "std_error": clf.mll_std_error_ if exact else None,
         "gradient": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_.items()},
-        "gradient_std_error": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_std_error_.items()},
+        "gradient_std_error": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_std_error_.items()}
+        if exact else None,
         "lengthscale": kernel.base_kernel.lengthscale.detach().reshape(-1).tolist(),
         "outputscale": float(kernel.outputscale.detach()), "test_accuracy": accuracy,
         "newton_iterations": clf.newton_iterations_, "train_s": train_s, "predict_s": predict_s,
@@ -107,12 +128,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(record)
         return 0
-    print(f"data: {record['data']}; labels: {args.labels}")
-    print(f"log q = {record['log_marginal_likelihood']:.4f} ± {record['std_error']:.2g} after {args.steps} Adam steps "
+    print(f"data: {record['data']}; labels: {args.labels}"
+          + ("" if exact else f"; Nyström kernel of {args.reduced} {args.landmarks} landmarks (rank {clf.rank_})"))
+    error = f" ± {record['std_error']:.2g}" if exact else ""
+    print(f"log q = {record['log_marginal_likelihood']:.4f}{error} after {args.steps} Adam steps "
           f"({train_s:.2f} s); length-scale {record['lengthscale']}, outputscale {record['outputscale']:.4g}")
     for name, g in record["gradient"].items():
-        print(f"  d log q / d {name}: {[f'{v:.4g}' for v in g]} ± "
-              f"{[f'{v:.2g}' for v in record['gradient_std_error'][name]]}")
+        errors = f" ± {[f'{v:.2g}' for v in record['gradient_std_error'][name]]}" if exact else ""
+        print(f"  d log q / d {name}: {[f'{v:.4g}' for v in g]}{errors}")
     if accuracy is not None:
         print(f"test accuracy {accuracy:.4f} on {Xt.shape[0]} rows ({predict_s:.2f} s)")
     return 0

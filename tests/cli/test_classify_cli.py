@@ -11,7 +11,7 @@ import torch
 
 from gpnys import datasets
 from gpnys.baselines.laplace import dense_laplace
-from gpnys.classify import LaplaceGPClassifier
+from gpnys.classify import LaplaceGPClassifier, ReducedLaplaceClassifier
 from gpnys.cli.main import main
 
 DATA = ["classify", "--data", "concrete", "--n", "300", "--seed", "0"]
@@ -40,6 +40,25 @@ def test_record_matches_the_classifier_and_the_dense_reference(capsys):
     assert set(rec["gradient"]) == {"raw_outputscale", "base_kernel.raw_lengthscale"}
 
 
+def test_reduced_record_matches_the_classifier_and_the_dense_reference(capsys):
+    rec = run_json(["--steps", "3", "--lengthscale", "2.0", "--reduced", "40", "--landmarks", "fps", "--subsample",
+                    "200"], capsys)
+    ds = datasets.load("concrete", n=300, seed=0, standardize=False)
+    X = ds.train_x
+    X = (X - X.mean(0)) / X.std(0)
+    y = (ds.train_y > ds.train_y.median()).double()
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
+    kernel.base_kernel.lengthscale, kernel.outputscale = 2.0, 1.0
+    clf = ReducedLaplaceClassifier(kernel, m=40, landmarks="fps", optimizer_steps=3, subsample=200).fit(X, y)
+    assert rec["log_marginal_likelihood"] == clf.log_marginal_likelihood_
+    assert rec["std_error"] is None and rec["gradient_std_error"] is None and rec["reduced"] == 40
+    with torch.no_grad():  # the dense Laplace on the same Nyström features
+        Phi = clf._fmap(X)
+        ref = float(dense_laplace(Phi @ Phi.mT, y).log_q)
+    assert abs(rec["log_marginal_likelihood"] - ref) <= 1e-8 * abs(ref)
+    assert set(rec["gradient"]) == {"raw_outputscale", "base_kernel.raw_lengthscale"}
+
+
 def test_text_output(capsys):
     assert main(DATA + ["--steps", "0", "--k", "50"]) == 0
     out = capsys.readouterr().out
@@ -54,6 +73,10 @@ def test_text_output(capsys):
     (["--probes", "1"], "--probes"),
     (["--k", "301"], "--k"),
     (["--labels", "binary"], "--labels"),
+    (["--reduced", "0"], "--reduced"),
+    (["--reduced", "301"], "--reduced"),
+    (["--reduced", "20", "--subsample", "400"], "--subsample"),
+    (["--subsample", "100"], "--subsample"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, flag, capsys):
     with pytest.raises(SystemExit) as exc:
