@@ -12,7 +12,8 @@ rows. Kernel: ``ScaleKernel(MaternKernel(nu=1.5))``, length-scale started at the
    steps (lr ``--lr``) on ``-log q / n`` of a seeded ``--subsample``-row subsample, then the mode, ``log q`` and
    its gradient on every row, then prediction. Time: all of it, landmarks included.
 2. **GPyTorch SVGP, minibatch** (``VariationalStrategy`` with ``--m`` learned inducing points,
-   ``BernoulliLikelihood``, ``VariationalELBO``, batches of ``--batch`` rows, Adam lr 0.01: GPyTorch's SVGP recipe):
+   ``BernoulliLikelihood``, ``VariationalELBO``, batches of ``--batch`` rows, Adam lr ``--svgp-lr`` = 0.01:
+   GPyTorch's SVGP recipe):
    test accuracy every ``--every`` iterations up to ``--svgp-iters``.
 3. **GPyTorch SVGP, full batch** (Adam lr 0.05, as ``laplace.py``) up to ``--full-iters`` iterations.
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lr", type=float, default=0.2, help="gpnys's Adam learning rate")
     ap.add_argument("--subsample", type=int, default=5000, help="gpnys's training rows for the Adam steps")
     ap.add_argument("--batch", type=int, default=1024, help="SVGP minibatch rows")
+    ap.add_argument("--svgp-lr", type=float, default=0.01, help="the minibatch SVGP's Adam learning rate")
     ap.add_argument("--svgp-iters", type=int, default=3000)
     ap.add_argument("--every", type=int, default=100, help="SVGP iterations between accuracy checks")
     ap.add_argument("--full-iters", type=int, default=100, help="full-batch SVGP iterations (0: skip)")
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     acc = float((clf.predict(Xte).double() == yte).double().mean())
     t_gpnys = time.perf_counter() - t0
 
-    mini = svgp(Xtr, ytr, Xte, yte, ell, args.m, args.svgp_iters, args.every, args.seed, batch=args.batch, lr=0.01)
+    mini = svgp(Xtr, ytr, Xte, yte, ell, args.m, args.svgp_iters, args.every, args.seed, batch=args.batch,
+                lr=args.svgp_lr)
     full = svgp(Xtr, ytr, Xte, yte, ell, args.m, args.full_iters, max(1, args.full_iters // 10), args.seed) \
         if args.full_iters else []
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "rank": clf.rank_, "newton_iterations": clf.newton_iterations_, "history": clf.history_,
                      "hyperparameters": {"lengthscale": float(kernel.base_kernel.lengthscale.detach()),
                                          "outputscale": float(kernel.outputscale.detach())}},
-           "svgp_minibatch": {"batch": args.batch, "rows": mini, "seconds_to_gpnys_accuracy": reached(mini, acc)},
+           "svgp_minibatch": {"batch": args.batch, "lr": args.svgp_lr, "rows": mini,
+                              "seconds_to_gpnys_accuracy": reached(mini, acc)},
            "svgp_full_batch": {"rows": full, "seconds_to_gpnys_accuracy": reached(full, acc)}}
     print(f"{desc}: n = {Xtr.shape[0]}, {Xte.shape[0]} test rows, Matérn-3/2, m = {args.m}")
     print(f"{'method':<34}{'seconds':>10}{'test acc':>10}{'to gpnys acc (s)':>18}{'gpnys / it':>12}")
