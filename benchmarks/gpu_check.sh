@@ -20,6 +20,10 @@
 #          float32, with the cutoff; `gpu.py --parts mll --synthetic-sizes 10000000`);
 #   late   one value + gradient at 10^6 points at the hyperparameters that end the 50-step fit (l 3.73,
 #          outputscale 0.040, noise 0.0078) with AFN ranks 500 and 2000 (`gpu.py --afn-ks`), about 2 minutes;
+#   laplace  Laplace GP classification at n = 10^6 (synthetic3d labelled by its median target, Matérn-3/2, float32):
+#          `gpnys classify` with the exact kernel (AFN-preconditioned CG on the Triton products with the cutoff,
+#          5 Adam steps) and on the Nyström kernel of 1 000 landmarks (`--reduced 1000`, 30 Adam steps on 50 000
+#          rows), each with its test accuracy on 2 000 rows; alone on the GPU, a few minutes;
 #   suite  the `cuda` test suite (in the background, beside the fit; after `speed`, on its own);
 #   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
 #   paths  every other public path at 10^6 (`gpu.py --parts paths`);
@@ -33,6 +37,7 @@
 # resumes at its last step, clock included. FIT_ARGS adds gpu.py arguments (a CPU test: "--device cpu
 # --fit-1e6-n 2000 --fit-1e6-steps 4").
 #   LIMIT=300 PARTS=mll,suite bash benchmarks/gpu_check.sh              # the MLL rows, then the cuda suite
+#   LIMIT=400 PARTS=laplace bash benchmarks/gpu_check.sh                # Laplace classification at 10^6
 #   LIMIT=560 PARTS=speed,suite bash benchmarks/gpu_check.sh            # the speed rows, then the cuda suite
 #   LIMIT=540 DETACH=1 PARTS=suite,fit bash benchmarks/gpu_check.sh      # call 1
 #   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
@@ -81,6 +86,14 @@ case $PARTS in *late*)
   timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes '' --synthetic-sizes 1000000 \
       --mll-methods gpnys --afn-ks 500,2000 --lengthscale 3.73 --outputscale 0.040 --noise 0.0078 \
       --max-seconds 200 --out "$OUT/gpu_mll_1e6_late.json" > "$OUT/mll_1e6_late.log" 2>&1
+esac
+case $PARTS in *laplace*)
+  for extra in "--steps 5" "--steps 30 --reduced 1000 --subsample 50000"; do
+    tag=$([ "${extra#*reduced}" != "$extra" ] && echo reduced || echo exact)
+    timeout "$(left)" python -u -m gpnys.cli.main classify --data synthetic3d --n 1000000 --n-test 2000 \
+        --no-standardize --kernel matern32 --lengthscale 1 --dtype float32 --device cuda $extra --json \
+        > "$OUT/classify_1e6_$tag.json" 2> "$OUT/classify_1e6_$tag.log"
+  done
 esac
 case $PARTS in *mll*)
   timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes 200000,1000000 \
