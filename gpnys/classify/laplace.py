@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
-from gpnys.classify.likelihoods import LIKELIHOODS, LaplaceLikelihood
+from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
 from gpnys.collectives import resolve_group
 from gpnys.gp.estimator import slq_terms
 from gpnys.gp.settings import GP_DEFAULTS
@@ -35,7 +35,7 @@ from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import DIAG_PRECONDITIONERS, make_preconditioner
 from gpnys.solvers.pcg import pcg
 
-__all__ = ["LaplaceGP", "LaplaceGPClassifier"]
+__all__ = ["LaplaceGP", "LaplaceGPClassifier", "BernoulliClassifier", "halve_step"]
 
 #: the floor on ``W = π(1 - π)``: where a probability rounds to 0 or 1, ``W`` underflows and ``W⁻¹`` (the
 #: preconditioner's shift) and ``W^{-½}`` would be infinite; clamping changes the Hessian used by a Newton step
@@ -53,6 +53,19 @@ REBUILD_GROWTH = 1.5
 #: solves to ``min(NEWTON_FORCING, sqrt(|r_k| / |r_0|))`` (at least ``cg_tolerance``) with ``r = ∇ log p - a`` the
 #: mode's residual, which keeps Newton's convergence superlinear at a fraction of the CG iterations
 NEWTON_FORCING = 1e-2
+
+
+def halve_step(objective: Callable[[float], float], value: float, slack: float) -> tuple[float, float] | None:
+    """Step halving, R&W Algorithm 3.1's safeguard: the first step ``t = 1, ½, ¼, …`` (30 at most) whose
+    ``objective(t)`` is at least ``value - slack``, and that objective; ``None`` when none is (no ascent left at this
+    precision: the mode)."""
+    step = 1.0
+    for _ in range(30):
+        new = objective(step)
+        if new >= value - slack:
+            return step, new
+        step /= 2
+    return None
 
 
 
@@ -130,12 +143,7 @@ class LaplaceGP:
                  lr: float = 0.1, group: Any = None) -> None:
         if not isinstance(kernel, gpytorch.kernels.Kernel):
             raise ValueError(f"kernel must be a GPyTorch kernel, got {type(kernel).__name__}")
-        if isinstance(likelihood, str) and likelihood in LIKELIHOODS:
-            likelihood = LIKELIHOODS[likelihood]()
-        if not isinstance(likelihood, LaplaceLikelihood):
-            raise ValueError(f"likelihood must be one of {sorted(LIKELIHOODS)} or a LaplaceLikelihood, got "
-                             f"{likelihood!r}")
-        self.likelihood = likelihood
+        self.likelihood = resolve_likelihood(likelihood)
         if method not in DIAG_PRECONDITIONERS:
             raise ValueError(f"method must be one of {DIAG_PRECONDITIONERS}, got {method!r}")
         self.kernel, self.method = kernel, method
@@ -189,11 +197,7 @@ class LaplaceGP:
         """Posterior mode (R&W Algorithm 3.1, Newton's method on eq. (3.18)) and log marginal likelihood
         (eq. (3.32)), after ``optimizer_steps`` Adam steps on the hyperparameters. ``X: (n, d)``, ``y: (n,)`` in the
         likelihood's support (0/1 or bool labels; counts). Returns ``self``."""
-        validate_points(X, "X")
-        if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.shape[0] != X.shape[0]:
-            raise ValueError(f"y must be a 1-D tensor of {X.shape[0]} observations, got "
-                             f"{getattr(y, 'shape', type(y))}")
-        yv = self.likelihood.check(y.to(torch.float64) if y.dtype == torch.bool else y)
+        yv = check_observations(X, y, self.likelihood)
         self.likelihood.to(computation_dtype(self.kernel, X), X.device)
         params = [p for p in self.kernel.parameters() if p.requires_grad] + self.likelihood.parameters()
         self.history_: list[dict] = []
@@ -257,17 +261,14 @@ class LaplaceGP:
             self.newton_iterations_ += 1
             # step halving while the objective Ψ = log p(y|f) - ½ aᵀf (Algorithm 3.1 line 8) decreases (a
             # safeguard; a and f = K a are linear in the step, so halving costs no product)
-            step = 1.0
-            for _ in range(30):
-                a_new, f_new = a + step * da, f + step * df
-                psi_new = float(self.likelihood.log_prob(f_new, self._y) - 0.5 * (a_new * f_new).sum())
-                if psi_new >= psi - slack * (abs(psi) + n):
-                    break
-                step /= 2
-            else:
+            halved = halve_step(lambda t: float(self.likelihood.log_prob(f + t * df, self._y)
+                                                - 0.5 * ((a + t * da) * (f + t * df)).sum()),
+                                psi, slack * (abs(psi) + n))
+            if halved is None:
                 break  # no ascent left at this precision: the mode
+            step, psi = halved
             change = float((step * df).abs().max())
-            a, f, psi = a_new, f_new, psi_new
+            a, f = a + step * da, f + step * df
             if change <= self.newton_tol * max(1.0, float(f.abs().max())):
                 break
         self._state(f)  # a fresh P at the mode: log det B's and the gradient's probes
@@ -433,7 +434,31 @@ class LaplaceGP:
             return self.likelihood.moments(mean, var)
 
 
-class LaplaceGPClassifier(LaplaceGP):
+class BernoulliClassifier:
+    """Binary labels (0/1) for a Laplace model whose ``predict_latent`` gives latent means and variances: the
+    Bernoulli likelihood with ``link`` ``"logit"`` (R&W eq. (3.15), :class:`~gpnys.classify.likelihoods.Bernoulli`)
+    or ``"probit"`` (eq. (3.16), :class:`~gpnys.classify.likelihoods.BernoulliProbit`), and class probabilities.
+    Mixed in before the model (``class C(BernoulliClassifier, Model)``), whose other arguments it passes on."""
+
+    def __init__(self, kernel: gpytorch.kernels.Kernel, *, link: str = "logit", **kwargs) -> None:
+        if "likelihood" in kwargs:
+            raise ValueError(f"likelihood: {type(self).__name__} is Bernoulli; the model it extends takes other "
+                             "likelihoods")
+        if link not in ("logit", "probit"):
+            raise ValueError(f"link must be 'logit' or 'probit', got {link!r}")
+        self.link = link
+        super().__init__(kernel, likelihood="bernoulli" if link == "logit" else "bernoulli_probit", **kwargs)
+
+    def predict_proba(self, X: torch.Tensor) -> torch.Tensor:
+        """Class probabilities ``(m, 2)`` (columns: class 0, class 1): the averaged predictive probability
+        (R&W eq. (3.25)), for the logit link by MacKay's probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W
+        §3.4.2), for the probit link exactly, ``Φ(μ / √(1 + v))``."""
+        with torch.no_grad():
+            p1, _ = self.likelihood.moments(*self.predict_latent(X))
+        return torch.stack([1 - p1, p1], 1)
+
+
+class LaplaceGPClassifier(BernoulliClassifier, LaplaceGP):
     """Laplace-approximate GP binary classifier (labels 0/1; R&W §3.4): :class:`LaplaceGP` with the Bernoulli
     likelihood, class probabilities and labels. ``link``: ``"logit"`` (R&W eq. (3.15),
     :class:`~gpnys.classify.likelihoods.Bernoulli`) or ``"probit"`` (eq. (3.16),
@@ -454,22 +479,6 @@ class LaplaceGPClassifier(LaplaceGP):
         >>> bool((clf.predict(X) == y).double().mean() > 0.9)
         True
     """
-
-    def __init__(self, kernel: gpytorch.kernels.Kernel, *, link: str = "logit", **kwargs) -> None:
-        if "likelihood" in kwargs:
-            raise ValueError("likelihood: LaplaceGPClassifier is Bernoulli; use LaplaceGP for other likelihoods")
-        if link not in ("logit", "probit"):
-            raise ValueError(f"link must be 'logit' or 'probit', got {link!r}")
-        self.link = link
-        super().__init__(kernel, likelihood="bernoulli" if link == "logit" else "bernoulli_probit", **kwargs)
-
-    def predict_proba(self, X: torch.Tensor) -> torch.Tensor:
-        """Class probabilities ``(m, 2)`` (columns: class 0, class 1): the averaged predictive probability
-        (R&W eq. (3.25)), for the logit link by MacKay's probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W
-        §3.4.2), for the probit link exactly, ``Φ(μ / √(1 + v))``."""
-        with torch.no_grad():
-            p1, _ = self.likelihood.moments(*self.predict_latent(X))
-        return torch.stack([1 - p1, p1], 1)
 
     def predict(self, X: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Labels ``(m,)`` (0/1, long): the sign of the latent mean, the more probable class (R&W §3.4.2)."""

@@ -15,9 +15,10 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from gpnys.checks import validate_positive
+from gpnys.checks import validate_points, validate_positive
 
-__all__ = ["LaplaceLikelihood", "Bernoulli", "BernoulliProbit", "Poisson", "StudentT", "LIKELIHOODS"]
+__all__ = ["LaplaceLikelihood", "Bernoulli", "BernoulliProbit", "Poisson", "StudentT", "LIKELIHOODS",
+           "resolve_likelihood", "check_observations"]
 
 
 class LaplaceLikelihood(ABC):
@@ -236,3 +237,22 @@ class StudentT(LaplaceLikelihood):
 #: the likelihoods by name
 LIKELIHOODS: dict[str, type[LaplaceLikelihood]] = {"bernoulli": Bernoulli, "bernoulli_probit": BernoulliProbit,
                                                    "poisson": Poisson, "studentt": StudentT}
+
+
+def resolve_likelihood(likelihood: str | LaplaceLikelihood) -> LaplaceLikelihood:
+    """A :class:`LaplaceLikelihood` from a name in :data:`LIKELIHOODS` or an instance; ``ValueError`` otherwise."""
+    if isinstance(likelihood, str) and likelihood in LIKELIHOODS:
+        likelihood = LIKELIHOODS[likelihood]()
+    if not isinstance(likelihood, LaplaceLikelihood):
+        raise ValueError(f"likelihood must be one of {sorted(LIKELIHOODS)} or a LaplaceLikelihood, got "
+                         f"{likelihood!r}")
+    return likelihood
+
+
+def check_observations(X: torch.Tensor, y: torch.Tensor, likelihood: LaplaceLikelihood) -> torch.Tensor:
+    """``y`` ``(n,)`` for the points ``X`` ``(n, d)``, as a floating tensor in ``likelihood``'s support (booleans
+    become 0/1); a ``ValueError`` naming ``X`` or ``y`` otherwise."""
+    validate_points(X, "X")
+    if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.shape[0] != X.shape[0]:
+        raise ValueError(f"y must be a 1-D tensor of {X.shape[0]} observations, got {getattr(y, 'shape', type(y))}")
+    return likelihood.check(y.to(torch.float64) if y.dtype == torch.bool else y)

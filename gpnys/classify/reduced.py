@@ -35,7 +35,8 @@ import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
-from gpnys.classify.likelihoods import LIKELIHOODS, LaplaceLikelihood
+from gpnys.classify.laplace import BernoulliClassifier, halve_step
+from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
 from gpnys.kernels.blocks import kernel_diag
 from gpnys.kernels.entries import computation_dtype
 from gpnys.landmarks.rules import METHODS, select
@@ -81,15 +82,20 @@ class ReducedLaplaceGP:
 
     Example:
         >>> import gpytorch, torch
-        >>> from gpnys.classify import ReducedLaplaceGP
+
+        Regression with Student-t noise, robust to a few outliers:
+
+        >>> from gpnys.classify import ReducedLaplaceGP, StudentT
         >>> g = torch.Generator().manual_seed(0)
-        >>> X = torch.rand(300, 1, dtype=torch.float64, generator=g)
-        >>> y = torch.poisson(torch.exp(1 + torch.sin(6 * X[:, 0])), generator=g)
+        >>> X = torch.rand(500, 1, dtype=torch.float64, generator=g)
+        >>> y = torch.sin(6 * X[:, 0]) + 0.1 * torch.randn(500, dtype=torch.float64, generator=g)
+        >>> y[::25] += 3.0                                      # 4 % outliers
         >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
-        >>> kernel.base_kernel.lengthscale, kernel.outputscale = 0.2, 1.0
-        >>> gp = ReducedLaplaceGP(kernel, likelihood="poisson", m=30).fit(X, y)
-        >>> mean, var = gp.predict(X[:3])                       # expected counts and their variances
-        >>> bool(((mean - torch.exp(1 + torch.sin(6 * X[:3, 0]))).abs() < 1.5).all())
+        >>> kernel.base_kernel.lengthscale = 0.2
+        >>> likelihood = StudentT(df=4.0, scale=0.1)
+        >>> gp = ReducedLaplaceGP(kernel, likelihood=likelihood, m=40, landmarks="fps").fit(X, y)
+        >>> mean, _ = gp.predict(X)
+        >>> bool((mean - torch.sin(6 * X[:, 0])).abs().max() < 0.2)
         True
     """
 
@@ -99,11 +105,7 @@ class ReducedLaplaceGP:
                  optimizer_steps: int = 0, lr: float = 0.1, subsample: int | None = None, seed: int = 0) -> None:
         if not isinstance(kernel, gpytorch.kernels.Kernel):
             raise ValueError(f"kernel must be a GPyTorch kernel, got {type(kernel).__name__}")
-        if isinstance(likelihood, str) and likelihood in LIKELIHOODS:
-            likelihood = LIKELIHOODS[likelihood]()
-        if not isinstance(likelihood, LaplaceLikelihood):
-            raise ValueError(f"likelihood must be one of {sorted(LIKELIHOODS)} or a LaplaceLikelihood, got "
-                             f"{likelihood!r}")
+        likelihood = resolve_likelihood(likelihood)
         if isinstance(landmarks, torch.Tensor):
             validate_points(landmarks, "landmarks")
         elif landmarks not in METHODS:
@@ -125,15 +127,11 @@ class ReducedLaplaceGP:
     def fit(self, X: torch.Tensor, y: torch.Tensor) -> "ReducedLaplaceGP":
         """Landmarks, ``optimizer_steps`` Adam steps on the hyperparameters, then the mode, ``log q`` and its gradient
         on every row. ``X: (n, d)``, ``y: (n,)`` in the likelihood's support. Returns ``self``."""
-        validate_points(X, "X")
-        if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.shape[0] != X.shape[0]:
-            raise ValueError(f"y must be a 1-D tensor of {X.shape[0]} observations, got "
-                             f"{getattr(y, 'shape', type(y))}")
+        y = check_observations(X, y, self.likelihood)
         n = X.shape[0]
         dtype = computation_dtype(self.kernel, X)
         self.likelihood.to(dtype, X.device)
-        X = X.to(dtype)
-        y = self.likelihood.check(y.to(torch.float64) if y.dtype == torch.bool else y).to(dtype)
+        X, y = X.to(dtype), y.to(dtype)
         if self.subsample is not None and self.subsample > n:
             raise ValueError(f"subsample must be <= n = {n}, got {self.subsample}")
         self.landmarks_ = self._landmarks(X)
@@ -241,17 +239,13 @@ class ReducedLaplaceGP:
                 dw = torch.cholesky_solve((Phi.mT @ g - w)[:, None], L)[:, 0]
                 df = Phi @ dw
                 iterations += 1
-                step = 1.0
-                for _ in range(30):  # step halving while ψ decreases (as R&W Algorithm 3.1's safeguard)
-                    w_new, f_new = w + step * dw, f + step * df
-                    psi_new = float(lik.log_prob(f_new, y) - 0.5 * (w_new @ w_new))
-                    if psi_new >= psi - slack * (abs(psi) + n):
-                        break
-                    step /= 2
-                else:
+                halved = halve_step(lambda t: float(lik.log_prob(f + t * df, y) - 0.5 * ((w + t * dw) @ (w + t * dw))),
+                                    psi, slack * (abs(psi) + n))
+                if halved is None:
                     break  # no ascent left at this precision: the mode
+                step, psi = halved
                 change = float((step * df).abs().max())
-                w, f, psi = w_new, f_new, psi_new
+                w, f = w + step * dw, f + step * df
                 if change <= self.newton_tol * max(1.0, float(f.abs().max())):
                     break
         return w, iterations
@@ -282,7 +276,7 @@ class ReducedLaplaceGP:
             return self.likelihood.moments(mean, var)
 
 
-class ReducedLaplaceClassifier(ReducedLaplaceGP):
+class ReducedLaplaceClassifier(BernoulliClassifier, ReducedLaplaceGP):
     """Laplace GP binary classifier (labels 0/1) on the Nyström kernel: :class:`ReducedLaplaceGP` with the Bernoulli
     likelihood, class probabilities and labels. ``link``: ``"logit"`` (R&W eq. (3.15)) or ``"probit"``
     (eq. (3.16)). Other arguments as :class:`ReducedLaplaceGP`'s.
@@ -302,22 +296,6 @@ class ReducedLaplaceClassifier(ReducedLaplaceGP):
         >>> bool((clf.predict(X) == y).double().mean() > 0.9)
         True
     """
-
-    def __init__(self, kernel: gpytorch.kernels.Kernel, *, link: str = "logit", **kwargs) -> None:
-        if "likelihood" in kwargs:
-            raise ValueError("likelihood: ReducedLaplaceClassifier is Bernoulli; use ReducedLaplaceGP for other "
-                             "likelihoods")
-        if link not in ("logit", "probit"):
-            raise ValueError(f"link must be 'logit' or 'probit', got {link!r}")
-        self.link = link
-        super().__init__(kernel, likelihood="bernoulli" if link == "logit" else "bernoulli_probit", **kwargs)
-
-    def predict_proba(self, X: torch.Tensor) -> torch.Tensor:
-        """Class probabilities ``(nz, 2)`` (columns: class 0, class 1), as
-        :meth:`gpnys.classify.LaplaceGPClassifier.predict_proba` (R&W eq. (3.25), §3.4.2)."""
-        with torch.no_grad():
-            p1, _ = self.likelihood.moments(*self.predict_latent(X))
-        return torch.stack([1 - p1, p1], 1)
 
     def predict(self, X: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Labels ``(nz,)`` (0/1, long): the sign of the latent mean."""

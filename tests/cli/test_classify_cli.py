@@ -22,14 +22,20 @@ def run_json(args, capsys):
     return json.loads(capsys.readouterr().out)
 
 
-def test_record_matches_the_classifier_and_the_dense_reference(capsys):
-    rec = run_json(["--steps", "2", "--lengthscale", "2.0", "--k", "100"], capsys)
+def concrete_problem():
+    """The command's data (standardised inputs, labels above the median) and its kernel at ℓ = 2, outputscale 1."""
     ds = datasets.load("concrete", n=300, seed=0, standardize=False)
     X = ds.train_x
     X = (X - X.mean(0)) / X.std(0)
     y = (ds.train_y > ds.train_y.median()).double()
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
     kernel.base_kernel.lengthscale, kernel.outputscale = 2.0, 1.0
+    return X, y, kernel
+
+
+def test_record_matches_the_classifier_and_the_dense_reference(capsys):
+    rec = run_json(["--steps", "2", "--lengthscale", "2.0", "--k", "100"], capsys)
+    X, y, kernel = concrete_problem()
     clf = LaplaceGPClassifier(kernel, precond_options={"k": 100}, num_probes=32, optimizer_steps=2).fit(X, y)
     assert rec["log_marginal_likelihood"] == clf.log_marginal_likelihood_  # same seed, same run
     assert rec["lengthscale"] == kernel.base_kernel.lengthscale.detach().reshape(-1).tolist()
@@ -43,12 +49,7 @@ def test_record_matches_the_classifier_and_the_dense_reference(capsys):
 def test_reduced_record_matches_the_classifier_and_the_dense_reference(capsys):
     rec = run_json(["--steps", "3", "--lengthscale", "2.0", "--reduced", "40", "--landmarks", "fps", "--subsample",
                     "200"], capsys)
-    ds = datasets.load("concrete", n=300, seed=0, standardize=False)
-    X = ds.train_x
-    X = (X - X.mean(0)) / X.std(0)
-    y = (ds.train_y > ds.train_y.median()).double()
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
-    kernel.base_kernel.lengthscale, kernel.outputscale = 2.0, 1.0
+    X, y, kernel = concrete_problem()
     clf = ReducedLaplaceClassifier(kernel, m=40, landmarks="fps", optimizer_steps=3, subsample=200).fit(X, y)
     assert rec["log_marginal_likelihood"] == clf.log_marginal_likelihood_
     assert rec["std_error"] is None and rec["gradient_std_error"] is None and rec["reduced"] == 40
