@@ -1,7 +1,7 @@
 """Laplace GP classification at n = 50 000 on the CPU: the Nyström-kernel Laplace classifier against GPyTorch's
 variational classifier, by test accuracy against time.
 
-Run:  python benchmarks/classify_scale.py --threads 2      (n = 50 000; about 10 minutes on 2 cores)
+Run:  python benchmarks/classify_scale.py --threads 2      (n = 50 000; about 15 minutes on 2 cores)
       python benchmarks/classify_scale.py --quick          (n = 2 000; seconds; run by the test suite)
 
 Data: the synthetic set of ``nsl_svm.py`` (``sklearn.datasets.make_classification``: 20 inputs, 10 informative,

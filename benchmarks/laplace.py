@@ -123,7 +123,8 @@ def svgp(Xtr, ytr, Xte, yte, lengthscale: float, inducing: int, iters: int, ever
     torch.manual_seed(seed)
     Z = Xtr[torch.randperm(Xtr.shape[0])[:inducing]].clone()
     n = Xtr.shape[0]
-    order = torch.randperm(n)
+    batches = torch.Generator().manual_seed(seed)  # its own stream: the model's initialisation draws as before
+    order = torch.randperm(n, generator=batches)
     at = 0
 
     class Model(gpytorch.models.ApproximateGP):
@@ -148,7 +149,7 @@ def svgp(Xtr, ytr, Xte, yte, lengthscale: float, inducing: int, iters: int, ever
             rows_x, rows_y = Xtr, ytr
         else:
             if at + batch > n:
-                order, at = torch.randperm(n), 0
+                order, at = torch.randperm(n, generator=batches), 0
             idx = order[at : at + batch]
             at += batch
             rows_x, rows_y = Xtr[idx], ytr[idx]

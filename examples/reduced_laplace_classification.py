@@ -4,7 +4,7 @@ Run:  python examples/reduced_laplace_classification.py              (n = 20 000
       python examples/reduced_laplace_classification.py --n 2000 --m 100
 
 :class:`gpnys.classify.ReducedLaplaceClassifier` puts the Laplace approximation (Rasmussen & Williams 2006, §3.4)
-on the Nyström kernel of ``m`` k-means landmarks: Newton's method in the ``m``-dimensional weight space, the exact
+on the Nyström kernel of ``m`` k-means landmarks: Newton's method in the weight space of the kept rank, the exact
 ``log q`` and its gradient. Adam steps on a subsample of the rows move the length-scale and outputscale, then the
 mode is found on every row. The example prints how ``log q`` rose, the test accuracy and three class
 probabilities, on scikit-learn's ``make_moons`` (two interleaved half circles with noise).

@@ -251,8 +251,10 @@ def resolve_likelihood(likelihood: str | LaplaceLikelihood) -> LaplaceLikelihood
 
 def check_observations(X: torch.Tensor, y: torch.Tensor, likelihood: LaplaceLikelihood) -> torch.Tensor:
     """``y`` ``(n,)`` for the points ``X`` ``(n, d)``, as a floating tensor in ``likelihood``'s support (booleans
-    become 0/1); a ``ValueError`` naming ``X`` or ``y`` otherwise."""
+    become 0/1 in ``X``'s dtype); a ``ValueError`` naming ``X`` or ``y`` otherwise."""
     validate_points(X, "X")
     if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.shape[0] != X.shape[0]:
         raise ValueError(f"y must be a 1-D tensor of {X.shape[0]} observations, got {getattr(y, 'shape', type(y))}")
-    return likelihood.check(y.to(torch.float64) if y.dtype == torch.bool else y)
+    if y.dtype == torch.bool:
+        y = y.to(X.dtype if X.is_floating_point() else torch.get_default_dtype())
+    return likelihood.check(y)

@@ -1,7 +1,7 @@
 """Laplace-approximate GPs on a Nyström kernel: non-Gaussian likelihoods at ``O(n m s)`` a Newton step.
 
 The prior is the rank-``s`` Nyström kernel ``K̃ = K_nm K_mm⁺ K_mn = Φ Φᵀ`` of ``m`` landmarks, ``Φ = K_nm A``,
-``A = V_s Σ_s⁻¹`` from the eigendecomposition of ``K_mm`` ([SPA] Algorithm 1 step 3; [NSL] eq. (1)), that is
+``A = V_s Λ_s^{-½}`` from the eigendecomposition ``K_mm = V Λ Vᵀ`` ([SPA] Algorithm 1 step 3; [NSL] eq. (1)), that is
 ``f = Φ w`` with ``w ~ N(0, I_s)``: the LLA weight space ([SPA] §II-E) with a non-Gaussian likelihood in place of
 the Gaussian one. The Laplace approximation (Rasmussen & Williams 2006, §3.4) runs in that weight space:
 
@@ -12,12 +12,15 @@ the Gaussian one. The Laplace approximation (Rasmussen & Williams 2006, §3.4) r
 * its gradient in the hyperparameters is exact for this model (no probes) and comes from autograd through two
   first-order substitutions: ``ŵ`` enters ``ψ`` held fixed (``∂ψ/∂w = 0`` at the mode) and enters ``log det H``
   through ``ŵ + H⁻¹ ∇_w ψ(ŵ; θ)``, whose derivative is the implicit one, ``dŵ/dθ = H⁻¹ ∂_θ ∇_w ψ`` (R&W §5.5.1
-  in weight space); ``Φ`` enters as ``K_nm A (Aᵀ K_mm A)^{-½}`` at fixed ``A`` (the value is ``K_nm A``, and
-  ``A (Aᵀ K_mm A)⁻¹ Aᵀ = K_mm⁻¹`` when no direction is cut off, so the derivative is the Nyström kernel's);
+  in weight space); ``Φ`` enters with the derivative of ``K_nm V_s Λ_s^{-½}``: that of ``K_nm A (Aᵀ K_mm A)^{-½}``
+  at fixed ``A`` within the kept eigen-directions, plus their turn towards the dropped ones, ``dV_s = V_⊥ M``,
+  ``M_jk = v_jᵀ dK_mm v_k / (λ_k − λ_j)`` (first-order eigenvector perturbation; the truncated kernel has no
+  derivative where a kept and a dropped eigenvalue meet);
 * latent predictions ``μ* = φ*ᵀ ŵ`` and ``v* = φ*ᵀ H⁻¹ φ*`` (SoR), plus the projection residual
   ``k** − |φ*|² ≥ 0`` (DTC, the default), as :class:`~gpnys.reduced.lla.LLAPosterior`.
 
-Cost: ``O(n m d)`` for ``K_nm``, ``O(n m s + m³)`` for ``Φ`` and ``O(n s² + s³)`` a Newton step, ``O(n m)`` memory;
+Cost: ``O(n m d)`` for ``K_nm``, ``O(n m s + m³)`` for ``Φ`` and ``O(n s² + s³)`` a Newton step; memory about two
+``n × m`` buffers, nine while differentiating;
 the exact engine (:class:`~gpnys.classify.LaplaceGP`) costs ``O(n²)`` a kernel product. Training may run on a
 seeded subsample of the rows (``subsample``): the hyperparameters move on ``subsample`` rows, then the mode,
 ``log q`` and its gradient are computed on all of them.
@@ -58,7 +61,7 @@ class ReducedLaplaceGP:
             with ``optimizer_steps > 0``.
         likelihood: a name in :data:`~gpnys.classify.likelihoods.LIKELIHOODS` or a
             :class:`~gpnys.classify.likelihoods.LaplaceLikelihood`.
-        m: landmarks (default ``min(500, n)``); at most n.
+        m: landmarks (default ``min(500, n)``, or the rows of a ``landmarks`` tensor); at most n.
         landmarks: a rule of :func:`gpnys.landmarks.select` (``"kmeans"``, ``"fps"``, ``"uniform"``), chosen once on
             the training rows, or an ``(m, d)`` tensor of landmarks.
         rank: keep the top ``rank`` eigen-directions of ``K_mm`` ([NSL] truncation); default: every one above
@@ -68,13 +71,13 @@ class ReducedLaplaceGP:
         variance: ``"dtc"`` (default) or ``"sor"`` latent predictive variances (module docstring).
         max_newton: Newton steps at most. newton_tol: stop once a step changes no ``f_i`` by more than
             ``newton_tol * max(1, max|f|)``.
-        optimizer_steps: Adam steps on ``-log q / n`` before the final fit (0: keep the hyperparameters). lr: Adam's
-            learning rate. subsample: train on this many seeded rows (``None``: all rows); the final mode,
-            ``log q`` and gradient use every row.
-        seed: seeds the landmark rule and the subsample (same seed, same results).
+        optimizer_steps: Adam steps on ``-log q / n`` before the final fit (0: keep the hyperparameters); each
+            step's Newton iteration starts at the previous mode. lr: Adam's learning rate. subsample: train on this
+            many seeded rows (``None``: all rows); the final mode, ``log q`` and gradient use every row.
+        seed: seeds the landmark rule and the subsample (same seed and device, same results).
 
     Attributes (after :meth:`fit`):
-        landmarks_: ``(m, d)``. rank_: kept directions ``s``. dropped_: directions cut off.
+        landmarks_: ``(m, d)``. rank_: kept directions ``s``. dropped_: ``m − s``, the directions not kept.
         w_: ``(s,)`` the mode in weight space. f_hat_: ``(n,)`` the latent mode ``Φ ŵ``.
         log_marginal_likelihood_: float. mll_gradient_: ``{raw parameter name: tensor}``, ``∂ log q / ∂θ``.
         newton_iterations_: int (the final fit). history_: one ``{"step", "log_marginal_likelihood",
@@ -108,6 +111,8 @@ class ReducedLaplaceGP:
         likelihood = resolve_likelihood(likelihood)
         if isinstance(landmarks, torch.Tensor):
             validate_points(landmarks, "landmarks")
+            if m is not None and m != landmarks.shape[0]:
+                raise ValueError(f"m = {m} disagrees with the {landmarks.shape[0]} landmarks given; leave m out")
         elif landmarks not in METHODS:
             raise ValueError(f"landmarks must be one of {METHODS} or an (m, d) tensor, got {landmarks!r}")
         if variance not in VARIANCES:
@@ -115,7 +120,9 @@ class ReducedLaplaceGP:
         self.kernel, self.likelihood, self.landmarks, self.variance = kernel, likelihood, landmarks, variance
         self.m = None if m is None else validate_count(m, "m", 1)
         self.rank = None if rank is None else validate_count(rank, "rank", 1)
-        self.rtol = None if rtol is None else validate_positive(rtol, "rtol")
+        if rtol is not None and not 0 < float(rtol) < 1:
+            raise ValueError(f"rtol must be in (0, 1), got {rtol}")
+        self.rtol = None if rtol is None else float(rtol)
         self.max_newton = validate_count(max_newton, "max_newton", 1)
         self.newton_tol = validate_positive(newton_tol, "newton_tol")
         self.optimizer_steps = validate_count(optimizer_steps, "optimizer_steps", 0)
@@ -137,7 +144,10 @@ class ReducedLaplaceGP:
         self.landmarks_ = self._landmarks(X)
         params = [p for p in self.kernel.parameters() if p.requires_grad] + self.likelihood.parameters()
         self.history_: list[dict] = []
-        w = None
+        if self.optimizer_steps and not params:
+            warnings.warn(f"{type(self).__name__}: optimizer_steps = {self.optimizer_steps} but neither the kernel nor "
+                          "the likelihood has a trainable parameter; no step is taken", UserWarning, stacklevel=2)
+        beta = None  # the last mode as landmark coefficients A ŵ: a warm start in any later basis
         if self.optimizer_steps and params:
             rows = X, y
             if self.subsample is not None and self.subsample < n:
@@ -146,14 +156,14 @@ class ReducedLaplaceGP:
                 rows = X[idx], y[idx]
             opt = torch.optim.Adam(params, lr=self.lr)
             for step in range(self.optimizer_steps):
-                log_q, w, iterations = self._evaluate(*rows, w, differentiable=True)
+                log_q, beta, iterations = self._evaluate(*rows, beta, differentiable=True)
                 self.history_.append({"step": step, "log_marginal_likelihood": float(log_q.detach()),
                                       "newton_iterations": iterations})
                 opt.zero_grad()
                 (-log_q / rows[0].shape[0]).backward()
                 opt.step()
-            w = w if rows[0] is X else None  # the subsample's mode is no start for every row's
-        log_q, self.w_, self.newton_iterations_ = self._evaluate(X, y, w, differentiable=bool(params))
+            beta = beta if rows[0] is X else None  # the subsample's mode is no start for every row's
+        log_q, _, self.newton_iterations_ = self._evaluate(X, y, beta, differentiable=bool(params))
         self.log_marginal_likelihood_ = float(log_q.detach())
         named = [(name, p) for name, p in self.kernel.named_parameters() if p.requires_grad]
         named += self.likelihood.named_parameters()
@@ -163,6 +173,9 @@ class ReducedLaplaceGP:
         with torch.no_grad():
             self.f_hat_ = self._Phi @ self.w_
         self._X, self._y = X, y
+        if self.newton_iterations_ >= self.max_newton:
+            warnings.warn(f"{type(self).__name__}: Newton's method stopped at max_newton = {self.max_newton} steps "
+                          "before the mode moved less than newton_tol", NumericalWarning, stacklevel=2)
         return self
 
     def _landmarks(self, X: torch.Tensor) -> torch.Tensor:
@@ -185,21 +198,34 @@ class ReducedLaplaceGP:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NumericalWarning)
             fmap = NystromFeatureMap(self.kernel, C, rank=self.rank, rtol=rtol)
-        self.rank_, self.dropped_ = fmap.s, fmap.dropped
+        self.rank_, self.dropped_ = fmap.s, C.shape[0] - fmap.s
         return fmap
 
-    def _evaluate(self, X: torch.Tensor, y: torch.Tensor, w0: torch.Tensor | None,
+    def _evaluate(self, X: torch.Tensor, y: torch.Tensor, beta0: torch.Tensor | None,
                   differentiable: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(log q, ŵ, Newton steps)`` on the rows ``X``, ``y``; ``log q`` carries the exact gradient when
-        ``differentiable`` (module docstring)."""
+        """``(log q, A ŵ, Newton steps)`` on the rows ``X``, ``y``, Newton started at the landmark coefficients
+        ``beta0`` (``A ŵ`` of an earlier basis; ``None``: zero); ``log q`` carries the exact gradient when
+        ``differentiable`` (module docstring); keeps ``ŵ`` as ``w_``."""
         fmap = self._features()
-        A, C = fmap.A, self.landmarks_
+        A, C, s = fmap.A, self.landmarks_, fmap.s
         with torch.set_grad_enabled(differentiable):
-            Phi = self.kernel(X, C).to_dense() @ A
-            if differentiable:  # value K_nm A, derivative that of K_nm A (Aᵀ K_mm A)^{-½} at fixed A
-                S = A.mT @ self.kernel(C, C).to_dense() @ A
-                Phi = Phi - 0.5 * Phi.detach() @ (S - S.detach())
+            K_nm = self.kernel(X, C).to_dense()
+            Phi = K_nm @ A
+            Q = self.kernel(C, C).to_dense()
+            if differentiable:
+                # value K_nm A; derivative that of K_nm V_s Λ_s^{-½}: within the kept eigen-directions that of
+                # K_nm A (Aᵀ K_mm A)^{-½} at fixed A, and their turn towards the dropped ones, dV_s = V_⊥ M with
+                # M_jk = v_jᵀ dK_mm v_k / (λ_k − λ_j) (first-order eigenvector perturbation)
+                dQ = Q - Q.detach()
+                S = A.mT @ dQ @ A
+                Phi = Phi - 0.5 * Phi.detach() @ S
+                if s < C.shape[0]:
+                    lam = fmap.eigenvalues.to(A)
+                    V_kept, V_drop = (fmap.eigenvectors[:, :s].to(A), fmap.eigenvectors[:, s:].to(A))
+                    M = (V_drop.mT @ dQ @ V_kept) / (lam[:s][None, :] - lam[s:][:, None])
+                    Phi = Phi + (K_nm.detach() @ V_drop) @ M / lam[:s].sqrt()
         P = Phi.detach()
+        w0 = None if beta0 is None else A.mT @ (Q.detach() @ beta0)  # Aᵀ K_mm A = I: the same f in this basis
         w, iterations = self._mode(P, y, w0)
         lik = self.likelihood
         with torch.no_grad():
@@ -212,8 +238,8 @@ class ReducedLaplaceGP:
             else:
                 L_theta = L
             log_q = lik.log_prob(Phi @ w, y) - 0.5 * (w @ w) - L_theta.diagonal().log().sum()
-        self._fmap, self._Phi, self._L = fmap, P, L
-        return log_q, w, iterations
+        self._fmap, self._Phi, self._L, self.w_ = fmap, P, L, w
+        return log_q, A @ w, iterations
 
     @staticmethod
     def _cholesky_H(Phi: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
@@ -227,12 +253,14 @@ class ReducedLaplaceGP:
         lik = self.likelihood
         s = Phi.shape[1]
         n = Phi.shape[0]
-        slack = 64 * torch.finfo(Phi.dtype).eps
+        eps = torch.finfo(Phi.dtype).eps
+        slack = 64 * eps
+        tol = max(self.newton_tol, 64 * eps)  # a float32 mode does not settle below its rounding
         with torch.no_grad():
             w = Phi.new_zeros(s) if w0 is None or w0.shape != (s,) else w0.detach().clone()
             f = Phi @ w
             psi = float(lik.log_prob(f, y) - 0.5 * (w @ w))
-            iterations = 0
+            iterations, last = 0, math.inf
             for _ in range(self.max_newton):
                 g, W, _ = lik.derivatives(f, y)
                 L = self._cholesky_H(Phi, W)
@@ -243,11 +271,15 @@ class ReducedLaplaceGP:
                                     psi, slack * (abs(psi) + n))
                 if halved is None:
                     break  # no ascent left at this precision: the mode
-                step, psi = halved
+                step, psi_new = halved
                 change = float((step * df).abs().max())
                 w, f = w + step * dw, f + step * df
-                if change <= self.newton_tol * max(1.0, float(f.abs().max())):
+                gain, psi = psi_new - psi, psi_new
+                if change <= tol * max(1.0, float(f.abs().max())):
                     break
+                if change >= last and gain <= slack * (abs(psi) + n):
+                    break  # the steps no longer shrink and ψ no longer rises: the mode at this precision
+                last = change
         return w, iterations
 
     # ---- predictions ---------------------------------------------------------------------------------------

@@ -38,12 +38,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outputscale", type=float, default=1.0, help="initial outputscale")
     p.add_argument("--k", type=int, default=None, help="AFN landmarks (default min(500, n))")
     p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row (default min(30, n))")
-    p.add_argument("--probes", type=int, default=32, help="SLQ probes for log det B and the gradient's traces")
+    p.add_argument("--probes", type=int, default=None,
+                   help="SLQ probes for log det B and the gradient's traces (default 32)")
     p.add_argument("--n-test", type=int, default=None, help="a seeded subset of the test rows")
     p.add_argument("--reduced", type=int, default=None, metavar="M",
-                   help="Laplace on the Nyström kernel of M landmarks (ReducedLaplaceClassifier: O(n M²) a Newton step, "
-                        "exact log q and gradient) instead of the exact kernel")
-    p.add_argument("--landmarks", choices=("kmeans", "fps", "uniform"), default="kmeans",
+                   help="Laplace on the Nyström kernel of M landmarks (ReducedLaplaceClassifier: O(n M²) a Newton "
+                        "step, exact log q and gradient) instead of the exact kernel")
+    p.add_argument("--landmarks", choices=("kmeans", "fps", "uniform"), default=None,
                    help="--reduced's landmark rule (default kmeans)")
     p.add_argument("--subsample", type=int, default=None,
                    help="--reduced: run the Adam steps on this many seeded rows, then fit every row")
@@ -85,8 +86,16 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--k", args.k), ("--reduced", args.reduced), ("--subsample", args.subsample)):
         if value is not None and value > X.shape[0]:
             raise ValueError(f"{flag} must be <= n = {X.shape[0]}, got {value}")
-    if args.subsample is not None and args.reduced is None:
-        raise ValueError("--subsample needs --reduced")
+    if args.reduced is None:
+        for flag, value in (("--subsample", args.subsample), ("--landmarks", args.landmarks)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --reduced")
+    else:
+        for flag, value in (("--k", args.k), ("--w", args.w), ("--probes", args.probes)):
+            if value is not None:
+                raise ValueError(f"{flag} sets the exact kernel's preconditioner or probes; --reduced has none")
+        if rank_and_size()[1] > 1:
+            raise ValueError("--reduced runs in one process: its products are O(n M) and split no kernel")
     kernel = make_kernel(args.kernel).to(X)
     lengthscale = args.lengthscale
     if lengthscale is None:
@@ -99,11 +108,11 @@ def run(args: argparse.Namespace) -> int:
     options = {key: value for key, value in (("k", args.k), ("w", args.w)) if value is not None}
     t0 = time.perf_counter()
     if args.reduced is None:
-        clf = LaplaceGPClassifier(kernel, link=args.link, precond_options=options, num_probes=args.probes,
+        clf = LaplaceGPClassifier(kernel, link=args.link, precond_options=options, num_probes=args.probes or 32,
                                   seed=args.seed, optimizer_steps=args.steps, lr=args.lr,
                                   group=True if rank_and_size()[1] > 1 else None).fit(X, y)  # under torchrun
     else:
-        clf = ReducedLaplaceClassifier(kernel, link=args.link, m=args.reduced, landmarks=args.landmarks,
+        clf = ReducedLaplaceClassifier(kernel, link=args.link, m=args.reduced, landmarks=args.landmarks or "kmeans",
                                        optimizer_steps=args.steps, lr=args.lr, subsample=args.subsample,
                                        seed=args.seed).fit(X, y)
     exact = args.reduced is None
@@ -114,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     record = {
         "data": ds.describe(), "labels": args.labels, "n": X.shape[0], "n_test": Xt.shape[0], "kernel": args.kernel,
         "link": args.link, "steps": args.steps, "seed": args.seed, "reduced": args.reduced,
-        "landmarks": None if exact else args.landmarks, "subsample": args.subsample,
+        "landmarks": None if exact else args.landmarks or "kmeans", "subsample": args.subsample,
+        "rank": None if exact else clf.rank_,
         "log_marginal_likelihood": clf.log_marginal_likelihood_, "std_error": clf.mll_std_error_ if exact else None,
         "gradient": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_.items()},
         "gradient_std_error": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_std_error_.items()}
@@ -129,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json(record)
         return 0
     print(f"data: {record['data']}; labels: {args.labels}"
-          + ("" if exact else f"; Nyström kernel of {args.reduced} {args.landmarks} landmarks (rank {clf.rank_})"))
+          + ("" if exact else f"; Nyström kernel of {args.reduced} {record['landmarks']} landmarks (rank {clf.rank_})"))
     error = f" ± {record['std_error']:.2g}" if exact else ""
     print(f"log q = {record['log_marginal_likelihood']:.4f}{error} after {args.steps} Adam steps "
           f"({train_s:.2f} s); length-scale {record['lengthscale']}, outputscale {record['outputscale']:.4g}")

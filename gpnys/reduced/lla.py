@@ -67,6 +67,8 @@ class NystromFeatureMap:
 
     Attributes:
         A: ``(m, s)``; s: kept directions; dropped: directions cut off as numerically zero.
+        eigenvalues, eigenvectors: ``(m,)`` and ``(m, m)``, the eigendecomposition of ``K_mm`` in descending order (at
+        least float64).
 
     Example:
         >>> import gpytorch, torch
@@ -107,6 +109,7 @@ class NystromFeatureMap:
                           NumericalWarning, stacklevel=3)
         s = int(keep.sum()) if rank is None else min(int(rank), int(keep.sum()))
         self.s = s
+        self.eigenvalues, self.eigenvectors = evals, V
         self.A = (V[:, :s] / evals[:s].sqrt()).to(landmarks.dtype)
 
     def cross(self, Z: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,57 @@ def test_every_point_a_landmark_is_the_exact_laplace():
     assert (gp.f_hat_ - ref.f).abs().max() < 1e-6
 
 
+def central_differences(fit, params, h=1e-6):
+    """``∂ log q / ∂p`` of ``fit()`` (a fitted model's log q) for every entry of ``params``, by central differences."""
+    out = []
+    for p in params:
+        flat = p.data.reshape(-1)
+        for i in range(flat.numel()):
+            old = float(flat[i])
+            flat[i] = old + h
+            up = fit().log_marginal_likelihood_
+            flat[i] = old - h
+            down = fit().log_marginal_likelihood_
+            flat[i] = old
+            out.append((up - down) / (2 * h))
+    return torch.tensor(out, dtype=F64)
+
+
+@pytest.mark.parametrize("case", ["rank", "duplicates"])
+def test_gradient_with_directions_cut_off_matches_central_differences(case):
+    """With directions of K_mm dropped (``rank=`` keeps the top 10 of 30; duplicated landmarks fall below ``rtol``)
+    the gradient includes the kept directions' turn towards the dropped ones."""
+    X, y = labels(150)
+    kernel = make_kernel()
+    C = select(X, 30, "fps")[0]
+    options = {"landmarks": C, "rank": 10} if case == "rank" else {"landmarks": torch.cat([C[:20], C[:10]])}
+    fit = lambda: ReducedLaplaceClassifier(kernel, newton_tol=1e-12, **options).fit(X, y)  # noqa: E731
+    clf = fit()
+    assert clf.dropped_ == (20 if case == "rank" else 10)
+    got = torch.cat([g.reshape(-1) for g in clf.mll_gradient_.values()])
+    expected = central_differences(fit, [p for p in kernel.parameters()])
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got, expected)
+
+
+def test_a_kernel_without_trainable_parameters_keeps_them_and_warns():
+    X, y = labels(100)
+    kernel = make_kernel()
+    for p in kernel.parameters():
+        p.requires_grad_(False)
+    with pytest.warns(UserWarning, match="has a trainable parameter; no step is taken"):
+        clf = ReducedLaplaceClassifier(kernel, m=20, optimizer_steps=3).fit(X, y)
+    assert clf.mll_gradient_ == {} and clf.history_ == []
+    assert float(kernel.base_kernel.lengthscale) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_newton_converges_in_both_precisions(dtype, recwarn):
+    X, y = labels(2000, dtype)
+    clf = ReducedLaplaceClassifier(make_kernel(dtype), m=100, landmarks="fps").fit(X, y)
+    assert 2 <= clf.newton_iterations_ <= 20 < clf.max_newton
+    assert not [w for w in recwarn if "max_newton" in str(w.message)]
+
+
 @pytest.mark.parametrize("variance", ["dtc", "sor"])
 def test_predictions_match_the_dense_laplace_on_the_nystrom_kernel(variance):
     X, y = labels(200)
@@ -135,7 +186,7 @@ def test_training_raises_log_q_and_the_subsample_path_runs():
     sub = ReducedLaplaceClassifier(make_kernel(lengthscale=1.0), m=40, landmarks="uniform", optimizer_steps=15,
                                    lr=0.1, subsample=200).fit(X, y)
     assert sub.log_marginal_likelihood_ > before.log_marginal_likelihood_ + 1.0
-    assert float(sub.kernel.base_kernel.lengthscale) < 1.0  # the subsample's steps moved the hyperparameters
+    assert float(sub.kernel.base_kernel.lengthscale.detach()) < 1.0  # the subsample's steps moved the hyperparameters
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
@@ -175,10 +226,14 @@ def test_bad_input_names_the_argument():
         ReducedLaplaceClassifier(k, m=60).fit(X, y)
     with pytest.raises(ValueError, match="subsample must be <= n"):
         ReducedLaplaceClassifier(k, m=10, subsample=60, optimizer_steps=1).fit(X, y)
+    with pytest.raises(ValueError, match="rank must be an integer in"):
+        ReducedLaplaceClassifier(k, m=10, rank=11).fit(X, y)
     with pytest.raises(ValueError, match="landmarks must have d = 2"):
         ReducedLaplaceClassifier(k, landmarks=torch.rand(5, 3, dtype=F64)).fit(X, y)
     for kwargs, match in (({"landmarks": "grid"}, "landmarks must be one of"), ({"variance": "fitc"}, "variance"),
-                          ({"link": "cauchit"}, "link"), ({"m": 0}, "m"), ({"lr": -1.0}, "lr"),
+                          ({"link": "cauchit"}, "link"), ({"m": 0}, "m must be >= 1"), ({"lr": -1.0}, "lr"),
+                          ({"rtol": 1.0}, r"rtol must be in \(0, 1\)"), ({"rank": 0}, "rank must be >= 1"),
+                          ({"m": 4, "landmarks": X[:5]}, "m = 4 disagrees"),
                           ({"likelihood": "poisson"}, "likelihood")):
         with pytest.raises(ValueError, match=match):
             ReducedLaplaceClassifier(k, **kwargs)

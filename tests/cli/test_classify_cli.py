@@ -53,6 +53,7 @@ def test_reduced_record_matches_the_classifier_and_the_dense_reference(capsys):
     clf = ReducedLaplaceClassifier(kernel, m=40, landmarks="fps", optimizer_steps=3, subsample=200).fit(X, y)
     assert rec["log_marginal_likelihood"] == clf.log_marginal_likelihood_
     assert rec["std_error"] is None and rec["gradient_std_error"] is None and rec["reduced"] == 40
+    assert rec["rank"] == clf.rank_ and rec["landmarks"] == "fps"
     with torch.no_grad():  # the dense Laplace on the same Nyström features
         Phi = clf._fmap(X)
         ref = float(dense_laplace(Phi @ Phi.mT, y).log_q)
@@ -78,6 +79,9 @@ def test_text_output(capsys):
     (["--reduced", "301"], "--reduced"),
     (["--reduced", "20", "--subsample", "400"], "--subsample"),
     (["--subsample", "100"], "--subsample"),
+    (["--landmarks", "fps"], "--landmarks"),
+    (["--reduced", "20", "--k", "50"], "--k"),
+    (["--reduced", "20", "--probes", "8"], "--probes"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, flag, capsys):
     with pytest.raises(SystemExit) as exc:
