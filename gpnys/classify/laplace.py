@@ -35,7 +35,7 @@ from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import DIAG_PRECONDITIONERS, make_preconditioner
 from gpnys.solvers.pcg import pcg
 
-__all__ = ["LaplaceGP", "LaplaceGPClassifier", "BernoulliClassifier", "halve_step"]
+__all__ = ["LaplaceGP", "LaplaceGPClassifier", "LaplacePredictions", "BernoulliClassifier", "halve_step"]
 
 #: the floor on ``W = π(1 - π)``: where a probability rounds to 0 or 1, ``W`` underflows and ``W⁻¹`` (the
 #: preconditioner's shift) and ``W^{-½}`` would be infinite; clamping changes the Hessian used by a Newton step
@@ -68,9 +68,37 @@ def halve_step(objective: Callable[[float], float], value: float, slack: float) 
     return None
 
 
+class LaplacePredictions:
+    """The predictions of a fitted Laplace model (:class:`LaplaceGP`, :class:`~gpnys.classify.ReducedLaplaceGP`)
+    from its ``_latent(X, variance)``: the latent mean ``(m,)`` and, with ``variance``, the latent variance ``(m,)``
+    (else ``None``) at points ``X`` ``(m, d)`` that :meth:`_check_points` accepted."""
+
+    def _check_points(self, Xs: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "f_hat_"):
+            raise RuntimeError(f"{type(self).__name__}: call fit first")
+        validate_points(Xs, "X")
+        if Xs.shape[1] != self._X.shape[1]:
+            raise ValueError(f"X must have {self._X.shape[1]} columns, got {Xs.shape[1]}")
+        return Xs.to(self._X.dtype)
+
+    def _latent(self, Xs: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def predict_latent(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent predictive mean and variance at ``X`` ``(m, d)``, each ``(m,)`` (the model's ``_latent``)."""
+        return self._latent(self._check_points(X), True)
+
+    def predict(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predictive mean and variance of the observation at ``X`` ``(m, d)``, each ``(m,)``, over the latent
+        Gaussian, by the likelihood's ``moments``: for counts the log-normal mixture's
+        (:meth:`~gpnys.classify.likelihoods.Poisson.moments`); for labels ``P(y = 1)`` by the probit approximation
+        and its Bernoulli variance; for Student-t noise the latent mean and ``v + σ² ν / (ν − 2)``."""
+        mean, var = self.predict_latent(X)
+        with torch.no_grad():
+            return self.likelihood.moments(mean, var)
 
 
-class LaplaceGP:
+class LaplaceGP(LaplacePredictions):
     """Laplace-approximate GP with a non-Gaussian likelihood (R&W §3.4): ``"bernoulli"`` (labels 0/1, logistic
     link; :class:`LaplaceGPClassifier` adds class probabilities) or ``"poisson"`` (counts, log link).
 
@@ -395,16 +423,10 @@ class LaplaceGP:
                                        for p, g in zip(params, got)]))
         return torch.stack(rows).detach()
 
-    # ---- predictions ---------------------------------------------------------------------------------------
-    def _check_points(self, Xs: torch.Tensor) -> torch.Tensor:
-        if not hasattr(self, "f_hat_"):
-            raise RuntimeError(f"{type(self).__name__}: call fit first")
-        validate_points(Xs, "X")
-        if Xs.shape[1] != self._X.shape[1]:
-            raise ValueError(f"X must have {self._X.shape[1]} columns, got {Xs.shape[1]}")
-        return Xs.to(self._X.dtype)
-
+    # ---- predictions (LaplacePredictions) -----------------------------------------------------------------
     def _latent(self, Xs: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Latent mean ``k*ᵀ ∇log p(y|f̂)`` (R&W eq. (3.21)) and variance ``k(x*, x*) - k*ᵀ (K + W⁻¹)⁻¹ k*``
+        (eq. (3.24))."""
         base, _ = split_outputscale(self.kernel)
         with torch.no_grad():
             Ks = self._s2 * evaluate(base, self._X, Xs).to(self._X.dtype)  # (n, m)
@@ -420,18 +442,6 @@ class LaplaceGP:
         """Latent predictive variance ``k(x*, x*) - k*ᵀ (K + W⁻¹)⁻¹ k*`` (R&W eq. (3.24)). ``X: (m, d)`` -> ``(m,)``"""
         return self._latent(self._check_points(X), True)[1]
 
-    def predict_latent(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent predictive mean (R&W eq. (3.21)) and variance (eq. (3.24)). ``X: (m, d)`` -> ``(m,)``, ``(m,)``"""
-        return self._latent(self._check_points(X), True)
-
-    def predict(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Predictive mean and variance of the observation at ``X`` ``(m, d)``, each ``(m,)``, over the latent
-        Gaussian (R&W eq. (3.21), (3.24)), by the likelihood's ``moments``: for counts the log-normal mixture's
-        (:meth:`~gpnys.classify.likelihoods.Poisson.moments`); for labels ``P(y = 1)`` by the probit approximation
-        and its Bernoulli variance; for Student-t noise the latent mean and ``v + σ² ν / (ν − 2)``."""
-        mean, var = self.predict_latent(X)
-        with torch.no_grad():
-            return self.likelihood.moments(mean, var)
 
 
 class BernoulliClassifier:
@@ -457,6 +467,12 @@ class BernoulliClassifier:
             p1, _ = self.likelihood.moments(*self.predict_latent(X))
         return torch.stack([1 - p1, p1], 1)
 
+    def predict(self, X: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Labels ``(m,)`` (0/1, long): the sign of the latent mean, the more probable class (R&W §3.4.2); no
+        variance is computed."""
+        mean, _ = self._latent(self._check_points(X), False)
+        return (mean > 0).long()
+
 
 class LaplaceGPClassifier(BernoulliClassifier, LaplaceGP):
     """Laplace-approximate GP binary classifier (labels 0/1; R&W §3.4): :class:`LaplaceGP` with the Bernoulli
@@ -479,8 +495,3 @@ class LaplaceGPClassifier(BernoulliClassifier, LaplaceGP):
         >>> bool((clf.predict(X) == y).double().mean() > 0.9)
         True
     """
-
-    def predict(self, X: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Labels ``(m,)`` (0/1, long): the sign of the latent mean, the more probable class (R&W §3.4.2)."""
-        mean, _ = self._latent(self._check_points(X), False)
-        return (mean > 0).long()

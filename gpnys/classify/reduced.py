@@ -38,7 +38,7 @@ import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
-from gpnys.classify.laplace import BernoulliClassifier, halve_step
+from gpnys.classify.laplace import BernoulliClassifier, LaplacePredictions, halve_step
 from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
 from gpnys.kernels.blocks import kernel_diag
 from gpnys.kernels.entries import computation_dtype
@@ -51,7 +51,7 @@ __all__ = ["ReducedLaplaceGP", "ReducedLaplaceClassifier"]
 DEFAULT_M = 500
 
 
-class ReducedLaplaceGP:
+class ReducedLaplaceGP(LaplacePredictions):
     """Laplace-approximate GP on the rank-``s`` Nyström kernel ``K̃ = Φ Φᵀ`` (module docstring): the mode, ``log q``
     (R&W eq. (3.32) for ``K̃``) and its exact gradient, with ``"bernoulli"`` (0/1 labels, logistic link),
     ``"bernoulli_probit"``, ``"poisson"`` or ``"studentt"`` likelihoods (:mod:`gpnys.classify.likelihoods`).
@@ -257,7 +257,7 @@ class ReducedLaplaceGP:
         slack = 64 * eps
         tol = max(self.newton_tol, 64 * eps)  # a float32 mode does not settle below its rounding
         with torch.no_grad():
-            w = Phi.new_zeros(s) if w0 is None or w0.shape != (s,) else w0.detach().clone()
+            w = Phi.new_zeros(s) if w0 is None else w0
             f = Phi @ w
             psi = float(lik.log_prob(f, y) - 0.5 * (w @ w))
             iterations, last = 0, math.inf
@@ -282,30 +282,20 @@ class ReducedLaplaceGP:
                 last = change
         return w, iterations
 
-    # ---- predictions ---------------------------------------------------------------------------------------
-    def predict_latent(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent predictive mean ``φ*ᵀ ŵ`` and variance ``φ*ᵀ H⁻¹ φ*`` (+ ``k** − |φ*|²`` for DTC) at ``X``
-        ``(nz, d)``; each ``(nz,)``."""
-        if not hasattr(self, "w_"):
-            raise RuntimeError(f"{type(self).__name__}: call fit first")
-        validate_points(X, "X")
-        if X.shape[1] != self._X.shape[1]:
-            raise ValueError(f"X must have {self._X.shape[1]} columns, got {X.shape[1]}")
-        X = X.to(self._X)
+    # ---- predictions (LaplacePredictions) -----------------------------------------------------------------
+    def _latent(self, X: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Latent mean ``φ*ᵀ ŵ`` and variance ``φ*ᵀ H⁻¹ φ*`` (+ ``k** − |φ*|²`` for DTC)."""
+        X = X.to(self._X.device)
         with torch.no_grad():
             phi = self._fmap(X)
+            mean = phi @ self.w_
+            if not variance:
+                return mean, None
             v = torch.linalg.solve_triangular(self._L, phi.mT, upper=False)
             var = v.square().sum(0)
             if self.variance == "dtc":
                 var = var + (kernel_diag(self.kernel, X) - phi.square().sum(1)).clamp_min(0.0)
-            return phi @ self.w_, var
-
-    def predict(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Predictive mean and variance of the observation at ``X`` ``(nz, d)``, each ``(nz,)``: the likelihood's
-        ``moments`` over the latent Gaussian (as :meth:`gpnys.classify.LaplaceGP.predict`)."""
-        mean, var = self.predict_latent(X)
-        with torch.no_grad():
-            return self.likelihood.moments(mean, var)
+            return mean, var
 
 
 class ReducedLaplaceClassifier(BernoulliClassifier, ReducedLaplaceGP):
@@ -328,7 +318,3 @@ class ReducedLaplaceClassifier(BernoulliClassifier, ReducedLaplaceGP):
         >>> bool((clf.predict(X) == y).double().mean() > 0.9)
         True
     """
-
-    def predict(self, X: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Labels ``(nz,)`` (0/1, long): the sign of the latent mean."""
-        return (self.predict_latent(X)[0] > 0).long()

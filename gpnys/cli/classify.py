@@ -86,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--k", args.k), ("--reduced", args.reduced), ("--subsample", args.subsample)):
         if value is not None and value > X.shape[0]:
             raise ValueError(f"{flag} must be <= n = {X.shape[0]}, got {value}")
-    if args.reduced is None:
+    exact = args.reduced is None
+    landmarks = None if exact else args.landmarks or "kmeans"
+    if exact:
         for flag, value in (("--subsample", args.subsample), ("--landmarks", args.landmarks)):
             if value is not None:
                 raise ValueError(f"{flag} needs --reduced")
@@ -107,15 +109,14 @@ def run(args: argparse.Namespace) -> int:
     kernel.outputscale = args.outputscale
     options = {key: value for key, value in (("k", args.k), ("w", args.w)) if value is not None}
     t0 = time.perf_counter()
-    if args.reduced is None:
+    if exact:
         clf = LaplaceGPClassifier(kernel, link=args.link, precond_options=options, num_probes=args.probes or 32,
                                   seed=args.seed, optimizer_steps=args.steps, lr=args.lr,
                                   group=True if rank_and_size()[1] > 1 else None).fit(X, y)  # under torchrun
     else:
-        clf = ReducedLaplaceClassifier(kernel, link=args.link, m=args.reduced, landmarks=args.landmarks or "kmeans",
+        clf = ReducedLaplaceClassifier(kernel, link=args.link, m=args.reduced, landmarks=landmarks,
                                        optimizer_steps=args.steps, lr=args.lr, subsample=args.subsample,
                                        seed=args.seed).fit(X, y)
-    exact = args.reduced is None
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     accuracy = float((clf.predict(Xt).to(yt.dtype) == yt).double().mean()) if yt.numel() else None
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     record = {
         "data": ds.describe(), "labels": args.labels, "n": X.shape[0], "n_test": Xt.shape[0], "kernel": args.kernel,
         "link": args.link, "steps": args.steps, "seed": args.seed, "reduced": args.reduced,
-        "landmarks": None if exact else args.landmarks or "kmeans", "subsample": args.subsample,
+        "landmarks": landmarks, "subsample": args.subsample,
         "rank": None if exact else clf.rank_,
         "log_marginal_likelihood": clf.log_marginal_likelihood_, "std_error": clf.mll_std_error_ if exact else None,
         "gradient": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_.items()},
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json(record)
         return 0
     print(f"data: {record['data']}; labels: {args.labels}"
-          + ("" if exact else f"; Nyström kernel of {args.reduced} {record['landmarks']} landmarks (rank {clf.rank_})"))
+          + ("" if exact else f"; Nyström kernel of {args.reduced} {landmarks} landmarks (rank {clf.rank_})"))
     error = f" ± {record['std_error']:.2g}" if exact else ""
     print(f"log q = {record['log_marginal_likelihood']:.4f}{error} after {args.steps} Adam steps "
           f"({train_s:.2f} s); length-scale {record['lengthscale']}, outputscale {record['outputscale']:.4g}")
