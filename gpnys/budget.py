@@ -31,8 +31,9 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["memory_budget", "block_elems", "block_rows", "block_bytes", "dense_limit_bytes", "DEFAULT_BLOCK_BYTES",
-           "DEFAULT_DENSE_BYTES", "CUDA_BLOCK_SHARE", "CUDA_MAX_BLOCK_BYTES", "CUDA_DENSE_SHARE"]
+__all__ = ["memory_budget", "block_elems", "block_rows", "fill_rows", "block_bytes", "dense_limit_bytes",
+           "DEFAULT_BLOCK_BYTES", "DEFAULT_DENSE_BYTES", "CUDA_BLOCK_SHARE", "CUDA_MAX_BLOCK_BYTES", "CUDA_DENSE_SHARE",
+           "CPU_FILL_BLOCK_BYTES"]
 
 DEFAULT_BLOCK_BYTES = 32 << 20
 DEFAULT_DENSE_BYTES = 4 << 30
@@ -42,6 +43,10 @@ CUDA_BLOCK_SHARE = 1 / 16
 CUDA_MAX_BLOCK_BYTES = 1 << 30
 #: on CUDA, the dense kernel cache may take this share of the device's free memory
 CUDA_DENSE_SHARE = 0.5
+#: on a CPU, the stored kernel is filled in blocks of at most this many bytes, so that its elementwise passes
+#: (distances, ``exp``, the derivative's matrix) run in the cache instead of streaming each pass through memory
+#: (docs/scaling.md, "Why the defaults are what they are")
+CPU_FILL_BLOCK_BYTES = 2 << 20
 _ENTRY_BYTES = 8
 
 #: ``None``: the device's default (module docstring)
@@ -127,3 +132,18 @@ def block_rows(width: int, cap: int | None = None, parts: int = 1, device: torch
     """Rows of ``width`` entries that fit in one block (:func:`block_elems`), at least 1 and at most ``cap``."""
     rows = max(1, block_elems(parts, device) // max(1, width))
     return rows if cap is None else max(1, min(cap, rows))
+
+
+def fill_rows(width: int, device: torch.device | str | None = None) -> int:
+    """Rows of ``width`` entries per block of an elementwise fill of a stored matrix: :func:`block_rows`, and on a
+    CPU at most :data:`CPU_FILL_BLOCK_BYTES` (at least 1).
+
+    Example:
+        >>> from gpnys.budget import fill_rows
+        >>> fill_rows(8000, "cpu")  # 2 MiB of float64 rows
+        32
+    """
+    rows = block_rows(width, device=device)
+    if device is None or torch.device(device).type == "cpu":
+        rows = max(1, min(rows, CPU_FILL_BLOCK_BYTES // (_ENTRY_BYTES * max(1, width))))
+    return rows

@@ -156,19 +156,19 @@ def slq_terms(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tenso
     return out[0], (out[0] - out[1]).abs()
 
 
-def _quadrature_test(n: int, share: float, tol_r: float) -> QuadratureTest:
+def _quadrature_test(n: int, share: float, tol_r: float, probes: int) -> QuadratureTest:
     """:func:`~gpnys.solvers.pcg.pcg`'s ``quadrature`` test for a first batch (column 0 the solve with ``r``, the
-    probes after it): converged once column 0 has met ``tol_r`` and the probes' mean truncation estimate
-    ``|ℓ_j^(m) - ℓ_j^(m-1)|`` (:func:`slq_terms`) is at most ``share`` of their standard error ``std(ℓ_j) / √t``
-    and at most half the step before's (a geometric decay: for ``log`` the Gauss rules converge from one side, so the
-    remaining error is then below the last step's), after at least 3 steps. It then adds ``√(1 + share²) - 1`` to
-    the loss's standard error at most (0.5 % at 0.1)."""
+    ``probes`` probes after it, then the mean's directions): converged once column 0 has met ``tol_r`` and the
+    probes' mean truncation estimate ``|ℓ_j^(m) - ℓ_j^(m-1)|`` (:func:`slq_terms`) is at most ``share`` of their
+    standard error ``std(ℓ_j) / √t`` and at most half the step before's (a geometric decay: for ``log`` the Gauss
+    rules converge from one side, so the remaining error is then below the last step's), after at least 3 steps. It
+    then adds ``√(1 + share²) - 1`` to the loss's standard error at most (0.5 % at 0.1)."""
 
     def done(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor, rel: torch.Tensor) -> bool:
-        steps = steps[1:]
+        steps = steps[1 : 1 + probes]
         if steps.numel() < 2 or int(steps.min()) < 3 or float(rel[0]) > tol_r:
             return False
-        T = (tridiagonal[0][:, 1:], tridiagonal[1][:, 1:])
+        T = (tridiagonal[0][:, 1 : 1 + probes], tridiagonal[1][:, 1 : 1 + probes])
         try:
             ell, inc = slq_terms(T, steps, n)
             _, before = slq_terms(T, steps - 1, n)
@@ -185,6 +185,37 @@ def _quadrature_test(n: int, share: float, tol_r: float) -> QuadratureTest:
 #: the first batch's probes estimate the log-determinant's share (their ``K̂ |u_j|`` ride along in the solve's last
 #: product)
 ROUNDING_FACTOR, ROUNDING_PROBES = 4.0, 4
+
+#: the solve with ``r`` runs to this share of the probes' CG tolerance with fresh probes; to the tighter one with
+#: common random numbers (``probe_seed``: a quasi-Newton optimiser's line searches need the estimate smooth in the
+#: hyperparameters) and where the mean has more than ``MEAN_DIRECTIONS`` parameter entries (:func:`_mean_directions`;
+#: docs/accuracy.md, "Where the error bars come from")
+Y_TOLERANCE_SHARE, Y_TOLERANCE_SHARE_TIGHT, MEAN_DIRECTIONS = 1e-1, 1e-2, 8
+
+
+def _mean_directions(mean: torch.Tensor, tensors: list[torch.Tensor],
+                     limit: int = MEAN_DIRECTIONS) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(D, index)``: the columns ``D = ∂m/∂θ_c`` (``(n, p)``) of the mean ``m`` (``(n,)``) for the ``p`` entries
+    ``index`` of the flattened ``tensors`` it depends on, by reverse-over-reverse (``g(u) = Dᵀu`` is linear in
+    ``u``); empty ``(n, 0)`` for a mean without parameters, ``None`` when ``p > limit``."""
+    n = mean.shape[-1]
+    empty = mean.new_zeros(n, 0), torch.zeros(0, dtype=torch.long, device=mean.device)
+    if not tensors or not mean.requires_grad:
+        return empty
+    u = torch.zeros(n, dtype=mean.dtype, device=mean.device, requires_grad=True)
+    g = torch.autograd.grad(mean, tensors, grad_outputs=u, create_graph=True, allow_unused=True)
+    entries, at = [], 0  # (flat index, g's entry) of every entry the mean depends on
+    for gi, p in zip(g, tensors):
+        if gi is not None and gi.requires_grad:
+            entries += [(at + c, v) for c, v in enumerate(gi.reshape(-1))]
+        at += p.numel()
+    if len(entries) > limit:
+        return None
+    if not entries:
+        return empty
+    cols = [torch.autograd.grad(v, u, retain_graph=True)[0] for _, v in entries]
+    index = torch.tensor([c for c, _ in entries], dtype=torch.long, device=mean.device)
+    return torch.stack(cols, 1).detach(), index
 
 
 def _rounding(X: torch.Tensor, Z: torch.Tensor, K_abs: torch.Tensor | None) -> float:
@@ -397,15 +428,23 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     target = settings.target_rel_error
     # the inverse quadratic's column rides along with the first probes (same kernel passes), at a tighter
     # tolerance: its gradient -a^T dK a is first order in the solve's error (at cg_tolerance it would be biased)
-    tol_r = 1e-2 * settings.cg_tolerance if target is None else min(target, 1e-2 * settings.cg_tolerance)
+    # the gradient's terms only where autograd will ask for them
+    params = _parameters(state.model) if torch.is_grad_enabled() else []
+    tensors = [p for _, p in params]
+    # the mean's gradient -aᵀ∂m is first order in the solve's error and has no probe term: its directions ∂m/∂θ
+    # ride in the first batch, and -aᵀ∂m - ρᵀK̂⁻¹∂m is second order (docs/accuracy.md); a mean with many parameters
+    # keeps the tighter solve instead
+    directions = _mean_directions(mvn.mean, tensors)
+    loose = directions is not None and settings.probe_seed is None
+    share = Y_TOLERANCE_SHARE if loose else Y_TOLERANCE_SHARE_TIGHT
+    D, d_index = directions if directions is not None else _mean_directions(mvn.mean, [])
+    tol_r = share * settings.cg_tolerance if target is None else min(target, share * settings.cg_tolerance)
+    mean_correction = None
     bound = 0.0
     iterations = 0
     a = inv_quad = None
     logdet_p = float(P.logdet() + n * torch.log(s2))
 
-    # the gradient's terms only where autograd will ask for them
-    params = _parameters(state.model) if torch.is_grad_enabled() else []
-    tensors = [p for _, p in params]
     reps = list(cov.representation())
     generator = None
     if settings.probe_seed is not None:
@@ -423,16 +462,17 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             Z = s2.sqrt() * P.sample(batch, generator=generator, distribution=settings.probes)
             counts["samples"] += batch
             first = a is None
-            rhs = torch.cat([r[:, None], Z], 1) if first else Z
+            rhs = torch.cat([r[:, None], Z, D], 1) if first else Z
             tols = torch.full((rhs.shape[1],), probe_tol, dtype=torch.float64)
             if first:
                 tols[0] = tol_r
+                tols[1 + batch :] = tol_r  # the mean's directions: their error meets the solve with r's
             # the floor lifts only in the first batch, and only once the solve with r has converged too: the probes'
             # solves then run as long as it (no pass of their own) instead of stopping at cg_tolerance, where their
             # bias in the gradient would show against the error bars; later batches (target_rel_error) keep the
             # floor
             quad = (None if settings.lanczos_share is None or not first
-                    else _quadrature_test(n, settings.lanczos_share, tol_r))
+                    else _quadrature_test(n, settings.lanczos_share, tol_r, batch))
             x0 = None
             warm = state.warm_start
             if first and settings.warm_start and warm is not None and warm.shape == r.shape:
@@ -451,16 +491,18 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 inv_quad = float(r @ a + a @ rho)  # 2 r^T a - a^T K a: error in [0, ||rho||^2 / lam_min]
                 bound = float(rho @ rho) / lam_min
                 rounding = _rounding(sol.x, Z, sol.abs_products)
-            k0 = 1 if first else 0
+                # ρᵀK̂⁻¹∂m by the directions' solves: the mean's gradient to second order in the two solves' errors
+                mean_correction = sol.x[:, 1 + batch :].mT @ rho
+            cols = slice(1, 1 + batch) if first else slice(None)
             diag, off = sol.tridiagonal
-            l_j, e_j = slq_terms((diag[:, k0:], off[:, k0:]), sol.iterations_per_column[k0:], n)
-            U = sol.x[:, k0:]
+            l_j, e_j = slq_terms((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
+            U = sol.x[:, cols]
             B = M(Z)
             J = None
             if tensors:
                 # a^T dK a rides along as column 0 of the first batch's per-probe pass (no pass of its own)
-                kernel_rows = _column_rep_grads(cov, sol.x if first else U, torch.cat([a[:, None], B], 1)
-                                                if first else B)
+                kernel_rows = _column_rep_grads(cov, sol.x[:, : 1 + batch] if first else U,
+                                                torch.cat([a[:, None], B], 1) if first else B)
                 if first:
                     alpha_rows = [None if g is None else g[0] for g in kernel_rows]
                     kernel_rows = [None if g is None else g[1:] for g in kernel_rows]
@@ -519,7 +561,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 break
             grad = None
             if tensors:  # the estimate's gradient so far (the rows' mean may use a proxy control variate)
-                surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv)
+                surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv, tensors, d_index,
+                                       mean_correction)
                 g = torch.autograd.grad(surrogate, tensors, retain_graph=True, allow_unused=True)
                 grad = _flatten(g, tensors)
             g_se = J_all.std(0) / math.sqrt(t) if J_all is not None else None
@@ -540,20 +583,26 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     if not tensors:
         logp = torch.as_tensor(-value_est, dtype=r.dtype, device=r.device)
     else:
-        surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv)
+        surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv, tensors, d_index,
+                                       mean_correction)
         logp = -(value_est + surrogate - surrogate.detach())
     return Evaluation(logp, estimate, a.detach(), counts["applications"], counts["samples"])
 
 
 def _surrogate(reps: list[Any], a: torch.Tensor, mean: torch.Tensor, value: torch.Tensor,
                alpha_rows: list[torch.Tensor | None], probe_sums: list[torch.Tensor | None], t: int,
-               cv_logdet: torch.Tensor | None, cv: list[torch.Tensor]) -> torch.Tensor:
+               cv_logdet: torch.Tensor | None, cv: list[torch.Tensor], tensors: list[torch.Tensor],
+               d_index: torch.Tensor, mean_correction: torch.Tensor | None) -> torch.Tensor:
     """A 0-dim tensor whose gradient is the estimator's ``∂L`` (module docstring) over the ``t`` probes so far:
     ``½ (-aᵀ∂K̂a + (1/t) Σ_j g_j)`` from the per-column derivatives (``alpha_rows``: ``aᵀ∂K̂a`` per representation
-    tensor; ``probe_sums``: ``Σ_j (K̂⁻¹z_j)ᵀ ∂K̂ P̂⁻¹z_j``), the mean's term and the control variate."""
+    tensor; ``probe_sums``: ``Σ_j (K̂⁻¹z_j)ᵀ ∂K̂ P̂⁻¹z_j``), the mean's term ``-aᵀ∂m`` with its second-order
+    correction ``-ρᵀK̂⁻¹∂m`` (``mean_correction``, ``(p,)``, for the entries ``d_index`` of the flattened
+    ``tensors``) and the control variate."""
     grads = [None if g0 is None else (ps / t - g0) for g0, ps in zip(alpha_rows, probe_sums)]
     s = 0.5 * _RepGradient.apply(grads, a, *reps)
     s = s - (a * mean).sum() + (a * value).sum()
+    if mean_correction is not None and d_index.numel():
+        s = s - (mean_correction * torch.cat([p.reshape(-1) for p in tensors])[d_index]).sum()
     if cv:
         s = s + 0.5 * (cv_logdet + torch.cat(cv).mean())
     return s

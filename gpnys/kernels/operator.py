@@ -41,7 +41,7 @@ import gpytorch
 import torch
 from linear_operator.operators import LinearOperator
 
-from gpnys.budget import block_rows
+from gpnys.budget import block_rows, fill_rows
 from gpnys.budget import dense_limit_bytes as budget_dense_limit
 from gpnys.collectives import partitioned, resolve_group
 from gpnys.kernels.backends import LEAF, make_backend, select_backend
@@ -175,7 +175,7 @@ class StationaryKernelOperator(LinearOperator):
                 D = self.cache.get("D")
                 if D is None or D.shape != K.shape or D.dtype != K.dtype or D.device != K.device:
                     D = torch.empty_like(K)
-            Z, bs = self._scaled(), self._block_rows()
+            Z, bs = self._scaled(), fill_rows(n, self.X.device)
             sq = squared_norms(Z)
             zmax = float(Z.abs().max()) if Z.numel() else 0.0
             scratch = Z.new_empty(min(bs, n) * n)
