@@ -64,6 +64,24 @@ def test_kernel_system_follows_budget(dtype):
             assert float((A(V) - ref).abs().max()) <= 100 * torch.finfo(dtype).eps * float(ref.abs().max())
 
 
+
+def test_the_stored_kernel_is_filled_in_cache_sized_blocks(dtype):
+    """On a CPU the dense fill takes at most 2 MiB of rows (and no more than the budget's blocks); the stored
+    kernel of 1 200 points, filled in 218-row blocks, equals GPyTorch's, with its length-scale derivative."""
+    from gpnys.kernels.operator import StationaryKernelOperator
+
+    assert budget.fill_rows(1200, "cpu") == budget.CPU_FILL_BLOCK_BYTES // (8 * 1200) == 218
+    with memory_budget(block_bytes=8 * 1200 * 5):
+        assert budget.fill_rows(1200, "cpu") == 5
+    X = points(1200, 3, dtype=dtype, seed=3)
+    k = kernel(dtype)
+    s2 = torch.tensor(1.0, dtype=dtype)
+    op = StationaryKernelOperator(X, s2, k.lengthscale.detach(), base=k, cache={})
+    K, _ = op._dense()  # the stored unit kernel, filled block by block
+    with torch.no_grad():
+        ref = k(X).to_dense()
+    assert float((K - ref).abs().max()) <= 100 * torch.finfo(dtype).eps
+
 def test_afn_setup_is_independent_of_the_block_size():
     """K12 column blocks, the kNN distance blocks and the FSAI batches all shrink with the budget; the factor does
     not change (same arithmetic per entry). Float64 only: in float32 the blocked matmul-form distances round
