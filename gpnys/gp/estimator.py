@@ -8,7 +8,8 @@ For ``L = ½ (rᵀK̂⁻¹r + log det K̂ + n log 2π)``, ``r = y - m``, with pr
 * ``log det K̂ = log det P̂ + (1/t) Σ_j ℓ_j`` with ``ℓ_j = n e₁ᵀ log(T_j) e₁`` from the Lanczos tridiagonal ``T_j`` of
   the CG run on ``z_j`` (Gardner et al. 2018, Sec. 4; Ubaru et al. 2017, eq. 6), and the quadrature's change from
   its second-last step as its truncation error;
-* the gradient ``∂L = ½ (-aᵀ∂K̂a + (1/t) Σ_j g_j) - aᵀ∂m`` with the per-probe terms
+* the gradient ``∂L = ½ (-aᵀ∂K̂a + (1/t) Σ_j g_j) - aᵀ∂m - ρᵀK̂⁻¹∂m`` (the last term by the mean's directions'
+  solves, :func:`_mean_directions`: the mean's part is second order in the solves' errors) with the per-probe terms
   ``g_j = (K̂⁻¹z_j)ᵀ ∂K̂ P̂⁻¹z_j + ∂ log det P̂ - (P̂⁻¹z_j)ᵀ ∂P̂ P̂⁻¹z_j`` (the control variate of Wenger et al.
   2022, eq. 9, when the preconditioner is differentiable).
 
