@@ -427,18 +427,18 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     lam_min = float(state.noise.detach().min())
     maxiter = settings.max_cg_iterations
     target = settings.target_rel_error
-    # the inverse quadratic's column rides along with the first probes (same kernel passes), at a tighter
-    # tolerance: its gradient -a^T dK a is first order in the solve's error (at cg_tolerance it would be biased)
     # the gradient's terms only where autograd will ask for them
     params = _parameters(state.model) if torch.is_grad_enabled() else []
     tensors = [p for _, p in params]
     # the mean's gradient -aᵀ∂m is first order in the solve's error and has no probe term: its directions ∂m/∂θ
     # ride in the first batch, and -aᵀ∂m - ρᵀK̂⁻¹∂m is second order (docs/accuracy.md); a mean with many parameters
-    # keeps the tighter solve instead
-    directions = _mean_directions(mvn.mean, tensors)
+    # rides without them and keeps the tighter solve
+    directions = _mean_directions(mean, tensors)
+    D, d_index = directions if directions is not None else (r.new_zeros(n, 0), None)
+    # the inverse quadratic's column rides along with the first probes (same kernel passes), at a tighter
+    # tolerance: its gradient -a^T dK a is first order in the solve's error (at cg_tolerance it would be biased)
     loose = directions is not None and settings.probe_seed is None
     share = Y_TOLERANCE_SHARE if loose else Y_TOLERANCE_SHARE_TIGHT
-    D, d_index = directions if directions is not None else _mean_directions(mvn.mean, [])
     tol_r = share * settings.cg_tolerance if target is None else min(target, share * settings.cg_tolerance)
     mean_correction = None
     bound = 0.0
@@ -585,7 +585,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
         logp = torch.as_tensor(-value_est, dtype=r.dtype, device=r.device)
     else:
         surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv, tensors, d_index,
-                                       mean_correction)
+                               mean_correction)
         logp = -(value_est + surrogate - surrogate.detach())
     return Evaluation(logp, estimate, a.detach(), counts["applications"], counts["samples"])
 
@@ -593,16 +593,16 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
 def _surrogate(reps: list[Any], a: torch.Tensor, mean: torch.Tensor, value: torch.Tensor,
                alpha_rows: list[torch.Tensor | None], probe_sums: list[torch.Tensor | None], t: int,
                cv_logdet: torch.Tensor | None, cv: list[torch.Tensor], tensors: list[torch.Tensor],
-               d_index: torch.Tensor, mean_correction: torch.Tensor | None) -> torch.Tensor:
+               d_index: torch.Tensor | None, mean_correction: torch.Tensor | None) -> torch.Tensor:
     """A 0-dim tensor whose gradient is the estimator's ``∂L`` (module docstring) over the ``t`` probes so far:
     ``½ (-aᵀ∂K̂a + (1/t) Σ_j g_j)`` from the per-column derivatives (``alpha_rows``: ``aᵀ∂K̂a`` per representation
     tensor; ``probe_sums``: ``Σ_j (K̂⁻¹z_j)ᵀ ∂K̂ P̂⁻¹z_j``), the mean's term ``-aᵀ∂m`` with its second-order
     correction ``-ρᵀK̂⁻¹∂m`` (``mean_correction``, ``(p,)``, for the entries ``d_index`` of the flattened
-    ``tensors``) and the control variate."""
+    ``tensors``; ``None`` without directions) and the control variate."""
     grads = [None if g0 is None else (ps / t - g0) for g0, ps in zip(alpha_rows, probe_sums)]
     s = 0.5 * _RepGradient.apply(grads, a, *reps)
     s = s - (a * mean).sum() + (a * value).sum()
-    if mean_correction is not None and d_index.numel():
+    if mean_correction is not None and d_index is not None and d_index.numel():
         s = s - (mean_correction * torch.cat([p.reshape(-1) for p in tensors])[d_index]).sum()
     if cv:
         s = s + 0.5 * (cv_logdet + torch.cat(cv).mean())
