@@ -5,9 +5,9 @@ Run:  python benchmarks/mll_accuracy.py                   (n = 10000, lengthscal
       python benchmarks/mll_accuracy.py --quick           (n = 500, 2 seeds; run by the test suite)
 
 For each length-scale, Cholesky (float64) once, then GPyTorch's default CG + SLQ, HiGP's defaults (when installed)
-and gpnys (``auto`` by default)
-over several seeds; reports the median loss relative error, the median error of each gradient component
-(|g - g*| / max(|g*|, 0.1 ||g*||_2)) and the median time. Prints a table and writes JSON.
+and gpnys (``auto`` by default) over several seeds, the methods in turn within each seed; reports the median loss
+relative error, the median error of each gradient component (|g - g*| / max(|g*|, 0.1 ||g*||_2)), the median time
+and the median over seeds of each method's time over GPyTorch's. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -47,29 +47,41 @@ def main(argv=None) -> dict:
     ds = datasets.load("elevators", n=n, seed=0)
     out: dict = {"n": n, "kernel": args.kernel, "noise": args.noise, "rows": []}
     print(f"elevators n = {n}, {args.kernel}, noise {args.noise}, outputscale 1, {seeds} seeds (medians)")
-    print(f"{'ls':>5} {'method':>9} {'time s':>8} {'loss err':>9} {'ls err':>8} {'os err':>8} {'noise err':>9}")
+    print(f"{'ls':>5} {'method':>9} {'time s':>8} {'loss err':>9} {'ls err':>8} {'os err':>8} {'noise err':>9} "
+          f"{'/ gpytorch':>9}")
     for ls in (float(v) for v in args.lengthscale.split(",")):
         common = {"kernel": args.kernel, "lengthscale": ls, "noise": args.noise}
         ref = evaluate(ds.train_x, ds.train_y, "exact", **common)
         print(f"{ls:>5g} {'exact':>9} {ref['time_s']:8.2f}")
         out["rows"].append({"lengthscale": ls, "method": "exact", "time_s": ref["time_s"], "loss": ref["loss"],
                             "grad": ref["grad"]})
+        methods = []
         for method in args.methods.split(","):
             if method == "higp" and importlib.util.find_spec("higp") is None:
                 print(f"{ls:>5g} {'higp':>9} skipped (pip install higp)")
                 continue
-            run = evaluate_higp if method == "higp" else partial(evaluate, method=method)
-            recs = [run(ds.train_x, ds.train_y, seed=s, **common) for s in range(seeds)]
-            lerr = [abs(r["loss"] - ref["loss"]) / abs(ref["loss"]) for r in recs]
-            gerr = [grad_errors(r["grad"], ref["grad"]) for r in recs]
+            methods.append(method)
+        # seed by seed, every method in turn: a machine whose speed drifts over minutes then slows them alike
+        recs: dict[str, list] = {m: [] for m in methods}
+        for s in range(seeds):
+            for method in methods:
+                run = evaluate_higp if method == "higp" else partial(evaluate, method=method)
+                recs[method].append(run(ds.train_x, ds.train_y, seed=s, **common))
+        for method in methods:
+            lerr = [abs(r["loss"] - ref["loss"]) / abs(ref["loss"]) for r in recs[method]]
+            gerr = [grad_errors(r["grad"], ref["grad"]) for r in recs[method]]
             med = {k: statistics.median(g[k] for g in gerr) for k in gerr[0]}
-            row = {"lengthscale": ls, "method": method, "time_s": statistics.median(r["time_s"] for r in recs),
+            row = {"lengthscale": ls, "method": method, "time_s": statistics.median(r["time_s"] for r in recs[method]),
                    "loss_rel_error": statistics.median(lerr), "grad_rel_error": med, "seeds": seeds,
                    "per_seed": [{"loss_rel_error": le, "grad_rel_error": ge, "time_s": r["time_s"],
-                                 "extra": r["extra"]} for le, ge, r in zip(lerr, gerr, recs)]}
+                                 "extra": r["extra"]} for le, ge, r in zip(lerr, gerr, recs[method])]}
+            if "gpytorch" in recs and method != "gpytorch":  # the median of the per-seed ratios (same seed, adjacent)
+                row["time_over_gpytorch"] = statistics.median(
+                    r["time_s"] / g["time_s"] for r, g in zip(recs[method], recs["gpytorch"]))
             out["rows"].append(row)
+            ratio = f"{row['time_over_gpytorch']:7.2f}x" if "time_over_gpytorch" in row else ""
             print(f"{ls:>5g} {method:>9} {row['time_s']:8.2f} {row['loss_rel_error']:9.1e} "
-                  f"{med['raw_lengthscale']:8.2%} {med['raw_outputscale']:8.2%} {med['raw_noise']:9.2%}")
+                  f"{med['raw_lengthscale']:8.2%} {med['raw_outputscale']:8.2%} {med['raw_noise']:9.2%} {ratio}")
     RESULTS.mkdir(exist_ok=True)
     path = Path(args.out) if args.out else RESULTS / ("mll_accuracy_quick.json" if args.quick else "mll_accuracy.json")
     path.write_text(json.dumps(out, indent=1))

@@ -13,8 +13,9 @@ little at these sizes.
 Thin products (:func:`thin_matmul`). ``A @ B`` with a large ``A (m, k)`` and a thin ``B (k, t)`` (t ~ 5-64 columns:
 the probes of the MLL estimator, the CG block, a q-batch) runs far below memory bandwidth in some of the forms
 ``A @ B`` and ``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view), with ``B``'s columns as they are or zero-padded to a
-multiple of 4, and which one is fastest depends on the BLAS build and the machine, so it is timed once per machine
-and cached on disk (:mod:`gpnys.cache`). The hot products of the kernel operator, the kernel system and the Nyström
+multiple of 4, or for a stored kernel through numpy's BLAS (``"split+..."``, :func:`_split_product`), and which one
+is fastest depends on the BLAS build and the machine, so it is timed once per machine and cached on disk
+(:mod:`gpnys.cache`). The hot products of the kernel operator, the kernel system and the Nyström
 / AFN preconditioners go through it. The forms round differently, so the ranks of a process group must use the same
 one: :func:`gpnys.distributed.init` gives every rank rank 0's timed choice (:func:`settle_thin_forms`), and a group
 initialised otherwise takes the direct form untimed.
@@ -23,17 +24,21 @@ initialised otherwise takes the direct form untimed.
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from gpnys.cache import entry_key, read_entry, write_entry
 from gpnys.checks import NumericalWarning
 
-__all__ = ["thin_matmul", "THIN_FORMS", "thin_form", "machine_thin_form", "time_thin_forms", "settle_thin_forms",
-           "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag", "shift_at", "draw"]
+__all__ = ["thin_matmul", "THIN_FORMS", "TORCH_FORMS", "thin_form", "machine_thin_form", "time_thin_forms",
+           "settle_thin_forms", "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag", "shift_at", "draw"]
 
 #: the thin-product choices' file in the cache folder (:mod:`gpnys.cache`)
 THIN_PRODUCTS_FILE = "thin_products.json"
@@ -69,10 +74,11 @@ def small_dense(m: int, device: torch.device | str = "cpu") -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def thin_matmul(A: torch.Tensor, B: torch.Tensor, form: str | None = None) -> torch.Tensor:
+def thin_matmul(A: torch.Tensor, B: torch.Tensor, form: str | None = None, symmetric: bool = False) -> torch.Tensor:
     """``A @ B`` for ``A (..., m, k)`` and ``B (..., k, t)``, contiguous ``(..., m, t)``, in the form of
     :data:`THIN_FORMS` this device's BLAS runs fastest (:func:`thin_form`), or in ``form``; a 1-D ``B`` or a single
-    column is multiplied directly.
+    column is multiplied directly. ``symmetric``: the caller's promise that ``A`` is symmetric (a stored kernel),
+    which lets a ``"split+..."`` form read it by columns (:func:`_split_product`).
 
     Example:
         >>> import torch
@@ -85,24 +91,112 @@ def thin_matmul(A: torch.Tensor, B: torch.Tensor, form: str | None = None) -> to
         raise ValueError(f"form must be one of {THIN_FORMS} (or None), got {form!r}")
     if B.dim() == 1 or B.shape[-1] == 1:
         return A @ B
-    return _apply_form(form or thin_form(A.dtype, A.device), A, B)
+    return _apply_form(form or thin_form(A.dtype, A.device), A, B, symmetric)
 
 
-#: the forms of a thin product: ``A @ B`` or ``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view), each with ``B``'s
+#: torch's forms of a thin product: ``A @ B`` or ``(Bᵀ Aᵀ)ᵀ`` (the same values, ``Aᵀ`` a view), each with ``B``'s
 #: columns as they are or zero-padded to a multiple of :data:`PAD_COLUMNS`
-THIN_FORMS = ("direct", "transposed", "direct-padded", "transposed-padded")
+TORCH_FORMS = ("direct", "transposed", "direct-padded", "transposed-padded")
+
+#: every form :func:`thin_matmul` takes: torch's, and ``"split+<torch form>"``, where a symmetric ``A`` (a stored
+#: kernel) goes through numpy's BLAS in blocks over the threads (:func:`_split_product`) and any other through the
+#: torch form named
+THIN_FORMS = TORCH_FORMS + tuple(f"split+{form}" for form in TORCH_FORMS)
 
 #: the padded forms' column multiple (MKL's double-precision kernels on a 2-core AMD EPYC ran 13-15 columns at
 #: 1.5-2.7x the time of 16; docs/scaling.md, "Why the defaults are what they are")
 PAD_COLUMNS = 4
 
 
-def _apply_form(form: str, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def _apply_form(form: str, A: torch.Tensor, B: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
     t = B.shape[-1]
+    if form.startswith("split+"):
+        if symmetric and _splittable(A, B):
+            return _split_product(A, B)
+        form = form[len("split+"):]  # not a stored kernel, or a batch, a GPU, a product autograd must record
     if form.endswith("-padded") and t % PAD_COLUMNS:
         B = torch.nn.functional.pad(B, (0, PAD_COLUMNS - t % PAD_COLUMNS))
     out = A @ B if form.startswith("direct") else (B.mT @ A.mT).mT
     return out[..., :t].contiguous()
+
+
+def _splittable(A: torch.Tensor, B: torch.Tensor) -> bool:
+    """Whether :func:`_split_product` takes ``A @ B``: a square ``A`` and a ``B``, 2-D CPU float32 / float64 tensors
+    of one dtype that autograd need not record and numpy can view (no negative or conjugate bit)."""
+    return (A.dim() == 2 and B.dim() == 2 and A.shape[0] == A.shape[1] and A.device.type == "cpu"
+            and B.device.type == "cpu"
+            and A.dtype == B.dtype and A.dtype in (torch.float32, torch.float64)
+            and not (torch.is_grad_enabled() and (A.requires_grad or B.requires_grad))
+            and not (A.is_neg() or B.is_neg() or A.is_conj() or B.is_conj()))
+
+
+class _SplitPool:
+    """The worker threads of :func:`_split_product` (one fewer than torch's thread count: the caller runs one
+    block), made again after a fork (a child inherits the pool object but not its threads) or when torch's thread
+    count changes; a lock keeps concurrent callers from interleaving their BLAS thread limits."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._key: tuple[int, int] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._controller = None
+
+    def get(self, workers: int) -> ThreadPoolExecutor | None:
+        """A pool of ``workers`` threads (``None`` for none), this process's."""
+        key = (os.getpid(), workers)
+        if self._key != key:
+            if self._pool is not None and self._key is not None and self._key[0] == key[0]:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gpnys-thin") if workers else None
+            self._key = key
+        return self._pool
+
+    def single_threaded(self):
+        """numpy's BLAS on one thread per call, for the duration of the context (threadpoolctl)."""
+        if self._controller is None:
+            from threadpoolctl import ThreadpoolController
+
+            self._controller = ThreadpoolController()
+        return self._controller.limit(limits=1, user_api="blas")
+
+
+_split_pool = _SplitPool()
+
+
+#: :func:`_split_product`'s block of output columns: fixed, so that the values do not depend on the thread count
+#: (8 000 x 8 000 in float64 with 17 columns: 62 ms in blocks of 1 024 on 2 cores, 61 ms in halves, 85 ms in blocks
+#: of 256)
+SPLIT_BLOCK = 1024
+
+
+def _split_product(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``A @ B`` for a symmetric ``A (m, m)`` as ``(Bᵀ A)ᵀ`` through numpy's BLAS: blocks of :data:`SPLIT_BLOCK`
+    columns of ``A`` (the faster order for a thin ``B``), each a single-threaded BLAS call, dealt out over torch's
+    thread count (this thread and a pool).
+
+    Written by hand because torch's CPU wheels bind MKL, whose thin products ran at a third of the peak of its own
+    square products on an AMD EPYC, where numpy's OpenBLAS ran them 1.3-1.9x faster (docs/scaling.md, "Why the
+    defaults are what they are"); and numpy's BLAS on its own threads lets them spin after each call against
+    torch's, so each block runs on one BLAS thread in a thread of ours."""
+    m, t = A.shape[0], B.shape[-1]
+    if m == 0:
+        return A @ B
+    An, lhs = A.detach().numpy(), np.ascontiguousarray(B.detach().numpy().T)
+    out = np.empty((t, m), dtype=An.dtype)
+    starts = range(0, m, SPLIT_BLOCK)
+    groups = max(1, min(torch.get_num_threads(), len(starts)))
+
+    def run(g: int) -> None:
+        for a in starts[g::groups]:
+            np.matmul(lhs, An[:, a : a + SPLIT_BLOCK], out=out[:, a : a + SPLIT_BLOCK])
+
+    with _split_pool.lock, _split_pool.single_threaded():
+        pool = _split_pool.get(groups - 1)
+        futures = [pool.submit(run, g) for g in range(1, groups)] if pool is not None else []
+        run(0)
+        for f in futures:
+            f.result()
+    return torch.from_numpy(out).mT.contiguous()
 
 
 _forms: dict[tuple[torch.dtype, str], str] = {}
@@ -126,7 +220,7 @@ def machine_thin_form(dtype: torch.dtype, device: torch.device | str) -> str:
     """This machine's form for ``dtype`` on ``device`` at the current thread count: read from
     ``thin_products.json`` in the cache folder (:mod:`gpnys.cache`), else timed (:func:`time_thin_forms`) and
     written there, so that every process on the machine rounds alike."""
-    name = entry_key(torch.device(device), dtype)
+    name = f"{entry_key(torch.device(device), dtype)}:{'/'.join(THIN_FORMS)}"  # a new form is timed again
     stored = read_entry(THIN_PRODUCTS_FILE, name)
     if stored not in THIN_FORMS:  # absent, corrupt, or written by an older gpnys
         stored = time_thin_forms(dtype, device)
@@ -134,14 +228,23 @@ def machine_thin_form(dtype: torch.dtype, device: torch.device | str) -> str:
     return stored
 
 
+#: the side of :func:`time_thin_forms`'s product per device type (else 2048): on a CPU past the last-level cache,
+#: as the hot products are (float32 at 2048 fitted a 32 MiB cache and timed the split form even with the direct one,
+#: which it beat by 1.6x at 8 000)
+CALIBRATION_SIZE = {"cpu": 4096}
+
+
 def time_thin_forms(dtype: torch.dtype, device: torch.device | str) -> str:
-    """The fastest of :data:`THIN_FORMS` for a large ``A`` and 17 columns, timed on a 2048 x 2048 product (about
-    0.1 s in all); another form than ``"direct"`` only if it is 10 % faster. Which wins depends on the BLAS build
-    and the machine: the transposed form ran 2.8x faster on one 2-core CPU with torch 2.13, the direct one 1.6x
-    faster on another with the same wheel (docs/scaling.md, "Why the defaults are what they are")."""
+    """The fastest of :data:`THIN_FORMS` for a large symmetric ``A`` (a stored kernel) and 17 columns, timed on a
+    :data:`CALIBRATION_SIZE` square product (on a CPU about 1 s in all); another form than ``"direct"`` only if it
+    is 10 % faster. Which wins depends on the BLAS build and the machine: the transposed form ran 2.8x faster on
+    one 2-core CPU with torch 2.13, the direct one 1.6x faster on another with the same wheel (docs/scaling.md,
+    "Why the defaults are what they are")."""
     g = torch.Generator(device=device).manual_seed(0)
-    A = torch.rand(2048, 2048, generator=g, dtype=dtype, device=device)
-    B = torch.rand(2048, 17, generator=g, dtype=dtype, device=device)
+    size = CALIBRATION_SIZE.get(torch.device(device).type, 2048)
+    A = torch.rand(size, size, generator=g, dtype=dtype, device=device)
+    A = A + A.mT
+    B = torch.rand(size, 17, generator=g, dtype=dtype, device=device)
 
     def best(form: str) -> float:
         times = []
@@ -149,15 +252,18 @@ def time_thin_forms(dtype: torch.dtype, device: torch.device | str) -> str:
             if A.is_cuda:
                 torch.cuda.synchronize(A.device)
             t0 = time.perf_counter()
-            _apply_form(form, A, B)
+            _apply_form(form, A, B, symmetric=True)
             if A.is_cuda:
                 torch.cuda.synchronize(A.device)
             times.append(time.perf_counter() - t0)
         return min(times[1:])
 
-    times = {form: best(form) for form in THIN_FORMS}
+    times = {form: best(form) for form in TORCH_FORMS}
     fastest = min(times, key=times.__getitem__)
-    return fastest if times[fastest] < 0.9 * times["direct"] else "direct"
+    chosen = fastest if times[fastest] < 0.9 * times["direct"] else "direct"
+    if torch.device(device).type == "cpu" and best(f"split+{chosen}") < 0.9 * times[chosen]:
+        return f"split+{chosen}"
+    return chosen
 
 
 def settle_thin_forms(device: torch.device | str, choices: dict[torch.dtype, str]) -> None:

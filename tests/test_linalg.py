@@ -56,6 +56,8 @@ def test_process_group_ranks_share_one_form_of_the_thin_products(tmp_path, monke
     import gpnys.distributed as gd
 
     monkeypatch.setattr(linalg, "_forms", {})
+    monkeypatch.setattr(linalg, "CALIBRATION_SIZE", {"cpu": 512})  # and its choice stays out of the suite's cache:
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path / "cache"))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         assert linalg.thin_form(torch.float64, torch.device("cpu")) == "direct" and linalg._forms == {}
@@ -100,10 +102,72 @@ def test_the_thin_products_form_is_timed_once_per_machine_and_read_back(tmp_path
 
 
 def test_the_timed_form_is_one_of_the_forms_and_direct_unless_clearly_faster(monkeypatch):
-    """``time_thin_forms`` keeps ``direct`` unless another form is 10 % faster (a tie would flip between runs)."""
-    clock = iter([0.0, 1.0] * 4 + [0.0, 0.95] * 4 + [0.0, 0.5] * 4 + [0.0, 0.92] * 4)  # 4 runs per form, in order
+    """``time_thin_forms`` keeps ``direct`` unless another form is 10 % faster (a tie would flip between runs), and
+    splits the stored kernels' products only if that is 10 % faster than the torch form chosen."""
+    monkeypatch.setattr(linalg, "CALIBRATION_SIZE", {"cpu": 128})  # the clock is what decides here
+    # 4 runs per torch form in order, then 4 of the split form on top of the chosen one
+    clock = iter([0.0, 1.0] * 4 + [0.0, 0.95] * 4 + [0.0, 0.5] * 4 + [0.0, 0.92] * 4 + [0.0, 0.46] * 4)
     monkeypatch.setattr(linalg.time, "perf_counter", lambda: next(clock))
     assert linalg.time_thin_forms(torch.float64, "cpu") == "direct-padded"
-    clock = iter([0.0, 1.0] * 4 + [0.0, 0.95] * 8 + [0.0, 0.92] * 4)
+    clock = iter([0.0, 1.0] * 4 + [0.0, 0.95] * 8 + [0.0, 0.92] * 8)
     monkeypatch.setattr(linalg.time, "perf_counter", lambda: next(clock))
     assert linalg.time_thin_forms(torch.float64, "cpu") == "direct"
+    clock = iter([0.0, 1.0] * 4 + [0.0, 0.95] * 4 + [0.0, 0.5] * 8 + [0.0, 0.44] * 4)
+    monkeypatch.setattr(linalg.time, "perf_counter", lambda: next(clock))
+    assert linalg.time_thin_forms(torch.float64, "cpu") == "split+direct-padded"
+
+
+@pytest.mark.parametrize("shape", [(300, 17), (1, 3), (5, 2), (257, 64), (2500, 7)])
+def test_a_split_form_reads_a_symmetric_matrix_by_columns_and_equals_the_product(shape, dtype):
+    """``"split+..."`` with ``symmetric=True`` computes ``(Bᵀ A)ᵀ`` through numpy's BLAS: equal to ``A @ B`` for a
+    symmetric ``A``, bit for bit whatever torch's thread count (the blocks are fixed)."""
+    m, t = shape
+    g = torch.Generator().manual_seed(2)
+    A = torch.randn(m, m, generator=g, dtype=dtype)
+    A = A + A.mT
+    B = torch.randn(m, t, generator=g, dtype=dtype)
+    eps = torch.finfo(dtype).eps
+    scale = float((A.abs() @ B.abs()).max())
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for k in (1, 2, 3):
+            torch.set_num_threads(k)
+            out = thin_matmul(A, B, "split+direct", symmetric=True)
+            assert out.shape == (m, t) and out.is_contiguous() and out.dtype == dtype
+            torch.testing.assert_close(out, A @ B, rtol=0, atol=10 * m * eps * scale)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_a_split_form_takes_its_torch_form_elsewhere_and_leaves_numpys_blas_threads_as_they_were(monkeypatch, dtype):
+    """Only a symmetric square ``A`` autograd need not record is split; a product autograd must record, a
+    non-symmetric one and a batch take the torch form named after ``split+``, with their gradients. numpy's BLAS runs
+    on one thread only during a split product."""
+    from threadpoolctl import threadpool_info
+
+    before = [(i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas"]
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(64, 64, generator=g, dtype=dtype)
+    A = A + A.mT
+    B = torch.randn(64, 5, generator=g, dtype=dtype, requires_grad=True)
+    applied = []
+    original = linalg._apply_form
+    monkeypatch.setattr(linalg, "_apply_form", lambda form, *a: applied.append(form) or original(form, *a))
+    split = []
+    original_split = linalg._split_product
+    monkeypatch.setattr(linalg, "_split_product", lambda *a: split.append(1) or original_split(*a))
+    out = thin_matmul(A, B, "split+transposed", symmetric=True)
+    assert out.requires_grad and not split
+    out.sum().backward()
+    torch.testing.assert_close(B.grad, A.sum(1)[:, None].expand(64, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(thin_matmul(A, B, "split+transposed", symmetric=True), A @ B)
+        assert len(split) == 1
+        torch.testing.assert_close(thin_matmul(A[:40], B, "split+transposed", symmetric=True), A[:40] @ B)
+        torch.testing.assert_close(thin_matmul(A, B, "split+transposed"), A @ B)
+        torch.testing.assert_close(thin_matmul(A[None], B[None], "split+transposed", symmetric=True), A[None] @ B)
+        assert len(split) == 1
+    assert [(i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas"] == before

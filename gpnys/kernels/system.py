@@ -68,7 +68,7 @@ class KernelSystem:
         vec = V.dim() == 1
         Vm = (V[:, None] if vec else V).to(self.dtype)
         if self._K is not None:
-            KV = thin_matmul(self._K, Vm)
+            KV = thin_matmul(self._K, Vm, symmetric=True)
         elif self._op is not None:
             with torch.no_grad():
                 KV = self._op.matmul(Vm)

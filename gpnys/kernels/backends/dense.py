@@ -64,19 +64,23 @@ class DenseBackend(KernelBackend):
 
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None, rows: Rows | None = None) -> torch.Tensor:
         a, b = check_rows(Z.shape[0], rows)
-        return thin_matmul(self.K if (a, b) == (0, Z.shape[0]) else self.K[a:b], R)
+        if (a, b) == (0, Z.shape[0]):
+            return thin_matmul(self.K, R, symmetric=True)
+        return thin_matmul(self.K[a:b], R)
 
     def derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                         rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s, g)`` over all rows; with ``D`` stored, ``g`` is ``(1,)``, the isotropic sum (two products)."""
         check_rows(Z.shape[0], rows)
         if self.D is not None:
-            return (U * thin_matmul(self.K, V)).sum(), (U * thin_matmul(self.D, V)).sum().reshape(1)
+            return ((U * thin_matmul(self.K, V, symmetric=True)).sum(),
+                    (U * thin_matmul(self.D, V, symmetric=True)).sum().reshape(1))
         return TorchTiles.weighted_sums(Z, self.tiles(Z), lambda r, c: U[r] @ V[c].mT)
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
                                isotropic: bool = False, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         check_rows(Z.shape[0], rows)
         if isotropic and self.D is not None:
-            return (U * thin_matmul(self.K, V)).sum(0), (U * thin_matmul(self.D, V)).sum(0)[:, None]
+            return ((U * thin_matmul(self.K, V, symmetric=True)).sum(0),
+                    (U * thin_matmul(self.D, V, symmetric=True)).sum(0)[:, None])
         return TorchTiles.column_sums(Z, self.tiles(Z), U, V, isotropic)
