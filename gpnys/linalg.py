@@ -132,23 +132,26 @@ def _splittable(A: torch.Tensor, B: torch.Tensor) -> bool:
 
 class _SplitPool:
     """The worker threads of :func:`_split_product` (one fewer than torch's thread count: the caller runs one
-    block), made again after a fork (a child inherits the pool object but not its threads) or when torch's thread
-    count changes; a lock keeps concurrent callers from interleaving their BLAS thread limits."""
+    group of blocks), made again when torch's thread count changes and, with the lock, after a fork (a child
+    inherits the objects but not the threads, and a lock held at the fork would never be released); the lock keeps
+    concurrent callers from interleaving their BLAS thread limits."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._key: tuple[int, int] | None = None
-        self._pool: ThreadPoolExecutor | None = None
         self._controller = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.lock = threading.Lock()
+        self._workers: int | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def get(self, workers: int) -> ThreadPoolExecutor | None:
-        """A pool of ``workers`` threads (``None`` for none), this process's."""
-        key = (os.getpid(), workers)
-        if self._key != key:
-            if self._pool is not None and self._key is not None and self._key[0] == key[0]:
+        """A pool of ``workers`` threads (``None`` for none)."""
+        if self._workers != workers:
+            if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gpnys-thin") if workers else None
-            self._key = key
+            self._workers = workers
         return self._pool
 
     def single_threaded(self):
@@ -161,6 +164,8 @@ class _SplitPool:
 
 
 _split_pool = _SplitPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_split_pool.reset)
 
 
 #: :func:`_split_product`'s block of output columns: fixed, so that the values do not depend on the thread count

@@ -171,3 +171,28 @@ def test_a_split_form_takes_its_torch_form_elsewhere_and_leaves_numpys_blas_thre
         torch.testing.assert_close(thin_matmul(A[None], B[None], "split+transposed", symmetric=True), A[None] @ B)
         assert len(split) == 1
     assert [(i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas"] == before
+
+
+def _split_in_child(A, B):  # numpy arrays both ways: torch's tensor pickling shares memory through file descriptors
+    torch.set_num_threads(2)
+    return thin_matmul(torch.from_numpy(A), torch.from_numpy(B), "split+direct", symmetric=True).numpy()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "register_at_fork"), reason="needs os.register_at_fork")
+def test_a_split_form_works_in_a_forked_child():
+    """A child forked after a split product gets a fresh pool and lock (it inherits neither's threads)."""
+    import multiprocessing
+
+    g = torch.Generator().manual_seed(5)
+    A = torch.randn(2100, 2100, generator=g, dtype=torch.float64)
+    A = A + A.mT
+    B = torch.randn(2100, 3, generator=g, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        parent = thin_matmul(A, B, "split+direct", symmetric=True)
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            child = pool.apply_async(_split_in_child, (A.numpy(), B.numpy())).get(timeout=120)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.from_numpy(child), parent)

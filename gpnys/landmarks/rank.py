@@ -158,6 +158,7 @@ def estimate_rank(
     seed: int = 0,
     work_dtype: torch.dtype | None = None,
     refine_n: int | None = None,
+    decide_only: bool = False,
 ) -> RankEstimate:
     """Estimate the numerical rank ``#{lambda_i(K) > 0.1 mu}`` of ``K = k(X, X)``: AFN paper Algorithm 4.
 
@@ -210,6 +211,10 @@ def estimate_rank(
         refine_n: ``N``, the size of the point set the eigen-count refinement emulates; default
             ``min(n, max(max_k, m))`` as above. ``refine_n = n`` estimates the rank of X itself instead of
             that of a ``max_k``-point subsample (larger when ``n > max_k``; see the module notes).
+        decide_only: for a caller that only compares ``k`` with ``max_k`` (the Nyström / AFN switch): step 1 stops
+            at the first repetition whose ``k`` reaches ``max_k``, since the maximum over repetitions can only
+            grow. The branch is the same; ``k`` is then a lower bound of the full estimate
+            (``details["reps"]`` says how many repetitions ran).
 
     Returns:
         :class:`RankEstimate`.
@@ -272,6 +277,8 @@ def estimate_rank(
             r, nu = _smallest_rank(K, float(tol), _nu_shift(K))
             nus.append(nu)
             r_per_rep.append(r)
+            if decide_only and math.ceil(r * n / m_used) >= max_k:
+                break
         k_nys = math.ceil(max(r_per_rep) * n / m_used)
         details: dict[str, Any] = {
             "n": n,
@@ -280,14 +287,15 @@ def estimate_rank(
             "scale_nystrom": scale1,
             "nu": nus,
             "whole_set": whole,
-            "reps": n_reps,
+            "reps": len(r_per_rep),
             "max_k": max_k,
             "tol": float(tol),
             "work_dtype": str(work_dtype),
         }
         if k_nys >= max_k:
             details["seconds"] = time.perf_counter() - t0
-            return RankEstimate(k=min(k_nys, n), r_per_rep=r_per_rep, branch="scaled-nystrom", m=m_used, details=details)
+            return RankEstimate(k=min(k_nys, n), r_per_rep=r_per_rep, branch="scaled-nystrom", m=m_used,
+                                details=details)
 
         # Step 3: eigen-count refinement on a subsample emulating N points of X.
         N = n if whole else (refine_n if refine_n is not None else min(n, max(max_k, m_used)))

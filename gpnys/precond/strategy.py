@@ -99,7 +99,8 @@ class AutoPreconditioner(Preconditioner):
         max_k = validate_count(max_k, "max_k", 1)
         cache = cache if cache is not None else PointCache(X)
         t_rank = time.perf_counter()
-        self.estimate: RankEstimate = estimate_rank(X, kernel, self.mu, m=m, reps=reps, max_k=max_k, seed=seed)
+        self.estimate: RankEstimate = estimate_rank(X, kernel, self.mu, m=m, reps=reps, max_k=max_k, seed=seed,
+                                                    decide_only=True)
         self.rank_s = time.perf_counter() - t_rank
         k = int(self.estimate.k)
         if k < max_k:

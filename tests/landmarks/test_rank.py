@@ -159,3 +159,20 @@ def test_refine_n_emulates_a_larger_set():
         estimate_rank(X, k, 1e-4, m=200, refine_n=1001)
     with pytest.raises(ValueError):
         estimate_rank(X, k, 1e-4, m=200, refine_n=100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decide_only_stops_once_the_switch_is_decided(dtype):
+    """``decide_only``: step 1 stops at the first repetition whose ``k`` reaches ``max_k``; the branch is the full
+    estimate's and ``k`` a lower bound of it (the maximum over repetitions only grows). Below ``max_k`` every
+    repetition runs and the estimate is the full one."""
+    X = cube(3000, edge=10.0, seed=2).to(dtype)
+    kernel = make_kernel("rbf", 0.5, dtype)
+    full = estimate_rank(X, kernel, 1e-2, m=300, reps=3, max_k=200, seed=4)
+    fast = estimate_rank(X, kernel, 1e-2, m=300, reps=3, max_k=200, seed=4, decide_only=True)
+    assert full.branch == fast.branch == "scaled-nystrom" and full.details["reps"] == 3
+    assert fast.details["reps"] == 1 and fast.r_per_rep == full.r_per_rep[:1]
+    assert 200 <= fast.k <= full.k
+    high = estimate_rank(X, kernel, 1e-2, m=300, reps=3, max_k=10**6, seed=4, decide_only=True)
+    assert high.branch == "eigen-count" and high.details["reps"] == 3
+    assert high.k == estimate_rank(X, kernel, 1e-2, m=300, reps=3, max_k=10**6, seed=4).k
