@@ -1,6 +1,7 @@
 """Thin products on this machine: ``A @ B`` for a symmetric ``n x n`` matrix ``A`` (a stored kernel) and ``t``
-columns, timed in each of :data:`gpnys.linalg.THIN_FORMS`, with the form :func:`gpnys.linalg.time_thin_forms`
-picks on its small calibration product.
+columns, timed in each of torch's forms (:data:`gpnys.linalg.TORCH_FORMS`) and split over threads through numpy's
+BLAS (``"split"``: what every ``"split+..."`` form of :data:`gpnys.linalg.THIN_FORMS` does with a stored kernel),
+with the form :func:`gpnys.linalg.time_thin_forms` picks on its calibration product.
 
 Run:  python benchmarks/thin_products.py            (n = 8000, t = 2-20, 24, 32; float64 and float32; ~2 minutes
                                                     on 2 cores)
@@ -21,12 +22,15 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+#: the columns of the table: torch's forms, and the split product every "split+..." form takes for a stored kernel
+FORMS = ("direct", "transposed", "direct-padded", "transposed-padded", "split")
+
 
 def sweep(n: int, columns: list[int], dtype, repeats: int) -> list[dict]:
     """One row per column count: each form's best time in ms and the fastest form."""
     import torch
 
-    from gpnys.linalg import THIN_FORMS, thin_matmul
+    from gpnys.linalg import thin_matmul
 
     g = torch.Generator().manual_seed(0)
     A = torch.rand(n, n, generator=g, dtype=dtype)
@@ -35,14 +39,14 @@ def sweep(n: int, columns: list[int], dtype, repeats: int) -> list[dict]:
     for t in columns:
         B = torch.rand(n, t, generator=g, dtype=dtype)
         row: dict = {"t": t}
-        for form in THIN_FORMS:
+        for form in FORMS:
             times = []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
-                thin_matmul(A, B, form, symmetric=True)
+                thin_matmul(A, B, "split+direct" if form == "split" else form, symmetric=True)
                 times.append(time.perf_counter() - t0)
             row[form] = 1e3 * min(times[1:])
-        row["fastest"] = min(THIN_FORMS, key=row.__getitem__)
+        row["fastest"] = min(FORMS, key=row.__getitem__)
         rows.append(row)
     return rows
 
@@ -53,11 +57,9 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gpnys.linalg import THIN_FORMS
-
     fig, axes = plt.subplots(1, len(out["dtypes"]), figsize=(6 * len(out["dtypes"]), 4), squeeze=False)
     for ax, (name, rows) in zip(axes[0], out["dtypes"].items()):
-        for form in THIN_FORMS:
+        for form in FORMS:
             ax.plot([r["t"] for r in rows], [r[form] for r in rows], marker="o", label=form)
         ax.set(title=f"{name}, n = {out['n']}, chosen: {out['chosen'][name]}", xlabel="columns t", ylabel="ms")
         ax.legend()
@@ -69,7 +71,7 @@ def plot(out: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from gpnys.linalg import THIN_FORMS, time_thin_forms
+    from gpnys.linalg import time_thin_forms
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -96,9 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
         out["dtypes"][name] = sweep(n, columns, dtype, repeats)
     for name, rows in out["dtypes"].items():
         print(f"\n{name}, A {n} x {n}, {out['threads']} threads, ms (time_thin_forms picks {out['chosen'][name]})")
-        print(f"{'t':>3} " + " ".join(f"{form:>18}" for form in THIN_FORMS) + "  fastest")
+        print(f"{'t':>3} " + " ".join(f"{form:>18}" for form in FORMS) + "  fastest")
         for r in rows:
-            print(f"{r['t']:3d} " + " ".join(f"{r[form]:18.2f}" for form in THIN_FORMS) + f"  {r['fastest']}")
+            print(f"{r['t']:3d} " + " ".join(f"{r[form]:18.2f}" for form in FORMS) + f"  {r['fastest']}")
     path = Path(args.out) if args.out else RESULTS / "thin_products.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

@@ -324,13 +324,14 @@ def test_thin_products_quick(tmp_path):
     from gpnys.linalg import THIN_FORMS
 
     out = tmp_path / "thin.json"
-    res = load("thin_products").main(["--quick", "--out", str(out)])
+    bench = load("thin_products")
+    res = bench.main(["--quick", "--out", str(out)])
     assert set(res["dtypes"]) == {"float64", "float32"} and set(res["chosen"].values()) <= set(THIN_FORMS)
     for rows in res["dtypes"].values():
         assert [r["t"] for r in rows] == [2, 5, 17]
         for r in rows:
-            assert all(r[form] > 0 for form in THIN_FORMS)
-            assert r[r["fastest"]] == min(r[form] for form in THIN_FORMS)
+            assert all(r[form] > 0 for form in bench.FORMS)
+            assert r[r["fastest"]] == min(r[form] for form in bench.FORMS)
     assert json.loads(out.read_text())["n"] == 512 and out.with_suffix(".png").exists()
 
 
