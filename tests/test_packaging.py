@@ -27,7 +27,7 @@ pytest.importorskip("build")
 
 #: the newest releases on the package index on 2026-11-28; the wheel's ranges must admit them
 NEWEST = {"torch": "2.15.0", "gpytorch": "1.15.2", "linear_operator": "0.6.1", "botorch": "0.18.1",
-          "numpy": "2.5.5", "scipy": "1.18.1", "tqdm": "4.70.1", "scikit-learn": "1.9.1"}
+          "numpy": "2.5.5", "scipy": "1.18.1", "tqdm": "4.70.1", "scikit-learn": "1.9.1", "threadpoolctl": "3.8.0"}
 
 
 @pytest.fixture(scope="module")
