@@ -1,6 +1,7 @@
 """Thin products on this machine: ``A @ B`` for a symmetric ``n x n`` matrix ``A`` (a stored kernel) and ``t``
 columns, timed in each of torch's forms (:data:`gpnys.linalg.TORCH_FORMS`) and split over threads through numpy's
-BLAS (``"split"``: what every ``"split+..."`` form of :data:`gpnys.linalg.THIN_FORMS` does with a stored kernel),
+BLAS (``"split"``: what every ``"split+..."`` form of :data:`gpnys.linalg.THIN_FORMS` does with a stored kernel of
+at least :data:`gpnys.linalg.SPLIT_MIN_ROWS` rows),
 with the form :func:`gpnys.linalg.time_thin_forms` picks on its calibration product.
 
 Run:  python benchmarks/thin_products.py            (n = 8000, t = 2-20, 24, 32; float64 and float32; ~2 minutes
@@ -30,7 +31,7 @@ def sweep(n: int, columns: list[int], dtype, repeats: int) -> list[dict]:
     """One row per column count: each form's best time in ms and the fastest form."""
     import torch
 
-    from gpnys.linalg import thin_matmul
+    from gpnys.linalg import _split_product, thin_matmul
 
     g = torch.Generator().manual_seed(0)
     A = torch.rand(n, n, generator=g, dtype=dtype)
@@ -43,7 +44,10 @@ def sweep(n: int, columns: list[int], dtype, repeats: int) -> list[dict]:
             times = []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
-                thin_matmul(A, B, "split+direct" if form == "split" else form, symmetric=True)
+                if form == "split":  # at any n (thin_matmul splits from SPLIT_MIN_ROWS rows)
+                    _split_product(A, B)
+                else:
+                    thin_matmul(A, B, form, symmetric=True)
                 times.append(time.perf_counter() - t0)
             row[form] = 1e3 * min(times[1:])
         row["fastest"] = min(FORMS, key=row.__getitem__)

@@ -120,10 +120,18 @@ def _apply_form(form: str, A: torch.Tensor, B: torch.Tensor, symmetric: bool = F
     return out[..., :t].contiguous()
 
 
+#: :func:`_split_product` takes a stored kernel from this many rows: below, torch's form was as fast or faster (2
+#: threads, 17 columns, float64: 0.52 ms against 0.77 ms at 600, 2.97 against 3.26 ms at 1 500, 5.7 against 5.1 ms
+#: at 2 048; docs/scaling.md)
+SPLIT_MIN_ROWS = 2048
+
+
 def _splittable(A: torch.Tensor, B: torch.Tensor) -> bool:
-    """Whether :func:`_split_product` takes ``A @ B``: a square ``A`` and a ``B``, 2-D CPU float32 / float64 tensors
-    of one dtype that autograd need not record and numpy can view (no negative or conjugate bit)."""
-    return (A.dim() == 2 and B.dim() == 2 and A.shape[0] == A.shape[1] and A.device.type == "cpu"
+    """Whether :func:`_split_product` takes ``A @ B``: a square ``A`` of at least :data:`SPLIT_MIN_ROWS` rows and a
+    ``B``, 2-D CPU float32 / float64 tensors of one dtype that autograd need not record and numpy can view (no
+    negative or conjugate bit)."""
+    return (A.dim() == 2 and B.dim() == 2 and A.shape[0] == A.shape[1] and A.shape[0] >= SPLIT_MIN_ROWS
+            and A.device.type == "cpu"
             and B.device.type == "cpu"
             and A.dtype == B.dtype and A.dtype in (torch.float32, torch.float64)
             and not (torch.is_grad_enabled() and (A.requires_grad or B.requires_grad))

@@ -118,9 +118,10 @@ def test_the_timed_form_is_one_of_the_forms_and_direct_unless_clearly_faster(mon
 
 
 @pytest.mark.parametrize("shape", [(300, 17), (1, 3), (5, 2), (257, 64), (2500, 7)])
-def test_a_split_form_reads_a_symmetric_matrix_by_columns_and_equals_the_product(shape, dtype):
+def test_a_split_form_reads_a_symmetric_matrix_by_columns_and_equals_the_product(shape, dtype, monkeypatch):
     """``"split+..."`` with ``symmetric=True`` computes ``(Bᵀ A)ᵀ`` through numpy's BLAS: equal to ``A @ B`` for a
     symmetric ``A``, bit for bit whatever torch's thread count (the blocks are fixed)."""
+    monkeypatch.setattr(linalg, "SPLIT_MIN_ROWS", 1)  # small shapes too, edge blocks included
     m, t = shape
     g = torch.Generator().manual_seed(2)
     A = torch.randn(m, m, generator=g, dtype=dtype)
@@ -143,12 +144,13 @@ def test_a_split_form_reads_a_symmetric_matrix_by_columns_and_equals_the_product
 
 
 def test_a_split_form_takes_its_torch_form_elsewhere_and_leaves_numpys_blas_threads_as_they_were(monkeypatch, dtype):
-    """Only a symmetric square ``A`` autograd need not record is split; a product autograd must record, a
-    non-symmetric one and a batch take the torch form named after ``split+``, with their gradients. numpy's BLAS runs
-    on one thread only during a split product."""
+    """Only a symmetric square ``A`` of at least ``SPLIT_MIN_ROWS`` rows that autograd need not record is split; a
+    product autograd must record, a non-symmetric or smaller one and a batch take the torch form named after
+    ``split+``, with their gradients. numpy's BLAS runs on one thread only during a split product."""
     from threadpoolctl import threadpool_info
 
     before = [(i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas"]
+    monkeypatch.setattr(linalg, "SPLIT_MIN_ROWS", 64)
     g = torch.Generator().manual_seed(3)
     A = torch.randn(64, 64, generator=g, dtype=dtype)
     A = A + A.mT
@@ -169,6 +171,8 @@ def test_a_split_form_takes_its_torch_form_elsewhere_and_leaves_numpys_blas_thre
         torch.testing.assert_close(thin_matmul(A[:40], B, "split+transposed", symmetric=True), A[:40] @ B)
         torch.testing.assert_close(thin_matmul(A, B, "split+transposed"), A @ B)
         torch.testing.assert_close(thin_matmul(A[None], B[None], "split+transposed", symmetric=True), A[None] @ B)
+        monkeypatch.setattr(linalg, "SPLIT_MIN_ROWS", 65)  # a stored kernel below the split's size
+        torch.testing.assert_close(thin_matmul(A, B, "split+transposed", symmetric=True), A @ B)
         assert len(split) == 1
     assert [(i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas"] == before
 
