@@ -121,8 +121,8 @@ def _apply_form(form: str, A: torch.Tensor, B: torch.Tensor, symmetric: bool = F
 
 
 #: :func:`_split_product` takes a stored kernel from this many rows: below, torch's form was as fast or faster (2
-#: threads, 17 columns, float64: 0.52 ms against 0.77 ms at 600, 2.97 against 3.26 ms at 1 500, 5.7 against 5.1 ms
-#: at 2 048; docs/scaling.md)
+#: threads, 17 columns, float64, torch's form against the split product: 0.52 against 0.77 ms at 600 rows, 2.97
+#: against 3.26 ms at 1 500, 5.7 against 5.1 ms at 2 048; docs/scaling.md)
 SPLIT_MIN_ROWS = 2048
 
 
@@ -139,8 +139,8 @@ def _splittable(A: torch.Tensor, B: torch.Tensor) -> bool:
 
 
 class _SplitPool:
-    """The worker threads of :func:`_split_product` (one fewer than torch's thread count: the caller runs one
-    group of blocks), made again when torch's thread count changes and, with the lock, after a fork (a child
+    """The worker threads of :func:`_split_product` (one fewer than torch's thread count: the caller runs a group
+    of blocks itself), made again when torch's thread count changes and, with the lock, after a fork (a child
     inherits the objects but not the threads, and a lock held at the fork would never be released); the lock keeps
     concurrent callers from interleaving their BLAS thread limits."""
 
@@ -188,7 +188,7 @@ def _split_product(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     thread count (this thread and a pool).
 
     Written by hand because torch's CPU wheels bind MKL, whose thin products ran at a third of the peak of its own
-    square products on an AMD EPYC, where numpy's OpenBLAS ran them 1.3-1.9x faster (docs/scaling.md, "Why the
+    square products on an AMD EPYC, where numpy's OpenBLAS ran them 1.1-1.9x faster (docs/scaling.md, "Why the
     defaults are what they are"); and numpy's BLAS on its own threads lets them spin after each call against
     torch's, so each block runs on one BLAS thread in a thread of ours."""
     m, t = A.shape[0], B.shape[-1]
@@ -204,7 +204,7 @@ def _split_product(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
             np.matmul(lhs, An[:, a : a + SPLIT_BLOCK], out=out[:, a : a + SPLIT_BLOCK])
 
     with _split_pool.lock, _split_pool.single_threaded():
-        pool = _split_pool.get(groups - 1)
+        pool = _split_pool.get(max(0, torch.get_num_threads() - 1))
         futures = [pool.submit(run, g) for g in range(1, groups)] if pool is not None else []
         run(0)
         for f in futures:
