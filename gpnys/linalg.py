@@ -131,8 +131,7 @@ def _splittable(A: torch.Tensor, B: torch.Tensor) -> bool:
     ``B``, 2-D CPU float32 / float64 tensors of one dtype that autograd need not record and numpy can view (no
     negative or conjugate bit)."""
     return (A.dim() == 2 and B.dim() == 2 and A.shape[0] == A.shape[1] and A.shape[0] >= SPLIT_MIN_ROWS
-            and A.device.type == "cpu"
-            and B.device.type == "cpu"
+            and A.device.type == "cpu" and B.device.type == "cpu"
             and A.dtype == B.dtype and A.dtype in (torch.float32, torch.float64)
             and not (torch.is_grad_enabled() and (A.requires_grad or B.requires_grad))
             and not (A.is_neg() or B.is_neg() or A.is_conj() or B.is_conj()))
@@ -192,8 +191,6 @@ def _split_product(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     defaults are what they are"); and numpy's BLAS on its own threads lets them spin after each call against
     torch's, so each block runs on one BLAS thread in a thread of ours."""
     m, t = A.shape[0], B.shape[-1]
-    if m == 0:
-        return A @ B
     An, lhs = A.detach().numpy(), np.ascontiguousarray(B.detach().numpy().T)
     out = np.empty((t, m), dtype=An.dtype)
     starts = range(0, m, SPLIT_BLOCK)
