@@ -515,12 +515,13 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             if state.variance_reduction and state.control_variate_terms is not None and tensors:
                 inner = P.chosen
                 afn = isinstance(inner, AFNPreconditioner)
-                proxy = (afn and settings.control_variate != "frozen"
+                family = inner.control_family(settings.control_variate) if afn else None
+                proxy = (afn and family != "frozen"
                          and (inner.n - inner.k) * inner.w**2 * inner.k * settings.num_probes > PROXY_ABOVE)
                 # the per-probe rows then come from the frozen family's closed form (AFN splits only for a kernel of
                 # the formula table, which has it), never through these terms: their rows may be split over the
                 # ranks (their backward gathers; a per-probe backward through vmap could not)
-                closed_rows = proxy or (afn and settings.control_variate == "frozen")
+                closed_rows = proxy or family == "frozen"
                 terms = state.control_variate_terms(Z, split=closed_rows)
                 if terms is not None:
                     cv_logdet = terms[0] if cv_logdet is None else cv_logdet

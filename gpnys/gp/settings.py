@@ -11,6 +11,7 @@ from typing import Any
 import gpytorch
 
 from gpnys.gp.variance import VARIANCE_NEIGHBOURS
+from gpnys.precond.afn import CV_FAMILIES
 
 #: ``EstimatorSettings.solver`` values: ``"auto"`` (the cost model of :mod:`gpnys.gp.path`), ``"cholesky"``,
 #: ``"iterative"``
@@ -126,8 +127,8 @@ class EstimatorOptions:
         control_variate: for AFN, ``"diag"`` (cheap, ``O(nk(k + t))``), ``"full"`` (rebuild the FSAI rows with
             autograd, ``O(n w^2 k)``: removes the most variance, at a cost that grows past the CG solve's for
             large ``n``), ``"frozen"`` (``diag`` without rebuilding the ``(n - k) x k`` block ``V``,
-            ``O(k^2 (k + t) + n k t)``: about ``diag``'s gradient errors, a little cheaper) or ``"auto"`` (full
-            while ``(n - k) w^2 k <= 2e9``, else diag); see
+            ``O(k^2 (k + t) + n k t)``: ``diag``'s gradient errors wherever measured, cheaper) or ``"auto"`` (full
+            while ``(n - k) w^2 k <= 2e9``, else frozen: :meth:`gpnys.precond.afn.AFNPreconditioner.control_family`); see
             :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms` and docs/training.md.
         error_bars: estimate the MLL with gpnys's own PCG + SLQ (:mod:`gpnys.gp.estimator`), which gives every
             value and gradient component a standard error (``hook.last_estimate``) and honours
@@ -184,6 +185,8 @@ class EstimatorOptions:
             raise ValueError(f"lanczos_share must be in (0, 1) or None, got {self.lanczos_share!r}")
         if isinstance(self.num_probes, bool) or int(self.num_probes) != self.num_probes or self.num_probes < 1:
             raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
+        if self.control_variate not in CV_FAMILIES:
+            raise ValueError(f"control_variate must be one of {CV_FAMILIES}, got {self.control_variate!r}")
 
 
 @dataclass(kw_only=True)

@@ -38,8 +38,9 @@ from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_in
 __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
 
 LANDMARK_RULES = ("auto", "fps", "uniform")
-CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the diagonal control variate
+CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the frozen control variate
 CV_ROW_ARRAYS = 8  # (rows, k) arrays a diag-family row's graph holds, forward and backward (an upper bound)
+CV_FAMILIES = ("auto", "full", "diag", "frozen")
 
 
 def _gather_rows(V: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
@@ -231,6 +232,25 @@ class AFNPreconditioner(Preconditioner):
     def logdet(self) -> torch.Tensor:
         return 2.0 * self.L.diagonal().log().sum() - 2.0 * self.factor.logdiag()
 
+    def control_family(self, schur: str = "auto") -> str:
+        """The family :meth:`differentiable_terms` builds for ``schur``: ``"auto"`` is ``"full"`` while ``(n - k) w² k
+        <= 2e9`` (:data:`CV_FULL_BUDGET`), else ``"frozen"``, which removed as much variance as ``"diag"`` at a lower
+        cost wherever both were measured (docs/training.md); any other name is itself.
+
+        Example:
+            >>> import torch, gpytorch
+            >>> from gpnys.precond.afn import AFNPreconditioner
+            >>> X = torch.rand(100, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+            >>> P = AFNPreconditioner(X, gpytorch.kernels.RBFKernel().double(), mu=0.1, k=20, w=10)
+            >>> P.control_family("auto"), P.control_family("diag")
+            ('full', 'diag')
+        """
+        if schur not in CV_FAMILIES:
+            raise ValueError(f"schur must be one of {CV_FAMILIES}, got {schur!r}")
+        if schur != "auto":
+            return schur
+        return "full" if (self.n - self.k) * self.w**2 * self.k <= CV_FULL_BUDGET else "frozen"
+
     def differentiable_terms(
         self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor, Z: torch.Tensor, schur: str = "full",
         split: bool = False,
@@ -266,8 +286,8 @@ class AFNPreconditioner(Preconditioner):
                 built with ``diag`` (the same family: ``K11 + D1`` and the Schur complement with ``D2``).
             Z: ``(n, t)`` fixed probe vectors.
             schur: ``"full"`` (rebuild the FSAI rows), ``"diag"`` (diagonal-scaled FSAI, see above), ``"frozen"``
-                (``diag`` with the landmark part of the Schur diagonal held) or ``"auto"``:
-                full while ``(n - k) w^2 k <= 2e9`` (:data:`CV_FULL_BUDGET`; docs/accuracy.md), else diag.
+                (``diag`` with the landmark part of the Schur diagonal held) or ``"auto"``
+                (:meth:`control_family`).
             split: with a build split over a process group, the ``diag`` and ``frozen`` families' non-landmark rows
                 are split too (:meth:`_split_schur_terms`; a kernel in the formula table). Only where no per-probe
                 Jacobian is taken through these terms: their backward gathers across the ranks.
@@ -278,10 +298,7 @@ class AFNPreconditioner(Preconditioner):
         from torch.utils.checkpoint import checkpoint
 
         X, lm, rest = self.X, self.landmark_idx, self.rest_idx
-        if schur not in ("auto", "full", "diag", "frozen"):
-            raise ValueError(f"schur must be 'auto', 'full', 'diag' or 'frozen', got {schur!r}")
-        if schur == "auto":
-            schur = "full" if (self.n - self.k) * self.w**2 * self.k <= CV_FULL_BUDGET else "diag"
+        schur = self.control_family(schur)
         L = torch.linalg.cholesky(add_diag(evaluate(kernel, X[lm], X[lm]), shift_at(mu, lm)))
         Zp = Z[self.perm]
         w1 = torch.linalg.solve_triangular(L, Zp[: self.k], upper=False)

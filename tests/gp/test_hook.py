@@ -233,6 +233,39 @@ def test_control_variate_family_is_unbiased(schur):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_control_family_auto_is_full_then_frozen(monkeypatch, dtype):
+    """``"auto"`` builds the full family up to CV_FULL_BUDGET and the frozen one above it: the same terms and
+    gradients as asking for that family by name; a family that is not one is a ValueError, in the settings too."""
+    import gpnys.precond.afn as afn_module
+    from helpers import make_kernel, points
+
+    X = points(150, 3, scale=5.0, dtype=dtype)
+    kern = make_kernel("rbf", 1.5, dtype)
+    P = AFNPreconditioner(X, kern, 1e-2, k=30, w=8)
+    Z = torch.randn(150, 4, dtype=dtype, generator=torch.Generator().manual_seed(0))
+
+    def terms(schur):
+        mu = torch.tensor(1e-2, dtype=dtype, requires_grad=True)
+        logdet, quad = P.differentiable_terms(kern, mu, Z, schur=schur)
+        grads = torch.autograd.grad(logdet + quad.sum(), [mu, kern.raw_lengthscale])
+        return [logdet.detach(), quad.detach(), *grads]
+
+    assert P.control_family("auto") == "full" and P.control_family("diag") == "diag"
+    for a, b in zip(terms("auto"), terms("full")):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(afn_module, "CV_FULL_BUDGET", (150 - 30) * 8**2 * 30 - 1)  # just below this build's size
+    assert P.control_family("auto") == "frozen"
+    frozen, diag = terms("frozen"), terms("diag")
+    for a, b in zip(terms("auto"), frozen):
+        assert torch.equal(a, b)
+    assert not torch.equal(frozen[3], diag[3])  # a family of its own: its length-scale derivative differs
+    with pytest.raises(ValueError, match="schur"):
+        P.control_family("none")
+    with pytest.raises(ValueError, match="control_variate"):
+        EstimatorSettings(control_variate="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("schur,per_point", [("diag", False), ("frozen", False), ("diag", True)])
 def test_control_variate_rows_checkpointed_in_batches(schur, per_point, dtype):
     """Above the dense budget the diag / frozen families' non-landmark rows run in checkpointed batches (their
