@@ -127,8 +127,9 @@ class EstimatorOptions:
         control_variate: for AFN, ``"diag"`` (cheap, ``O(nk(k + t))``), ``"full"`` (rebuild the FSAI rows with
             autograd, ``O(n w^2 k)``: removes the most variance, at a cost that grows past the CG solve's for
             large ``n``), ``"frozen"`` (``diag`` without rebuilding the ``(n - k) x k`` block ``V``,
-            ``O(k^2 (k + t) + n k t)``: ``diag``'s gradient errors wherever measured, cheaper) or ``"auto"`` (full
-            while ``(n - k) w^2 k <= 2e9``, else frozen: :meth:`gpnys.precond.afn.AFNPreconditioner.control_family`); see
+            ``O(k^2 (k + t) + n k t)``: ``diag``'s gradient errors wherever measured, cheaper) or ``"auto"``
+            (full while ``(n - k) w^2 k <= 2e9``, else frozen:
+            :meth:`gpnys.precond.afn.AFNPreconditioner.control_family`); see
             :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms` and docs/training.md.
         error_bars: estimate the MLL with gpnys's own PCG + SLQ (:mod:`gpnys.gp.estimator`), which gives every
             value and gradient component a standard error (``hook.last_estimate``) and honours

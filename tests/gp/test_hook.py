@@ -236,8 +236,9 @@ def test_control_variate_family_is_unbiased(schur):
 def test_control_family_auto_is_full_then_frozen(monkeypatch, dtype):
     """``"auto"`` builds the full family up to CV_FULL_BUDGET and the frozen one above it: the same terms and
     gradients as asking for that family by name; a family that is not one is a ValueError, in the settings too."""
-    import gpnys.precond.afn as afn_module
     from helpers import make_kernel, points
+
+    import gpnys.precond.afn as afn_module
 
     X = points(150, 3, scale=5.0, dtype=dtype)
     kern = make_kernel("rbf", 1.5, dtype)
