@@ -46,7 +46,7 @@ from gpnys.budget import dense_limit_bytes as budget_dense_limit
 from gpnys.collectives import partitioned, resolve_group
 from gpnys.kernels.backends import LEAF, make_backend, select_backend
 from gpnys.kernels.backends.base import KernelBackend
-from gpnys.kernels.backends.dense import DenseBackend
+from gpnys.kernels.backends.dense import DenseBackend, LastProduct
 from gpnys.kernels.backends.partitioned import PartitionedBackend
 from gpnys.kernels.backends.torch_tiles import Tile, TorchTiles, squared_norms
 from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
@@ -184,7 +184,7 @@ class StationaryKernelOperator(LinearOperator):
                 m = rows.stop - a
                 self.tiles.fill(Z[rows], Z, sq, rows, slice(None), (K[rows], None if H is None else H[rows]),
                                 scratch[: m * n].view(m, n), zmax, None if D is None else D[rows])
-            self.cache.update(X=self.X, key=key, K=K, H=H, D=D)
+            self.cache.update(X=self.X, key=key, K=K, H=H, D=D, last_product=LastProduct())
         return self.cache["K"], self.cache["H"]
 
     def _caches_derivative(self) -> bool:
@@ -232,7 +232,7 @@ class StationaryKernelOperator(LinearOperator):
         dense = self._dense()
         if dense is not None:
             return None, self._scaled(), None, DenseBackend(self.formula, *dense, self.cache.get("D"),
-                                                            self._block_rows())
+                                                            self._block_rows(), self.cache["last_product"])
         return (*self._working(), self.backend)
 
     def _pass(self) -> tuple[torch.Tensor | None, torch.Tensor, Iterator[Tile]]:

@@ -47,3 +47,38 @@ def test_dense_backend_matches_the_recomputing_tiles(nu, dtype):
         assert torch.allclose(g_iso, g_ref.sum().reshape(1), rtol=1e-8)
         assert torch.allclose(fast.column_derivative_sums(Z, U, V, None, True)[1],
                               tiles.column_derivative_sums(Z, U, V, None, True)[1], rtol=1e-8)
+
+
+def test_last_product_answers_only_for_its_own_columns(dtype):
+    """A derivative pass whose ``U`` is the last full product's leading columns reads ``K U`` from it (the same
+    per-column sums as multiplying again, to rounding); a ``U`` that differs in one entry, or a product modified in
+    place since, is multiplied afresh; and a changed ``K`` never answers from the old product."""
+    from gpnys.kernels.backends.dense import LastProduct
+
+    g = torch.Generator().manual_seed(1)
+    n, t = 120, 5
+    Z = torch.rand(n, 2, generator=g, dtype=torch.float64).to(dtype)
+    U = torch.randn(n, t, generator=g, dtype=torch.float64).to(dtype)
+    V = torch.randn(n, t, generator=g, dtype=torch.float64).to(dtype)
+    K = torch.exp(-0.5 * torch.cdist(Z, Z).square())
+    D = (-K * torch.cdist(Z, Z).square()).fill_diagonal_(0.0)
+    f = formula(None)
+    plain = DenseBackend(f, K, None, D, block=64)
+    want = plain.column_derivative_sums(Z, U, V, None, True)
+    last = LastProduct()
+    be = DenseBackend(f, K, None, D, block=64, last=last)
+    B = torch.cat([U, U.abs()], 1)  # the true residual's product: X and |X|
+    KB = be.matmul(Z, B, None)
+    assert last.lookup(U) is not None and torch.equal(last.lookup(U), KB[:, :t])
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for got, ref in zip(be.column_derivative_sums(Z, U, V, None, True), want):
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol * float(ref.abs().max()))
+    other = U.clone()
+    other[3, 2] += 1.0
+    assert last.lookup(other) is None and last.lookup(torch.cat([U, V], 1)) is None  # wider than recorded
+    KB.mul_(2.0)  # the caller changed the product: it no longer answers
+    assert last.lookup(U) is None
+    be.matmul(Z, B, None)
+    last.clear()
+    assert last.lookup(U) is None
+
