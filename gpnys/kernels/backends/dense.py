@@ -5,7 +5,8 @@ When :func:`~gpnys.kernels.product.choose_product` says ``"dense"``,
 isotropic float64 kernel also ``D = A o R²``, the length-scale derivative's matrix) and answers through this
 backend, with the interface every backend has (:class:`~gpnys.kernels.backends.base.KernelBackend`). Storage:
 the ``n x n`` matrices themselves (filled once per length-scale by the operator); a product is one GEMM, a
-derivative sum two (with ``D``) or one pass over row blocks of the stored tiles (the torch tiles' reductions).
+derivative sum two (with ``D``; one when the last product already took ``U``, :class:`LastProduct`) or one pass over
+row blocks of the stored tiles (the torch tiles' reductions).
 """
 
 from __future__ import annotations
