@@ -5,6 +5,8 @@ Run:  python benchmarks/ab.py --before HEAD~1                         (kin40k 10
                                                                       synthetic3d 50 000 Matérn-3/2; ~20 minutes)
       python benchmarks/ab.py --before REV --cases kin40k:20000:matern32:iso --rounds 3
       python benchmarks/ab.py --before REV --no-error-bars          (GPyTorch's own estimator through the hook)
+      python benchmarks/ab.py --before REV --cases elevators:8000:rbf:iso --dtype float64 --dense
+                                                                      (the stored kernel, as the CPU takes it)
       python benchmarks/ab.py --quick                                 (this tree against itself; the test suite)
 
 A shared machine's speed drifts between runs, often by more than a change gains, so a speed-up is measured by
@@ -14,8 +16,9 @@ case once per revision, each run a fresh process (``PYTHONPATH`` pointing at tha
 REV``) or given as a directory (``--before-path``); the other is this checkout.
 
 An evaluation is ``-ExactMarginalLogLikelihood`` and its backward through ``use_preconditioner(model, "auto")`` with
-the error bars on, float32, the kernel recomputed on the fly (no dense cache), seeded identically in both
-revisions; a product is one ``K V`` with 17 columns on the same operator. Each run also counts the torch tiles'
+the error bars on, float32, the kernel recomputed on the fly (no dense cache; ``--dense``: stored where it fits
+the memory budget, ``--dtype float64``), seeded identically in both revisions; a product is one ``K V`` with 17
+columns on the same operator, recomputed. Each run also counts the torch tiles'
 passes (products, derivative sums, per-probe sums) and their seconds.
 
 Columns: per case and revision the median over rounds of the per-run medians; the ratio after / before; the loss
@@ -55,7 +58,7 @@ def child(args) -> None:
     data, n, kernel, ard = args.case.split(":")
     torch.set_num_threads(args.threads)
     extra = {"standardize": False} if data == "synthetic3d" else {}
-    ds = datasets.load(data, n=int(n), seed=0, dtype=torch.float32, **extra)
+    ds = datasets.load(data, n=int(n), seed=0, dtype=getattr(torch, args.dtype), **extra)
     X, y = ds.train_x, ds.train_y
     lik = gpytorch.likelihoods.GaussianLikelihood()
     model = ExactGPModel(X, y, lik, kernel=kernel, ard=ard == "ard")
@@ -76,7 +79,7 @@ def child(args) -> None:
                 seconds[_n] += time.perf_counter() - t0
         setattr(TorchTiles, name, counted)
     times = []
-    settings = EstimatorSettings(dense_limit_bytes=0, error_bars=not args.no_error_bars)
+    settings = EstimatorSettings(dense_limit_bytes=None if args.dense else 0, error_bars=not args.no_error_bars)
     with use_preconditioner(model, "auto", settings=settings, seed=0):
         for rep in range(args.repeats + 1):
             calls.clear()
@@ -95,7 +98,7 @@ def child(args) -> None:
     base = model.covar_module.base_kernel
     kop = StationaryKernelOperator(X, model.covar_module.outputscale, base.lengthscale, base=base, cache={},
                                    dense_limit_bytes=0, backend="torch")
-    V = torch.randn(X.shape[0], 17, generator=torch.Generator().manual_seed(0))
+    V = torch.randn(X.shape[0], 17, generator=torch.Generator().manual_seed(0), dtype=X.dtype)
     with torch.no_grad():
         kop.matmul(V)  # plan and warm-up
         t0 = time.perf_counter()
@@ -109,7 +112,8 @@ def child(args) -> None:
 def run(root: Path, case: str, args) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--case", case, "--repeats", str(args.repeats),
-           "--threads", str(args.threads)] + (["--no-error-bars"] if args.no_error_bars else [])
+           "--threads", str(args.threads), "--dtype", args.dtype] + (["--no-error-bars"] if args.no_error_bars else []) \
+        + (["--dense"] if args.dense else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if Path(got["gpnys"]).resolve() != (root / "gpnys").resolve():
@@ -127,6 +131,10 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-error-bars", action="store_true",
                     help="GPyTorch's own estimator through the hook (EstimatorSettings(error_bars=False))")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--dense", action="store_true",
+                    help="keep the kernel stored where it fits the memory budget (the default estimator's CPU path at "
+                         "moderate n) instead of recomputing it")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -183,7 +191,8 @@ def main(argv=None) -> dict | None:
                      "grad_rel_diff": max(abs(x - y) for x, y in zip(ga, gb)) / gscale,
                      "calls_before": b[-1]["calls"], "calls_after": a[-1]["calls"],
                      "pass_s_before": b[-1]["pass_s"], "pass_s_after": a[-1]["pass_s"]})
-    print(f"before = {label}, after = this tree; {args.rounds} rounds x {args.repeats} repeats, {args.threads} threads")
+    print(f"before = {label}, after = this tree; {args.rounds} rounds x {args.repeats} repeats, {args.threads} threads, "
+          f"{args.dtype}, kernel {'stored' if args.dense else 'recomputed'}")
     head = f"{'case':34s} {'before s':>9s} {'after s':>8s} {'ratio':>6s} {'K V before':>10s} {'after':>7s} " \
            f"{'ratio':>6s} {'loss diff':>9s} {'grad diff':>9s}"
     print(head)
@@ -194,7 +203,7 @@ def main(argv=None) -> dict | None:
     out = Path(args.out) if args.out else RESULTS / ("ab_quick.json" if args.quick else "ab.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"before": label, "rounds": args.rounds, "repeats": args.repeats, "threads": args.threads,
-              "error_bars": not args.no_error_bars, "rows": rows, "runs": runs}
+              "dtype": args.dtype, "dense": args.dense, "error_bars": not args.no_error_bars, "rows": rows, "runs": runs}
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result
