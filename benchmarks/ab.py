@@ -112,8 +112,8 @@ def child(args) -> None:
 def run(root: Path, case: str, args) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--case", case, "--repeats", str(args.repeats),
-           "--threads", str(args.threads), "--dtype", args.dtype] + (["--no-error-bars"] if args.no_error_bars else []) \
-        + (["--dense"] if args.dense else [])
+           "--threads", str(args.threads), "--dtype", args.dtype] \
+        + (["--no-error-bars"] if args.no_error_bars else []) + (["--dense"] if args.dense else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     if Path(got["gpnys"]).resolve() != (root / "gpnys").resolve():
@@ -191,8 +191,8 @@ def main(argv=None) -> dict | None:
                      "grad_rel_diff": max(abs(x - y) for x, y in zip(ga, gb)) / gscale,
                      "calls_before": b[-1]["calls"], "calls_after": a[-1]["calls"],
                      "pass_s_before": b[-1]["pass_s"], "pass_s_after": a[-1]["pass_s"]})
-    print(f"before = {label}, after = this tree; {args.rounds} rounds x {args.repeats} repeats, {args.threads} threads, "
-          f"{args.dtype}, kernel {'stored' if args.dense else 'recomputed'}")
+    print(f"before = {label}, after = this tree; {args.rounds} rounds x {args.repeats} repeats, "
+          f"{args.threads} threads, {args.dtype}, kernel {'stored' if args.dense else 'recomputed'}")
     head = f"{'case':34s} {'before s':>9s} {'after s':>8s} {'ratio':>6s} {'K V before':>10s} {'after':>7s} " \
            f"{'ratio':>6s} {'loss diff':>9s} {'grad diff':>9s}"
     print(head)
@@ -203,7 +203,8 @@ def main(argv=None) -> dict | None:
     out = Path(args.out) if args.out else RESULTS / ("ab_quick.json" if args.quick else "ab.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"before": label, "rounds": args.rounds, "repeats": args.repeats, "threads": args.threads,
-              "dtype": args.dtype, "dense": args.dense, "error_bars": not args.no_error_bars, "rows": rows, "runs": runs}
+              "dtype": args.dtype, "dense": args.dense, "error_bars": not args.no_error_bars, "rows": rows,
+              "runs": runs}
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result
