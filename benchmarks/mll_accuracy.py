@@ -3,6 +3,8 @@ vs gpnys.
 
 Run:  python benchmarks/mll_accuracy.py                   (n = 10000, lengthscales 0.3,1,3, 5 seeds)
       python benchmarks/mll_accuracy.py --quick           (n = 500, 2 seeds; run by the test suite)
+      python benchmarks/mll_accuracy.py --n 8000 --methods auto:diag,auto:frozen --lengthscale 1
+                                                          (a gpnys method with a control variate family)
 
 For each length-scale, Cholesky (float64) once, then GPyTorch's default CG + SLQ, HiGP's defaults (when installed)
 and gpnys (``auto`` by default) over several seeds, the methods in turn within each seed; reports the median loss
@@ -24,8 +26,19 @@ import torch
 from gpnys import datasets
 from gpnys.baselines.higp_adapter import evaluate_higp
 from gpnys.baselines.mll import evaluate, grad_errors
+from gpnys.gp.settings import EstimatorSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def runner(method: str):
+    """The evaluation of ``method``: HiGP's, or :func:`evaluate`'s, with ``METHOD:FAMILY`` a gpnys method whose
+    control variate is that family."""
+    if method == "higp":
+        return evaluate_higp
+    name, _, family = method.partition(":")
+    settings = EstimatorSettings(control_variate=family) if family else None
+    return partial(evaluate, method=name, settings=settings)
 
 
 def main(argv=None) -> dict:
@@ -37,7 +50,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--kernel", default="rbf")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--methods", default="gpytorch,higp,auto",
-                    help="gpytorch (its defaults), higp (AFN authors' package, defaults), any gpnys method")
+                    help="gpytorch (its defaults), higp (AFN authors' package, defaults), any gpnys method, or one "
+                         "as METHOD:FAMILY with a control variate family (EstimatorSettings.control_variate)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -65,8 +79,7 @@ def main(argv=None) -> dict:
         recs: dict[str, list] = {m: [] for m in methods}
         for s in range(seeds):
             for method in methods:
-                run = evaluate_higp if method == "higp" else partial(evaluate, method=method)
-                recs[method].append(run(ds.train_x, ds.train_y, seed=s, **common))
+                recs[method].append(runner(method)(ds.train_x, ds.train_y, seed=s, **common))
         for method in methods:
             lerr = [abs(r["loss"] - ref["loss"]) / abs(ref["loss"]) for r in recs[method]]
             gerr = [grad_errors(r["grad"], ref["grad"]) for r in recs[method]]

@@ -44,6 +44,16 @@ def test_mll_accuracy_quick(tmp_path):
     assert rows["auto"]["time_over_gpytorch"] == pytest.approx(statistics.median(ratios))
 
 
+def test_mll_accuracy_quick_with_a_control_variate_family(tmp_path):
+    """``METHOD:FAMILY`` runs the gpnys method with that family: the same loss (the family moves only the gradient)."""
+    out = load("mll_accuracy").main(["--quick", "--lengthscale", "1", "--methods", "afn:diag,afn:frozen",
+                                     "--out", str(tmp_path / "mll.json")])
+    rows = {r["method"]: r for r in out["rows"]}
+    assert set(rows) == {"exact", "afn:diag", "afn:frozen"}
+    assert rows["afn:diag"]["loss_rel_error"] == pytest.approx(rows["afn:frozen"]["loss_rel_error"], rel=1e-9)
+    assert max(rows["afn:frozen"]["grad_rel_error"].values()) < 0.05
+
+
 def test_fit_compare_quick(tmp_path):
     out = tmp_path / "fit.json"
     load("fit_compare").main(["--quick", "--threads", "1", "--out", str(out)])
