@@ -686,6 +686,10 @@ def test_bo_large_n_example_quick_and_resumes_from_its_checkpoint(tmp_path, bo_l
     for a, b in zip(resumed, full["gpnys"]["records"]):
         assert (a["n"], a["best"]) == (b["n"], b["best"])
         assert abs(a["noise"] - b["noise"]) <= 1e-9 * b["noise"]
+    # the two-iteration checkpoint read with --iters 1: its first iteration, not a rerun (campaigns compared alike)
+    cut = main(["--quick", "--methods", "gpnys", "--iters", "1", "--checkpoint", str(tmp_path / "ckpt"),
+                "--json", str(tmp_path / "cut.json")])["runs"][0]
+    assert cut["records"] == resumed[:1] and cut["wall_s"] == resumed[0]["wall_s"] and cut["best"] == resumed[0]["best"]
 
 
 def test_bo_compare_quick(tmp_path):
