@@ -112,12 +112,12 @@ def run_loop(method: str, seed: int, args, start: str = "warm") -> dict:
         print(f"  {method:>10} {start} seed {seed} it {it + 1:2d}: n={rec['n']} fit {rec['fit_s']:7.2f} s, "
               f"acq {rec['acq_s']:6.2f} s, best {rec['best']:.5f}"
               + (f" ({rec.get('precond')}, rank {rec.get('rank')})" if "precond" in rec else ""), flush=True)
+    best = float(Y.max())
     if len(records) > args.iters:  # a checkpoint of a longer campaign: its first --iters iterations, to compare alike
         records = records[: args.iters]
-        return {"method": method, "start": start, "seed": seed, "records": records, "best": records[-1]["best"],
-                "wall_s": records[-1]["wall_s"], "initial_best": initial_best}
-    return {"method": method, "start": start, "seed": seed, "records": records, "best": float(Y.max()),
-            "wall_s": wall, "initial_best": initial_best}
+        best, wall = records[-1]["best"], records[-1]["wall_s"]
+    return {"method": method, "start": start, "seed": seed, "records": records, "best": best, "wall_s": wall,
+            "initial_best": initial_best}
 
 
 def plot(runs: list[dict], path: Path) -> None:

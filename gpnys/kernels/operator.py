@@ -184,7 +184,8 @@ class StationaryKernelOperator(LinearOperator):
                 m = rows.stop - a
                 self.tiles.fill(Z[rows], Z, sq, rows, slice(None), (K[rows], None if H is None else H[rows]),
                                 scratch[: m * n].view(m, n), zmax, None if D is None else D[rows])
-            self.cache.update(X=self.X, key=key, K=K, H=H, D=D, last_product=LastProduct())
+            self.cache.setdefault("last_product", LastProduct()).clear()  # a product of the old K answers nothing
+            self.cache.update(X=self.X, key=key, K=K, H=H, D=D)
         return self.cache["K"], self.cache["H"]
 
     def _caches_derivative(self) -> bool:
