@@ -481,9 +481,17 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 # the probes start at 0, as their Lanczos quadrature needs
                 x0 = torch.zeros_like(rhs)
                 x0[:, 0] = warm.to(rhs)
+            # the solves with r and the mean's directions (no quadrature of their own) take a Galerkin step over the
+            # probes' search directions once the probes have stopped: it shortens the tighter solve's tail
+            # (docs/accuracy.md)
+            project = None
+            if first:
+                project = torch.ones(rhs.shape[1], dtype=torch.bool, device=rhs.device)
+                project[1 : 1 + batch] = False
             try:
                 sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, x0=x0, lanczos=True, miniter=floor, quadrature=quad,
-                          abs_columns=1 + min(batch, ROUNDING_PROBES) if first else 0)  # for the rounding term
+                          abs_columns=1 + min(batch, ROUNDING_PROBES) if first else 0,  # for the rounding term
+                          project=project)
             except NonFiniteError as err:
                 raise NonFiniteError(f"{err}, at {state.describe()}") from err
             iterations = max(iterations, sol.iterations)

@@ -19,6 +19,7 @@ Memory is ``O(k^2 + n k + n w)``: no ``n x n`` matrix is ever formed.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -41,6 +42,45 @@ LANDMARK_RULES = ("auto", "fps", "uniform")
 CV_FULL_BUDGET = 2e9  # (n-k) w^2 k above which schur="auto" uses the frozen control variate
 CV_ROW_ARRAYS = 8  # (rows, k) arrays a diag-family row's graph holds, forward and backward (an upper bound)
 CV_FAMILIES = ("auto", "full", "diag", "frozen")
+#: a float64 build forms the Schur blocks' landmark part in float32 where the smallest shift is at least this many times
+#: that product's float32 rounding (:func:`schur_product_dtype`)
+SCHUR_ROUNDING_MARGIN = 100.0
+
+
+def schur_product_dtype(dtype: torch.dtype, mu_min: float, k: int, w: int, v2_max: float,
+                        rows: int) -> torch.dtype:
+    """The dtype of the Schur blocks' landmark part ``V_s V_sᵀ`` (AFN paper Algorithm 2, step 5; ``(w, k)`` rows
+    ``V_s`` with ``|V_i|² <= v2_max``, of a Schur complement with ``rows`` rows): float32 for a float64 build whose
+    smallest shift ``mu_min`` is at least :data:`SCHUR_ROUNDING_MARGIN` times that product's float32 rounding,
+    ``w sqrt(k) eps32 v2_max`` in a block's norm, and whose pattern is not complete (``w < rows``: a complete one
+    makes ``M = K + mu I``, kept to float64 rounding), else ``dtype``.
+
+    A block's eigenvalues are at least the shift, so the rounding moves them by at most 1 %: the FSAI factor stays
+    SPD and about as good. The preconditioner stays exact as used: ``solve``, ``logdet`` and ``sample`` all follow
+    the ``L``, ``V`` and ``G`` built, whatever rounding shaped ``G``. The build's largest product then gathers half
+    the bytes and runs at the CPU's float32 rate (docs/scaling.md).
+
+    Example:
+        >>> import torch
+        >>> from gpnys.precond.afn import schur_product_dtype
+        >>> schur_product_dtype(torch.float64, 0.1, 500, 30, 1.0, 7500)
+        torch.float32
+        >>> schur_product_dtype(torch.float64, 1e-4, 500, 30, 1.0, 7500)  # a shift below the margin
+        torch.float64
+    """
+    if dtype != torch.float64 or w >= rows:
+        return dtype
+    rounding = w * math.sqrt(k) * torch.finfo(torch.float32).eps * v2_max
+    return torch.float32 if mu_min >= SCHUR_ROUNDING_MARGIN * rounding else dtype
+
+
+def _landmark_part(Vs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``V_s V_sᵀ`` per block (``(b, w, k) -> (b, w, w)``) formed in ``dtype`` (:func:`schur_product_dtype`), returned
+    in ``Vs``'s dtype; with autograd."""
+    if dtype == Vs.dtype:
+        return Vs @ Vs.mT
+    low = Vs.to(dtype)
+    return (low @ low.mT).to(Vs.dtype)
 
 
 def _gather_rows(V: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
@@ -75,6 +115,8 @@ class AFNPreconditioner(Preconditioner):
     Attributes:
         landmark_idx: ``(k,)`` landmark rows of X; rest_idx: ``(n-k,)`` the others in data order;
         L: ``(k, k)``; V: ``(n-k, k)``; factor: :class:`SparseTriangular` holding ``G`` (``(n-k, n-k)`` CSR).
+        schur_dtype: the dtype the Schur blocks' landmark part ``V_s V_sᵀ`` was formed in
+        (:func:`schur_product_dtype`).
 
     Example:
         >>> import gpytorch, torch
@@ -172,12 +214,20 @@ class AFNPreconditioner(Preconditioner):
         # X_r's order).
         idx, valid = cache.knn(order_key, rest, self.w, scale)
         self.X, self.pattern = X, (idx, valid)
-        V, mu_r = self.V, self._shift(rest)
+        mu_r = self._shift(rest)
+        mu_min = float(mu_r.min()) if isinstance(mu_r, torch.Tensor) else float(mu_r)
+        #: the dtype of the Schur blocks' landmark part, in the build and in the ``"full"`` control variate family
+        self.schur_dtype = schur_product_dtype(X.dtype, mu_min, self.k, self.w,
+                                               float(self.V.square().sum(1).max()) if self.V.numel() else 0.0,
+                                               n - self.k)
+        V = self.V.to(self.schur_dtype)  # gathered at that precision: half the bytes in float32
 
         def schur_blocks(I: torch.Tensor) -> torch.Tensor:  # S[s, s] for I: (b, w) -> (b, w, w)
             Vs = _gather_rows(V, I)
             Kb = add_diag(ke.batched(rest[I]), shift_at(mu_r, I))
-            return torch.baddbmm(Kb, Vs, Vs.mT, alpha=-1.0)
+            if Vs.dtype == Kb.dtype:
+                return torch.baddbmm(Kb, Vs, Vs.mT, alpha=-1.0)
+            return Kb.sub_(torch.bmm(Vs, Vs.mT))
 
         # gathered V rows per batch: half a block (16 MiB by default); the gather is memory-bound, so a buffer that
         # stays in cache for the following bmm is faster per row than larger batches (docs/scaling.md)
@@ -328,7 +378,7 @@ class AFNPreconditioner(Preconditioner):
         def rows(I: torch.Tensor, M: torch.Tensor, V: torch.Tensor, x: torch.Tensor, mu: torch.Tensor):
             P = X[rest[I]]
             Vs = _gather_rows(V, I)
-            S = add_diag(evaluate(kernel, P, P), shift_at(mu, I)) - Vs @ Vs.mT
+            S = add_diag(evaluate(kernel, P, P), shift_at(mu, I)) - _landmark_part(Vs, self.schur_dtype)
             S = torch.where(M[:, :, None] & M[:, None, :], S, eye_w)
             Lb = torch.linalg.cholesky(S)
             e = torch.zeros(S.shape[0], w, 1, dtype=S.dtype, device=S.device)

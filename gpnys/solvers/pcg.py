@@ -31,10 +31,15 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from gpnys.budget import block_bytes
 from gpnys.checks import NumericalWarning
+from gpnys.linalg import small_dense
 from gpnys.precond.base import Preconditioner
 
-__all__ = ["PCGResult", "ConvergenceWarning", "NonFiniteError", "pcg"]
+__all__ = ["PCGResult", "ConvergenceWarning", "NonFiniteError", "pcg", "galerkin_step", "STORE_BLOCKS"]
+
+#: memory blocks (:func:`gpnys.budget.block_bytes`) the directions kept for a Galerkin step may take by default
+STORE_BLOCKS = 8
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 #: ``((diag, offdiag), steps, rel) -> bool``: whether the Lanczos quadrature of the tridiagonals so far has converged
@@ -109,6 +114,8 @@ def pcg(
     miniter: int = 0,
     quadrature: Optional[QuadratureTest] = None,
     abs_columns: int = 0,
+    project: torch.Tensor | None = None,
+    store_bytes: int | None = None,
 ) -> PCGResult:
     """Solve ``A X = B`` (``A`` SPD, given by ``matmul``) by preconditioned CG, column by column.
 
@@ -136,6 +143,12 @@ def pcg(
             tolerance but not the floor; from its first ``True`` on, columns stop at their tolerance alone.
         abs_columns: also multiply ``|x_j|`` for the first ``abs_columns`` columns, in the same product as the
             true residual (no product of their own): ``PCGResult.abs_products`` ``(n, abs_columns)``.
+        project: ``(t,)`` bool, columns that take one Galerkin step over every column's search directions once
+            they are the only ones still active (:func:`galerkin_step`; the probes' Krylov spaces then shorten the
+            tail of a tighter solve), after which their CG restarts; their tridiagonals are no Lanczos process past
+            it. ``None``: no step.
+        store_bytes: largest size of the directions and their products kept for ``project`` (default: eight
+            memory blocks, :func:`gpnys.budget.block_bytes`); past it they are dropped and no step is taken.
 
     Returns:
         :class:`PCGResult`.
@@ -213,12 +226,24 @@ def pcg(
         raise ValueError("quadrature needs lanczos=True")
 
     active = ~converged
+    # the search directions and their products, for the Galerkin step of the columns in ``project``
+    store: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    if project is not None:
+        project = torch.as_tensor(project, dtype=torch.bool, device=B.device).reshape(-1)
+        if project.numel() != t:
+            raise ValueError(f"project must hold one flag per column ({t}), got {project.numel()}")
+        store = [] if bool(project.any()) else None
+        cap = block_bytes(B.device) * STORE_BLOCKS if store_bytes is None else int(store_bytes)
     for step in range(int(maxiter)):
         idx = torch.nonzero(active).flatten()
         if idx.numel() == 0:
             break
         Pa = P[:, idx]
         APa = matmul(Pa)
+        if store is not None:
+            store.append((Pa, APa))
+            if sum(2 * p.numel() for p, _ in store) * Pa.element_size() > cap:
+                store = None  # over its budget: no step
         pap = (Pa * APa).sum(0)
         rza = rz[idx]
         nonfinite = ~torch.isfinite(pap) | ~torch.isfinite(rza)  # a NaN / inf in a product or preconditioner apply
@@ -251,8 +276,29 @@ def pcg(
                                  f"(column {column}): the operator or preconditioner is not finite")
         if not go_on:
             break
-        # Update search directions only for the columns that go on.
         keep = idx[still]
+        if store is not None and bool(project[keep].all()):
+            # the columns left may take their Galerkin step over every direction so far, then restart
+            W, AW = (torch.cat(part, 1) for part in zip(*store))
+            store = None
+            dx, dr = galerkin_step(W, AW, R[:, keep])
+            X[:, keep] += dx
+            R[:, keep] -= dr
+            rel[keep] = torch.linalg.vector_norm(R[:, keep], dim=0) / denom[keep]
+            done = rel[keep] <= tol_col[keep]
+            converged[keep] = done
+            active[keep] = ~done
+            if record_history:
+                history[-1] = rel.clone()
+            keep = keep[~done]
+            if keep.numel() == 0:
+                break
+            Rk = R[:, keep]
+            Zk = apply_m(Rk) if apply_m is not None else Rk
+            P[:, keep] = Zk
+            rz[keep] = (Rk * Zk).sum(0)
+            continue
+        # Update search directions only for the columns that go on.
         Rk = R[:, keep]
         Zk = apply_m(Rk) if apply_m is not None else Rk
         rz_new = (Rk * Zk).sum(0)
@@ -298,6 +344,43 @@ def pcg(
         tridiagonal=_tridiagonal(alphas, betas, Bm) if lanczos else None,
         abs_products=abs_products,
     )
+
+
+def galerkin_step(W: torch.Tensor, AW: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Galerkin correction of iterates with residuals ``R`` over the directions ``W``: ``(W c, (A W) c)`` with
+    ``(Wᵀ A W) c = Wᵀ R``, which minimises each column's ``A``-norm error over ``x + span(W)`` (the projection that
+    starts augmented CG, Erhel & Guyomarc'h 2000, SIAM J. Matrix Anal. Appl. 21(4), §2). The directions are scaled
+    to a unit ``A``-norm and those of ``Wᵀ A W``'s eigenvectors below ``m eps`` of its largest eigenvalue are left
+    out, so dependent directions (overlapping Krylov spaces) cannot blow it up.
+
+    Args:
+        W: ``(n, m)`` directions; AW: ``(n, m)`` their products with ``A``; R: ``(n, s)`` residuals.
+
+    Returns:
+        ``(dx, dr)``, ``(n, s)`` each: add ``dx`` to the iterates and subtract ``dr`` from the residuals.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.solvers.pcg import galerkin_step
+        >>> g = torch.Generator().manual_seed(0)
+        >>> Q = torch.randn(30, 30, dtype=torch.float64, generator=g)
+        >>> A = Q @ Q.mT + torch.eye(30, dtype=torch.float64)
+        >>> b = torch.randn(30, 1, dtype=torch.float64, generator=g)
+        >>> W = torch.randn(30, 30, dtype=torch.float64, generator=g)  # a full span: the exact solution
+        >>> dx, dr = galerkin_step(W, A @ W, b)
+        >>> torch.allclose(dx, torch.linalg.solve(A, b)), torch.allclose(dr, b)
+        (True, True)
+    """
+    m = W.shape[1]
+    gram = W.mT @ AW
+    scale = gram.diagonal().clamp_min(torch.finfo(W.dtype).tiny).rsqrt()
+    gram = scale[:, None] * (0.5 * (gram + gram.mT)) * scale[None, :]
+    with small_dense(m, W.device):
+        ev, Q = torch.linalg.eigh(gram)
+    keep = ev > ev[-1] * m * torch.finfo(W.dtype).eps
+    Q, ev = Q[:, keep], ev[keep]
+    c = scale[:, None] * (Q @ ((Q.mT @ (scale[:, None] * (W.mT @ R))) / ev[:, None]))
+    return W @ c, AW @ c
 
 
 def _tridiagonal(alphas: list[torch.Tensor], betas: list[torch.Tensor],

@@ -178,3 +178,40 @@ def test_afn_clean_build_warns_nothing():
         P = AFNPreconditioner(points(150, 3), make_kernel("rbf", 0.3), 1e-2, k=25, w=10)
         P.solve(torch.ones(150, dtype=F64))
         P.matmul(torch.ones(150, dtype=F64))
+
+
+def test_schur_landmark_part_in_float32_where_the_shift_dwarfs_its_rounding():
+    """A float64 build forms V_s V_sᵀ in float32 above the margin: the preconditioner stays exact as used (solve,
+    logdet, the "full" control variate family), and about as good as the float64 build (forced through the margin)."""
+    from unittest import mock
+
+    from gpnys.precond.afn import schur_product_dtype
+
+    X = points(400, 3, seed=5)
+    kern = make_kernel("rbf", 0.3)
+    mu, k, w = 0.05, 60, 15
+    P = AFNPreconditioner(X, kern, mu, k=k, w=w)
+    with mock.patch("gpnys.precond.afn.SCHUR_ROUNDING_MARGIN", float("inf")):
+        P64 = AFNPreconditioner(X, kern, mu, k=k, w=w)
+    assert P.schur_dtype == torch.float32 and P64.schur_dtype == F64 and P.G.dtype == F64
+    v = torch.randn(400, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(P.solve(P.matmul(v)), v, rtol=1e-8, atol=1e-8)
+    Pd = dense_P(P)
+    torch.testing.assert_close(P.logdet(), torch.logdet(Pd), rtol=1e-9, atol=1e-9)
+    # G within the float32 rounding of the landmark part, and the same conditioning of P^{-1} A
+    G, G64 = P.G.to_dense(), P64.G.to_dense()
+    assert float((G - G64).norm() / G64.norm()) < 1e-4
+    A = dense_A(X, kern, mu)
+    cond, cond64 = torch.linalg.cond(P.solve(A)), torch.linalg.cond(P64.solve(A))
+    assert abs(float(cond / cond64) - 1.0) < 1e-3
+    # the "full" family rebuilds the blocks at the same precision: it equals P at the current hyperparameters
+    Z = torch.randn(400, 4, dtype=F64, generator=torch.Generator().manual_seed(2))
+    logdet, quad = P.differentiable_terms(kern, torch.tensor(mu, dtype=F64), Z, schur="full")
+    torch.testing.assert_close(logdet, P.logdet(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(quad, (Z * P.solve(Z)).sum(0), rtol=1e-9, atol=1e-9)
+    # below the margin, in float32 points and with a complete pattern: the build's own dtype
+    assert AFNPreconditioner(X, kern, 1e-5, k=k, w=w).schur_dtype == F64
+    P32 = AFNPreconditioner(X.float(), make_kernel("rbf", 0.3, torch.float32), mu, k=k, w=w)
+    assert P32.schur_dtype == torch.float32
+    assert schur_product_dtype(F64, mu, k, 400 - k, 1.0, 400 - k) == F64
+    assert AFNPreconditioner(X, kern, mu, k=k, w=w).G.values().equal(P.G.values())  # deterministic

@@ -13,6 +13,7 @@ from gpnys.checks import NumericalWarning
 from gpnys.kernels.system import kernel_system
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.solvers import ConvergenceWarning, PCGResult, pcg
+from gpnys.solvers.pcg import galerkin_step
 
 
 def spd(n: int, cond: float = 100.0, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -176,3 +177,75 @@ def test_mixed_dtypes_are_promoted_as_gpytorch_does():
         x = pcg(system, rhs, tol=1e-10).x
         assert x.dtype == torch.float64
         assert float((x - ref).abs().max()) <= 1e-5 * float(ref.abs().max())  # float32 inputs: rounded points
+
+
+def _tight_and_loose(dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """A system whose spectrum decays to a floor (as a kernel matrix plus noise), with one column at a tight
+    tolerance and eight at a loose one: the tight column's tail runs alone."""
+    n = 300
+    g = torch.Generator().manual_seed(11)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    ev = 1e3 * torch.exp(-torch.arange(n, dtype=torch.float64) / 8) + 1.0
+    A = ((Q * ev) @ Q.T).to(device=device, dtype=dtype)
+    B = torch.randn(n, 9, dtype=torch.float64, generator=g).to(device=device, dtype=dtype)
+    tight = 1e-8 if dtype == torch.float64 else 1e-4
+    tol = torch.full((9,), 1e-2, dtype=torch.float64)
+    tol[0] = tight
+    return A, B, tol, tight
+
+
+def test_galerkin_step_is_the_a_norm_projection():
+    """Against the dense formula W (Wᵀ A W)⁻¹ Wᵀ r, with a duplicated direction (a singular Wᵀ A W) left harmless."""
+    n, m = 50, 12
+    A = spd(n, cond=1e3, seed=3)
+    g = torch.Generator().manual_seed(4)
+    W = torch.randn(n, m, dtype=torch.float64, generator=g)
+    R = torch.randn(n, 2, dtype=torch.float64, generator=g)
+    ref = W @ torch.linalg.solve(W.mT @ A @ W, W.mT @ R)
+    dx, dr = galerkin_step(W, A @ W, R)
+    torch.testing.assert_close(dx, ref, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(dr, A @ ref, rtol=1e-9, atol=1e-10)
+    Wd = torch.cat([W, 3.0 * W[:, :1]], 1)
+    dx2, _ = galerkin_step(Wd, A @ Wd, R)
+    torch.testing.assert_close(dx2, ref, rtol=1e-7, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_project_shortens_the_tight_tail_and_keeps_the_answer(dtype):
+    A, B, tol, tight = _tight_and_loose(dtype)
+    run = lambda **kw: pcg(lambda V: A @ V, B, tol=tol, maxiter=400, lanczos=True, **kw)  # noqa: E731
+    plain = run()
+    project = torch.zeros(9, dtype=torch.bool)
+    project[0] = True
+    fast = run(project=project)
+    assert fast.converged.all()
+    assert fast.iterations_per_column[0] < 0.8 * plain.iterations_per_column[0]  # 120 -> 66 in float64
+    x_ref = torch.linalg.solve(A.double(), B[:, 0].double())
+    err = float((fast.x[:, 0].double() - x_ref).norm() / x_ref.norm())
+    assert float(fast.rel_residual[0]) <= 10 * tight and err < 1e4 * tight  # cond 1e3
+    # the loose columns, and their Lanczos coefficients, are the plain run's
+    torch.testing.assert_close(fast.x[:, 1:], plain.x[:, 1:], rtol=1e-5, atol=1e-6)
+    k = int(plain.iterations_per_column[1:].min())
+    torch.testing.assert_close(fast.tridiagonal[0][:k, 1:], plain.tridiagonal[0][:k, 1:], rtol=1e-5, atol=1e-6)
+    assert torch.equal(run(project=project).x, fast.x)  # deterministic
+
+
+def test_project_over_its_budget_and_bad_input():
+    A, B, tol, _ = _tight_and_loose(torch.float64)
+    project = torch.zeros(9, dtype=torch.bool)
+    project[0] = True
+    plain = pcg(lambda V: A @ V, B, tol=tol, maxiter=400)
+    starved = pcg(lambda V: A @ V, B, tol=tol, maxiter=400, project=project, store_bytes=1)
+    assert torch.equal(starved.iterations_per_column, plain.iterations_per_column)
+    torch.testing.assert_close(starved.x, plain.x, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="project"):
+        pcg(lambda V: A @ V, B, tol=tol, project=project[:3])
+
+
+@pytest.mark.cuda
+def test_project_on_device(cuda_device):
+    A, B, tol, tight = _tight_and_loose(torch.float64, cuda_device)
+    project = torch.zeros(9, dtype=torch.bool, device=cuda_device)
+    project[0] = True
+    res = pcg(lambda V: A @ V, B, tol=tol, maxiter=400, project=project)
+    assert res.converged.all() and float(res.rel_residual[0]) <= 10 * tight
