@@ -56,7 +56,8 @@ def causal_knn(X: torch.Tensor, w: int, block: int | None = None, tree: bool | N
                grid: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal kNN pattern: for each row ``i`` of ``X`` its ``w - 1`` nearest rows among ``j < i``, then ``i``.
 
-    Distances are Euclidean in ``X``'s dtype (``torch.cdist``). Neighbours are ordered by distance, ties
+    Distances are Euclidean in ``X``'s dtype: squared in the expanded form (one product, no square roots) by brute
+    force, explicit differences on the grid path. Neighbours are ordered by distance, ties
     broken by the lowest index; the row's own index is always LAST (the position ``e_w`` of Algorithm 1).
     Rows ``i < w - 1`` have only ``i`` candidates; their missing slots are padded with index ``i`` and
     ``valid = False`` (pads sit between the neighbours and the final ``i``), so shapes stay rectangular.
@@ -122,13 +123,20 @@ def _brute_rows(X: torch.Tensor, rows: torch.Tensor, m: int, idx: torch.Tensor, 
                 exact: bool = False) -> None:
     """Fill ``idx[rows, :m]`` / ``valid[rows, :m]`` by brute force: distances from ``X[rows]`` to every earlier
     point. ``rows``: ``(b,)`` ascending, all ``>= 1``."""
-    i1 = int(rows[-1]) + 1
-    cols_all = torch.arange(i1, device=X.device)
+    i1, r0 = int(rows[-1]) + 1, int(rows[0])
     # (b, i1): candidates are the columns j < i. ``exact``: explicit differences, as the grid path measures (the
-    # expanded form's cancellation can reorder near-ties in float32), else torch's faster default
-    mode = "donot_use_mm_for_euclid_dist" if exact else "use_mm_for_euclid_dist_if_necessary"
-    D = torch.cdist(X.index_select(0, rows), X[:i1], compute_mode=mode)
-    D.masked_fill_(cols_all[None, :] >= rows[:, None], float("inf"))
+    # expanded form's cancellation can reorder near-ties in float32); else squared distances in one product of the
+    # padded points [-2x, |x|², 1] and [y, 1, |y|²] (torch's expanded form without its square roots: the same order)
+    Xr, Xc = X.index_select(0, rows), X[:i1]
+    if exact:
+        D = torch.cdist(Xr, Xc, compute_mode="donot_use_mm_for_euclid_dist")
+    else:
+        one_r, one_c = Xr.new_ones(Xr.shape[0], 1), Xc.new_ones(i1, 1)
+        D = torch.cat([-2.0 * Xr, Xr.square().sum(1, keepdim=True), one_r], 1) @ torch.cat(
+            [Xc, one_c, Xc.square().sum(1, keepdim=True)], 1).mT
+        D.clamp_(min=0.0)
+    # columns before the first row are every row's candidates: only the rest needs the causal mask
+    D[:, r0:].masked_fill_(torch.arange(r0, i1, device=X.device)[None, :] >= rows[:, None], float("inf"))
     kk = min(m, i1)
     # topk with one extra value tells whether the kk-th distance ties with an unpicked one; only such
     # rows (rare, plus the padded early rows whose threshold is inf) need the exact tie-break below.
