@@ -72,6 +72,8 @@ __all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS", "BO_LANDMARK_CAP", "POST
 #: PCG per call: ``n³/3`` flops and ``8 n²`` bytes in float64 (0.8 GB at 10 000) against PCG solves per acquisition
 #: call (module docstring; docs/bo.md)
 POSTERIOR_CHOLESKY_SIZE = 10_000
+#: fresh L-BFGS-B runs after one that stopped on its own with the gradient still above its noise (:meth:`custom_fit`)
+FIT_RESTARTS = 2
 
 #: landmark / neighbour counts of ``afn`` and ``auto`` in :class:`PreconditionedSingleTaskGP` unless given (``k`` is
 #: capped at a fraction of ``n``, :data:`BO_LANDMARK_CAP`). BO data are often nearly noiseless (BoTorch's noise
@@ -197,6 +199,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                          input_transform)
         #: why the last fit on the preconditioned path ended early ("gradient at noise level"), else None
         self.fit_stopped: str | None = None
+        #: fresh L-BFGS-B runs the last fit took after runs that stopped away from the noise level (:meth:`custom_fit`)
+        self.fit_restarts = 0
         #: set by :meth:`warm_start_from`: the next fit starts from the copied hyperparameters (no subset start)
         self._gpnys_warm_fit = False
         #: ``(n,)`` start of the first solve with ``y - m`` (:meth:`warm_start_from`, :meth:`condition_on_observations`)
@@ -363,7 +367,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         # The same for the stop at the noise level below (a StopIteration from the callback reads as a failure)
         kwargs.setdefault("warning_handler", lambda w: DEFAULT_WARNING_HANDLER(w) or "ABNORMAL" in str(w.message)
                           or "StopIteration" in str(w.message))
-        self.fit_stopped = None
+        self.fit_stopped, self.fit_restarts = None, 0
         if not self.uses_preconditioner():
             return _fit_fallback(mll, **kwargs)
         if kwargs.get("closure") is None and not self._gpnys_warm_fit:
@@ -378,17 +382,50 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             box = {**box, **(options.get("bounds") or {})}
             bounds = {name.removeprefix("model."): b for name, b in box.items()}
 
+            steps = [0]  # L-BFGS-B iterations over all runs, against the caller's maxiter
+
             def at_noise(parameters: dict[str, torch.Tensor], result: Any) -> None:
                 # L-BFGS-B ends once the gradient is within its noise (a chi-square test of g = 0 at 5 %): past
                 # that it only chases the estimator's noise (and fails line searches doing so)
+                steps[0] += 1
                 if user is not None:
                     user(parameters, result)
                 if gradient_at_noise(self, hook.last_estimate, bounds=bounds):
                     self.fit_stopped = "gradient at noise level"
                     raise StopIteration
 
-            kwargs["optimizer_kwargs"] = {**options, "callback": at_noise}
-            return _fit_fallback(mll, **kwargs)
+            maxiter = (options.get("options") or {}).get("maxiter")
+            while True:
+                left = None if maxiter is None else maxiter - steps[0]
+                run = {**options, "callback": at_noise}
+                if left is not None:
+                    run["options"] = {**options["options"], "maxiter": left}
+                kwargs["optimizer_kwargs"] = run
+                mll = _fit_fallback(mll, **kwargs)
+                # L-BFGS-B also stops on its own, on a relative change of the estimated loss below its ftol: the
+                # estimate is only as smooth as the CG tolerances make it, and a step that lands in one of its
+                # ripples can end the run far from the optimum. A fresh run from there (a new curvature model)
+                # goes on, unless the gradient is at its noise there or the budget is spent.
+                if (self.fit_stopped is not None or self.fit_restarts >= FIT_RESTARTS
+                        or (left is not None and steps[0] >= maxiter)
+                        or self._gradient_at_noise(mll, hook, bounds)):
+                    return mll
+                self.fit_restarts += 1
+
+    def _gradient_at_noise(self, mll: gpytorch.mlls.MarginalLogLikelihood, hook: PreconditionerHook,
+                           bounds: dict[str, Any]) -> bool:
+        """One evaluation of ``mll``'s loss and gradient at the current hyperparameters (train mode, as the fit
+        evaluates), and :func:`~gpnys.gp.estimator.gradient_at_noise` on it; the training mode is restored."""
+        mode = mll.training
+        mll.train()
+        mll.zero_grad()
+        try:
+            model = mll.model
+            (-mll(model(*model.train_inputs), model.train_targets).sum()).backward()
+            return gradient_at_noise(self, hook.last_estimate, bounds=bounds)
+        finally:
+            mll.zero_grad()
+            mll.train(mode)
 
     def _fit_on_subset(self, mll: gpytorch.mlls.MarginalLogLikelihood, kwargs: dict[str, Any]) -> None:
         """Start values for the full-data fit: ``_fit_fallback`` on ``fit_subset`` seeded random training points

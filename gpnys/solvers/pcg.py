@@ -147,8 +147,9 @@ def pcg(
             they are the only ones still active (:func:`galerkin_step`; the probes' Krylov spaces then shorten the
             tail of a tighter solve), after which their CG restarts; their tridiagonals are no Lanczos process past
             it. ``None``: no step.
-        store_bytes: largest size of the directions and their products kept for ``project`` (default: eight
-            memory blocks, :func:`gpnys.budget.block_bytes`); past it they are dropped and no step is taken.
+        store_bytes: largest size of the directions and their products kept for ``project``, counted twice (the
+            step joins them into one block each; default: eight memory blocks, :func:`gpnys.budget.block_bytes`);
+            past it they are dropped and no step is taken.
 
     Returns:
         :class:`PCGResult`.
@@ -242,7 +243,7 @@ def pcg(
         APa = matmul(Pa)
         if store is not None:
             store.append((Pa, APa))
-            if sum(2 * p.numel() for p, _ in store) * Pa.element_size() > cap:
+            if sum(4 * p.numel() for p, _ in store) * Pa.element_size() > cap:
                 store = None  # over its budget: no step
         pap = (Pa * APa).sum(0)
         rza = rz[idx]
@@ -277,6 +278,8 @@ def pcg(
         if not go_on:
             break
         keep = idx[still]
+        if store is not None and not bool(project[keep].any()):
+            store = None  # the columns that would take the step have all stopped
         if store is not None and bool(project[keep].all()):
             # the columns left may take their Galerkin step over every direction so far, then restart
             W, AW = (torch.cat(part, 1) for part in zip(*store))

@@ -76,6 +76,20 @@ def test_warm_fit_skips_the_subset_start_and_reaches_the_same_optimum():
     assert warm.hook().builds < cold.hook().builds, (warm.hook().builds, cold.hook().builds)
     loss_cold, loss_warm = (float(-exact_mll(m)) for m in (cold, warm))
     assert abs(loss_warm - loss_cold) <= 5e-3 * abs(loss_cold), (loss_warm, loss_cold)
+    # both at SingleTaskGP's Cholesky optimum (the cold fit's first L-BFGS-B run stops on its own short of it, on
+    # these points, and a fresh run from there goes on: PreconditionedSingleTaskGP.custom_fit)
+    loss_ref = float(-exact_mll(fit(SingleTaskGP(X, Y))))
+    assert max(loss_cold, loss_warm) <= loss_ref + 5e-3 * abs(loss_ref), (loss_cold, loss_warm, loss_ref)
+
+
+def test_fit_restarts_share_the_callers_iteration_budget():
+    """The fresh L-BFGS-B runs after one that stopped on its own count against the caller's maxiter."""
+    X, Y = _data(320, torch.float64)
+    steps = []
+    model = PreconditionedSingleTaskGP(X, Y, **OPTIONS)
+    fit(model, optimizer_kwargs={"options": {"maxiter": 3},
+                                 "callback": lambda params, result: steps.append(result.step)})
+    assert 1 <= len(steps) <= 3 and model.fit_restarts <= 2
 
 
 def test_condition_on_observations_seeds_the_new_solve():
