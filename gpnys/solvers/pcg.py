@@ -235,6 +235,7 @@ def pcg(
             raise ValueError(f"project must hold one flag per column ({t}), got {project.numel()}")
         store = [] if bool(project.any()) else None
         cap = block_bytes(B.device) * STORE_BLOCKS if store_bytes is None else int(store_bytes)
+        stored = 0  # bytes of the directions and products kept, and of their joined copies at the step
     for step in range(int(maxiter)):
         idx = torch.nonzero(active).flatten()
         if idx.numel() == 0:
@@ -243,7 +244,8 @@ def pcg(
         APa = matmul(Pa)
         if store is not None:
             store.append((Pa, APa))
-            if sum(4 * p.numel() for p, _ in store) * Pa.element_size() > cap:
+            stored += 4 * Pa.numel() * Pa.element_size()
+            if stored > cap:
                 store = None  # over its budget: no step
         pap = (Pa * APa).sum(0)
         rza = rz[idx]
@@ -270,7 +272,10 @@ def pcg(
         active[idx] = still
         if record_history:
             history.append(rel.clone())
-        go_on, broken = torch.stack((still.any(), nonfinite.any())).tolist()  # one host sync per iteration
+        flags = [still.any(), nonfinite.any()]
+        if store is not None:  # whether columns of ``project`` go on, and whether any others do
+            flags += [(still & project[idx]).any(), (still & ~project[idx]).any()]
+        go_on, broken, *going = torch.stack(flags).tolist()  # one host sync per iteration
         if broken:
             column = int(idx[nonfinite][0])
             raise NonFiniteError(f"PCG: a product or preconditioner apply returned NaN or inf at iteration {step + 1} "
@@ -278,9 +283,10 @@ def pcg(
         if not go_on:
             break
         keep = idx[still]
-        if store is not None and not bool(project[keep].any()):
+        restart = False
+        if store is not None and not going[0]:
             store = None  # the columns that would take the step have all stopped
-        if store is not None and bool(project[keep].all()):
+        if store is not None and not going[1]:
             # the columns left may take their Galerkin step over every direction so far, then restart
             W, AW = (torch.cat(part, 1) for part in zip(*store))
             store = None
@@ -296,19 +302,18 @@ def pcg(
             keep = keep[~done]
             if keep.numel() == 0:
                 break
-            Rk = R[:, keep]
-            Zk = apply_m(Rk) if apply_m is not None else Rk
-            P[:, keep] = Zk
-            rz[keep] = (Rk * Zk).sum(0)
-            continue
-        # Update search directions only for the columns that go on.
+            restart = True
+        # Update search directions only for the columns that go on (restarted ones: the preconditioned residual).
         Rk = R[:, keep]
         Zk = apply_m(Rk) if apply_m is not None else Rk
         rz_new = (Rk * Zk).sum(0)
-        beta = rz_new / rz[keep]
-        if lanczos:
-            betas[-1][keep] = beta
-        P[:, keep] = Zk + beta * P[:, keep]
+        if restart:
+            P[:, keep] = Zk
+        else:
+            beta = rz_new / rz[keep]
+            if lanczos:
+                betas[-1][keep] = beta
+            P[:, keep] = Zk + beta * P[:, keep]
         rz[keep] = rz_new
 
     if abs_columns:
