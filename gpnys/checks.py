@@ -7,11 +7,13 @@ Each check raises ``ValueError`` naming the argument, in the manner of scikit-le
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
+from typing import Any
 
 import torch
 
 __all__ = ["NumericalWarning", "validate_points", "validate_training_data", "validate_positive", "validate_mu",
-           "validate_count", "validate_positive_tensors"]
+           "validate_count", "validate_positive_tensors", "validate_choice"]
 
 
 class NumericalWarning(RuntimeWarning):
@@ -98,4 +100,25 @@ def validate_count(value: int, name: str, low: int = 1, high: int | None = None,
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
         raise ValueError(f"{name}={value} exceeds {high_name}={high}")
+    return value
+
+
+def validate_choice(value: Any, name: str, allowed: Collection[Any], *, also: str = "") -> Any:
+    """Return ``value`` if it is one of ``allowed``; raise ``ValueError`` naming ``name`` otherwise.
+
+    ``also`` names what else the caller accepts (``"or None"``, ``"or a GPyTorch kernel"``), for the message only.
+    A mapping or set is listed sorted, a sequence in its order.
+
+    Example:
+        >>> validate_choice("fps", "landmarks", ("fps", "uniform"))
+        'fps'
+    """
+    try:
+        ok = value in allowed
+    except (TypeError, ValueError, RuntimeError):  # unhashable, or an array whose comparison has no single truth
+        ok = False
+    if not ok:
+        shown = sorted(allowed) if isinstance(allowed, (set, frozenset, dict)) else allowed
+        tail = f" {also}" if also else ""
+        raise ValueError(f"{name} must be one of {shown}{tail}, got {value!r}")
     return value

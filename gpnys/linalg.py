@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from gpnys.cache import entry_key, read_entry, write_entry
-from gpnys.checks import NumericalWarning
+from gpnys.checks import NumericalWarning, validate_choice
 
 __all__ = ["thin_matmul", "THIN_FORMS", "TORCH_FORMS", "thin_form", "machine_thin_form", "time_thin_forms",
            "settle_thin_forms", "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag", "shift_at", "draw"]
@@ -87,8 +87,8 @@ def thin_matmul(A: torch.Tensor, B: torch.Tensor, form: str | None = None, symme
         >>> torch.allclose(thin_matmul(A, B), A @ B), thin_matmul(A, B).is_contiguous()
         (True, True)
     """
-    if form is not None and form not in THIN_FORMS:
-        raise ValueError(f"form must be one of {THIN_FORMS} (or None), got {form!r}")
+    if form is not None:
+        validate_choice(form, "form", THIN_FORMS, also="(or None)")
     if B.dim() == 1 or B.shape[-1] == 1:
         return A @ B
     return _apply_form(form or thin_form(A.dtype, A.device), A, B, symmetric)

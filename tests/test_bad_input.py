@@ -2,11 +2,13 @@
 argument. The CLI's one-line exit-2 errors are in tests/cli/test_fit_cli.py."""
 
 import gpytorch
+import numpy as np
 import pytest
 import torch
 
 import gpnys
 from gpnys import datasets
+from gpnys.checks import validate_choice
 from gpnys.gp.training import ExactGPModel, fit
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.kernels.system import kernel_system
@@ -60,6 +62,8 @@ CASES = {
     "nystrom rank > n": (lambda: NystromPreconditioner(X_good(), rbf(), 0.1, N + 1), "k"),
     "nystrom 1-D X": (lambda: NystromPreconditioner(X_good()[:, 0], rbf(), 0.1, 5), "X"),
     "fsai mu negative": (lambda: FSAIPreconditioner(X_good(), rbf(), -1.0, w=3), "mu"),
+    "nystrom sampling tensor": (lambda: NystromPreconditioner(X_good(), rbf(), 0.1, 5, sampling=torch.ones(2)),
+                                "sampling"),
     "pivchol rank 0": (lambda: PivotedCholeskyPreconditioner(X_good(), rbf(), 0.1, rank=0), "rank"),
     "make unknown": (lambda: make_preconditioner("bogus", X_good(), rbf(), 0.1), "preconditioner"),
     # solvers
@@ -89,6 +93,7 @@ CASES = {
     "reduced y shape": (lambda: reduced_posterior("lla", rbf(), X_good(), y_good()[:-1], 0.1, m=5), "y"),
     "ReducedGP fit nan": (lambda: ReducedGP(X_good(), inf_y(), gpytorch.likelihoods.GaussianLikelihood().double(),
                                             gpytorch.kernels.ScaleKernel(rbf()).double(), m=5).fit(iters=1), "train_y"),
+    "settings solver": (lambda: gpnys.EstimatorSettings(solver="dense"), "solver"),
     # data and budget
     "datasets unknown": (lambda: datasets.load("no-such-data"), "data"),
     "budget negative": (lambda: gpnys.memory_budget(dense_bytes=-1).__enter__(), "dense_bytes"),
@@ -101,3 +106,13 @@ def test_bad_input_raises_a_value_error_naming_the_argument(name):
     with pytest.raises(ValueError) as info:
         call()
     assert argument in str(info.value), f"{name}: {info.value}"
+
+
+def test_validate_choice_names_the_argument_and_lists_the_choices():
+    assert validate_choice("b", "mode", ("a", "b")) == "b"
+    with pytest.raises(ValueError, match=r"^mode must be one of \('a', 'b'\) or None, got 'c'$"):
+        validate_choice("c", "mode", ("a", "b"), also="or None")
+    with pytest.raises(ValueError, match=r"^kernel must be one of \['matern', 'rbf'\], got \['rbf'\]$"):
+        validate_choice(["rbf"], "kernel", {"rbf": 1, "matern": 2})  # unhashable against a mapping: listed sorted
+    with pytest.raises(ValueError, match="^landmarks must be one of"):
+        validate_choice(np.ones(3), "landmarks", ("fps", "uniform"))  # an array has no single truth value

@@ -18,6 +18,7 @@ from typing import Any
 import gpytorch
 import torch
 
+from gpnys.checks import validate_choice
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.gp.training import ExactGPModel
@@ -101,8 +102,7 @@ def evaluate(
         >>> max(grad_errors(est["grad"], exact["grad"]).values()) < 0.01  # every component within 1 %
         True
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    validate_choice(method, "method", METHODS)
     validate_inputs(X, y, lengthscale, outputscale, noise)
     torch.manual_seed(seed)
     model = _model(X, y, kernel, lengthscale, outputscale, noise, ard)

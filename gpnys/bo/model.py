@@ -58,7 +58,7 @@ from gpytorch.likelihoods import FixedNoiseGaussianLikelihood, GaussianLikelihoo
 from gpytorch.means import Mean
 from gpytorch.module import Module
 
-from gpnys.checks import NumericalWarning, validate_positive
+from gpnys.checks import NumericalWarning, validate_choice, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
 from gpnys.gp.path import choose_path
@@ -185,8 +185,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         fit_subset: int | None = 1000,
         **precond_options: Any,
     ) -> None:
-        if precond not in PRECONDITIONERS or precond == "none":
-            raise ValueError(f"precond must be one of {[p for p in PRECONDITIONERS if p != 'none']}, got {precond!r}")
+        validate_choice(precond, "precond", tuple(p for p in PRECONDITIONERS if p != "none"))
         if max_cholesky_size is not None and (isinstance(max_cholesky_size, bool) or max_cholesky_size < 0):
             raise ValueError(f"max_cholesky_size must be a non-negative int or None, got {max_cholesky_size!r}")
         validate_positive(posterior_tolerance, "posterior_tolerance")

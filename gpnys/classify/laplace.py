@@ -23,7 +23,7 @@ from typing import Any, Callable
 import gpytorch
 import torch
 
-from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
+from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_points, validate_positive
 from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
 from gpnys.collectives import resolve_group
 from gpnys.gp.estimator import slq_terms
@@ -172,8 +172,7 @@ class LaplaceGP(LaplacePredictions):
         if not isinstance(kernel, gpytorch.kernels.Kernel):
             raise ValueError(f"kernel must be a GPyTorch kernel, got {type(kernel).__name__}")
         self.likelihood = resolve_likelihood(likelihood)
-        if method not in DIAG_PRECONDITIONERS:
-            raise ValueError(f"method must be one of {DIAG_PRECONDITIONERS}, got {method!r}")
+        validate_choice(method, "method", DIAG_PRECONDITIONERS)
         self.kernel, self.method = kernel, method
         self.precond_options = dict(precond_options or {})
         self.cg_tolerance = validate_positive(cg_tolerance, "cg_tolerance")

@@ -37,7 +37,7 @@ import warnings
 import gpytorch
 import torch
 
-from gpnys.checks import NumericalWarning, validate_count, validate_points, validate_positive
+from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_points, validate_positive
 from gpnys.classify.laplace import BernoulliClassifier, LaplacePredictions, halve_step
 from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
 from gpnys.kernels.blocks import kernel_diag
@@ -113,10 +113,9 @@ class ReducedLaplaceGP(LaplacePredictions):
             validate_points(landmarks, "landmarks")
             if m is not None and m != landmarks.shape[0]:
                 raise ValueError(f"m = {m} disagrees with the {landmarks.shape[0]} landmarks given; leave m out")
-        elif landmarks not in METHODS:
-            raise ValueError(f"landmarks must be one of {METHODS} or an (m, d) tensor, got {landmarks!r}")
-        if variance not in VARIANCES:
-            raise ValueError(f"variance must be one of {VARIANCES}, got {variance!r}")
+        else:
+            validate_choice(landmarks, "landmarks", METHODS, also="or an (m, d) tensor")
+        validate_choice(variance, "variance", VARIANCES)
         self.kernel, self.likelihood, self.landmarks, self.variance = kernel, likelihood, landmarks, variance
         self.m = None if m is None else validate_count(m, "m", 1)
         self.rank = None if rank is None else validate_count(rank, "rank", 1)

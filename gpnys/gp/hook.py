@@ -38,7 +38,7 @@ import torch
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
-from gpnys.checks import NumericalWarning
+from gpnys.checks import NumericalWarning, validate_choice
 from gpnys.gp.discover import unsupported_covariance, unsupported_model
 from gpnys.gp.operators import (
     BatchPreconditionedMVN,
@@ -87,8 +87,8 @@ class PreconditionerHook:
         if half:  # float16 / bfloat16 data in a float32 model is promoted, as GPyTorch promotes it
             raise TypeError(f"model: {', '.join(half)} parameters are not supported (neither GPyTorch's Cholesky nor "
                             "torch's linear algebra computes in them); use model.float() or model.double()")
-        if isinstance(method, str) and method not in PRECONDITIONERS:
-            raise ValueError(f"method must be one of {PRECONDITIONERS} or a Preconditioner class, got {method!r}")
+        if isinstance(method, str):
+            validate_choice(method, "method", PRECONDITIONERS, also="or a Preconditioner class")
         if isinstance(method, str) and method == "none":
             raise ValueError("method 'none' would disable preconditioning; use GPyTorch without the hook instead")
         if not isinstance(method, str) and not (isinstance(method, type) and issubclass(method, Preconditioner)):

@@ -10,6 +10,7 @@ from typing import Any
 
 import gpytorch
 
+from gpnys.checks import validate_choice
 from gpnys.gp.variance import VARIANCE_NEIGHBOURS
 from gpnys.precond.afn import CV_FAMILIES
 
@@ -91,8 +92,7 @@ class VarianceOptions:
     variance_rel_error: float | None = None
 
     def __post_init__(self) -> None:
-        if self.variance_method not in VARIANCE_METHODS:
-            raise ValueError(f"variance_method must be one of {VARIANCE_METHODS}, got {self.variance_method!r}")
+        validate_choice(self.variance_method, "variance_method", VARIANCE_METHODS)
         if self.variance_rel_error is not None and not float(self.variance_rel_error) > 0:
             raise ValueError(f"variance_rel_error must be positive or None, got {self.variance_rel_error!r}")
 
@@ -176,8 +176,7 @@ class EstimatorOptions:
             raise ValueError(f"refresh_growth must be >= 1, got {self.refresh_growth!r}")
         if self.solver is None:
             self.solver = os.environ.get("GPNYS_SOLVER", "auto")
-        if self.solver not in SOLVERS:
-            raise ValueError(f"solver must be one of {SOLVERS}, got {self.solver!r}")
+        validate_choice(self.solver, "solver", SOLVERS)
         if self.target_rel_error is not None and not (0 < float(self.target_rel_error) < 1):
             raise ValueError(f"target_rel_error must be in (0, 1) or None, got {self.target_rel_error!r}")
         if isinstance(self.max_probes, bool) or int(self.max_probes) != self.max_probes or self.max_probes < 2:
@@ -186,8 +185,7 @@ class EstimatorOptions:
             raise ValueError(f"lanczos_share must be in (0, 1) or None, got {self.lanczos_share!r}")
         if isinstance(self.num_probes, bool) or int(self.num_probes) != self.num_probes or self.num_probes < 1:
             raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
-        if self.control_variate not in CV_FAMILIES:
-            raise ValueError(f"control_variate must be one of {CV_FAMILIES}, got {self.control_variate!r}")
+        validate_choice(self.control_variate, "control_variate", CV_FAMILIES)
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,7 @@ import gpytorch
 import torch
 from tqdm.auto import tqdm
 
-from gpnys.checks import validate_training_data
+from gpnys.checks import validate_choice, validate_training_data
 from gpnys.kernels import make_kernel
 
 __all__ = ["ExactGPModel", "FitResult", "fit", "predict", "gaussian_nll", "hyperparameters", "read_checkpoint",
@@ -286,8 +286,7 @@ def fit(
         Under :func:`gpnys.gp.hook.use_preconditioner`, pass ``settings=lambda n: contextlib.nullcontext()`` so
         the hook's estimator, not the Cholesky path, computes the loss (docs/training.md).
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    validate_choice(optimizer, "optimizer", OPTIMIZERS)
     if isinstance(iters, bool) or int(iters) != iters or iters < 0:
         raise ValueError(f"iters must be a non-negative integer, got {iters!r}")
     if not (lr > 0 and math.isfinite(lr)):

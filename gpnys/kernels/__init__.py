@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gpytorch
 
+from gpnys.checks import validate_choice
+
 __all__ = ["KERNEL_NAMES", "make_kernel", "base_kernel"]
 
 #: CLI name -> Matérn smoothness (None = RBF)
@@ -20,8 +22,7 @@ def base_kernel(name: str, ard_num_dims: int | None = None) -> gpytorch.kernels.
 
     ``ard_num_dims=d`` gives one length-scale per input dimension; ``None`` an isotropic length-scale.
     """
-    if name not in KERNEL_NAMES:
-        raise ValueError(f"kernel must be one of {sorted(KERNEL_NAMES)}, got {name!r}")
+    validate_choice(name, "kernel", KERNEL_NAMES)
     nu = KERNEL_NAMES[name]
     if nu is None:
         return gpytorch.kernels.RBFKernel(ard_num_dims=ard_num_dims)

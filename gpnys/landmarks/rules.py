@@ -18,7 +18,7 @@ from typing import Any
 import gpytorch
 import torch
 
-from gpnys.checks import validate_count, validate_points
+from gpnys.checks import validate_choice, validate_count, validate_points
 from gpnys.kernels.entries import split_outputscale
 from gpnys.landmarks.clustering import kmeans
 from gpnys.landmarks.common import generator, validate_kernel, validate_noise, validate_points_k, validate_seed
@@ -102,8 +102,7 @@ def select_landmarks(X: torch.Tensor, m: int, rule: str = "fps", kernel: gpytorc
     validate_points(X)
     n = X.shape[0]
     m = validate_count(m, "m", 1, n, "n")
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    validate_choice(rule, "rule", RULES)
     seed = validate_seed(seed)
     if noise is not None:
         validate_noise(noise)

@@ -27,7 +27,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows, dense_limit_bytes
-from gpnys.checks import validate_count
+from gpnys.checks import validate_choice, validate_count
 from gpnys.collectives import RowGroup, gather_rows
 from gpnys.kernels.entries import evaluate
 from gpnys.kernels.operator import supported
@@ -169,8 +169,7 @@ class AFNPreconditioner(Preconditioner):
             raise ValueError(f"X must have at least 2 points for AFN, got n={n}")
         k = validate_count(k, "k", 1, n)
         w = validate_count(w, "w", 1, n)
-        if landmarks not in LANDMARK_RULES:
-            raise ValueError(f"landmarks must be one of {LANDMARK_RULES}, got {landmarks!r}")
+        validate_choice(landmarks, "landmarks", LANDMARK_RULES)
         self.k = min(k, n - 1)
         self.w = min(w, n - self.k)
         self.rank = self.k
@@ -295,8 +294,7 @@ class AFNPreconditioner(Preconditioner):
             >>> P.control_family("auto"), P.control_family("diag")
             ('full', 'diag')
         """
-        if schur not in CV_FAMILIES:
-            raise ValueError(f"schur must be one of {CV_FAMILIES}, got {schur!r}")
+        validate_choice(schur, "schur", CV_FAMILIES)
         if schur != "auto":
             return schur
         return "full" if (self.n - self.k) * self.w**2 * self.k <= CV_FULL_BUDGET else "frozen"

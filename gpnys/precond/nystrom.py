@@ -53,7 +53,7 @@ import gpytorch
 import torch
 
 from gpnys import landmarks as _landmarks
-from gpnys.checks import validate_count
+from gpnys.checks import validate_choice, validate_count
 from gpnys.collectives import RowGroup
 from gpnys.kernels.entries import KernelEntries, evaluate
 from gpnys.linalg import safe_cholesky, small_dense, thin_matmul
@@ -64,12 +64,6 @@ __all__ = ["NystromPreconditioner", "SAMPLINGS", "SCALINGS", "LANDMARKS"]
 SAMPLINGS = ("column", "sketch")
 SCALINGS = ("stable", "ran")
 LANDMARKS = ("fps", "uniform")
-
-
-def _check_option(value: Any, name: str, allowed: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    return value
 
 
 def _sync(device: torch.device) -> None:
@@ -157,9 +151,9 @@ class NystromPreconditioner(Preconditioner):
         self._start(X, mu, diag)
         n = self.n
         self.k = validate_count(k, "k", low=1, high=n, high_name="n")
-        self.sampling = _check_option(sampling, "sampling", SAMPLINGS)
-        self.scaling = _check_option(scaling, "scaling", SCALINGS)
-        _check_option(landmarks, "landmarks", LANDMARKS)
+        self.sampling = validate_choice(sampling, "sampling", SAMPLINGS)
+        self.scaling = validate_choice(scaling, "scaling", SCALINGS)
+        validate_choice(landmarks, "landmarks", LANDMARKS)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if landmark_indices is not None and self.sampling != "column":

@@ -18,7 +18,7 @@ from typing import Any
 import gpytorch
 import torch
 
-from gpnys.checks import validate_count
+from gpnys.checks import validate_choice, validate_count
 from gpnys.landmarks.rank import RankEstimate, estimate_rank
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import Preconditioner
@@ -205,8 +205,7 @@ def make_preconditioner(
         >>> res.iterations < pcg(lambda V: A @ V, b, tol=1e-10).iterations
         True
     """
-    if name not in PRECONDITIONERS:
-        raise ValueError(f"preconditioner must be one of {PRECONDITIONERS}, got {name!r}")
+    validate_choice(name, "preconditioner", PRECONDITIONERS)
     if diag is not None and name not in DIAG_PRECONDITIONERS:
         raise ValueError(f"diag (per-point shifts) is taken by {DIAG_PRECONDITIONERS}, not by {name!r}")
     n = X.shape[0]

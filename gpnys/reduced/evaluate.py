@@ -16,6 +16,7 @@ from typing import Any
 import gpytorch
 import torch
 
+from gpnys.checks import validate_choice
 from gpnys.gp.training import gaussian_nll
 from gpnys.landmarks.rules import choose_m, select_landmarks
 from gpnys.reduced.error import ExactPosterior, landmark_rkhs_error, rkhs_error
@@ -49,8 +50,7 @@ def evaluate_method(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Tenso
     it is built here when not given). NYTRO holds out a seeded 20 % of the training points for its validation
     path and stops at the best step ([NYTRO] §4); its predictor has no variance.
     """
-    if method not in EVAL_METHODS:
-        raise ValueError(f"method must be one of {EVAL_METHODS}, got {method!r}")
+    validate_choice(method, "method", EVAL_METHODS)
     if method not in ("exact", "rff"):
         landmarks = landmarks or "fps"
     rec: dict[str, Any] = {"method": method, "landmarks": None if method in ("exact", "rff") else landmarks}

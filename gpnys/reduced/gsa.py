@@ -27,7 +27,7 @@ import warnings
 import gpytorch
 import torch
 
-from gpnys.checks import NumericalWarning
+from gpnys.checks import NumericalWarning, validate_choice
 from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.reduced.features import Solver
 from gpnys.reduced.lla import LLAPosterior
@@ -74,8 +74,7 @@ class GSAPosterior(LLAPosterior):
     def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
                  landmarks: torch.Tensor, prior_mean: float = 0.0, coef: str = "min_norm", rtol: float | None = None,
                  solver: Solver | None = None) -> None:
-        if coef not in COEFFICIENTS:
-            raise ValueError(f"coef must be one of {COEFFICIENTS}, got {coef!r}")
+        validate_choice(coef, "coef", COEFFICIENTS)
         super().__init__(kernel, X, y, noise, landmarks, prior_mean=prior_mean, rtol=rtol, solver=solver)
         self.coef = coef
         if coef == "woodbury":

@@ -21,7 +21,7 @@ import warnings
 import gpytorch
 import torch
 
-from gpnys.checks import NumericalWarning
+from gpnys.checks import NumericalWarning, validate_choice
 from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.reduced.features import FeatureGP, Solver
 
@@ -173,8 +173,7 @@ class LLAPosterior:
                  landmarks: torch.Tensor, prior_mean: float = 0.0, variance: str = "dtc", rank: int | None = None,
                  rtol: float | None = None, solver: Solver | None = None) -> None:
         validate_regression(X, y, noise, landmarks)
-        if variance not in VARIANCES:
-            raise ValueError(f"variance must be one of {VARIANCES}, got {variance!r}")
+        validate_choice(variance, "variance", VARIANCES)
         self.kernel, self.X, self.noise = kernel, X, float(noise)
         self.prior_mean, self.variance_kind = float(prior_mean), variance
         self.features = NystromFeatureMap(kernel, landmarks, rank=rank, rtol=rtol)

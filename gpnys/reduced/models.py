@@ -19,7 +19,7 @@ import gpytorch
 import torch
 from linear_operator.operators import DiagLinearOperator
 
-from gpnys.checks import validate_training_data
+from gpnys.checks import validate_choice, validate_training_data
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.kernels.entries import computation_dtype
 from gpnys.landmarks.rules import choose_m, select_landmarks
@@ -87,8 +87,7 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
         >>> bool((post.variance(Z) > 0).all())
         True
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    validate_choice(method, "method", METHODS)
     if isinstance(X, torch.Tensor) and isinstance(y, torch.Tensor) and X.is_floating_point():
         # mixed dtypes as GPyTorch takes them: data promoted with each other and the kernel's parameters
         dtype = computation_dtype(kernel, X, y)
@@ -164,8 +163,7 @@ class ReducedGP(gpytorch.models.GP):
                  method: str = "lla", m: int | str = 500, landmarks: str | torch.Tensor | None = None, seed: int = 0,
                  **options: Any) -> None:
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        validate_choice(method, "method", METHODS)
         if not isinstance(likelihood, gpytorch.likelihoods.GaussianLikelihood) or isinstance(
                 likelihood, gpytorch.likelihoods.FixedNoiseGaussianLikelihood):
             # the reduced posteriors take one noise variance; per-point noise would be answered with the first one
@@ -235,8 +233,7 @@ class ReducedGP(gpytorch.models.GP):
         fails): the eigenvalue cut-off of the posterior has no stable gradient (``eigh``'s derivative divides by
         eigenvalue gaps), so training uses the factor.
         """
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        validate_choice(objective, "objective", OBJECTIVES)
         X, y = self.train_inputs[0], self.train_targets
         kern = self.covar_module
         L = safe_cholesky(kern(landmarks, landmarks).to_dense(), "ReducedGP.loss: K_mm")

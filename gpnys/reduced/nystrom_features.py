@@ -25,7 +25,7 @@ from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, Transfo
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
-from gpnys.checks import validate_count, validate_points, validate_positive
+from gpnys.checks import validate_choice, validate_count, validate_points, validate_positive
 from gpnys.kernels import KERNEL_NAMES, base_kernel
 from gpnys.landmarks import RULES, select_landmarks
 from gpnys.reduced.lla import NystromFeatureMap
@@ -196,15 +196,11 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         m = validate_count(self.n_components, "n_components", 1, n, "n (training rows)")
         if self.rank is not None:
             validate_count(self.rank, "rank", 1, m, "n_components")
-        if self.landmarks not in RULES:
-            raise ValueError(f"landmarks must be one of {RULES}, got {self.landmarks!r}")
-        if self.basis not in BASES:
-            raise ValueError(f"basis must be one of {BASES}, got {self.basis!r}")
+        validate_choice(self.landmarks, "landmarks", RULES)
+        validate_choice(self.basis, "basis", BASES)
         seed = self._seed()
         if isinstance(self.kernel, str):
-            if self.kernel not in KERNEL_NAMES:
-                raise ValueError(f"kernel must be one of {sorted(KERNEL_NAMES)} or a GPyTorch kernel, got "
-                                 f"{self.kernel!r}")
+            validate_choice(self.kernel, "kernel", KERNEL_NAMES, also="or a GPyTorch kernel")
             ell = median_lengthscale(Xt, seed) if self.lengthscale is None \
                 else validate_positive(self.lengthscale, "lengthscale")
             kernel = base_kernel(self.kernel).to(device=Xt.device, dtype=dtype)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import gpytorch
 import torch
 
-from gpnys.checks import NumericalWarning, validate_count, validate_positive
+from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive
 from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.reduced.lla import NystromFeatureMap, _finite_2d, validate_regression
 
@@ -171,8 +171,7 @@ def nytro(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, lan
     """
     _validate_data(X, y, landmarks)
     t_max = validate_count(t_max, "t_max")
-    if stop not in STOP_RULES:
-        raise ValueError(f"stop must be one of {STOP_RULES}, got {stop!r}")
+    validate_choice(stop, "stop", STOP_RULES)
     tau = validate_positive(tau, "tau")
     has_val = _validation_set(X_val, y_val, X.shape[1])
     if stop != "none" and not has_val:

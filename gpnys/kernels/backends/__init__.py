@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from gpnys.checks import validate_choice
 from gpnys.collectives import LEAF
 from gpnys.kernels.backends.base import KernelBackend, check_rows
 from gpnys.kernels.formulas import Formula
@@ -52,8 +53,7 @@ def select_backend(device: torch.device, backend: str | None = None) -> str:
     device = torch.device(device)
     if backend is None:
         return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} (or None), got {backend!r}")
+    validate_choice(backend, "backend", BACKENDS, also="(or None)")
     if backend == "keops":
         from gpnys.kernels.backends import keops
 
