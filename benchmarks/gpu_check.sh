@@ -24,6 +24,11 @@
 #          `gpnys classify` with the exact kernel (AFN-preconditioned CG on the Triton products with the cutoff,
 #          5 Adam steps) and on the Nyström kernel of 1 000 landmarks (`--reduced 1000`, 30 Adam steps on 50 000
 #          rows), each with its test accuracy on 2 000 rows; alone on the GPU, a few minutes;
+#   boloop the 10-iteration BO loop from 30 000 points (Hartmann-6, q = 1), warm-started against cold
+#          (`examples/bo_large_n.py --starts warm,cold --device cuda`), checkpointed after every iteration in
+#          $BO_CKPT (default benchmarks/results/bo_warm_cold_n30000_ckpt, inside the copied tree) and copied to
+#          $OUT/bo_warm_cold_n30000_ckpt: commit that folder at BO_CKPT and the next call resumes where this one
+#          stopped (about 30 minutes in all, so two or three calls); the JSON covers the iterations run so far;
 #   suite  the `cuda` test suite (in the background, beside the fit; after `speed`, on its own);
 #   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
 #   paths  every other public path at 10^6 (`gpu.py --parts paths`);
@@ -41,6 +46,7 @@
 #   LIMIT=560 PARTS=speed,suite bash benchmarks/gpu_check.sh            # the speed rows, then the cuda suite
 #   LIMIT=540 DETACH=1 PARTS=suite,fit bash benchmarks/gpu_check.sh      # call 1
 #   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
+#   LIMIT=560 PARTS=boloop bash benchmarks/gpu_check.sh                 # the BO loop, resumable
 set -u
 OUT=${OUT:-benchmarks/results/gpu_check}
 LIMIT=${LIMIT:-560}
@@ -94,6 +100,14 @@ case $PARTS in *laplace*)
         --no-standardize --kernel matern32 --lengthscale 1 --dtype float32 --device cuda $extra --json \
         > "$OUT/classify_1e6_$tag.json" 2> "$OUT/classify_1e6_$tag.log"
   done
+esac
+case $PARTS in *boloop*)
+  BO_CKPT=${BO_CKPT:-benchmarks/results/bo_warm_cold_n30000_ckpt}
+  timeout "$(left)" python -u examples/bo_large_n.py --methods gpnys --starts warm,cold --n-init 30000 --iters 10 \
+      --seeds 0 --device cuda --checkpoint "$BO_CKPT" --json "$OUT/bo_warm_cold_n30000.json" \
+      > "$OUT/bo_loop.log" 2>&1
+  # a timeout leaves the checkpoints of the iterations done; the JSON, where the loop finished
+  mkdir -p "$OUT/bo_warm_cold_n30000_ckpt" && cp "$BO_CKPT"/*.pt "$OUT/bo_warm_cold_n30000_ckpt/" 2>/dev/null
 esac
 case $PARTS in *mll*)
   timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes 200000,1000000 \
