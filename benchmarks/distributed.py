@@ -292,9 +292,9 @@ def main(argv=None) -> int:
                     help="a second, memory-only evaluation per P at this n, for bytes per point (default n / 5)")
     ap.add_argument("--gpu-gib", type=float, default=139.8, help="memory per GPU in the model (H200: 139.8; H100: 79.2)")
     ap.add_argument("--timeout", type=float, default=3600.0)
-    ap.add_argument("--gpu-mll-1e6-s", type=float, default=30.04,
+    ap.add_argument("--gpu-mll-1e6-s", type=float, default=17.06,
                     help="seconds per value + gradient at 10^6 on one GPU, every pair, float32 (default: an H200's)")
-    ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.21,
+    ap.add_argument("--gpu-cutoff-1e6-s", type=float, default=2.17,
                     help="the same with the default cutoff (default: an H200's)")
     ap.add_argument("--products", type=int, default=17, help="products (all-gathers) per evaluation in the model")
     ap.add_argument("--columns", type=int, default=17, help="columns per product in the model (probes + 1)")
