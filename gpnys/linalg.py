@@ -6,9 +6,9 @@ Safe Cholesky (:func:`safe_cholesky`): a factor of an SPD matrix that escalates 
 
 Small factorisations (:func:`small_dense`). Eigenvalue, Cholesky and QR factorisations of ``m x m`` matrices with
 ``m`` up to a few hundred (rank estimation, preconditioner cores, Lanczos tridiagonals) run on one thread: with
-several, MKL's threads spin against any other busy process on the machine, and a 300 x 300 ``eigvalsh`` took 2.6 s
-instead of 8.5 ms on 2 cores (benchmarks/small_n.py; docs/scaling.md). Alone on the machine one thread costs them
-little at these sizes.
+several, MKL's threads spin against any other busy process on the machine and can take hundreds of times longer
+(benchmarks/small_n.py; the measurements in docs/scaling.md). Alone on the machine one thread costs them little at
+these sizes.
 
 Thin products (:func:`thin_matmul`). ``A @ B`` with a large ``A (m, k)`` and a thin ``B (k, t)`` (t ~ 5-64 columns:
 the probes of the MLL estimator, the CG block, a q-batch) runs far below memory bandwidth in some of the forms
@@ -120,9 +120,8 @@ def _apply_form(form: str, A: torch.Tensor, B: torch.Tensor, symmetric: bool = F
     return out[..., :t].contiguous()
 
 
-#: :func:`_split_product` takes a stored kernel from this many rows: below, torch's form was as fast or faster (2
-#: threads, 17 columns, float64, torch's form against the split product: 0.52 against 0.77 ms at 600 rows, 2.97
-#: against 3.26 ms at 1 500, 5.7 against 5.1 ms at 2 048; docs/scaling.md)
+#: :func:`_split_product` takes a stored kernel from this many rows: below, torch's form was as fast or faster
+#: (the timings in docs/scaling.md, "Why the defaults are what they are")
 SPLIT_MIN_ROWS = 2048
 
 
@@ -176,8 +175,7 @@ if hasattr(os, "register_at_fork"):
 
 
 #: :func:`_split_product`'s block of output columns: fixed, so that the values do not depend on the thread count
-#: (8 000 x 8 000 in float64 with 17 columns: 62 ms in blocks of 1 024 on 2 cores, 61 ms in halves, 85 ms in blocks
-#: of 256)
+#: (smaller blocks were slower, larger ones no faster: docs/scaling.md)
 SPLIT_BLOCK = 1024
 
 
