@@ -10,13 +10,14 @@ unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(
   the gpnys preconditioner, the exact ``log det P`` and the preconditioner control variate (Wenger et al. 2022;
   :mod:`gpnys.gp.estimator`). Probes are drawn from a fixed seed at every evaluation (common random numbers,
   :attr:`gpnys.gp.settings.EstimatorSettings.probe_seed`), so BoTorch's L-BFGS-B sees a deterministic objective.
-* **posterior** up to ``posterior_cholesky_size`` points (default :data:`POSTERIOR_CHOLESKY_SIZE`): BoTorch's
-  exact path, one Cholesky of ``K̂`` per data and hyperparameters (GPyTorch's prediction caches), then triangular
-  solves per call. A fit needs a factorisation *and its backward pass* per evaluation, tens of them; an acquisition
-  optimisation needs one at fixed hyperparameters and then hundreds of solves, each of which PCG would pay in full,
-  so up to this size the one factorisation is the cheaper (docs/bo.md; benchmarks/RESULTS.md, "BoTorch").
-* **posterior** above it at ``X* (*b, q, d)`` — mean ``m(X*) + K(X*, X) α`` with ``α = K̂⁻¹ (y − m(X))`` by PCG, cached
-  while data and hyperparameters are unchanged; joint covariance in the variational form
+* **posterior** wherever Cholesky's working set fits the memory budget (:func:`gpnys.gp.path.cholesky_fits`;
+  an integer ``posterior_cholesky_size`` instead fixes the size): BoTorch's exact path, one Cholesky of ``K̂`` per
+  data and hyperparameters (GPyTorch's prediction caches), then triangular solves per call. A fit needs a
+  factorisation *and its backward pass* per evaluation, tens of them; an acquisition optimisation needs one at fixed
+  hyperparameters and then hundreds of solves, each of which PCG would pay in full, so where it fits the one
+  factorisation is the cheaper (docs/bo.md; benchmarks/RESULTS.md, "BoTorch").
+* **posterior** beyond that at ``X* (*b, q, d)`` — mean ``m(X*) + K(X*, X) α`` with ``α = K̂⁻¹ (y − m(X))`` by PCG,
+  cached while data and hyperparameters are unchanged; joint covariance in the variational form
 
   ``Σ = K(X*, X*) − (K*ᵀ B + Bᵀ K* − Bᵀ K̂ B)``,  ``B ≈ K̂⁻¹ K*`` (``K* = K(X, X*)``, ``n x q`` per batch),
 
@@ -61,17 +62,17 @@ from gpytorch.module import Module
 from gpnys.checks import NumericalWarning, validate_choice, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
-from gpnys.gp.path import choose_path
+from gpnys.gp.path import cholesky_fits, choose_path
 from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.precond.strategy import PRECONDITIONERS
 
 __all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS", "BO_LANDMARK_CAP", "POSTERIOR_CHOLESKY_SIZE"]
 
-#: training points up to which the posterior (fixed hyperparameters) factorises ``K̂`` once instead of solving by
-#: PCG per call: ``n³/3`` flops and ``8 n²`` bytes in float64 (0.8 GB at 10 000) against PCG solves per acquisition
-#: call (module docstring; docs/bo.md)
-POSTERIOR_CHOLESKY_SIZE = 10_000
+#: the default of ``posterior_cholesky_size``: ``None``, the posterior (fixed hyperparameters) factorises ``K̂`` once
+#: wherever Cholesky's working set fits the memory budget (``n³/3`` flops and ``8 n²`` bytes a matrix in float64),
+#: instead of solving by PCG per acquisition call (module docstring; docs/bo.md)
+POSTERIOR_CHOLESKY_SIZE: int | None = None
 #: fresh L-BFGS-B runs after one that stopped on its own with the gradient still above its noise (:meth:`custom_fit`)
 FIT_RESTARTS = 2
 
@@ -123,8 +124,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             landmarks, :data:`BO_DEFAULTS`);
             built once per data and hyperparameters.
         posterior_cholesky_size: above ``max_cholesky_size``, the posterior still takes BoTorch's exact Cholesky
-            path up to this many training points (one factorisation per data and hyperparameters, module
-            docstring); ``0``: always PCG.
+            path (one factorisation per data and hyperparameters, module docstring): ``None`` (default) wherever
+            its :data:`~gpnys.gp.path.DENSE_MATRICES` ``n x n`` matrices fit the memory budget
+            (:func:`gpnys.budget.dense_limit_bytes`: 4 GiB on a CPU, half the free memory of a GPU), decided once
+            per size, device and dtype; an int: up to this many training points; ``0``: always PCG.
         fit_subset: ``fit_gpytorch_mll`` on the preconditioned path first fits the hyperparameters on this many
             seeded random training points (BoTorch's Cholesky path; ``None``: off), then runs L-BFGS-B on all the
             data from there. The full-data objective is the same; only the starting point (and so the number
@@ -136,6 +139,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         posterior_iterations: PCG iterations of the latest posterior solve (``B``), for diagnostics.
         alpha_iterations: PCG iterations of the latest solve for ``α = K̂⁻¹ (y − m)``.
         path_reason: why the latest :meth:`uses_preconditioner` chose its path.
+        posterior_path_reason: why the latest posterior above ``max_cholesky_size`` took BoTorch's exact path or
+            PCG (:meth:`posterior_exact`).
 
     Example:
         Above ``max_cholesky_size`` the posterior comes from PCG; it matches ``SingleTaskGP``'s Cholesky posterior
@@ -181,7 +186,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         seed: int = 0,
         posterior_tolerance: float = 1e-6,
         posterior_options: dict[str, Any] | None = None,
-        posterior_cholesky_size: int = POSTERIOR_CHOLESKY_SIZE,
+        posterior_cholesky_size: int | None = POSTERIOR_CHOLESKY_SIZE,
         fit_subset: int | None = 1000,
         **precond_options: Any,
     ) -> None:
@@ -189,9 +194,11 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if max_cholesky_size is not None and (isinstance(max_cholesky_size, bool) or max_cholesky_size < 0):
             raise ValueError(f"max_cholesky_size must be a non-negative int or None, got {max_cholesky_size!r}")
         validate_positive(posterior_tolerance, "posterior_tolerance")
-        if (isinstance(posterior_cholesky_size, bool) or not isinstance(posterior_cholesky_size, int)
-                or posterior_cholesky_size < 0):
-            raise ValueError(f"posterior_cholesky_size must be a non-negative int, got {posterior_cholesky_size!r}")
+        if posterior_cholesky_size is not None and (isinstance(posterior_cholesky_size, bool)
+                                                    or not isinstance(posterior_cholesky_size, int)
+                                                    or posterior_cholesky_size < 0):
+            raise ValueError(f"posterior_cholesky_size must be a non-negative int or None, got "
+                             f"{posterior_cholesky_size!r}")
         if fit_subset is not None and (isinstance(fit_subset, bool) or not isinstance(fit_subset, int) or fit_subset < 1):
             raise ValueError(f"fit_subset must be a positive int or None, got {fit_subset!r}")
         super().__init__(train_X, train_Y, train_Yvar, likelihood, covar_module, mean_module, outcome_transform,
@@ -208,6 +215,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self.path_reason = ""
         #: the cost model's choice for ``max_cholesky_size=None``: ``((n, device, dtype, solver), path, reason)``
         self._gpnys_path: tuple[tuple, str, str] | None = None
+        #: why the latest preconditioned-path posterior took BoTorch's exact path or PCG (:meth:`posterior_exact`)
+        self.posterior_path_reason = ""
+        #: the memory budget's choice for ``posterior_cholesky_size=None``: ``((n, device, dtype), exact, reason)``
+        self._gpnys_posterior_path: tuple[tuple, bool, str] | None = None
         settings = settings or EstimatorSettings(probe_seed=seed)
         self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
                               # the model decides the path (uses_preconditioner); its hook always iterates
@@ -450,11 +461,27 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if (self.training or len(args) != 1 or kwargs or gpytorch.settings.prior_mode.on()
                 or not self.uses_preconditioner() or args[0].dim() < 2):
             return super().__call__(*args, **kwargs)
-        n = self.train_inputs[0].shape[-2]
-        if n <= self._gpnys_config["posterior_cholesky_size"]:  # BoTorch's exact path (module docstring)
-            with gpytorch.settings.max_cholesky_size(n):
+        if self.posterior_exact():  # BoTorch's exact path (module docstring)
+            with gpytorch.settings.max_cholesky_size(self.train_inputs[0].shape[-2]):
                 return super().__call__(*args, **kwargs)
         return self._preconditioned_posterior(args[0])
+
+    def posterior_exact(self) -> bool:
+        """Whether a posterior above ``max_cholesky_size`` takes BoTorch's exact path (one Cholesky of ``K̂``) rather
+        than PCG solves: up to an integer ``posterior_cholesky_size``, else where
+        :func:`gpnys.gp.path.cholesky_fits` finds the memory budget enough, decided once per size, device and dtype
+        so that the posteriors of one acquisition optimisation do not switch path as the free memory moves. The
+        reason is in ``posterior_path_reason``."""
+        X, limit = self.train_inputs[0], self._gpnys_config["posterior_cholesky_size"]
+        n = X.shape[-2]
+        if limit is not None:
+            self.posterior_path_reason = f"{n} points {'<=' if n <= limit else '>'} posterior_cholesky_size={limit}"
+            return n <= limit
+        key = (n, X.device, X.dtype)
+        if self._gpnys_posterior_path is None or self._gpnys_posterior_path[0] != key:
+            self._gpnys_posterior_path = (key, *cholesky_fits(n, 1, X.device, X.dtype))
+        _, exact, self.posterior_path_reason = self._gpnys_posterior_path
+        return exact
 
     def _tolerance(self, dtype: torch.dtype, power: int = 1) -> float:
         return max(self._gpnys_config["posterior_tolerance"] ** power, 1000 * torch.finfo(dtype).eps)

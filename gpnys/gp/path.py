@@ -27,8 +27,8 @@ import torch
 from gpnys.budget import dense_limit_bytes
 from gpnys.cache import cache_dir, entry_key, read_entry, write_entry
 
-__all__ = ["PathCosts", "calibrate", "install_calibration", "path_costs", "choose_path", "uses_costs", "cache_file",
-           "fit_costs", "costs_key", "PathChooser"]
+__all__ = ["PathCosts", "calibrate", "install_calibration", "path_costs", "choose_path", "cholesky_fits", "uses_costs",
+           "cache_file", "fit_costs", "costs_key", "PathChooser"]
 
 #: the cost model's file in the cache folder (:mod:`gpnys.cache`)
 COSTS_FILE = "costs.json"
@@ -143,6 +143,24 @@ def uses_costs(solver: str, method: object) -> bool:
     return solver == "auto" and method == "auto"
 
 
+def cholesky_fits(n: int, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether Cholesky's working set, :data:`DENSE_MATRICES` ``n x n`` matrices per marginal of ``batch``, fits
+    :func:`~gpnys.budget.dense_limit_bytes` on ``device``; returns ``(fits, reason)``.
+
+    Example:
+        >>> import torch, gpnys
+        >>> from gpnys.gp.path import cholesky_fits
+        >>> with gpnys.memory_budget(dense_bytes=2**30):  # 1 GiB, where four 8 000 x 8 000 float64 matrices need 1.9
+        ...     cholesky_fits(8000, 1, torch.device("cpu"), torch.float64)[0]
+        False
+    """
+    need = DENSE_MATRICES * batch * n * n * torch.empty((), dtype=dtype).element_size()
+    limit = dense_limit_bytes(device)
+    if need > limit:
+        return False, f"Cholesky needs {need / 2**30:.3g} GiB, above the memory budget ({limit / 2**30:.3g} GiB)"
+    return True, f"Cholesky needs {need / 2**30:.3g} GiB, within the memory budget ({limit / 2**30:.3g} GiB)"
+
+
 def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, solver: str, method: object,
                 current: str | None = None, iterative_scale: float = 1.0, partitioned: bool = False
                 ) -> tuple[str, str]:
@@ -171,9 +189,9 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
         return "iterative", f"method {method!r} names a preconditioner"
     if partitioned:
         return "iterative", "a process group splits the kernel by rows: the preconditioned path on every rank"
-    need = DENSE_MATRICES * batch * n * n * torch.empty((), dtype=dtype).element_size()
-    if need > dense_limit_bytes(device):
-        return "iterative", f"Cholesky needs {need / 2**30:.3g} GiB, above the memory budget"
+    fits, why = cholesky_fits(n, batch, device, dtype)
+    if not fits:
+        return "iterative", why
     costs = path_costs(device, dtype)
     exact, iterative = batch * costs.exact_s(n), batch * costs.iterative_s(n) * iterative_scale
     path = "cholesky" if exact <= iterative else "iterative"

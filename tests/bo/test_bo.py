@@ -30,6 +30,7 @@ from helpers import load_script
 
 import gpnys
 from gpnys.bo import PreconditionedSingleTaskGP
+from gpnys.gp.path import DENSE_MATRICES, cholesky_fits
 
 USES_BOTORCH = True  # conftest: run under BoTorch's global GPyTorch settings
 PRECOND = {"k": 40, "w": 10, "posterior_cholesky_size": 0}  # k < n: an inexact preconditioner, so PCG iterates
@@ -231,6 +232,40 @@ def test_posterior_cholesky_below_its_threshold(cholesky_shapes, dtype):
     with torch.no_grad():
         pcg_model.posterior(Xt)
     assert pcg_model.posterior_iterations > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_posterior_path_follows_the_memory_budget(dtype):
+    """``posterior_cholesky_size=None`` (the default): BoTorch's exact path where Cholesky's working set fits the
+    dense memory budget, PCG where one byte more is needed; either matches SingleTaskGP's posterior, and the choice
+    stays with the model's size, device and dtype when the budget moves."""
+    n, d = 250, 4
+    X, Y = data(n, d, dtype=dtype, seed=8)
+    need = DENSE_MATRICES * n * n * torch.empty((), dtype=dtype).element_size()
+    Xt = points_at(40, d, dtype=dtype)
+    tol = (1e-6, 1e-6) if dtype == torch.float64 else (1e-3, 1e-2)
+    for budget, exact in ((need, True), (need - 1, False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # BoTorch's InputDataWarning about float32
+            ref, model = pair(X, Y, noise=1e-2, posterior_cholesky_size=None)
+        with gpnys.memory_budget(dense_bytes=budget), torch.no_grad():
+            p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+        assert model.posterior_exact() is exact, model.posterior_path_reason  # decided once, outside the budget too
+        assert (model.posterior_iterations == 0) is exact
+        assert ("within the memory budget" in model.posterior_path_reason) is exact, model.posterior_path_reason
+        assert_rel(p.mean, p_ref.mean, tol[0], f"mean (exact={exact})")
+        assert_rel(p.variance, p_ref.variance, tol[1], f"variance (exact={exact})")
+
+
+def test_cholesky_fits_against_the_budget():
+    cpu = torch.device("cpu")
+    need = DENSE_MATRICES * 2 * 100 * 100 * 4  # two float32 marginals of 100 points
+    with gpnys.memory_budget(dense_bytes=need):
+        assert cholesky_fits(100, 2, cpu, torch.float32)[0]
+        assert not cholesky_fits(101, 2, cpu, torch.float32)[0]
+        assert not cholesky_fits(100, 2, cpu, torch.float64)[0]
+        fits, reason = cholesky_fits(100, 3, cpu, torch.float32)
+        assert not fits and "above the memory budget" in reason
 
 
 # -- 2. no n x n Cholesky on the preconditioned path -------------------------------------------------------
@@ -576,6 +611,7 @@ def test_bad_data_behaves_like_single_task_gp(case):
     ({"fit_subset": 2.5}, "fit_subset"),
     ({"posterior_cholesky_size": -1}, "posterior_cholesky_size"),
     ({"posterior_cholesky_size": 1.5}, "posterior_cholesky_size"),
+    ({"posterior_cholesky_size": True}, "posterior_cholesky_size"),
 ])
 def test_bad_arguments(kwargs, name):
     X, Y = data(20, 2)
