@@ -33,8 +33,9 @@ NEWEST = {"torch": "2.15.0", "gpytorch": "1.15.2", "linear_operator": "0.6.1", "
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check",
-                    "--outdir", str(out), str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check",
+                           "--outdir", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"the wheel did not build:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     (path,) = out.glob("gpnys-*.whl")
     return path
 
