@@ -104,7 +104,8 @@ def run_loop(method: str, seed: int, args, start: str = "warm") -> dict:
             h = model.hook()
             rec.update(precond=h.history[-1].kind if h.history else None, rank=h.history[-1].rank if h.history else None,
                        builds=h.builds, posterior_iterations=model.posterior_iterations,
-                       fit_restarts=model.fit_restarts, fit_stopped=model.fit_stopped)
+                       fit_restarts=model.fit_restarts, fit_stopped=model.fit_stopped,
+                       posterior_exact=model.posterior_exact(), posterior_path_reason=model.posterior_path_reason)
         records.append(rec)
         state = model.warm_state() if method == "gpnys" else hyper_state(model)
         if ckpt is not None:

@@ -28,9 +28,9 @@ unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(
   BoTorch draws joint samples for ``q > 1`` from the ``q x q`` covariance (its Cholesky is ``q x q``).
 * ``condition_on_observations`` with one new batch of points returns a new model of this class with the data
   appended (hyperparameters kept, transforms not refitted, as BoTorch does). Batched observations
-  (``fantasize``) go through GPyTorch's fantasy strategy: its caches come from CG and a Lanczos root of
-  ``K̂⁻¹`` above GPyTorch's own ``max_cholesky_size``, never from an ``n x n`` Cholesky there, and the batched
-  fantasy model predicts through GPyTorch.
+  (``fantasize``) go through GPyTorch's fantasy strategy unchanged: under BoTorch's settings (GPyTorch's fast
+  solves off) it factorises the ``n x n`` covariance at every size, and the batched fantasy model its own
+  ``(b, n + q, n + q)`` ones, so fantasies are bounded by memory as in ``SingleTaskGP``.
 
 Single-output models on non-batched inputs take the preconditioned path, with a learnt noise (``train_Yvar=None``,
 ``GaussianLikelihood``) or known per-point noise (``train_Yvar``, ``FixedNoiseGaussianLikelihood``: ``K̂ = K + D``,
