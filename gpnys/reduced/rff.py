@@ -28,7 +28,7 @@ import math
 import gpytorch
 import torch
 
-from gpnys.checks import validate_count
+from gpnys.checks import validate_choice, validate_count
 from gpnys.kernels.entries import split_outputscale
 from gpnys.kernels.operator import supported
 from gpnys.landmarks.common import generator
@@ -51,10 +51,7 @@ def _base_and_nu(kernel: gpytorch.kernels.Kernel) -> tuple[gpytorch.kernels.Kern
         )
     if isinstance(base, gpytorch.kernels.RBFKernel):
         return base, None
-    nu = float(base.nu)
-    if nu not in MATERN_NUS:
-        raise ValueError(f"kernel: Matérn nu must be one of {MATERN_NUS}, got {nu}")
-    return base, nu
+    return base, validate_choice(float(base.nu), "kernel: Matérn nu", MATERN_NUS)
 
 
 class RandomFourierFeatures:
