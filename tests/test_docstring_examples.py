@@ -57,6 +57,7 @@ PUBLIC_ENTRY_POINTS = [
     "gpnys.precond.make_preconditioner",
     "gpnys.solvers.pcg.pcg",
     "gpnys.bo.model.PreconditionedSingleTaskGP",
+    "gpnys.bo.model.PreconditionedFantasyGP",
     "gpnys.reduced.reduced_posterior",
     "gpnys.reduced.ReducedGP",
     "gpnys.reduced.NystromFeatures",

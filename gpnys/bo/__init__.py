@@ -1,6 +1,7 @@
-"""BoTorch integration: :class:`PreconditionedSingleTaskGP`. Imported on demand — importing BoTorch raises
-GPyTorch's global ``max_cholesky_size`` to 4096, which ``import gpnys`` alone must not do."""
+"""BoTorch integration: :class:`PreconditionedSingleTaskGP` and its fantasy models, :class:`PreconditionedFantasyGP`.
+Imported on demand — importing BoTorch raises GPyTorch's global ``max_cholesky_size`` to 4096, which
+``import gpnys`` alone must not do."""
 
-from gpnys.bo.model import PreconditionedSingleTaskGP
+from gpnys.bo.model import PreconditionedFantasyGP, PreconditionedSingleTaskGP
 
-__all__ = ["PreconditionedSingleTaskGP"]
+__all__ = ["PreconditionedSingleTaskGP", "PreconditionedFantasyGP"]

@@ -59,6 +59,7 @@ from gpytorch.likelihoods import FixedNoiseGaussianLikelihood, GaussianLikelihoo
 from gpytorch.means import Mean
 from gpytorch.module import Module
 
+from gpnys.bo.fantasy import condition_joint
 from gpnys.checks import NumericalWarning, validate_choice, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
@@ -67,7 +68,10 @@ from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.precond.strategy import PRECONDITIONERS
 
-__all__ = ["PreconditionedSingleTaskGP", "BO_DEFAULTS", "BO_LANDMARK_CAP", "POSTERIOR_CHOLESKY_SIZE"]
+__all__ = [
+    "PreconditionedSingleTaskGP", "PreconditionedFantasyGP", "BO_DEFAULTS", "BO_LANDMARK_CAP",
+    "POSTERIOR_CHOLESKY_SIZE",
+]
 
 #: the default of ``posterior_cholesky_size``: ``None``, the posterior (fixed hyperparameters) factorises ``K̂`` once
 #: wherever Cholesky's working set fits the memory budget (``n³/3`` flops and ``8 n²`` bytes a matrix in float64),
@@ -219,6 +223,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self.posterior_path_reason = ""
         #: the memory budget's choice for ``posterior_cholesky_size=None``: ``((n, device, dtype), exact, reason)``
         self._gpnys_posterior_path: tuple[tuple, bool, str] | None = None
+        #: a fantasy model's ``(base model, X_q (*f, *b, q, d), y_q (*f, *b, q), noise (*f, *b, q))``
+        #: (:meth:`condition_on_observations`), transformed; ``None`` for a model of its own data
+        self._gpnys_fantasy: tuple[PreconditionedSingleTaskGP, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         settings = settings or EstimatorSettings(probe_seed=seed)
         self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
                               # the model decides the path (uses_preconditioner); its hook always iterates
@@ -527,8 +534,27 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     # -- conditioning -------------------------------------------------------------------------------------
     def condition_on_observations(self, X: torch.Tensor, Y: torch.Tensor, **kwargs: Any) -> "SingleTaskGP":
-        """BoTorch's ``condition_on_observations``: a new model with ``(X (q, d), Y (q, 1))`` appended
-        (module docstring). Batched ``X``/``Y`` (fantasies) use GPyTorch's fantasy strategy."""
+        """BoTorch's ``condition_on_observations`` (module docstring).
+
+        Above ``max_cholesky_size``, one batch ``(X (q, d), Y (q, 1))`` gives a new model of this class with the data
+        appended. Batched ``X (*b, q, d)`` / ``Y (*f, *b, q, 1)`` (``fantasize``), or any conditioning of a fantasy
+        model, give a :class:`PreconditionedFantasyGP` of ``batch_shape`` ``(*f, *b)``: the same modules, its
+        posteriors conditioned on the points without an ``(n + q) x (n + q)`` factorisation
+        (:func:`gpnys.bo.fantasy.condition_joint`). Their noise variances are ``noise (*b, q, 1)`` in the
+        outcome-transformed scale, as BoTorch takes them, else the likelihood's.
+
+        Example:
+            >>> import torch
+            >>> from botorch.sampling import SobolQMCNormalSampler
+            >>> from gpnys.bo import PreconditionedSingleTaskGP
+            >>> X = torch.rand(80, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+            >>> gp = PreconditionedSingleTaskGP(X, X.sum(-1, keepdim=True).sin(), max_cholesky_size=40)
+            >>> fantasy = gp.fantasize(X[:3] + 0.01, SobolQMCNormalSampler(torch.Size([8]), seed=0))
+            >>> fantasy.batch_shape, fantasy.posterior(X[:5]).mean.shape
+            (torch.Size([8]), torch.Size([8, 5, 1]))
+        """
+        if self._fantasy_applies(X, Y, kwargs):
+            return self._fantasy(X, Y, kwargs.get("noise"))
         # known noise needs the new points' noise (BoTorch's ``noise=``): BoTorch's own path appends both
         if not self.uses_preconditioner() or X.dim() != 2 or Y.dim() != 2 or kwargs or self._known_noise():
             with self._without_caches():  # GPyTorch deep-copies the model (sparse CSR factors cannot be copied)
@@ -551,6 +577,58 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         new._gpnys_warm_fit = False  # a refit of the new model starts as usual
         return new
 
+    def _fantasy_applies(self, X: torch.Tensor, Y: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+        """Whether :meth:`condition_on_observations` returns a fantasy model (its docstring): batched points or a
+        fantasy model, above ``max_cholesky_size``, no keywords but ``noise`` (required with known noise)."""
+        if self._gpnys_fantasy is None and (X.dim() == 2 and Y.dim() == 2 or not self.uses_preconditioner()):
+            return False
+        if set(kwargs) - {"noise"}:
+            if self._gpnys_fantasy is not None:
+                raise ValueError(f"condition_on_observations of a fantasy model takes only noise=, got "
+                                 f"{sorted(kwargs)}")
+            return False
+        base = self if self._gpnys_fantasy is None else self._gpnys_fantasy[0]
+        if base._known_noise() and kwargs.get("noise") is None:
+            raise ValueError("noise: known per-point noise (train_Yvar) needs the new points' noise variances")
+        return True
+
+    def _fantasy(self, X: torch.Tensor, Y: torch.Tensor, noise: torch.Tensor | None) -> "PreconditionedSingleTaskGP":
+        """A fantasy model (:meth:`condition_on_observations`): a shallow copy sharing this model's modules, with
+        the points ``(X_q (*f, *b, q, d)`` input-transformed, ``y_q``, ``s (*f, *b, q))`` outcome-transformed,
+        appended to those it already holds, and the model it conditions (whose caches its posteriors use)."""
+        self.eval()
+        if Y.dim() < 2 or Y.shape[-1] != 1 or X.dim() < 2 or Y.shape[-2] != X.shape[-2]:
+            raise ValueError(f"Y: expected (*batch, q, 1) with q = X.shape[-2] = {X.shape[-2] if X.dim() else 0}, "
+                             f"got {tuple(Y.shape)}")
+        d = self.train_inputs[0].shape[-1] if self._gpnys_fantasy is None else self._gpnys_fantasy[1].shape[-1]
+        if X.shape[-1] != d:
+            raise ValueError(f"X: expected {d} columns, got {X.shape[-1]}")
+        for name, value in (("X", X), ("Y", Y), ("noise", noise)):
+            if value is not None and not bool(torch.isfinite(value).all()):
+                raise ValueError(f"{name} has NaN or inf entries")
+        X_tf = self.transform_inputs(X)
+        if hasattr(self, "outcome_transform"):  # noise is in the transformed scale already, as BoTorch takes it
+            Y, _ = self.outcome_transform(Y, X=X_tf)
+        y = Y.squeeze(-1)
+        s = self.likelihood.noise if noise is None else noise.squeeze(-1)
+        if noise is not None and bool((s <= 0).any()):
+            raise ValueError("noise must be positive")
+        s = s.expand(*s.shape[:-1], y.shape[-1])
+        held = [] if self._gpnys_fantasy is None else [self._gpnys_fantasy[1:]]  # a fantasy of a fantasy: both sets
+        batch = torch.broadcast_shapes(X_tf.shape[:-2], y.shape[:-1], s.shape[:-1], *(h[1].shape[:-1] for h in held))
+
+        def spread(T: torch.Tensor, event: int) -> torch.Tensor:  # (..., *event) -> (*batch, *event)
+            return T.expand(*batch, *T.shape[T.dim() - event:])
+
+        Xq, yq, sq = (torch.cat([spread(T, 2 - (i > 0)) for T in parts], dim=-1 - (i == 0))
+                      for i, parts in enumerate(zip(*held, (X_tf, y, s))))
+        base = self if self._gpnys_fantasy is None else self._gpnys_fantasy[0]
+        new = PreconditionedFantasyGP.__new__(PreconditionedFantasyGP)
+        new.__dict__.update(self.__dict__)  # a shallow copy: the modules are shared, a fantasy never trains
+        new._gpnys_fantasy = (base, Xq, yq, sq)
+        new._input_batch_shape = new._aug_batch_shape = batch
+        return new
+
     @contextlib.contextmanager
     def _without_caches(self) -> Iterator[None]:
         """Detach the hook and solves while the model is deep-copied; restore them afterwards."""
@@ -560,3 +638,74 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             yield
         finally:
             self._gpnys_hook, self._gpnys_posterior = caches
+
+
+class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
+    """A :class:`PreconditionedSingleTaskGP` conditioned on fantasy observations, made by its
+    ``condition_on_observations`` / ``fantasize`` above ``max_cholesky_size``; it predicts, it does not train.
+
+    It holds the base model (whose posterior caches and preconditioner its posteriors reuse) and the points
+    ``X_q (*f, *b, q, d)``, ``y_q (*f, *b, q)`` with noise variances ``s``. Its latent posterior at ``X_t`` is the
+    base model's joint posterior at ``[X_t, X_q]`` conditioned on ``y_q`` (:func:`gpnys.bo.fantasy.condition_joint`:
+    a ``q x q`` Cholesky, never one of ``n + q``), with gradients w.r.t. ``X_t``, ``X_q`` and ``y_q``.
+    ``batch_shape`` is ``(*f, *b)``; ``train_inputs`` and ``train_targets`` are the base data with the points
+    appended, ``(*f, *b, n + q, d)`` and ``(*f, *b, n + q)``, built when read (as GPyTorch's fantasy models hold
+    them).
+
+    Example:
+        >>> import torch
+        >>> from botorch.sampling import SobolQMCNormalSampler
+        >>> from gpnys.bo import PreconditionedSingleTaskGP
+        >>> X = torch.rand(80, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> gp = PreconditionedSingleTaskGP(X, X.sum(-1, keepdim=True).sin(), max_cholesky_size=40)
+        >>> fantasy = gp.fantasize(X[:3] + 0.01, SobolQMCNormalSampler(torch.Size([8]), seed=0))
+        >>> type(fantasy).__name__, fantasy.train_targets.shape
+        ('PreconditionedFantasyGP', torch.Size([8, 83]))
+    """
+
+    _gpnys_fantasy: tuple[PreconditionedSingleTaskGP, torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("PreconditionedFantasyGP is made by PreconditionedSingleTaskGP.condition_on_observations "
+                        "or fantasize")
+
+    def train(self, mode: bool = True) -> "PreconditionedFantasyGP":
+        if mode:
+            raise NotImplementedError("a PreconditionedFantasyGP only predicts: fit the model it was conditioned from")
+        return super().train(False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> MultivariateNormal:
+        if len(args) != 1 or kwargs:
+            raise NotImplementedError("a PreconditionedFantasyGP only predicts: call it on one input, or use "
+                                      "posterior()")
+        return self._fantasy_posterior(args[0])
+
+    def _fantasy_posterior(self, x: torch.Tensor) -> MultivariateNormal:
+        """Latent posterior of a fantasy model at ``x (*b, t, d)`` (input-transformed): the base model's joint
+        posterior at ``[x, X_q]`` conditioned on ``y_q`` (:func:`gpnys.bo.fantasy.condition_joint`)."""
+        base, Xq, y, s = self._gpnys_fantasy
+        batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-1])
+        Z = torch.cat([x.expand(*batch, *x.shape[-2:]), Xq.expand(*batch, *Xq.shape[-2:])], dim=-2)
+        base.eval()
+        return condition_joint(base(Z), x.shape[-2], y, s)
+
+    @property
+    def train_inputs(self) -> tuple[torch.Tensor]:
+        base, Xq, *_ = self._gpnys_fantasy
+        X = base.train_inputs[0]
+        return (torch.cat([X.expand(*Xq.shape[:-2], *X.shape), Xq], dim=-2),)
+
+    @property
+    def train_targets(self) -> torch.Tensor:
+        base, _, y, _ = self._gpnys_fantasy
+        return torch.cat([base.train_targets.expand(*y.shape[:-1], -1), y], dim=-1)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "PreconditionedFantasyGP":
+        """``.to()`` / ``.double()`` ...: the base model (its data and the shared modules) and the held points."""
+        base, *points = self._gpnys_fantasy
+        base._apply(fn, *args, **kwargs)
+        self._gpnys_fantasy = (base, *(fn(T) for T in points))
+        return self
+
+    def custom_fit(self, mll: gpytorch.mlls.MarginalLogLikelihood, **kwargs: Any) -> Any:
+        raise NotImplementedError("a PreconditionedFantasyGP does not train: fit the model it was conditioned from")

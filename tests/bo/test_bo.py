@@ -23,7 +23,6 @@ from botorch.models import SingleTaskGP
 from botorch.models.transforms.input import Normalize
 from botorch.models.transforms.outcome import Standardize
 from botorch.optim import optimize_acqf
-from botorch.sampling import SobolQMCNormalSampler
 from botorch.test_functions import Hartmann
 from gpytorch.mlls import ExactMarginalLogLikelihood
 from helpers import load_script
@@ -269,24 +268,6 @@ def test_cholesky_fits_against_the_budget():
 
 
 # -- 2. no n x n Cholesky on the preconditioned path -------------------------------------------------------
-@pytest.fixture
-def cholesky_shapes(monkeypatch):
-    """Record the shape of every matrix passed to ``torch.linalg.cholesky`` / ``cholesky_ex``.
-
-    linear_operator's ``psd_safe_cholesky`` calls ``torch.linalg.cholesky_ex`` (looked up on the module at call
-    time, so the patch sees it), as do gpnys' ``safe_cholesky`` and BoTorch's samplers."""
-    shapes = []
-    for name in ("cholesky", "cholesky_ex"):
-        original = getattr(torch.linalg, name)
-
-        def wrapped(A, *args, _original=original, **kwargs):
-            shapes.append(tuple(A.shape))
-            return _original(A, *args, **kwargs)
-
-        monkeypatch.setattr(torch.linalg, name, wrapped)
-    return shapes
-
-
 @pytest.mark.parametrize("precond, n", [("afn", 200), ("auto", 600)])  # "auto" estimates the rank on 500 points
 def test_no_n_by_n_cholesky_on_preconditioned_path(cholesky_shapes, precond, n):
     d = 4
@@ -514,7 +495,7 @@ def test_fit_with_transforms():
     assert bool(torch.isfinite(post.mean).all()) and bool((post.variance > 0).all())
 
 
-# -- 7. conditioning and fantasies ---------------------------------------------------------------------------
+# -- 7. conditioning (fantasy models: test_bo_fantasy.py) -------------------------------------------------------
 @pytest.mark.parametrize("transformed", [False, True], ids=["plain", "transforms"])
 def test_condition_on_observations(transformed):
     n, d = 200, 3
@@ -544,20 +525,6 @@ def test_condition_on_observations(transformed):
         after = model.posterior(Xt)
     torch.testing.assert_close(after.mean, mean0, rtol=1e-12, atol=0)
     torch.testing.assert_close(after.variance, var0, rtol=1e-12, atol=0)
-
-
-def test_fantasize():
-    n, d = 200, 3
-    X, Y = data(n, d, seed=8)
-    _, model = pair(X, Y)
-    torch.manual_seed(0)
-    fantasy = model.fantasize(points_at(2, d, seed=10), sampler=SobolQMCNormalSampler(torch.Size([4])))
-    assert fantasy.train_inputs[0].shape[-2] == n + 2
-    with torch.no_grad():
-        post = fantasy.posterior(points_at(3, d, seed=11))
-    assert post.mean.shape == (4, 3, 1)
-    assert bool(torch.isfinite(post.mean).all()) and bool(torch.isfinite(post.variance).all())
-    assert model.train_inputs[0].shape == (n, d)
 
 
 # -- 8. bad input --------------------------------------------------------------------------------------------

@@ -123,3 +123,32 @@ def test_fit_on_device_and_posterior_at_the_fitted_hyperparameters(cuda_device):
         p_ref, p = ref.posterior(Xt), model.posterior(Xt.to(cuda_device))
     err_mean, err_var = rel_error(p.mean, p_ref.mean), rel_error(p.variance, p_ref.variance)
     assert err_mean < 1e-6 and err_var < 1e-6
+
+
+def test_fantasy_model_on_device(cuda_device):
+    """``fantasize`` on the device (PCG base, no (n + q) factorisation) against ``SingleTaskGP``'s on the CPU, with
+    the knowledge gradient's value and gradient."""
+    from botorch.acquisition import qKnowledgeGradient
+    from botorch.sampling import SobolQMCNormalSampler
+
+    X, Y = data()
+    ref = set_hypers(SingleTaskGP(X, Y))
+    model = model_on(cuda_device, F64, X, Y, posterior_tolerance=1e-10)
+    model.load_state_dict(ref.state_dict())
+    Xq = torch.rand(3, 2, D, generator=torch.Generator().manual_seed(4), dtype=F64)
+    Xt = query_points(5, seed=5)
+    sampler = lambda: SobolQMCNormalSampler(torch.Size([4]), seed=1)  # noqa: E731
+    with torch.no_grad():
+        p_ref = ref.fantasize(Xq, sampler()).posterior(Xt)
+        p = model.fantasize(Xq.to(cuda_device), sampler()).posterior(Xt.to(cuda_device))
+    assert p.mean.device.type == cuda_device.type and p.mean.shape == p_ref.mean.shape == (4, 3, 5, 1)
+    assert rel_error(p.mean, p_ref.mean) < 1e-6 and rel_error(p.variance, p_ref.variance) < 1e-6
+    X_kg = torch.rand(2, 1 + 4, D, generator=torch.Generator().manual_seed(6), dtype=F64)
+    out = []
+    for m, x in ((ref, X_kg.clone()), (model, X_kg.to(cuda_device))):
+        x.requires_grad_(True)
+        v = qKnowledgeGradient(m, sampler=sampler(), num_fantasies=None)(x)
+        v.sum().backward()
+        out.append((v.detach(), x.grad))
+    assert rel_error(out[1][0], out[0][0]) < 1e-6
+    assert float((out[1][1].cpu() - out[0][1]).abs().max() / out[0][1].abs().max()) < 1e-5

@@ -1,0 +1,58 @@
+"""Fantasy posteriors without an ``(n + q) x (n + q)`` factorisation: Gaussian conditioning of a joint posterior.
+
+A GP conditioned on ``q`` extra noisy observations ``y_q`` at ``X_q`` (noise variances ``s``) has, at test points
+``X_t``, the posterior of the base model's joint posterior over ``[X_t, X_q]`` (mean ``μ``, covariance ``Σ``)
+conditioned on ``y_q = f(X_q) + ε`` (the conditional of a joint Gaussian, Rasmussen & Williams 2006, eq. A.6):
+
+``μ_t|q = μ_t + Σ_tq C⁻¹ (y_q − μ_q)``,  ``Σ_t|q = Σ_tt − Σ_tq C⁻¹ Σ_qt``,  ``C = Σ_qq + diag(s)`` (``q x q``).
+
+This is what GPyTorch's fantasy update computes by updating an ``(n + q) x (n + q)`` factor; here only the base
+posterior at ``t + q`` points (PCG or Cholesky, whichever the base model takes) and a ``q x q`` Cholesky are needed,
+and ``Σ_t|q`` does not depend on ``y_q``, so every fantasy shares it.
+"""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.distributions import MultivariateNormal
+from linear_operator.utils.cholesky import psd_safe_cholesky
+
+__all__ = ["condition_joint"]
+
+
+def condition_joint(joint: MultivariateNormal, t: int, targets: torch.Tensor,
+                    noise: torch.Tensor) -> MultivariateNormal:
+    """The first ``t`` points of ``joint`` conditioned on noisy observations of its last ``q`` (module docstring).
+
+    Args:
+        joint: latent posterior over ``[X_t, X_q]``: mean ``(*b, t + q)``, covariance ``(*b, t + q, t + q)``.
+        t: how many leading points are predicted.
+        targets: ``y_q`` ``(*b, q)`` (broadcast against ``b``).
+        noise: observation-noise variances ``s`` ``(*b, q)`` (broadcast against ``b``).
+
+    Returns:
+        The latent posterior at ``X_t``: mean ``(*b, t)``, covariance ``(*b, t, t)``; differentiable w.r.t. the
+        joint's mean and covariance, ``targets`` and ``noise``.
+
+    Example:
+        Conditioning a joint posterior on one point equals the posterior of the data with that point appended.
+
+        >>> import torch
+        >>> from gpytorch.distributions import MultivariateNormal
+        >>> from gpnys.bo.fantasy import condition_joint
+        >>> S = torch.tensor([[1.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+        >>> post = condition_joint(MultivariateNormal(torch.zeros(2, dtype=torch.float64), S), 1,
+        ...                        torch.tensor([2.0], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64))
+        >>> round(float(post.mean), 6), round(float(post.variance), 6)  # 0.5 / 2 * 2, 1 - 0.25 / 2
+        (0.5, 0.875)
+    """
+    mean, cov = joint.mean, joint.covariance_matrix
+    mu_t, mu_q = mean[..., :t], mean[..., t:]
+    S_tt, S_tq, S_qq = cov[..., :t, :t], cov[..., :t, t:], cov[..., t:, t:]
+    if mu_q.shape[-1] == 0:
+        return MultivariateNormal(mu_t, S_tt)
+    C = S_qq + torch.diag_embed(noise.expand(mu_q.shape))
+    A = torch.cholesky_solve(S_tq.mT, psd_safe_cholesky(C))  # C⁻¹ Σ_qt, (*b, q, t)
+    mu = mu_t + ((targets - mu_q).unsqueeze(-2) @ A).squeeze(-2)
+    S = S_tt - S_tq @ A
+    return MultivariateNormal(mu, 0.5 * (S + S.mT))

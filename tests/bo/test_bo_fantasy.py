@@ -1,0 +1,219 @@
+"""Fantasy models of :class:`gpnys.bo.PreconditionedSingleTaskGP` against BoTorch's ``SingleTaskGP`` fantasies.
+
+Above ``max_cholesky_size``, ``fantasize`` / batched ``condition_on_observations`` return a
+:class:`gpnys.bo.PreconditionedFantasyGP`: the base posterior at ``[X_t, X_q]`` conditioned on the fantasy targets,
+without an ``(n + q) x (n + q)`` factorisation. Its posteriors, nested fantasies, one-shot knowledge gradient and
+integrated-variance acquisition must equal those of ``SingleTaskGP`` (whose fantasy update is GPyTorch's exact
+one) at the same hyperparameters and sampler seed, on both base paths: PCG (``posterior_cholesky_size=0``) and
+BoTorch's Cholesky (``None``, which fits here).
+"""
+
+import gpytorch
+import pytest
+import torch
+
+pytest.importorskip("botorch")
+
+from botorch.acquisition import qKnowledgeGradient, qNegIntegratedPosteriorVariance  # noqa: E402
+from botorch.models import SingleTaskGP  # noqa: E402
+from botorch.sampling import SobolQMCNormalSampler  # noqa: E402
+from test_bo import box_transforms, data, known_noise, pair, points_at  # noqa: E402
+
+from gpnys.bo import PreconditionedFantasyGP, PreconditionedSingleTaskGP  # noqa: E402
+
+USES_BOTORCH = True  # conftest: run under BoTorch's global GPyTorch settings
+N, D = 240, 3
+PATHS = {"pcg": 0, "cholesky": None}  # posterior_cholesky_size of the base model
+
+
+def sampler(m, seed=1):
+    return SobolQMCNormalSampler(torch.Size([m]), seed=seed)
+
+
+def models(path, dtype=torch.float64, transforms=True, noise=1e-3):
+    """(``SingleTaskGP`` float64 reference, ``PreconditionedSingleTaskGP`` in ``dtype``), same hyperparameters and
+    transform statistics, data scaled off the unit cube so that the transforms matter."""
+    X, Y = data(N, D, seed=8)
+    X, Y = X * 4 - 1, 3 * Y + 7
+    ref, model = pair(X, Y, noise, transforms=box_transforms(D) if transforms else None,
+                      posterior_cholesky_size=PATHS[path], posterior_tolerance=1e-10)
+    return ref, model.to(dtype)
+
+
+def assert_close(actual, expected, rtol, what):
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    actual, expected = actual.detach().double(), expected.detach()
+    err = float(((actual - expected) / expected.abs().clamp_min(1e-3)).abs().max())
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_fantasy_posterior_matches_single_task_gp(path, dtype):
+    """In float32 the noise is 1e-2: at 1e-3 the base PCG posterior's own float32 variance error reaches 27 % here
+    (docs/bo.md), and the fantasy adds no more than that."""
+    ref, model = models(path, dtype, noise=1e-3 if dtype == torch.float64 else 1e-2)
+    Xq, Xt = points_at(2, D, seed=10, batch=(3,)) * 4 - 1, points_at(5, D, seed=11) * 4 - 1
+    f_ref = ref.fantasize(Xq, sampler(4))
+    fantasy = model.fantasize(Xq.to(dtype), sampler(4))
+    assert type(fantasy) is PreconditionedFantasyGP and fantasy.batch_shape == f_ref.batch_shape == (4, 3)
+    with torch.no_grad():
+        p_ref, p = f_ref.posterior(Xt), fantasy.posterior(Xt.to(dtype))
+        p_noisy = fantasy.posterior(Xt.to(dtype), observation_noise=True)
+    rtol = (1e-8, 1e-7) if dtype == torch.float64 else (1e-4, 1e-2)
+    assert p.mean.dtype == dtype
+    assert_close(p.mean, p_ref.mean, rtol[0], "fantasy mean")
+    assert_close(p.variance, p_ref.variance, rtol[1], "fantasy variance")
+    # the fantasies differ in their targets only: one covariance for all, and observation noise adds the noise
+    torch.testing.assert_close(p.variance[0], p.variance[-1], rtol=rtol[1], atol=0)
+    noise = model.likelihood.noise * model.outcome_transform.stdvs ** 2
+    torch.testing.assert_close(p_noisy.variance - p.variance, noise.expand_as(p.variance), rtol=1e-3, atol=0)
+    # the data it holds: the base data with the points appended, as in GPyTorch's fantasy model
+    assert fantasy.train_targets.shape == f_ref.train_targets.shape == (4, 3, N + 2)
+    torch.testing.assert_close(fantasy.train_targets.detach().double(), f_ref.train_targets.detach(), rtol=rtol[0],
+                               atol=rtol[0])
+    assert fantasy.train_inputs[0].shape == (4, 3, N + 2, D)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_fantasy_of_a_fantasy(path):
+    ref, model = models(path)
+    Xq = points_at(2, D, seed=10, batch=(3,))
+    X2 = points_at(1, D, seed=12, batch=(4, 3))  # one more point per fantasy and batch
+    f_ref = ref.fantasize(Xq, sampler(4)).fantasize(X2, sampler(2, seed=2))
+    fantasy = model.fantasize(Xq, sampler(4)).fantasize(X2, sampler(2, seed=2))
+    assert fantasy.batch_shape == f_ref.batch_shape == (2, 4, 3)
+    Xt = points_at(6, D, seed=13)
+    with torch.no_grad():
+        p_ref, p = f_ref.posterior(Xt), fantasy.posterior(Xt)
+    assert_close(p.mean, p_ref.mean, 1e-8, "nested mean")
+    assert_close(p.variance, p_ref.variance, 1e-7, "nested variance")
+    assert fantasy._gpnys_fantasy[0] is model  # conditioned on both sets at once, from the one base model
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_knowledge_gradient_and_its_gradient(path):
+    """One-shot qKG differentiates through the fantasy points, their sampled targets and the fantasy posterior."""
+    ref, model = models(path, transforms=False)
+    X = points_at(2 + 4, D, seed=14, batch=(5,))
+    values, grads = [], []
+    for m in (ref, model):
+        x = X.clone().requires_grad_(True)
+        v = qKnowledgeGradient(m, sampler=sampler(4, seed=3), num_fantasies=None)(x)
+        v.sum().backward()
+        values.append(v.detach())
+        grads.append(x.grad)
+    assert_close(values[1], values[0], 1e-8, "qKG")
+    err = float((grads[1] - grads[0]).abs().max() / grads[0].abs().max())
+    assert err <= 1e-5, f"qKG gradient: {err:.3g}"
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_integrated_variance_gradient(path):
+    """qNIPV depends on ``X`` only through the fantasy covariance. The gradient equals finite differences and
+    ``SingleTaskGP``'s with GPyTorch's ``detach_test_caches`` off; with it on (GPyTorch's default), GPyTorch's fantasy
+    update detaches its covariance cache and ``SingleTaskGP``'s gradient misses that term."""
+    ref, model = models(path, transforms=False)
+    mc = points_at(40, D, seed=15)
+    X = points_at(2, D, seed=16, batch=(3,))
+
+    def value_and_grad(m, detach=True):
+        x = X.clone().requires_grad_(True)
+        with gpytorch.settings.detach_test_caches(detach):
+            v = qNegIntegratedPosteriorVariance(m, mc_points=mc)(x)
+        v.sum().backward()
+        return v.detach(), x.grad
+
+    v, g = value_and_grad(model)
+    v_ref, g_ref = value_and_grad(ref, detach=False)
+    assert_close(v, v_ref, 1e-8, "qNIPV")
+    assert float((g - g_ref).abs().max() / g_ref.abs().max()) <= 1e-5
+    h = 1e-5
+    e = torch.zeros_like(X)
+    e[0, 0, 0] = h
+    acq = qNegIntegratedPosteriorVariance(model, mc_points=mc)
+    with torch.no_grad():
+        fd = (acq(X + e) - acq(X - e))[0] / (2 * h)
+    assert abs(float(g[0, 0, 0] - fd)) <= 1e-4 * abs(float(fd)) + 1e-9
+    _, g_detached = value_and_grad(ref, detach=True)
+    assert float((g_detached - g_ref).abs().max()) > 10 * float((g - g_ref).abs().max())  # the check can tell
+
+
+def test_no_n_plus_q_cholesky(cholesky_shapes):
+    """PCG base: no factorisation of size >= n at all; Cholesky base: its one n x n factor, none of n + q."""
+    Xq, Xt = points_at(2, D, seed=10, batch=(3,)), points_at(5, D, seed=11)
+    for path, allowed in (("pcg", set()), ("cholesky", {N})):
+        _, model = models(path)
+        with torch.no_grad():
+            model.posterior(Xt)
+            cholesky_shapes.clear()
+            model.fantasize(Xq, sampler(4)).posterior(Xt).variance
+        big = {s[-1] for s in cholesky_shapes if s[-1] >= N}
+        assert big <= allowed, (path, big)
+    ref, _ = models("cholesky")
+    cholesky_shapes.clear()
+    with torch.no_grad():
+        ref.posterior(Xt)
+        ref.fantasize(Xq, sampler(4)).posterior(Xt).variance
+    assert any(s[-1] >= N + 2 for s in cholesky_shapes)  # the patch sees GPyTorch's (n + q) factorisation
+
+
+def test_known_noise_fantasies():
+    X, Y = data(N, D, seed=8)
+    Yvar = known_noise(N)
+    ref = SingleTaskGP(X, Y, train_Yvar=Yvar)
+    ref.covar_module.lengthscale = torch.tensor([[0.3, 0.5, 0.7]], dtype=X.dtype)
+    model = PreconditionedSingleTaskGP(X, Y, train_Yvar=Yvar, max_cholesky_size=0, posterior_cholesky_size=0,
+                                       posterior_tolerance=1e-10, k=40, w=10)
+    model.load_state_dict(ref.state_dict())
+    Xq, Xt = points_at(2, D, seed=10, batch=(3,)), points_at(5, D, seed=11)
+    noise = torch.full((3, 2, 1), 2e-2, dtype=torch.float64)
+    f_ref = ref.fantasize(Xq, sampler(4), observation_noise=noise)
+    fantasy = model.fantasize(Xq, sampler(4), observation_noise=noise)
+    with torch.no_grad():
+        p_ref, p = f_ref.posterior(Xt), fantasy.posterior(Xt)
+    assert_close(p.mean, p_ref.mean, 1e-8, "known-noise fantasy mean")
+    assert_close(p.variance, p_ref.variance, 1e-7, "known-noise fantasy variance")
+    with pytest.raises(ValueError, match="noise"):
+        model.condition_on_observations(Xq, torch.zeros(4, 3, 2, 1, dtype=torch.float64))
+
+
+def test_base_model_unchanged_and_reproducible():
+    _, model = models("pcg")
+    Xq, Xt = points_at(2, D, seed=10, batch=(3,)), points_at(5, D, seed=11)
+    with torch.no_grad():
+        before = model.posterior(Xt)
+        mean0, var0 = before.mean.clone(), before.variance.clone()
+        first = model.fantasize(Xq, sampler(4)).posterior(Xt)
+        after = model.posterior(Xt)
+    torch.testing.assert_close(after.mean, mean0, rtol=1e-12, atol=0)
+    torch.testing.assert_close(after.variance, var0, rtol=1e-12, atol=0)
+    assert model.train_targets.shape == (N,) and model.batch_shape == torch.Size([])
+    _, again = models("pcg")  # a fresh model, same seeds: the same fantasies
+    with torch.no_grad():
+        second = again.fantasize(Xq, sampler(4)).posterior(Xt)
+    torch.testing.assert_close(second.mean, first.mean, rtol=1e-9, atol=0)
+    torch.testing.assert_close(second.variance, first.variance, rtol=1e-9, atol=0)
+
+
+def test_fantasy_bad_input():
+    _, model = models("pcg", transforms=False)
+    Xq = points_at(2, D, seed=10, batch=(3,))
+    with pytest.raises(ValueError, match="Y"):
+        model.condition_on_observations(Xq, torch.zeros(4, 3, 3, 1, dtype=torch.float64))  # q = 3 != 2
+    with pytest.raises(ValueError, match="Y"):
+        model.condition_on_observations(Xq, torch.full((4, 3, 2, 1), float("nan"), dtype=torch.float64))
+    with pytest.raises(ValueError, match="X"):
+        model.condition_on_observations(points_at(2, D + 1, batch=(3,)), torch.zeros(4, 3, 2, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="noise"):
+        model.condition_on_observations(Xq, torch.zeros(4, 3, 2, 1, dtype=torch.float64),
+                                        noise=torch.zeros(3, 2, 1, dtype=torch.float64))
+    fantasy = model.fantasize(Xq, sampler(4))
+    with pytest.raises(NotImplementedError, match="only predicts"):
+        fantasy.train()
+    with pytest.raises(NotImplementedError, match="only predicts"):
+        fantasy(points_at(2, D), points_at(2, D))
+    with pytest.raises(NotImplementedError, match="does not train"):
+        fantasy.custom_fit(None)
+    with pytest.raises(TypeError, match="made by"):
+        PreconditionedFantasyGP(Xq[0], torch.zeros(2, 1))
