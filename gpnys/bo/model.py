@@ -2,7 +2,8 @@
 
 :class:`PreconditionedSingleTaskGP` is a ``SingleTaskGP`` (same constructor, modules, transforms and
 priors). Up to ``max_cholesky_size`` training points it *is* a ``SingleTaskGP``: BoTorch's Cholesky path runs
-unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(X, X) + σ² I`` is formed:
+unchanged, but for fantasies (last item). Above it, no ``n x n`` Cholesky of the training covariance
+``K̂ = K(X, X) + σ² I`` is formed:
 
 * **training** — ``fit_gpytorch_mll(mll)`` calls the model's ``custom_fit`` (BoTorch's hook for model-specific
   fitting): BoTorch's default routine (``_fit_fallback``: L-BFGS-B through ``fit_gpytorch_mll_scipy``, retries
@@ -27,10 +28,14 @@ unchanged. Above it, no ``n x n`` Cholesky of the training covariance ``K̂ = K(
   the acquisition function moves ``X*`` a little per step): ``x0 = B_prev + P̂⁻¹ (K* − K*_prev)``.
   BoTorch draws joint samples for ``q > 1`` from the ``q x q`` covariance (its Cholesky is ``q x q``).
 * ``condition_on_observations`` with one new batch of points returns a new model of this class with the data
-  appended (hyperparameters kept, transforms not refitted, as BoTorch does). Batched observations
-  (``fantasize``) go through GPyTorch's fantasy strategy unchanged: under BoTorch's settings (GPyTorch's fast
-  solves off) it factorises the ``n x n`` covariance at every size, and the batched fantasy model its own
-  ``(b, n + q, n + q)`` ones, so fantasies are bounded by memory as in ``SingleTaskGP``.
+  appended (hyperparameters kept, transforms not refitted, as BoTorch does).
+* **fantasies** at every size — batched observations (``fantasize``, as ``qKnowledgeGradient``,
+  ``qMultiStepLookahead`` and ``qNegIntegratedPosteriorVariance`` make them) give a :class:`PreconditionedFantasyGP`:
+  the posterior at ``[X_t, X_q]`` (PCG or Cholesky, as above) conditioned on the fantasy targets, a ``q x q``
+  Cholesky per batch (:mod:`gpnys.bo.fantasy`). GPyTorch's fantasy update, which ``SingleTaskGP`` takes, forms
+  ``(*f, *b, n + q, n + q)`` matrices under BoTorch's settings (GPyTorch's fast solves off), and detaches its
+  covariance cache, so the gradient of an acquisition that sees ``X_q`` only through the fantasy covariance
+  (``qNegIntegratedPosteriorVariance``) misses that term.
 
 Single-output models on non-batched inputs take the preconditioned path, with a learnt noise (``train_Yvar=None``,
 ``GaussianLikelihood``) or known per-point noise (``train_Yvar``, ``FixedNoiseGaussianLikelihood``: ``K̂ = K + D``,
@@ -303,6 +308,13 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         lik = self.likelihood
         return type(lik) is FixedNoiseGaussianLikelihood and lik.noise.shape == self.train_targets.shape
 
+    def _handled(self) -> bool:
+        """One output, non-batched data, a ``GaussianLikelihood`` or known per-point noise: the models whose
+        training and posterior gpnys preconditions and whose fantasies it conditions
+        (:meth:`condition_on_observations`)."""
+        return (self.train_inputs[0].dim() == 2 and self.train_targets.dim() == 1
+                and (type(self.likelihood) is GaussianLikelihood or self._known_noise()))
+
     def uses_preconditioner(self) -> bool:
         """Whether the preconditioned path applies: one output, non-batched data, a ``GaussianLikelihood`` or known
         per-point noise (``train_Yvar``), and more than ``max_cholesky_size`` training points."""
@@ -323,8 +335,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 return False
         else:
             self.path_reason = f"{X.shape[-2]} points > max_cholesky_size={limit}"
-        if X.dim() == 2 and self.train_targets.dim() == 1 and (type(self.likelihood) is GaussianLikelihood
-                                                               or self._known_noise()):
+        if self._handled():
             return True
         if not getattr(self, "_gpnys_warned", False):  # above the threshold, but not a case gpnys handles: say so
             self._gpnys_warned = True
@@ -537,9 +548,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         """BoTorch's ``condition_on_observations`` (module docstring).
 
         Above ``max_cholesky_size``, one batch ``(X (q, d), Y (q, 1))`` gives a new model of this class with the data
-        appended. Batched ``X (*b, q, d)`` / ``Y (*f, *b, q, 1)`` (``fantasize``), or any conditioning of a fantasy
-        model, give a :class:`PreconditionedFantasyGP` of ``batch_shape`` ``(*f, *b)``: the same modules, its
-        posteriors conditioned on the points without an ``(n + q) x (n + q)`` factorisation
+        appended. At any size, batched ``X (*b, q, d)`` / ``Y (*f, *b, q, 1)`` (``fantasize``), or any conditioning
+        of a fantasy model, give a :class:`PreconditionedFantasyGP` of ``batch_shape`` ``(*f, *b)``: the same
+        modules, its posteriors conditioned on the points without an ``(n + q) x (n + q)`` factorisation
         (:func:`gpnys.bo.fantasy.condition_joint`). Their noise variances are ``noise (*b, q, 1)`` in the
         outcome-transformed scale, as BoTorch takes them, else the likelihood's.
 
@@ -579,8 +590,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     def _fantasy_applies(self, X: torch.Tensor, Y: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Whether :meth:`condition_on_observations` returns a fantasy model (its docstring): batched points or a
-        fantasy model, above ``max_cholesky_size``, no keywords but ``noise`` (required with known noise)."""
-        if self._gpnys_fantasy is None and (X.dim() == 2 and Y.dim() == 2 or not self.uses_preconditioner()):
+        fantasy model, a model gpnys handles at any size, no keywords but ``noise`` (required with known noise)."""
+        if self._gpnys_fantasy is None and (X.dim() == 2 and Y.dim() == 2 or not self._handled()):
             return False
         if set(kwargs) - {"noise"}:
             if self._gpnys_fantasy is not None:
@@ -642,7 +653,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
 class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
     """A :class:`PreconditionedSingleTaskGP` conditioned on fantasy observations, made by its
-    ``condition_on_observations`` / ``fantasize`` above ``max_cholesky_size``; it predicts, it does not train.
+    ``condition_on_observations`` / ``fantasize``; it predicts, it does not train.
 
     It holds the base model (whose posterior caches and preconditioner its posteriors reuse) and the points
     ``X_q (*f, *b, q, d)``, ``y_q (*f, *b, q)`` with noise variances ``s``. Its latent posterior at ``X_t`` is the

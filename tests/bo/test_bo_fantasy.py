@@ -1,11 +1,11 @@
 """Fantasy models of :class:`gpnys.bo.PreconditionedSingleTaskGP` against BoTorch's ``SingleTaskGP`` fantasies.
 
-Above ``max_cholesky_size``, ``fantasize`` / batched ``condition_on_observations`` return a
+At every size, ``fantasize`` / batched ``condition_on_observations`` return a
 :class:`gpnys.bo.PreconditionedFantasyGP`: the base posterior at ``[X_t, X_q]`` conditioned on the fantasy targets,
 without an ``(n + q) x (n + q)`` factorisation. Its posteriors, nested fantasies, one-shot knowledge gradient and
 integrated-variance acquisition must equal those of ``SingleTaskGP`` (whose fantasy update is GPyTorch's exact
-one) at the same hyperparameters and sampler seed, on both base paths: PCG (``posterior_cholesky_size=0``) and
-BoTorch's Cholesky (``None``, which fits here).
+one) at the same hyperparameters and sampler seed, on each base path: PCG (``posterior_cholesky_size=0``),
+BoTorch's Cholesky above ``max_cholesky_size`` (``None``, which fits here), and below it.
 """
 
 import gpytorch
@@ -23,7 +23,10 @@ from gpnys.bo import PreconditionedFantasyGP, PreconditionedSingleTaskGP  # noqa
 
 USES_BOTORCH = True  # conftest: run under BoTorch's global GPyTorch settings
 N, D = 240, 3
-PATHS = {"pcg": 0, "cholesky": None}  # posterior_cholesky_size of the base model
+#: the base model's posterior: PCG; BoTorch's Cholesky above max_cholesky_size; below it (a SingleTaskGP but for
+#: its fantasies)
+PATHS = {"pcg": {"posterior_cholesky_size": 0}, "cholesky": {"posterior_cholesky_size": None},
+         "below": {"max_cholesky_size": None}}
 
 
 def sampler(m, seed=1):
@@ -35,8 +38,9 @@ def models(path, dtype=torch.float64, transforms=True, noise=1e-3):
     transform statistics, data scaled off the unit cube so that the transforms matter."""
     X, Y = data(N, D, seed=8)
     X, Y = X * 4 - 1, 3 * Y + 7
-    ref, model = pair(X, Y, noise, transforms=box_transforms(D) if transforms else None,
-                      posterior_cholesky_size=PATHS[path], posterior_tolerance=1e-10)
+    ref, model = pair(X, Y, noise, transforms=box_transforms(D) if transforms else None, posterior_tolerance=1e-10,
+                      **PATHS[path])
+    assert model.uses_preconditioner() is (path != "below")
     return ref, model.to(dtype)
 
 
@@ -142,7 +146,7 @@ def test_integrated_variance_gradient(path):
 def test_no_n_plus_q_cholesky(cholesky_shapes):
     """PCG base: no factorisation of size >= n at all; Cholesky base: its one n x n factor, none of n + q."""
     Xq, Xt = points_at(2, D, seed=10, batch=(3,)), points_at(5, D, seed=11)
-    for path, allowed in (("pcg", set()), ("cholesky", {N})):
+    for path, allowed in (("pcg", set()), ("cholesky", {N}), ("below", {N})):
         _, model = models(path)
         with torch.no_grad():
             model.posterior(Xt)
