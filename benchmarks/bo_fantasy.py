@@ -9,8 +9,9 @@ Data: ``n`` scrambled-Sobol points in [0, 1]^6 with Hartmann-6 values (``negate=
 ``Standardize``; fixed hyperparameters (length-scales 0.3-0.6, outputscale 1, noise 1e-3 in the standardised
 scale), the same for every method. Workload: ``qKnowledgeGradient`` with ``--fantasies`` Sobol fantasies (seed 0)
 and q = 1, evaluated with its gradient at ``--restarts`` random one-shot points ``(restarts, 1 + fantasies, 6)``,
-``--repeats`` times: the first call builds the base model's posterior caches (a Cholesky or the PCG
-preconditioner), the following ones are what each step of ``optimize_acqf`` pays.
+``--repeats`` times, each a step of 1e-3 further along one random direction (as ``optimize_acqf``'s L-BFGS-B
+steps move them): the first call builds the base model's posterior caches (a Cholesky or the PCG preconditioner),
+the following ones are what each step of ``optimize_acqf`` pays (PCG from the previous step's solutions).
 
 Methods: ``singletask`` (BoTorch's ``SingleTaskGP``: GPyTorch's fantasy update, ``(f, b, n + q, n + q)`` matrices);
 ``gpnys`` (``PreconditionedSingleTaskGP`` defaults: the base posterior by Cholesky where its working set fits the
@@ -67,11 +68,12 @@ def case(n: int, method: str, args: argparse.Namespace) -> dict:
                              num_fantasies=None)
     g = torch.Generator().manual_seed(args.seed + 1)
     X0 = torch.rand(args.restarts, 1 + args.fantasies, 6, generator=g, dtype=dtype).to(device)
+    step = 1e-3 * torch.nn.functional.normalize(torch.randn(X0.shape, generator=g, dtype=dtype), dim=-1).to(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
-    for _ in range(args.repeats):
-        x = X0.clone().requires_grad_(True)
+    for r in range(args.repeats):
+        x = (X0 + r * step).clamp(0, 1).requires_grad_(True)
         t0 = time.perf_counter()
         value = acq(x)
         value.sum().backward()

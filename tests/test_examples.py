@@ -136,3 +136,11 @@ def test_laplace_poisson_example():
     res = load("laplace_poisson").main(["--n", "400", "--steps", "6"])
     assert res["end"] > res["start"] + 3 * res["end_std_error"]  # training raised log q beyond its error bars
     assert res["rmse"] < 0.5 * res["rate_sd"]  # the predicted rates follow the true ones
+
+
+def test_bo_knowledge_gradient_example():
+    """qKG on the fantasy models: its value and gradient match SingleTaskGP's, and optimize_acqf finds a point."""
+    res = load("bo_knowledge_gradient").main(["--n", "400", "--check-n", "200", "--fantasies", "8", "--restarts", "2",
+                                              "--raw-samples", "16", "--maxiter", "10"])
+    assert res["value_rel_err"] < 1e-8 and res["grad_rel_err"] < 1e-6
+    assert res["kg_value"] > 0 and 0 < res["candidate_value"] <= 3.3224

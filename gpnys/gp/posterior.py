@@ -6,9 +6,10 @@ Used by :meth:`gpnys.gp.hook.PreconditionerHook.predict` and by
 * **mean weights** ``α = K̂⁻¹ (y − m(X))`` (``(n,)``): one PCG solve, cached under a caller's key (data and
   hyperparameters) and started from a caller's guess (a previous solution) where there is one, else ``P̂⁻¹ r``
   (:meth:`PCGPosterior.mean_weights`); the predictive mean is ``m(x) + k_xᵀ α``;
-* **kernel-column solves** ``B ≈ K̂⁻¹ R`` for ``R = K(X, X*)`` (``(n, t)``), warm-started from the previous block
-  when the shape repeats, ``x0 = B_prev + P̂⁻¹ (R − R_prev)`` (an acquisition optimiser moves ``X*`` a little per
-  step), else ``P̂⁻¹ R`` (:meth:`PCGPosterior.solve`);
+* **kernel-column solves** ``B ≈ K̂⁻¹ R`` for ``R = K(X, X*)`` (``(n, t)``), warm-started from the latest block of
+  the same shape, ``x0 = B_prev + P̂⁻¹ (R − R_prev)`` (an acquisition optimiser moves ``X*`` a little per step; a
+  fantasy-based one alternates between :data:`WARM_BLOCKS` shapes at most), else ``P̂⁻¹ R``
+  (:meth:`PCGPosterior.solve`);
 * **quadratic forms** ``diag(Rᵀ K̂⁻¹ R)`` in the variational form ``2 rᵀb − bᵀK̂b = rᵀK̂⁻¹r − ‖e‖²_K̂`` (second order
   in the solve's error ``e``), with the bound ``‖ρ‖² / min σ²`` on what it misses (``ρ`` the true residual;
   :meth:`PCGPosterior.quad`).
@@ -22,7 +23,11 @@ import torch
 
 from gpnys.solvers.pcg import PCGResult, pcg
 
-__all__ = ["PCGPosterior"]
+__all__ = ["PCGPosterior", "WARM_BLOCKS"]
+
+#: how many latest solution blocks, one per shape, :meth:`PCGPosterior.solve` keeps as warm starts: one qKG
+#: evaluation solves at ``X_q`` (``fantasize``) and then at ``[X_t, X_q]`` per fantasy (its fantasy model)
+WARM_BLOCKS = 4
 
 Operator = Callable[[torch.Tensor], torch.Tensor]
 
@@ -62,7 +67,7 @@ class PCGPosterior:
     def __init__(self, A: Operator, M: Operator, maxiter: int) -> None:
         self.A, self.M, self.maxiter = A, M, maxiter
         self._mean: tuple[Hashable, PCGResult] | None = None
-        self._warm: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._warm: dict[torch.Size, tuple[torch.Tensor, torch.Tensor]] = {}  # shape -> (R, B), latest last
         self.iterations = 0
         self.mean_iterations = 0
 
@@ -90,13 +95,15 @@ class PCGPosterior:
         return self._mean[1]
 
     def solve(self, R: torch.Tensor, tol: float | torch.Tensor, warm: bool = True) -> PCGResult:
-        """``B ≈ K̂⁻¹ R`` (``R (n, t)``), from the previous block's solution when ``warm`` and its shape repeats."""
-        prev = self._warm if warm else None
-        x0 = self.M(R) if prev is None or prev[0].shape != R.shape else prev[1] + self.M(R - prev[0])
+        """``B ≈ K̂⁻¹ R`` (``R (n, t)``), from the latest solution of a block of that shape when ``warm``."""
+        prev = self._warm.pop(R.shape, None) if warm else None
+        x0 = self.M(R) if prev is None else prev[1] + self.M(R - prev[0])
         res = pcg(self.A, R, precond=self.M, x0=x0, tol=tol, maxiter=self.maxiter)
         self.iterations = res.iterations
         if warm:
-            self._warm = (R, res.x)
+            self._warm[R.shape] = (R, res.x)
+            while len(self._warm) > WARM_BLOCKS:
+                self._warm.pop(next(iter(self._warm)))
         return res
 
     def quad(self, R: torch.Tensor, tol: float | torch.Tensor, floor: torch.Tensor | float,

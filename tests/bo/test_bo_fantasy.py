@@ -17,6 +17,7 @@ pytest.importorskip("botorch")
 from botorch.acquisition import qKnowledgeGradient, qNegIntegratedPosteriorVariance  # noqa: E402
 from botorch.models import SingleTaskGP  # noqa: E402
 from botorch.sampling import SobolQMCNormalSampler  # noqa: E402
+from helpers import load_script  # noqa: E402
 from test_bo import box_transforms, data, known_noise, pair, points_at  # noqa: E402
 
 from gpnys.bo import PreconditionedFantasyGP, PreconditionedSingleTaskGP  # noqa: E402
@@ -110,6 +111,22 @@ def test_knowledge_gradient_and_its_gradient(path):
     assert_close(values[1], values[0], 1e-8, "qKG")
     err = float((grads[1] - grads[0]).abs().max() / grads[0].abs().max())
     assert err <= 1e-5, f"qKG gradient: {err:.3g}"
+
+
+def test_alternating_shapes_keep_their_warm_starts():
+    """A qKG evaluation solves at ``X_q`` (``fantasize``) and then at ``[X_t, X_q]`` per fantasy: the PCG posterior
+    keeps one warm block per shape, so the next evaluation, a little further on, starts both from there."""
+    ref, model = models("pcg", transforms=False)
+    X = points_at(2 + 4, D, seed=14, batch=(5,))
+    acq, acq_ref = (qKnowledgeGradient(m, sampler=sampler(4, seed=3), num_fantasies=None) for m in (model, ref))
+    with torch.no_grad():
+        acq(X)
+        cold = model.posterior_iterations
+        moved = (X + 1e-4).clamp(0, 1)
+        value = acq(moved)
+        warm = model.posterior_iterations
+        assert_close(value, acq_ref(moved), 1e-8, "qKG from warm starts")
+    assert warm < cold, (warm, cold)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -221,3 +238,13 @@ def test_fantasy_bad_input():
         fantasy.custom_fit(None)
     with pytest.raises(TypeError, match="made by"):
         PreconditionedFantasyGP(Xq[0], torch.zeros(2, 1))
+
+
+def test_bo_fantasy_benchmark_quick(tmp_path):
+    res = load_script("benchmarks", "bo_fantasy").main(["--quick", "--out", str(tmp_path / "fantasy.json")])
+    (row,) = res["rows"]
+    assert {"singletask", "gpnys", "gpnys-pcg"} <= set(row) and row["singletask"]["peak_gib"] > 0
+    for method in ("gpnys", "gpnys-pcg"):
+        assert row[method]["error_reference"] == "singletask"
+        assert row[method]["value_rel_err"] < 1e-6 and row[method]["grad_rel_err"] < 1e-4, row[method]
+    assert (tmp_path / "fantasy.png").exists()
