@@ -140,7 +140,7 @@ def test_laplace_poisson_example():
 
 def test_bo_knowledge_gradient_example():
     """qKG on the fantasy models: its value and gradient match SingleTaskGP's, and optimize_acqf finds a point."""
-    res = load("bo_knowledge_gradient").main(["--n", "400", "--fit-n", "200", "--check-n", "200", "--fantasies", "8", "--restarts", "2",
-                                              "--raw-samples", "16", "--maxiter", "10"])
+    res = load("bo_knowledge_gradient").main(["--n", "400", "--fit-n", "200", "--check-n", "200", "--fantasies", "8",
+                                              "--restarts", "2", "--raw-samples", "16", "--maxiter", "10"])
     assert res["value_rel_err"] < 1e-8 and res["grad_rel_err"] < 1e-6
     assert res["kg_value"] > 0 and 0 < res["candidate_value"] <= 3.3224
