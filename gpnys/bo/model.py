@@ -552,7 +552,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         of a fantasy model, give a :class:`PreconditionedFantasyGP` of ``batch_shape`` ``(*f, *b)``: the same
         modules, its posteriors conditioned on the points without an ``(n + q) x (n + q)`` factorisation
         (:func:`gpnys.bo.fantasy.condition_joint`). Their noise variances are ``noise (*b, q, 1)`` in the
-        outcome-transformed scale, as BoTorch takes them, else the likelihood's.
+        outcome-transformed scale, as BoTorch takes them (required with known noise), else the learnt noise.
 
         Example:
             >>> import torch
@@ -608,9 +608,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         the points ``(X_q (*f, *b, q, d)`` input-transformed, ``y_q``, ``s (*f, *b, q))`` outcome-transformed,
         appended to those it already holds, and the model it conditions (whose caches its posteriors use)."""
         self.eval()
-        if Y.dim() < 2 or Y.shape[-1] != 1 or X.dim() < 2 or Y.shape[-2] != X.shape[-2]:
-            raise ValueError(f"Y: expected (*batch, q, 1) with q = X.shape[-2] = {X.shape[-2] if X.dim() else 0}, "
-                             f"got {tuple(Y.shape)}")
+        if X.dim() < 2:
+            raise ValueError(f"X: expected (*batch, q, d), got {tuple(X.shape)}")
+        if Y.dim() < 2 or Y.shape[-1] != 1 or Y.shape[-2] != X.shape[-2]:
+            raise ValueError(f"Y: expected (*batch, q, 1) with q = X.shape[-2] = {X.shape[-2]}, got {tuple(Y.shape)}")
+        if self._gpnys_fantasy is not None:
+            self._check_base()
         d = self.train_inputs[0].shape[-1] if self._gpnys_fantasy is None else self._gpnys_fantasy[1].shape[-1]
         if X.shape[-1] != d:
             raise ValueError(f"X: expected {d} columns, got {X.shape[-1]}")
@@ -622,8 +625,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             Y, _ = self.outcome_transform(Y, X=X_tf)
         y = Y.squeeze(-1)
         s = self.likelihood.noise if noise is None else noise.squeeze(-1)
-        if noise is not None and bool((s <= 0).any()):
-            raise ValueError("noise must be positive")
+        if noise is not None and bool((noise < 0).any()):
+            raise ValueError("noise must be non-negative")
         s = s.expand(*s.shape[:-1], y.shape[-1])
         held = [] if self._gpnys_fantasy is None else [self._gpnys_fantasy[1:]]  # a fantasy of a fantasy: both sets
         batch = torch.broadcast_shapes(X_tf.shape[:-2], y.shape[:-1], s.shape[:-1], *(h[1].shape[:-1] for h in held))
@@ -637,8 +640,16 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         new = PreconditionedFantasyGP.__new__(PreconditionedFantasyGP)
         new.__dict__.update(self.__dict__)  # a shallow copy: the modules are shared, a fantasy never trains
         new._gpnys_fantasy = (base, Xq, yq, sq)
+        new._gpnys_fantasy_state = self._gpnys_fantasy_state if self._gpnys_fantasy is not None else self._state()
         new._input_batch_shape = new._aug_batch_shape = batch
         return new
+
+    def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a fantasy model of this model depends on: its training inputs and targets (as its posterior sees
+        them) and a copy of every floating-point parameter and buffer (hyperparameters, transform statistics)."""
+        values = [t.detach().reshape(-1) for t in self.state_dict().values() if t.is_floating_point()]
+        X = self.train_inputs[0]
+        return X, self.train_targets, torch.cat([v.to(X) for v in values]).clone()
 
     @contextlib.contextmanager
     def _without_caches(self) -> Iterator[None]:
@@ -681,24 +692,58 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
                         "or fantasize")
 
     def train(self, mode: bool = True) -> "PreconditionedFantasyGP":
+        """``train(False)``: eval mode, as for any model. ``train()`` only marks the fantasy model (its inputs and the
+        modules it shares with the base model stay as they are), and calling it in that mode raises."""
         if mode:
-            raise NotImplementedError("a PreconditionedFantasyGP only predicts: fit the model it was conditioned from")
+            self.training = True
+            return self
         return super().train(False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> MultivariateNormal:
-        if len(args) != 1 or kwargs:
-            raise NotImplementedError("a PreconditionedFantasyGP only predicts: call it on one input, or use "
-                                      "posterior()")
+        if self.training or len(args) != 1 or kwargs:
+            raise NotImplementedError("a PreconditionedFantasyGP only predicts: call it in eval mode on one input, "
+                                      "or use posterior(); fit the model it was conditioned from")
         return self._fantasy_posterior(args[0])
+
+    def _check_base(self) -> None:
+        """Raise if the base model's data, hyperparameters or transforms changed since this fantasy model was made
+        (its held targets and noise belong to that state; BoTorch's fantasy models are copies frozen there)."""
+        base = self._gpnys_fantasy[0]
+        base.eval()
+        for before, now in zip(self._gpnys_fantasy_state, base._state()):
+            if not (before is now or (before.shape == now.shape and before.dtype == now.dtype
+                                      and before.device == now.device and torch.equal(before, now))):
+                raise RuntimeError("the model this PreconditionedFantasyGP was made from has changed since (data, "
+                                   "hyperparameters, transforms, device or dtype): call fantasize / "
+                                   "condition_on_observations on it again")
 
     def _fantasy_posterior(self, x: torch.Tensor) -> MultivariateNormal:
         """Latent posterior of a fantasy model at ``x (*b, t, d)`` (input-transformed): the base model's joint
         posterior at ``[x, X_q]`` conditioned on ``y_q`` (:func:`gpnys.bo.fantasy.condition_joint`)."""
+        self._check_base()
         base, Xq, y, s = self._gpnys_fantasy
         batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-1])
         Z = torch.cat([x.expand(*batch, *x.shape[-2:]), Xq.expand(*batch, *Xq.shape[-2:])], dim=-2)
-        base.eval()
         return condition_joint(base(Z), x.shape[-2], y, s)
+
+    def _noise_mean(self) -> torch.Tensor:
+        """Known noise: the mean of the base model's noise variances and the fantasy points', ``(*f, *b, 1, 1)``, what
+        BoTorch takes as the observation noise of a fantasy model's new points (its likelihood holds all ``n + q``)."""
+        base, _, _, s = self._gpnys_fantasy
+        noise = base.likelihood.noise
+        return ((noise.sum(-1) + s.sum(-1)) / (noise.shape[-1] + s.shape[-1]))[..., None, None]
+
+    def _apply_noise(self, X: torch.Tensor, mvn: MultivariateNormal,
+                     observation_noise: bool | torch.Tensor = False) -> MultivariateNormal:
+        if observation_noise is True and self._gpnys_fantasy[0]._known_noise():
+            observation_noise = self._noise_mean()
+        return super()._apply_noise(X, mvn, observation_noise)
+
+    def fantasize(self, X: torch.Tensor, sampler: Any, observation_noise: torch.Tensor | None = None,
+                  **kwargs: Any) -> "PreconditionedFantasyGP":
+        if observation_noise is None and self._gpnys_fantasy[0]._known_noise():
+            observation_noise = self._noise_mean()
+        return super().fantasize(X, sampler, observation_noise=observation_noise, **kwargs)
 
     @property
     def train_inputs(self) -> tuple[torch.Tensor]:
@@ -712,10 +757,13 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
         return torch.cat([base.train_targets.expand(*y.shape[:-1], -1), y], dim=-1)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "PreconditionedFantasyGP":
-        """``.to()`` / ``.double()`` ...: the base model (its data and the shared modules) and the held points."""
-        base, *points = self._gpnys_fantasy
-        base._apply(fn, *args, **kwargs)
-        self._gpnys_fantasy = (base, *(fn(T) for T in points))
+        """``.to()`` / ``.double()`` ... where nothing moves (BoTorch's ``acqf.to(X)``) is a no-op; a fantasy model
+        cannot move device or dtype by itself (it shares the base model's modules): move the base, fantasize again."""
+        for T in self._gpnys_fantasy[1:]:
+            moved = fn(T)
+            if moved.dtype != T.dtype or moved.device != T.device:
+                raise RuntimeError("a PreconditionedFantasyGP cannot change device or dtype: move the model it was "
+                                   "made from and call fantasize / condition_on_observations on it again")
         return self
 
     def custom_fit(self, mll: gpytorch.mlls.MarginalLogLikelihood, **kwargs: Any) -> Any:

@@ -21,13 +21,16 @@ from typing import Callable, Hashable
 
 import torch
 
+from gpnys.budget import dense_limit_bytes
 from gpnys.solvers.pcg import PCGResult, pcg
 
-__all__ = ["PCGPosterior", "WARM_BLOCKS"]
+__all__ = ["PCGPosterior", "WARM_BLOCKS", "WARM_SHARE"]
 
 #: how many latest solution blocks, one per shape, :meth:`PCGPosterior.solve` keeps as warm starts: one qKG
-#: evaluation solves at ``X_q`` (``fantasize``) and then at ``[X_t, X_q]`` per fantasy (its fantasy model)
+#: evaluation solves at ``X_q`` (``fantasize``) and then at ``[X_t, X_q]`` per fantasy (its fantasy model). Older
+#: blocks are also dropped while all kept ``(R, B)`` pairs pass :data:`WARM_SHARE` of the dense memory budget.
 WARM_BLOCKS = 4
+WARM_SHARE = 0.25
 
 Operator = Callable[[torch.Tensor], torch.Tensor]
 
@@ -102,7 +105,9 @@ class PCGPosterior:
         self.iterations = res.iterations
         if warm:
             self._warm[R.shape] = (R, res.x)
-            while len(self._warm) > WARM_BLOCKS:
+            limit = WARM_SHARE * dense_limit_bytes(R.device)
+            while len(self._warm) > 1 and (len(self._warm) > WARM_BLOCKS or sum(
+                    2 * r.numel() * r.element_size() for r, _ in self._warm.values()) > limit):
                 self._warm.pop(next(iter(self._warm)))
         return res
 

@@ -197,6 +197,80 @@ def test_known_noise_fantasies():
     assert_close(p.variance, p_ref.variance, 1e-7, "known-noise fantasy variance")
     with pytest.raises(ValueError, match="noise"):
         model.condition_on_observations(Xq, torch.zeros(4, 3, 2, 1, dtype=torch.float64))
+    # nearly noise-free fantasy observations (GPyTorch rounds known noise below 1e-6 up to 1e-6; gpnys takes 0 as 0)
+    Yq = torch.randn(4, 3, 2, 1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    tiny = torch.full((3, 2, 1), 1e-6, dtype=torch.float64)
+    with torch.no_grad():
+        p_ref = ref.condition_on_observations(Xq, Yq, noise=tiny).posterior(Xt)
+        p = model.condition_on_observations(Xq, Yq, noise=tiny).posterior(Xt)
+        p0 = model.condition_on_observations(Xq, Yq, noise=torch.zeros_like(tiny)).posterior(Xt)
+    assert_close(p.mean, p_ref.mean, 1e-7, "nearly noise-free fantasy mean")
+    assert_close(p.variance, p_ref.variance, 1e-5, "nearly noise-free fantasy variance")
+    assert bool(torch.isfinite(p0.mean).all()) and bool((p0.variance > 0).all())
+    assert_close(p0.mean, p.mean, 1e-2, "noise-free against 1e-6")
+    # with observation noise, and a fantasy of the fantasy: both take the mean of all n + q noise variances
+    X2 = points_at(1, D, seed=12, batch=(4, 3))
+    with torch.no_grad():
+        p_ref, p = f_ref.posterior(Xt, observation_noise=True), fantasy.posterior(Xt, observation_noise=True)
+        assert_close(p.variance, p_ref.variance, 1e-7, "known-noise fantasy variance with observation noise")
+        p_ref = f_ref.fantasize(X2, sampler(2, seed=2)).posterior(Xt)
+        p = fantasy.fantasize(X2, sampler(2, seed=2)).posterior(Xt)
+    assert_close(p.mean, p_ref.mean, 1e-7, "known-noise nested fantasy mean")
+    assert_close(p.variance, p_ref.variance, 1e-6, "known-noise nested fantasy variance")
+
+
+def test_a_changed_base_model_is_refused():
+    """A fantasy model holds targets and noise of its base model's state: once the base model's hyperparameters,
+    data, device or dtype change, its posteriors raise instead of mixing the two states; as it was, it predicts."""
+    _, model = models("pcg")
+    Xq, Xt = points_at(2, D, seed=10, batch=(3,)), points_at(5, D, seed=11)
+    fantasy = model.fantasize(Xq, sampler(4))
+    with torch.no_grad():
+        before = fantasy.posterior(Xt).mean.clone()
+    ell = model.covar_module.lengthscale.detach().clone()
+    model.covar_module.lengthscale = 0.1
+    with pytest.raises(RuntimeError, match="has changed since"):
+        fantasy.posterior(Xt)
+    with pytest.raises(RuntimeError, match="has changed since"):
+        fantasy.fantasize(Xq, sampler(2))
+    model.covar_module.lengthscale = ell
+    with torch.no_grad():
+        torch.testing.assert_close(fantasy.posterior(Xt).mean, before, rtol=1e-12, atol=0)
+    X, Y = data(N + 5, D, seed=9)
+    model.set_train_data(model.train_inputs[0][:-1], model.train_targets[:-1], strict=False)
+    with pytest.raises(RuntimeError, match="has changed since"):
+        fantasy.posterior(Xt)
+    _, model = models("cholesky")
+    fantasy = model.fantasize(Xq, sampler(4))
+    model.to(torch.float32)
+    with pytest.raises(RuntimeError, match="has changed since"):
+        fantasy.posterior(Xt.float())
+
+
+def test_learnt_noise_with_given_noise():
+    """``noise=`` with a learnt noise: the fantasy points take the given variances, in the mean and the covariance
+    alike. The reference is ``SingleTaskGP`` with known noise equal to the learnt one, whose fantasy update takes
+    ``noise=`` throughout; ``SingleTaskGP`` with a learnt noise takes it in the covariance only (GPyTorch 1.15's
+    ``GaussianLikelihood`` fantasy keeps the learnt noise for the mean)."""
+    ref, model = models("pcg", transforms=False)
+    X, Y = data(N, D, seed=8)
+    X, Y = X * 4 - 1, 3 * Y + 7
+    stdv = ref.outcome_transform.stdvs.reshape(())
+    fixed = SingleTaskGP(X, Y, train_Yvar=(ref.likelihood.noise.detach() * stdv**2).expand(N, 1))
+    fixed.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("likelihood")}, strict=False)
+    Xq, Xt = points_at(2, D, seed=10, batch=(3,)) * 4 - 1, points_at(5, D, seed=11) * 4 - 1
+    Yq = 7 + torch.randn(4, 3, 2, 1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    noise = torch.full((3, 2, 1), 0.3, dtype=torch.float64)
+    with torch.no_grad():
+        for m in (ref, fixed):
+            m.posterior(Xt)  # GPyTorch's fantasy update needs its caches
+        p_fixed = fixed.condition_on_observations(Xq, Yq, noise=noise).posterior(Xt)
+        p_ref = ref.condition_on_observations(Xq, Yq, noise=noise).posterior(Xt)
+        p = model.condition_on_observations(Xq, Yq, noise=noise).posterior(Xt)
+    assert_close(p.mean, p_fixed.mean, 1e-8, "fantasy mean, given noise")
+    assert_close(p.variance, p_fixed.variance, 1e-7, "fantasy variance, given noise")
+    assert_close(p.variance, p_ref.variance, 1e-7, "fantasy variance against SingleTaskGP's")
+    assert float((p_ref.mean - p_fixed.mean).abs().max()) > 1e-3  # SingleTaskGP's mean kept the learnt noise
 
 
 def test_base_model_unchanged_and_reproducible():
@@ -226,14 +300,19 @@ def test_fantasy_bad_input():
         model.condition_on_observations(Xq, torch.full((4, 3, 2, 1), float("nan"), dtype=torch.float64))
     with pytest.raises(ValueError, match="X"):
         model.condition_on_observations(points_at(2, D + 1, batch=(3,)), torch.zeros(4, 3, 2, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="X"):
+        model.condition_on_observations(Xq[0, 0], torch.zeros(4, 3, 2, 1, dtype=torch.float64))
     with pytest.raises(ValueError, match="noise"):
         model.condition_on_observations(Xq, torch.zeros(4, 3, 2, 1, dtype=torch.float64),
-                                        noise=torch.zeros(3, 2, 1, dtype=torch.float64))
+                                        noise=torch.full((3, 2, 1), -1e-3, dtype=torch.float64))
     fantasy = model.fantasize(Xq, sampler(4))
     with pytest.raises(NotImplementedError, match="only predicts"):
-        fantasy.train()
+        fantasy.train()(points_at(2, D))
     with pytest.raises(NotImplementedError, match="only predicts"):
-        fantasy(points_at(2, D), points_at(2, D))
+        fantasy.eval()(points_at(2, D), points_at(2, D))
+    assert fantasy.posterior(points_at(2, D)).mean.shape == (4, 3, 2, 1)  # posterior() puts it in eval mode
+    with pytest.raises(RuntimeError, match="cannot change device or dtype"):
+        fantasy.to(torch.float32)
     with pytest.raises(NotImplementedError, match="does not train"):
         fantasy.custom_fit(None)
     with pytest.raises(TypeError, match="made by"):
