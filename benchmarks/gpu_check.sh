@@ -29,6 +29,9 @@
 #          $BO_CKPT (default benchmarks/results/bo_warm_cold_n30000_ckpt, inside the copied tree) and copied to
 #          $OUT/bo_warm_cold_n30000_ckpt: commit that folder at BO_CKPT and the next call resumes where this one
 #          stopped (about 30 minutes in all, so two or three calls); the JSON covers the iterations run so far;
+#   fantasy  one-shot qKG value + gradient (16 fantasies x 4 points) at 2 000, 10 000 and 30 000 points,
+#          gpnys's fantasy models against SingleTaskGP's where its (f, b, n + 1, n + 1) matrices fit 100 GiB
+#          (`bo_fantasy.py --device cuda`); alone on the GPU, a few minutes;
 #   suite  the `cuda` test suite (in the background, beside the fit; after `speed`, on its own);
 #   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
 #   paths  every other public path at 10^6 (`gpu.py --parts paths`);
@@ -47,6 +50,7 @@
 #   LIMIT=540 DETACH=1 PARTS=suite,fit bash benchmarks/gpu_check.sh      # call 1
 #   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
 #   LIMIT=560 PARTS=boloop bash benchmarks/gpu_check.sh                 # the BO loop, resumable
+#   LIMIT=300 PARTS=fantasy bash benchmarks/gpu_check.sh                # qKG on fantasy models
 set -u
 OUT=${OUT:-benchmarks/results/gpu_check}
 LIMIT=${LIMIT:-560}
@@ -108,6 +112,10 @@ case $PARTS in *boloop*)
       > "$OUT/bo_loop.log" 2>&1
   # a timeout leaves the checkpoints of the iterations done; the JSON, where the loop finished
   mkdir -p "$OUT/bo_warm_cold_n30000_ckpt" && cp "$BO_CKPT"/*.pt "$OUT/bo_warm_cold_n30000_ckpt/" 2>/dev/null
+esac
+case $PARTS in *fantasy*)
+  timeout "$(left)" python -u benchmarks/bo_fantasy.py --device cuda --sizes 2000,10000,30000 --memory-gib 100 \
+      --out "$OUT/bo_fantasy_cuda.json" > "$OUT/bo_fantasy.log" 2>&1
 esac
 case $PARTS in *mll*)
   timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes 200000,1000000 \
