@@ -675,14 +675,15 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
     them).
 
     Example:
+        Four fantasies of the targets at two new points (``Y (f, q, 1)``, in the data's scale):
+
         >>> import torch
-        >>> from botorch.sampling import SobolQMCNormalSampler
         >>> from gpnys.bo import PreconditionedSingleTaskGP
-        >>> X = torch.rand(80, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-        >>> gp = PreconditionedSingleTaskGP(X, X.sum(-1, keepdim=True).sin(), max_cholesky_size=40)
-        >>> fantasy = gp.fantasize(X[:3] + 0.01, SobolQMCNormalSampler(torch.Size([8]), seed=0))
-        >>> type(fantasy).__name__, fantasy.train_targets.shape
-        ('PreconditionedFantasyGP', torch.Size([8, 83]))
+        >>> X = torch.rand(60, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        >>> gp = PreconditionedSingleTaskGP(X, X.cos().sum(-1, keepdim=True))
+        >>> fantasy = gp.condition_on_observations(X[:2] + 0.05, torch.full((4, 2, 1), 2.5, dtype=torch.float64))
+        >>> type(fantasy).__name__, fantasy.batch_shape, fantasy.train_targets.shape
+        ('PreconditionedFantasyGP', torch.Size([4]), torch.Size([4, 62]))
     """
 
     _gpnys_fantasy: tuple[PreconditionedSingleTaskGP, torch.Tensor, torch.Tensor, torch.Tensor]
