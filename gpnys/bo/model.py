@@ -65,7 +65,7 @@ from gpytorch.means import Mean
 from gpytorch.module import Module
 
 from gpnys.bo.fantasy import condition_joint
-from gpnys.checks import NumericalWarning, validate_choice, validate_positive
+from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
 from gpnys.gp.path import cholesky_fits, choose_path
@@ -200,16 +200,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         **precond_options: Any,
     ) -> None:
         validate_choice(precond, "precond", tuple(p for p in PRECONDITIONERS if p != "none"))
-        if max_cholesky_size is not None and (isinstance(max_cholesky_size, bool) or max_cholesky_size < 0):
-            raise ValueError(f"max_cholesky_size must be a non-negative int or None, got {max_cholesky_size!r}")
         validate_positive(posterior_tolerance, "posterior_tolerance")
-        if posterior_cholesky_size is not None and (isinstance(posterior_cholesky_size, bool)
-                                                    or not isinstance(posterior_cholesky_size, int)
-                                                    or posterior_cholesky_size < 0):
-            raise ValueError(f"posterior_cholesky_size must be a non-negative int or None, got "
-                             f"{posterior_cholesky_size!r}")
-        if fit_subset is not None and (isinstance(fit_subset, bool) or not isinstance(fit_subset, int) or fit_subset < 1):
-            raise ValueError(f"fit_subset must be a positive int or None, got {fit_subset!r}")
+        # sizes: an integer (or None); validate_count also takes a whole float such as 1e4
+        max_cholesky_size, posterior_cholesky_size, fit_subset = (
+            None if v is None else validate_count(v, name, low) for v, name, low in (
+                (max_cholesky_size, "max_cholesky_size", 0), (posterior_cholesky_size, "posterior_cholesky_size", 0),
+                (fit_subset, "fit_subset", 1)))
         super().__init__(train_X, train_Y, train_Yvar, likelihood, covar_module, mean_module, outcome_transform,
                          input_transform)
         #: why the last fit on the preconditioned path ended early ("gradient at noise level"), else None

@@ -574,6 +574,8 @@ def test_bad_data_behaves_like_single_task_gp(case):
     ({"posterior_tolerance": 0}, "posterior_tolerance"),
     ({"posterior_tolerance": float("nan")}, "posterior_tolerance"),
     ({"max_cholesky_size": -1}, "max_cholesky_size"),
+    ({"max_cholesky_size": 2.5}, "max_cholesky_size"),
+    ({"max_cholesky_size": "100"}, "max_cholesky_size"),
     ({"fit_subset": 0}, "fit_subset"),
     ({"fit_subset": 2.5}, "fit_subset"),
     ({"posterior_cholesky_size": -1}, "posterior_cholesky_size"),
