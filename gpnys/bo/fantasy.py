@@ -17,7 +17,7 @@ import torch
 from gpytorch.distributions import MultivariateNormal
 from linear_operator.utils.cholesky import psd_safe_cholesky
 
-__all__ = ["condition_joint"]
+__all__ = ["condition_joint", "condition_blocks"]
 
 
 def condition_joint(joint: MultivariateNormal, t: int, targets: torch.Tensor,
@@ -47,11 +47,28 @@ def condition_joint(joint: MultivariateNormal, t: int, targets: torch.Tensor,
         (0.5, 0.875)
     """
     mean, cov = joint.mean, joint.covariance_matrix
-    mu_t, mu_q = mean[..., :t], mean[..., t:]
-    S_tt, S_tq, S_qq = cov[..., :t, :t], cov[..., :t, t:], cov[..., t:, t:]
+    return condition_blocks(mean[..., :t], cov[..., :t, :t], mean[..., t:], cov[..., :t, t:], cov[..., t:, t:],
+                            targets, noise)
+
+
+def condition_blocks(mu_t: torch.Tensor, S_tt: torch.Tensor, mu_q: torch.Tensor, S_tq: torch.Tensor,
+                     S_qq: torch.Tensor, targets: torch.Tensor, noise: torch.Tensor) -> MultivariateNormal:
+    """:func:`condition_joint` from the joint posterior's blocks, each with its own batch shape (broadcast): the
+    mean and covariance at ``X_t`` ``(*b_t, t)``, ``(*b_t, t, t)``; at ``X_q`` ``(*b_q, q)``, ``(*b_q, q, q)``; the
+    cross-covariance ``(*b, t, q)``; ``targets`` and ``noise`` ``(*b, q)``.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.bo.fantasy import condition_blocks
+        >>> one = torch.ones(1, 1, dtype=torch.float64)
+        >>> post = condition_blocks(torch.zeros(1, dtype=torch.float64), one, torch.zeros(1, dtype=torch.float64),
+        ...                         0.5 * one, one, torch.tensor([2.0], dtype=torch.float64), torch.ones(1))
+        >>> round(float(post.mean), 6), round(float(post.variance), 6)
+        (0.5, 0.875)
+    """
     if mu_q.shape[-1] == 0:
         return MultivariateNormal(mu_t, S_tt)
-    C = S_qq + torch.diag_embed(noise.expand(mu_q.shape))
+    C = S_qq + torch.diag_embed(noise.to(S_qq))  # (broadcast to the targets' batch: one q x q factor each)
     A = torch.cholesky_solve(S_tq.mT, psd_safe_cholesky(C))  # C⁻¹ Σ_qt, (*b, q, t)
     mu = mu_t + ((targets - mu_q).unsqueeze(-2) @ A).squeeze(-2)
     S = S_tt - S_tq @ A

@@ -64,7 +64,7 @@ from gpytorch.likelihoods import FixedNoiseGaussianLikelihood, GaussianLikelihoo
 from gpytorch.means import Mean
 from gpytorch.module import Module
 
-from gpnys.bo.fantasy import condition_joint
+from gpnys.bo.fantasy import condition_blocks, condition_joint
 from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
@@ -520,14 +520,14 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self.alpha_iterations = post.mean_iterations
         return alpha
 
-    def _preconditioned_posterior(self, x: torch.Tensor) -> MultivariateNormal:
-        """Latent posterior at ``x (*b, q, d)`` (already input-transformed): mean ``(*b, q)``, covariance
-        ``(*b, q, q)`` (module docstring)."""
-        X, kernel = self.train_inputs[0], self.covar_module
+    def _pcg_columns(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The PCG posterior's pieces at ``x (*b, q, d)`` (input-transformed): the mean ``(*b, q)``, ``K* = K(X, x)``
+        ``(*b, n, q)`` (differentiable w.r.t. ``x``), ``B ≈ K̂⁻¹ K*`` and ``K̂ B`` (held fixed; module docstring)."""
+        X = self.train_inputs[0]
         post = self._posterior_solves(X)
         alpha = self._alpha(X, post)
         n, q, batch = X.shape[0], x.shape[-2], x.shape[:-2]
-        Ks = kernel(X, x).to_dense()  # (*b, n, q), differentiable w.r.t. x
+        Ks = self.covar_module(X, x).to_dense()
         mean = self.mean_module(x) + (Ks.mT @ alpha[:, None]).squeeze(-1)
         with torch.no_grad():
             R = Ks.detach().movedim(-2, 0).reshape(n, -1)
@@ -535,9 +535,23 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             self.posterior_iterations = post.iterations
             KB = post.A(B)
         B, KB = (T.reshape(n, *batch, q).movedim(0, -2) for T in (B, KB))
-        C = Ks.mT @ B
-        cov = kernel(x).to_dense() - (C + C.mT - B.mT @ KB)
-        return MultivariateNormal(mean, 0.5 * (cov + cov.mT))
+        return mean, Ks, B, KB
+
+    @staticmethod
+    def _pcg_cross(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``K*_aᵀ K̂⁻¹ K*_b`` in the variational form ``K*_aᵀ B_b + B_aᵀ K*_b − B_aᵀ K̂ B_b`` from two
+        :meth:`_pcg_columns` (batch shapes broadcast): second order in the solves' errors, and its gradient w.r.t.
+        both point sets exact to first order."""
+        _, Ka, Ba, _ = a
+        _, Kb, Bb, KBb = b
+        return Ka.mT @ Bb + Ba.mT @ Kb - Ba.mT @ KBb
+
+    def _preconditioned_posterior(self, x: torch.Tensor) -> MultivariateNormal:
+        """Latent posterior at ``x (*b, q, d)`` (already input-transformed): mean ``(*b, q)``, covariance
+        ``(*b, q, q)`` (module docstring)."""
+        cols = self._pcg_columns(x)
+        cov = self.covar_module(x).to_dense() - self._pcg_cross(cols, cols)
+        return MultivariateNormal(cols[0], 0.5 * (cov + cov.mT))
 
     # -- conditioning -------------------------------------------------------------------------------------
     def condition_on_observations(self, X: torch.Tensor, Y: torch.Tensor, **kwargs: Any) -> "SingleTaskGP":
@@ -719,6 +733,15 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
         posterior at ``[x, X_q]`` conditioned on ``y_q`` (:func:`gpnys.bo.fantasy.condition_joint`)."""
         self._check_base()
         base, Xq, y, s = self._gpnys_fantasy
+        if base.uses_preconditioner() and not base.posterior_exact():
+            # PCG: solve for x's columns and X_q's separately, X_q without the batch dimensions it is only
+            # broadcast along (the fantasies of one qKG point share it), and join them in the variational form
+            Xq = Xq[tuple(slice(0, 1) if Xq.stride(i) == 0 else slice(None) for i in range(Xq.dim() - 2))]
+            t, q = base._pcg_columns(x), base._pcg_columns(Xq)
+            kernel = base.covar_module
+            return condition_blocks(t[0], kernel(x).to_dense() - base._pcg_cross(t, t), q[0],
+                                    kernel(x, Xq).to_dense() - base._pcg_cross(t, q),
+                                    kernel(Xq).to_dense() - base._pcg_cross(q, q), y, s)
         batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-1])
         Z = torch.cat([x.expand(*batch, *x.shape[-2:]), Xq.expand(*batch, *Xq.shape[-2:])], dim=-2)
         return condition_joint(base(Z), x.shape[-2], y, s)
