@@ -520,22 +520,27 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self.alpha_iterations = post.mean_iterations
         return alpha
 
-    def _pcg_columns(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The PCG posterior's pieces at ``x (*b, q, d)`` (input-transformed): the mean ``(*b, q)``, ``K* = K(X, x)``
-        ``(*b, n, q)`` (differentiable w.r.t. ``x``), ``B ≈ K̂⁻¹ K*`` and ``K̂ B`` (held fixed; module docstring)."""
+    def _pcg_columns(self, *xs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The PCG posterior's pieces at each point set ``x (*b, q, d)`` (input-transformed), from one PCG solve of
+        all their columns: the mean ``(*b, q)``, ``K* = K(X, x)`` ``(*b, n, q)`` (differentiable w.r.t. ``x``),
+        ``B ≈ K̂⁻¹ K*`` and ``K̂ B`` (held fixed; module docstring)."""
         X = self.train_inputs[0]
         post = self._posterior_solves(X)
         alpha = self._alpha(X, post)
-        n, q, batch = X.shape[0], x.shape[-2], x.shape[:-2]
-        Ks = self.covar_module(X, x).to_dense()
-        mean = self.mean_module(x) + (Ks.mT @ alpha[:, None]).squeeze(-1)
-        with torch.no_grad():
-            R = Ks.detach().movedim(-2, 0).reshape(n, -1)
+        n = X.shape[0]
+        Ks = [self.covar_module(X, x).to_dense() for x in xs]
+        with torch.no_grad():  # one solve: its cost is mostly the products with K̂, whatever the column count
+            R = torch.cat([K.detach().movedim(-2, 0).reshape(n, -1) for K in Ks], dim=1)
             B = post.solve(R, self._tolerance(R.dtype)).x
             self.posterior_iterations = post.iterations
             KB = post.A(B)
-        B, KB = (T.reshape(n, *batch, q).movedim(0, -2) for T in (B, KB))
-        return mean, Ks, B, KB
+        out, start = [], 0
+        for x, K in zip(xs, Ks):
+            stop = start + K[..., 0, :].numel()
+            Bx, KBx = (T[:, start:stop].reshape(n, *K.shape[:-2], K.shape[-1]).movedim(0, -2) for T in (B, KB))
+            out.append((self.mean_module(x) + (K.mT @ alpha[:, None]).squeeze(-1), K, Bx, KBx))
+            start = stop
+        return out
 
     @staticmethod
     def _pcg_cross(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -549,7 +554,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _preconditioned_posterior(self, x: torch.Tensor) -> MultivariateNormal:
         """Latent posterior at ``x (*b, q, d)`` (already input-transformed): mean ``(*b, q)``, covariance
         ``(*b, q, q)`` (module docstring)."""
-        cols = self._pcg_columns(x)
+        (cols,) = self._pcg_columns(x)
         cov = self.covar_module(x).to_dense() - self._pcg_cross(cols, cols)
         return MultivariateNormal(cols[0], 0.5 * (cov + cov.mT))
 
@@ -734,10 +739,10 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
         self._check_base()
         base, Xq, y, s = self._gpnys_fantasy
         if base.uses_preconditioner() and not base.posterior_exact():
-            # PCG: solve for x's columns and X_q's separately, X_q without the batch dimensions it is only
-            # broadcast along (the fantasies of one qKG point share it), and join them in the variational form
+            # PCG: x's columns and X_q's in one solve, X_q without the batch dimensions it is only broadcast along
+            # (the fantasies of one qKG point share it), joined in the variational form
             Xq = Xq[tuple(slice(0, 1) if Xq.stride(i) == 0 else slice(None) for i in range(Xq.dim() - 2))]
-            t, q = base._pcg_columns(x), base._pcg_columns(Xq)
+            t, q = base._pcg_columns(x, Xq)
             kernel = base.covar_module
             return condition_blocks(t[0], kernel(x).to_dense() - base._pcg_cross(t, t), q[0],
                                     kernel(x, Xq).to_dense() - base._pcg_cross(t, q),
