@@ -649,8 +649,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         def spread(T: torch.Tensor, event: int) -> torch.Tensor:  # (..., *event) -> (*batch, *event)
             return T.expand(*batch, *T.shape[T.dim() - event:])
 
-        Xq, yq, sq = (torch.cat([spread(T, 2 - (i > 0)) for T in parts], dim=-1 - (i == 0))
-                      for i, parts in enumerate(zip(*held, (X_tf, y, s))))
+        # (a single set stays an expanded view: _fantasy_posterior solves X_q's columns once per distinct point)
+        Xq, yq, sq = (torch.cat([spread(T, 2 - (i > 0)) for T in parts], dim=-1 - (i == 0)) if len(parts) > 1
+                      else spread(parts[0], 2 - (i > 0)) for i, parts in enumerate(zip(*held, (X_tf, y, s))))
         base = self if self._gpnys_fantasy is None else self._gpnys_fantasy[0]
         new = PreconditionedFantasyGP.__new__(PreconditionedFantasyGP)
         new.__dict__.update(self.__dict__)  # a shallow copy: the modules are shared, a fantasy never trains

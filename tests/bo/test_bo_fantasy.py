@@ -113,6 +113,26 @@ def test_knowledge_gradient_and_its_gradient(path):
     assert err <= 1e-5, f"qKG gradient: {err:.3g}"
 
 
+def test_pcg_solves_each_fantasy_point_once(monkeypatch):
+    """By PCG the fantasy posterior solves ``X_t``'s columns and ``X_q``'s in one run, ``X_q`` once for the ``f``
+    fantasies that share it: ``f b t + b q`` columns, not ``f b (t + q)``."""
+    import gpnys.gp.posterior as posterior
+
+    _, model = models("pcg", transforms=False)
+    f, b, q, t = 4, 3, 2, 5
+    fantasy = model.fantasize(points_at(q, D, seed=10, batch=(b,)), sampler(f))
+    columns, solve = [], posterior.PCGPosterior.solve
+
+    def counting(self, R, *args, **kwargs):
+        columns.append(R.shape[1])
+        return solve(self, R, *args, **kwargs)
+
+    monkeypatch.setattr(posterior.PCGPosterior, "solve", counting)
+    with torch.no_grad():
+        fantasy.posterior(points_at(t, D, seed=11, batch=(f, b)))
+    assert columns == [f * b * t + b * q]
+
+
 def test_alternating_shapes_keep_their_warm_starts():
     """A qKG evaluation solves at ``X_q`` (``fantasize``) and then at ``[X_t, X_q]`` per fantasy: the PCG posterior
     keeps one warm block per shape, so the next evaluation, a little further on, starts both from there."""
