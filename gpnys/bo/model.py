@@ -49,7 +49,7 @@ import contextlib
 import copy
 import dataclasses
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import gpytorch
 import torch
@@ -100,6 +100,16 @@ BO_DEFAULTS: dict[str, dict[str, Any]] = {
 #: built once per data and hyperparameters and then applied in every PCG iteration of an acquisition
 #: optimisation, so it may take more (its Cholesky is of the k x k landmark block, never of the n x n matrix).
 BO_LANDMARK_CAP: dict[str, float] = {"train": 0.5, "posterior": 0.7}
+
+
+class _Columns(NamedTuple):
+    """The PCG posterior's pieces at points ``x (*b, q, d)`` (:meth:`PreconditionedSingleTaskGP._pcg_columns`)."""
+
+    x: torch.Tensor  #: the points, input-transformed
+    mean: torch.Tensor  #: ``(*b, q)``
+    K: torch.Tensor  #: ``K* = K(X, x)`` ``(*b, n, q)``, differentiable w.r.t. ``x``
+    B: torch.Tensor  #: ``B ≈ K̂⁻¹ K*`` ``(*b, n, q)``, held fixed (module docstring)
+    KB: torch.Tensor  #: ``K̂ B``, held fixed
 
 
 class PreconditionedSingleTaskGP(SingleTaskGP):
@@ -520,10 +530,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self.alpha_iterations = post.mean_iterations
         return alpha
 
-    def _pcg_columns(self, *xs: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _pcg_columns(self, *xs: torch.Tensor) -> list[_Columns]:
         """The PCG posterior's pieces at each point set ``x (*b, q, d)`` (input-transformed), from one PCG solve of
-        all their columns: the mean ``(*b, q)``, ``K* = K(X, x)`` ``(*b, n, q)`` (differentiable w.r.t. ``x``),
-        ``B ≈ K̂⁻¹ K*`` and ``K̂ B`` (held fixed; module docstring)."""
+        all their columns (:class:`_Columns`)."""
         X = self.train_inputs[0]
         post = self._posterior_solves(X)
         alpha = self._alpha(X, post)
@@ -538,25 +547,23 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         for x, K in zip(xs, Ks):
             stop = start + K[..., 0, :].numel()
             Bx, KBx = (T[:, start:stop].reshape(n, *K.shape[:-2], K.shape[-1]).movedim(0, -2) for T in (B, KB))
-            out.append((self.mean_module(x) + (K.mT @ alpha[:, None]).squeeze(-1), K, Bx, KBx))
+            out.append(_Columns(x, self.mean_module(x) + (K.mT @ alpha[:, None]).squeeze(-1), K, Bx, KBx))
             start = stop
         return out
 
-    @staticmethod
-    def _pcg_cross(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """``K*_aᵀ K̂⁻¹ K*_b`` in the variational form ``K*_aᵀ B_b + B_aᵀ K*_b − B_aᵀ K̂ B_b`` from two
-        :meth:`_pcg_columns` (batch shapes broadcast): second order in the solves' errors, and its gradient w.r.t.
-        both point sets exact to first order."""
-        _, Ka, Ba, _ = a
-        _, Kb, Bb, KBb = b
-        return Ka.mT @ Bb + Ba.mT @ Kb - Ba.mT @ KBb
+    def _pcg_covariance(self, a: _Columns, b: _Columns) -> torch.Tensor:
+        """The posterior covariance ``K(x_a, x_b) − K*_aᵀ K̂⁻¹ K*_b`` of two :meth:`_pcg_columns` (batch shapes
+        broadcast), the second term in the variational form ``K*_aᵀ B_b + B_aᵀ K*_b − B_aᵀ K̂ B_b``: second order in
+        the solves' errors, and its gradient w.r.t. both point sets exact to first order."""
+        cross = a.K.mT @ b.B + a.B.mT @ b.K - a.B.mT @ b.KB
+        return self.covar_module(a.x, b.x).to_dense() - cross
 
     def _preconditioned_posterior(self, x: torch.Tensor) -> MultivariateNormal:
         """Latent posterior at ``x (*b, q, d)`` (already input-transformed): mean ``(*b, q)``, covariance
         ``(*b, q, q)`` (module docstring)."""
         (cols,) = self._pcg_columns(x)
-        cov = self.covar_module(x).to_dense() - self._pcg_cross(cols, cols)
-        return MultivariateNormal(cols[0], 0.5 * (cov + cov.mT))
+        cov = self._pcg_covariance(cols, cols)
+        return MultivariateNormal(cols.mean, 0.5 * (cov + cov.mT))
 
     # -- conditioning -------------------------------------------------------------------------------------
     def condition_on_observations(self, X: torch.Tensor, Y: torch.Tensor, **kwargs: Any) -> "SingleTaskGP":
@@ -613,8 +620,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 raise ValueError(f"condition_on_observations of a fantasy model takes only noise=, got "
                                  f"{sorted(kwargs)}")
             return False
-        base = self if self._gpnys_fantasy is None else self._gpnys_fantasy[0]
-        if base._known_noise() and kwargs.get("noise") is None:
+        if self._base()._known_noise() and kwargs.get("noise") is None:
             raise ValueError("noise: known per-point noise (train_Yvar) needs the new points' noise variances")
         return True
 
@@ -629,7 +635,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             raise ValueError(f"Y: expected (*batch, q, 1) with q = X.shape[-2] = {X.shape[-2]}, got {tuple(Y.shape)}")
         if self._gpnys_fantasy is not None:
             self._check_base()
-        d = self.train_inputs[0].shape[-1] if self._gpnys_fantasy is None else self._gpnys_fantasy[1].shape[-1]
+        base = self._base()
+        d = base.train_inputs[0].shape[-1]
         if X.shape[-1] != d:
             raise ValueError(f"X: expected {d} columns, got {X.shape[-1]}")
         for name, value in (("X", X), ("Y", Y), ("noise", noise)):
@@ -652,13 +659,16 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         # (a single set stays an expanded view: _fantasy_posterior solves X_q's columns once per distinct point)
         Xq, yq, sq = (torch.cat([spread(T, 2 - (i > 0)) for T in parts], dim=-1 - (i == 0)) if len(parts) > 1
                       else spread(parts[0], 2 - (i > 0)) for i, parts in enumerate(zip(*held, (X_tf, y, s))))
-        base = self if self._gpnys_fantasy is None else self._gpnys_fantasy[0]
         new = PreconditionedFantasyGP.__new__(PreconditionedFantasyGP)
         new.__dict__.update(self.__dict__)  # a shallow copy: the modules are shared, a fantasy never trains
         new._gpnys_fantasy = (base, Xq, yq, sq)
         new._gpnys_fantasy_state = self._gpnys_fantasy_state if self._gpnys_fantasy is not None else self._state()
         new._input_batch_shape = new._aug_batch_shape = batch
         return new
+
+    def _base(self) -> "PreconditionedSingleTaskGP":
+        """The model whose data a fantasy model conditions (this model, where it is not a fantasy model)."""
+        return self if self._gpnys_fantasy is None else self._gpnys_fantasy[0]
 
     def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a fantasy model of this model depends on: its training inputs and targets (as its posterior sees
@@ -725,7 +735,7 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
     def _check_base(self) -> None:
         """Raise if the base model's data, hyperparameters or transforms changed since this fantasy model was made
         (its held targets and noise belong to that state; BoTorch's fantasy models are copies frozen there)."""
-        base = self._gpnys_fantasy[0]
+        base = self._base()
         base.eval()
         for before, now in zip(self._gpnys_fantasy_state, base._state()):
             if not (before is now or (before.shape == now.shape and before.dtype == now.dtype
@@ -744,10 +754,8 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
             # (the fantasies of one qKG point share it), joined in the variational form
             Xq = Xq[tuple(slice(0, 1) if Xq.stride(i) == 0 else slice(None) for i in range(Xq.dim() - 2))]
             t, q = base._pcg_columns(x, Xq)
-            kernel = base.covar_module
-            return condition_blocks(t[0], kernel(x).to_dense() - base._pcg_cross(t, t), q[0],
-                                    kernel(x, Xq).to_dense() - base._pcg_cross(t, q),
-                                    kernel(Xq).to_dense() - base._pcg_cross(q, q), y, s)
+            return condition_blocks(t.mean, base._pcg_covariance(t, t), q.mean, base._pcg_covariance(t, q),
+                                    base._pcg_covariance(q, q), y, s)
         batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-1])
         Z = torch.cat([x.expand(*batch, *x.shape[-2:]), Xq.expand(*batch, *Xq.shape[-2:])], dim=-2)
         return condition_joint(base(Z), x.shape[-2], y, s)
@@ -761,13 +769,13 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
 
     def _apply_noise(self, X: torch.Tensor, mvn: MultivariateNormal,
                      observation_noise: bool | torch.Tensor = False) -> MultivariateNormal:
-        if observation_noise is True and self._gpnys_fantasy[0]._known_noise():
+        if observation_noise is True and self._base()._known_noise():
             observation_noise = self._noise_mean()
         return super()._apply_noise(X, mvn, observation_noise)
 
     def fantasize(self, X: torch.Tensor, sampler: Any, observation_noise: torch.Tensor | None = None,
                   **kwargs: Any) -> "PreconditionedFantasyGP":
-        if observation_noise is None and self._gpnys_fantasy[0]._known_noise():
+        if observation_noise is None and self._base()._known_noise():
             observation_noise = self._noise_mean()
         return super().fantasize(X, sampler, observation_noise=observation_noise, **kwargs)
 
