@@ -252,7 +252,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     # -- state --------------------------------------------------------------------------------------------
     def _clear_gpnys_caches(self) -> None:
         self._gpnys_hook: PreconditionerHook | None = None
+        self._gpnys_hook_x: torch.Tensor | None = None  # the kernel inputs the hook was made for
         self._gpnys_posterior: PCGPosterior | None = None
+        #: ``m`` outputs: ``(state, one single-output model per output)`` for the PCG posterior (:meth:`_output_models`)
+        self._gpnys_outputs: tuple[tuple[torch.Tensor, ...], list[PreconditionedSingleTaskGP]] | None = None
         self.posterior_iterations = 0
         self.alpha_iterations = 0
 
@@ -291,10 +294,11 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_warm_fit = True
         self._gpnys_seed = None
         alpha, Xp, X = state.get("gpnys_solution"), state.get("gpnys_solution_inputs"), self._kernel_inputs()
-        if (alpha is not None and Xp is not None and Xp.dim() == 2 and X.dim() == 2
-                and Xp.shape[0] <= X.shape[0] and alpha.shape == Xp.shape[:1]
-                and torch.equal(X[: Xp.shape[0]], Xp.to(X))):  # (an input transform may move with the data)
-            self._gpnys_seed = torch.cat([alpha, alpha.new_zeros(X.shape[0] - Xp.shape[0])]).to(X)
+        if (alpha is not None and Xp is not None and Xp.dim() == X.dim() and Xp.shape[:-2] == X.shape[:-2]
+                and Xp.shape[-2] <= X.shape[-2] and alpha.shape == Xp.shape[:-1]
+                and torch.equal(X[..., : Xp.shape[-2], :], Xp.to(X))):  # (an input transform may move with the data)
+            new = alpha.new_zeros(*alpha.shape[:-1], X.shape[-2] - Xp.shape[-2])
+            self._gpnys_seed = torch.cat([alpha, new], dim=-1).to(X)
         return self
 
     def warm_state(self) -> dict[str, torch.Tensor]:
@@ -302,24 +306,40 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         transform, and the latest ``K̂⁻¹ (y - m)`` (the posterior's ``α``, else the last training solve) as
         ``gpnys_solution (n,)`` with its kernel inputs ``gpnys_solution_inputs (n, d)`` where there is one."""
         state = {k: v.detach().clone() for k, v in self.state_dict().items() if not k.startswith("outcome_transform")}
-        alpha = getattr(self._gpnys_posterior, "alpha", None)
-        if alpha is None and self._gpnys_hook is not None:
-            alpha = self._gpnys_hook.problem.warm_start
+        alpha = self._solution()
         if alpha is not None:
             state.update(gpnys_solution=alpha.detach().clone(), gpnys_solution_inputs=self._kernel_inputs().clone())
         return state
+
+    def _solution(self) -> torch.Tensor | None:
+        """The latest ``K̂⁻¹ (y - m)`` ``(n,)`` (``(m, n)`` for ``m`` outputs): the posterior's ``α``, else the last
+        training solve; ``None`` before either."""
+        outputs = [] if self._gpnys_outputs is None else self._gpnys_outputs[1]
+        for parts in ([getattr(model._gpnys_posterior, "alpha", None) for model in outputs],
+                      [getattr(self._gpnys_posterior, "alpha", None)],
+                      [] if self._gpnys_hook is None else
+                      [p.warm_start for p in self._gpnys_hook.problem.elements or [self._gpnys_hook.problem]]):
+            if parts and all(p is not None for p in parts):
+                return torch.stack(parts) if len(parts) > 1 else parts[0]
+        return None
 
     def _known_noise(self) -> bool:
         """Whether the likelihood holds known per-point noise (``train_Yvar``): one variance per training point."""
         lik = self.likelihood
         return type(lik) is FixedNoiseGaussianLikelihood and lik.noise.shape == self.train_targets.shape
 
+    def _outputs(self) -> int:
+        """The outputs ``m`` of a model on non-batched inputs (``m > 1``: BoTorch's multi-output model, a batch of
+        ``m`` independent GPs on inputs ``(m, n, d)``), else 0 (batched inputs)."""
+        if len(self._input_batch_shape) or self.train_inputs[0].dim() != 2 + (self._num_outputs > 1):
+            return 0
+        return self._num_outputs
+
     def _handled(self) -> bool:
-        """One output, non-batched data, a ``GaussianLikelihood`` or known per-point noise: the models whose
-        training and posterior gpnys preconditions and whose fantasies it conditions
+        """Non-batched inputs (one or ``m`` outputs), a ``GaussianLikelihood`` or known per-point noise: the models
+        whose training and posterior gpnys preconditions. Those with one output also get gpnys's fantasies
         (:meth:`condition_on_observations`)."""
-        return (self.train_inputs[0].dim() == 2 and self.train_targets.dim() == 1
-                and (type(self.likelihood) is GaussianLikelihood or self._known_noise()))
+        return self._outputs() > 0 and (type(self.likelihood) is GaussianLikelihood or self._known_noise())
 
     def uses_preconditioner(self) -> bool:
         """Whether the preconditioned path applies: one output, non-batched data, a ``GaussianLikelihood`` or known
@@ -335,7 +355,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             n, solver = X.shape[-2], self._gpnys_config["solver"]
             key = (n, X.device, X.dtype, solver)
             if self._gpnys_path is None or self._gpnys_path[0] != key:
-                self._gpnys_path = (key, *choose_path(n, 1, X.device, X.dtype, solver, "auto"))
+                self._gpnys_path = (key, *choose_path(n, max(self._outputs(), 1), X.device, X.dtype, solver, "auto"))
             _, path, self.path_reason = self._gpnys_path
             if path == "cholesky":
                 return False
@@ -346,12 +366,13 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if not getattr(self, "_gpnys_warned", False):  # above the threshold, but not a case gpnys handles: say so
             self._gpnys_warned = True
             warnings.warn(f"PreconditionedSingleTaskGP: {X.shape[-2]} training points exceed max_cholesky_size="
-                          f"{limit}, but batched / multi-output models are not preconditioned yet: this model runs "
+                          f"{limit}, but models on batched inputs or with other likelihoods are not preconditioned yet: this model runs "
                           "SingleTaskGP's Cholesky path", NumericalWarning, stacklevel=2)
         return False
 
     def _kernel_inputs(self) -> torch.Tensor:
-        """Training inputs as the kernel sees them (input transform applied), ``(n, d)``."""
+        """Training inputs as the kernel sees them (input transform applied), ``(n, d)`` (``(m, n, d)`` for ``m``
+        outputs)."""
         X = self.train_inputs[0]
         if hasattr(self, "input_transform") and not self._has_transformed_inputs:
             with torch.no_grad():
@@ -362,13 +383,15 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         """The :class:`~gpnys.gp.hook.PreconditionerHook` for the current training data (rebuilt when it changes;
         it rebuilds the preconditioner itself when the hyperparameters change)."""
         X, h = self._kernel_inputs(), self._gpnys_hook
-        if h is None or h.train_x.shape != X.shape or not torch.equal(h.train_x, X):
+        if h is None or self._gpnys_hook_x.shape != X.shape or not torch.equal(self._gpnys_hook_x, X):
             c = self._gpnys_config
             h = PreconditionerHook(self, c["precond"], c["settings"], c["seed"], train_x=X,
-                                   **self._options("train", X.shape[0]))
-            if self._gpnys_seed is not None and self._gpnys_seed.shape == X.shape[:1]:
-                h.problem.warm_start = self._gpnys_seed
-            self._gpnys_hook, self._gpnys_posterior = h, None
+                                   **self._options("train", X.shape[-2]))
+            if self._gpnys_seed is not None and self._gpnys_seed.shape == X.shape[:-1]:
+                for problem, seed in ([(h.problem, self._gpnys_seed)] if h.problem.elements is None
+                                      else zip(h.problem.elements, self._gpnys_seed)):
+                    problem.warm_start = seed
+            self._gpnys_hook, self._gpnys_hook_x, self._gpnys_posterior = h, X, None
         return h
 
     def _options(self, use: str, n: int) -> dict[str, Any]:
@@ -407,6 +430,11 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if kwargs.get("closure") is None and not self._gpnys_warm_fit:
             self._fit_on_subset(mll, kwargs)
         self._gpnys_warm_fit = False
+        if self._outputs() > 1:
+            # BoTorch fits the m outputs as m independent L-BFGS-B problems in one batch, whose callback does not say
+            # which problem it reports on: each stops on its own tolerances, without the test at the noise level
+            with self.preconditioned():
+                return _fit_fallback(mll, **kwargs)
         with self.preconditioned() as hook:
             options = dict(kwargs.get("optimizer_kwargs") or {})
             user = options.get("callback")
@@ -472,9 +500,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         sub.train()  # original (untransformed) inputs, as BoTorch trains
         g = torch.Generator().manual_seed(self._gpnys_config["seed"])
         idx = torch.randperm(n, generator=g)[:m].sort().values.to(self.train_targets.device)
-        sub.set_train_data(sub.train_inputs[0][idx], sub.train_targets[idx], strict=False)
+        sub.set_train_data(sub.train_inputs[0][..., idx, :], sub.train_targets[..., idx], strict=False)
         if self._known_noise():  # the subset's own known noise (a FixedNoiseGaussianLikelihood has no state to copy)
-            sub.likelihood.noise = self.likelihood.noise[idx]
+            sub.likelihood.noise = self.likelihood.noise[..., idx]
         sub._gpnys_config = {**sub._gpnys_config, "max_cholesky_size": m}
         _fit_fallback(gpytorch.mlls.ExactMarginalLogLikelihood(sub.likelihood, sub), **kwargs)
         for name in ("covar_module", "mean_module", "likelihood"):
@@ -503,7 +531,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             return n <= limit
         key = (n, X.device, X.dtype)
         if self._gpnys_posterior_path is None or self._gpnys_posterior_path[0] != key:
-            self._gpnys_posterior_path = (key, *cholesky_fits(n, 1, X.device, X.dtype))
+            self._gpnys_posterior_path = (key, *cholesky_fits(n, max(self._outputs(), 1), X.device, X.dtype))
         _, exact, self.posterior_path_reason = self._gpnys_posterior_path
         return exact
 
@@ -560,10 +588,49 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     def _preconditioned_posterior(self, x: torch.Tensor) -> MultivariateNormal:
         """Latent posterior at ``x (*b, q, d)`` (already input-transformed): mean ``(*b, q)``, covariance
-        ``(*b, q, q)`` (module docstring)."""
+        ``(*b, q, q)`` (module docstring). ``m`` outputs: ``x (*b, 1 | m, q, d)`` (BoTorch's output dimension) gives
+        mean ``(*b, m, q)`` and covariance ``(*b, m, q, q)``, one PCG posterior per output (:meth:`_output_models`)."""
+        if self._outputs() > 1:
+            x = x if x.dim() > 2 else x.unsqueeze(-3)
+            parts = [model._preconditioned_posterior(x[..., min(i, x.shape[-3] - 1), :, :])
+                     for i, model in enumerate(self._output_models())]
+            return MultivariateNormal(torch.stack([p.mean for p in parts], dim=-2),
+                                      torch.stack([p.covariance_matrix for p in parts], dim=-3))
         (cols,) = self._pcg_columns(x)
         cov = self._pcg_covariance(cols, cols)
         return MultivariateNormal(cols.mean, 0.5 * (cov + cov.mT))
+
+    def _output_models(self) -> list["PreconditionedSingleTaskGP"]:
+        """``m`` outputs: one single-output model per output for the PCG posterior, on the kernel inputs and the
+        outcome-transformed targets, with copies of that output's hyperparameters (GPyTorch's kernel slicing
+        ``covar_module[i]``). Remade when the data or hyperparameters change (their first ``α`` starts from the
+        latest solutions), kept otherwise for their caches (``α``, preconditioner, warm blocks)."""
+        state = self._state()
+        if self._gpnys_outputs is not None and _same_state(self._gpnys_outputs[0], state):
+            return self._gpnys_outputs[1]
+        X, Y, c = self._kernel_inputs(), self.train_targets.detach(), self._gpnys_config
+        noise, known, seeds = self.likelihood.noise.detach(), self._known_noise(), self._solution()
+        models = []
+        for i in range(X.shape[0]):
+            likelihood = None if known else GaussianLikelihood(
+                noise_constraint=copy.deepcopy(self.likelihood.noise_covar.raw_noise_constraint))
+            model = PreconditionedSingleTaskGP(
+                X[i], Y[i, :, None], noise[i, :, None] if known else None, likelihood, self.covar_module[i],
+                _output_module(self.mean_module, i), outcome_transform=None, precond=c["precond"], max_cholesky_size=0,
+                settings=c["settings"], seed=c["seed"], posterior_tolerance=c["posterior_tolerance"],
+                posterior_options=c["posterior_options"], posterior_cholesky_size=0, fit_subset=None, **c["options"])
+            if not known:
+                model.likelihood.noise = noise[i]
+            model._gpnys_seed = None if seeds is None else seeds[i]
+            models.append(model.eval())
+        self._gpnys_outputs = (state, models)
+        return models
+
+    @property
+    def output_models(self) -> list["PreconditionedSingleTaskGP"]:
+        """``m`` outputs on the PCG posterior path: the single-output models whose posteriors it stacks, for
+        diagnostics (``posterior_iterations``, ``hook().history``); empty before the first such posterior."""
+        return [] if self._gpnys_outputs is None else list(self._gpnys_outputs[1])
 
     # -- conditioning -------------------------------------------------------------------------------------
     def condition_on_observations(self, X: torch.Tensor, Y: torch.Tensor, **kwargs: Any) -> "SingleTaskGP":
@@ -589,11 +656,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if self._fantasy_applies(X, Y, kwargs):
             return self._fantasy(X, Y, kwargs.get("noise"))
         # known noise needs the new points' noise (BoTorch's ``noise=``): BoTorch's own path appends both
-        if not self.uses_preconditioner() or X.dim() != 2 or Y.dim() != 2 or kwargs or self._known_noise():
+        if (not self.uses_preconditioner() or X.dim() != 2 or Y.dim() != 2 or kwargs or self._known_noise()
+                or self._outputs() > 1):
             with self._without_caches():  # GPyTorch deep-copies the model (sparse CSR factors cannot be copied)
                 if self.prediction_strategy is None:  # its fantasy update needs its caches (CG / Lanczos here)
                     with torch.no_grad():
-                        gpytorch.models.ExactGP.__call__(self.eval(), self.train_inputs[0][:1])
+                        gpytorch.models.ExactGP.__call__(self.eval(), self.train_inputs[0][..., :1, :])
                 return super().condition_on_observations(X, Y, **kwargs)
         self.eval()
         X_tf = self.transform_inputs(X)
@@ -613,7 +681,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _fantasy_applies(self, X: torch.Tensor, Y: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Whether :meth:`condition_on_observations` returns a fantasy model (its docstring): batched points or a
         fantasy model, a model gpnys handles at any size, no keywords but ``noise`` (required with known noise)."""
-        if self._gpnys_fantasy is None and (X.dim() == 2 and Y.dim() == 2 or not self._handled()):
+        if self._gpnys_fantasy is None and (X.dim() == 2 and Y.dim() == 2 or not self._handled()
+                                            or self._outputs() > 1):
             return False
         if set(kwargs) - {"noise"}:
             if self._gpnys_fantasy is not None:
@@ -680,12 +749,35 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     @contextlib.contextmanager
     def _without_caches(self) -> Iterator[None]:
         """Detach the hook and solves while the model is deep-copied; restore them afterwards."""
-        caches = (self._gpnys_hook, self._gpnys_posterior)
+        names = ("_gpnys_hook", "_gpnys_hook_x", "_gpnys_posterior", "_gpnys_outputs")
+        caches = [getattr(self, name) for name in names]
         self._clear_gpnys_caches()
         try:
             yield
         finally:
-            self._gpnys_hook, self._gpnys_posterior = caches
+            for name, value in zip(names, caches):
+                setattr(self, name, value)
+
+
+def _same_state(before: tuple[torch.Tensor, ...], now: tuple[torch.Tensor, ...]) -> bool:
+    """Whether two :meth:`PreconditionedSingleTaskGP._state` tuples are the same data and parameters."""
+    return all(a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+               for a, b in zip(before, now))
+
+
+def _output_module(module: Module, index: int) -> Module:
+    """Output ``index`` of a mean module of BoTorch's multi-output model (batch shape ``(m,)``): a copy whose
+    parameters with that leading batch dimension are sliced (``Mean`` has no slicing of its own, unlike
+    ``Kernel.__getitem__``)."""
+    module = copy.deepcopy(module)
+    for sub in module.modules():
+        batch = getattr(sub, "batch_shape", None)
+        if isinstance(batch, torch.Size) and len(batch):
+            for p in sub.parameters(recurse=False):
+                if p.dim() and p.shape[0] == batch[0]:
+                    p.data = p.data[index]
+            sub.batch_shape = batch[1:]
+    return module
 
 
 class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
@@ -737,12 +829,10 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
         (its held targets and noise belong to that state; BoTorch's fantasy models are copies frozen there)."""
         base = self._base()
         base.eval()
-        for before, now in zip(self._gpnys_fantasy_state, base._state()):
-            if not (before is now or (before.shape == now.shape and before.dtype == now.dtype
-                                      and before.device == now.device and torch.equal(before, now))):
-                raise RuntimeError("the model this PreconditionedFantasyGP was made from has changed since (data, "
-                                   "hyperparameters, transforms, device or dtype): call fantasize / "
-                                   "condition_on_observations on it again")
+        if not _same_state(self._gpnys_fantasy_state, base._state()):
+            raise RuntimeError("the model this PreconditionedFantasyGP was made from has changed since (data, "
+                               "hyperparameters, transforms, device or dtype): call fantasize / "
+                               "condition_on_observations on it again")
 
     def _fantasy_posterior(self, x: torch.Tensor) -> MultivariateNormal:
         """Latent posterior of a fantasy model at ``x (*b, t, d)`` (input-transformed): the base model's joint

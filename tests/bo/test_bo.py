@@ -754,14 +754,14 @@ def test_default_preconditioner_options_at_tiny_n(n):
 
 
 def test_unsupported_cases_above_the_threshold_say_so():
-    """Batched (multi-output) data above max_cholesky_size: SingleTaskGP's Cholesky, with a warning, not silently;
-    the answer is SingleTaskGP's."""
+    """Batched inputs ``(b, n, d)`` above max_cholesky_size: SingleTaskGP's Cholesky, with a warning, not silently;
+    the answer is SingleTaskGP's. (Multi-output models are preconditioned: tests/bo/test_bo_multi_output.py.)"""
     from gpnys.checks import NumericalWarning
 
     X, Y = data(40, 2, seed=3)
-    Y2 = torch.cat([Y, 2 * Y], 1)
-    model = PreconditionedSingleTaskGP(X, Y2, max_cholesky_size=10)
-    ref = SingleTaskGP(X, Y2)
+    Xb, Yb = torch.stack([X, X + 0.1]), torch.stack([Y, 2 * Y])
+    model = PreconditionedSingleTaskGP(Xb, Yb, max_cholesky_size=10)
+    ref = SingleTaskGP(Xb, Yb)
     model.load_state_dict(ref.state_dict())
     Xt = points_at(5, 2)
     with pytest.warns(NumericalWarning, match="Cholesky"), torch.no_grad():

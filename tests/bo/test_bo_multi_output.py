@@ -1,0 +1,271 @@
+"""Multi-output :class:`gpnys.bo.PreconditionedSingleTaskGP` (``train_Y (n, m)``, BoTorch's batch of ``m``
+independent GPs on inputs ``(m, n, d)``) against BoTorch's own multi-output ``SingleTaskGP``.
+
+Above the threshold each output trains through its own preconditioner and estimate (the hook's batch mode) and
+its posterior comes from PCG (one single-output model per output, ``output_models``); the answers must be
+``SingleTaskGP``'s at the same hyperparameters, acquisitions included. Fantasies and conditioning take BoTorch's
+own path.
+"""
+
+import gpytorch
+import pytest
+import torch
+
+pytest.importorskip("botorch")
+
+from botorch.acquisition.multi_objective.logei import qLogNoisyExpectedHypervolumeImprovement  # noqa: E402
+from botorch.models import SingleTaskGP  # noqa: E402
+from botorch.models.transforms.input import Normalize  # noqa: E402
+from botorch.models.transforms.outcome import Standardize  # noqa: E402
+from botorch.sampling import SobolQMCNormalSampler  # noqa: E402
+from gpytorch.mlls import ExactMarginalLogLikelihood  # noqa: E402
+from test_bo import assert_rel, data, fit, known_noise, points_at  # noqa: E402
+
+import gpnys  # noqa: E402
+from gpnys.bo import PreconditionedSingleTaskGP  # noqa: E402
+
+USES_BOTORCH = True  # conftest: run under BoTorch's global GPyTorch settings
+N, D = 240, 3
+#: k < n: an inexact preconditioner, so PCG iterates ("auto" would estimate the rank on up to 500 points, here all)
+PRECOND = {"max_cholesky_size": 0, "posterior_cholesky_size": 0, "posterior_tolerance": 1e-10, "precond": "afn",
+           "k": 40, "w": 10}
+
+
+def two_outputs(n=N, d=D, seed=0, dtype=torch.float64):
+    """``(X (n, d), Y (n, 2))``: two smooth functions of every input, plus noise."""
+    X, Y1 = data(n, d, seed=seed, dtype=dtype)
+    Y2 = (torch.cos(4 * X) * torch.linspace(0.5, 1.5, d, dtype=dtype)).sum(-1, keepdim=True)
+    return X, torch.cat([Y1, Y2 + 0.01 * torch.randn(n, 1, generator=torch.Generator().manual_seed(seed + 1),
+                                                      dtype=dtype)], dim=-1)
+
+
+def set_outputs(model, noise=(1e-3, 4e-3), constant=(0.1, -0.2)):
+    """Each output's own ARD length-scales, noise and constant mean."""
+    X = model.train_inputs[0]
+    ls = torch.stack([torch.linspace(0.3, 0.7, X.shape[-1]), torch.linspace(0.8, 0.4, X.shape[-1])]).to(X)
+    model.covar_module.lengthscale = ls[:, None, :]
+    if not isinstance(model.likelihood, gpytorch.likelihoods.FixedNoiseGaussianLikelihood):
+        model.likelihood.noise = torch.tensor(noise).to(X)[:, None]
+    model.mean_module.constant = torch.tensor(constant).to(X)
+    return model
+
+
+def pair(X, Y, transforms=False, **kwargs):
+    """(``SingleTaskGP`` reference, ``PreconditionedSingleTaskGP`` on the PCG path), same hyperparameters."""
+    def extra():
+        return {"input_transform": Normalize(d=X.shape[-1]), "outcome_transform": Standardize(m=Y.shape[-1])} \
+            if transforms else {}
+
+    ref = set_outputs(SingleTaskGP(X, Y, **kwargs, **extra()))
+    model = PreconditionedSingleTaskGP(X, Y, **kwargs, **extra(), **PRECOND)
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def test_multi_output_posterior_matches_single_task_gp(cholesky_shapes):
+    """Marginals at (q, d) and joint covariances at (b, q, d): one PCG posterior per output, no n x n Cholesky."""
+    X, Y = two_outputs()
+    ref, model = pair(X, Y)
+    assert model.uses_preconditioner() and not model.posterior_exact()
+    Xt, Xq = points_at(50, D), points_at(3, D, batch=(4,), seed=2)
+    with torch.no_grad():
+        p_ref, q_ref = ref.posterior(Xt), ref.posterior(Xq)
+        cholesky_shapes.clear()
+        p, q = model.posterior(Xt), model.posterior(Xq)
+    assert p.mean.shape == p_ref.mean.shape == (50, 2) and q.mean.shape == (4, 3, 2)
+    assert_rel(p.mean, p_ref.mean, 1e-8, "mean")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance")
+    c_ref, c = q_ref.distribution.covariance_matrix, q.distribution.covariance_matrix
+    assert c.shape == c_ref.shape == (4, 6, 6)
+    torch.testing.assert_close(c, c_ref, rtol=0, atol=1e-9)
+    outputs = model.output_models
+    assert len(outputs) == 2 and all(m.posterior_iterations > 0 for m in outputs)  # PCG iterated, per output
+    assert all(m.hook().history[-1].rank <= PRECOND["k"] for m in outputs)
+    assert max((s[-1] for s in cholesky_shapes), default=0) < N
+
+
+def test_multi_output_acquisition_value_and_gradient():
+    """qLogNEHVI (two objectives) and its gradient w.r.t. the candidates, as optimize_acqf takes them."""
+    X, Y = two_outputs()
+    ref, model = pair(X, Y, transforms=True)
+    values, grads = [], []
+    for m in (ref, model):
+        acqf = qLogNoisyExpectedHypervolumeImprovement(
+            m, ref_point=[-3.0, -3.0], X_baseline=X[:30], prune_baseline=False, cache_root=False,
+            sampler=SobolQMCNormalSampler(torch.Size([64]), seed=0))
+        x = points_at(2, D, batch=(3,), seed=5).requires_grad_(True)
+        value = acqf(x)
+        value.sum().backward()
+        values.append(value.detach())
+        grads.append(x.grad)
+    assert_rel(values[1], values[0], 1e-6, "qLogNEHVI")
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-5 * float(grads[0].abs().max()))
+
+
+def test_output_models_follow_hyperparameters_and_data():
+    """The per-output models are kept while data and hyperparameters stay (their preconditioners are not rebuilt)
+    and made anew when either changes."""
+    X, Y = two_outputs()
+    ref, model = pair(X, Y)
+    Xt = points_at(20, D)
+    with torch.no_grad():
+        model.posterior(Xt)
+        first = model.output_models
+        builds = [m.hook().builds for m in first]
+        model.posterior(Xt + 0.01)
+    assert model.output_models[0] is first[0] and [m.hook().builds for m in first] == builds
+    for m in (ref, model):
+        m.covar_module.lengthscale = m.covar_module.lengthscale * 1.3
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    assert model.output_models[0] is not first[0]
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance after new hyperparameters")
+    X2, Y2 = two_outputs(N + 20, seed=3)
+    for m in (ref, model):
+        m.set_train_data(X2.expand(2, -1, -1), Y2.T, strict=False)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    assert_rel(p.mean, p_ref.mean, 1e-8, "mean after new data")
+
+
+@pytest.mark.parametrize("noise", ["learnt", "known"])
+def test_multi_output_training_estimate_matches_exact(noise):
+    """Under the hook (batch mode: one preconditioner and estimate per output) the MLL and its gradient are the
+    exact ones to within their error bars."""
+    X, Y = two_outputs()
+    kwargs = {"train_Yvar": torch.cat([known_noise(N), known_noise(N, seed=5)], -1)} if noise == "known" else {}
+    ref, model = pair(X, Y, **kwargs)
+    losses, grads = [], []
+    for m in (ref, model):
+        m.train()
+        m.zero_grad()
+        mll = ExactMarginalLogLikelihood(m.likelihood, m)
+        with (model.preconditioned() if m is model else gpytorch.settings.max_cholesky_size(10**6)) as hook:
+            loss = -mll(m(*m.train_inputs), m.train_targets).sum()
+            loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
+    assert hook.problem.elements is not None and len(hook.batch_estimates) == 2
+    assert all(e.probes > 0 for e in hook.batch_estimates)  # the estimator ran for both outputs
+    se = hook.last_estimate.std_error / N
+    assert abs(losses[1] - losses[0]) <= max(4 * se, 1e-6), (losses, se)
+    for name, g in grads[0].items():
+        tol = 0.05 * float(g.abs().max()) + 1e-6
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=tol, msg=name)
+
+
+def test_multi_output_fit(cholesky_shapes):
+    """fit_gpytorch_mll on the preconditioned path (BoTorch's batched L-BFGS-B, one problem per output), from the
+    subset start: no n x n Cholesky, each output's preconditioner rebuilt as it moves, and each output's exact MLL
+    at the fitted hyperparameters at most 1e-3 per point above SingleTaskGP's fit."""
+    X, Y = two_outputs(300)
+    ref = SingleTaskGP(X, Y)
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, fit_subset=150, precond="afn", k=100, w=15)
+    fit(ref)
+    cholesky_shapes.clear()
+    fit(model)
+    assert max((s[-1] for s in cholesky_shapes), default=0) < 300
+    assert all(e.builds > 1 for e in model.hook().problem.elements)
+
+    def per_output_loss(state):
+        exact = SingleTaskGP(X, Y)
+        exact.load_state_dict(state)
+        exact.train()
+        with torch.no_grad():
+            return -ExactMarginalLogLikelihood(exact.likelihood, exact)(exact(*exact.train_inputs), exact.train_targets)
+
+    # no worse than SingleTaskGP's fit per output (here its batched L-BFGS-B stops 0.046 higher on output 0)
+    ours, theirs = per_output_loss(model.state_dict()), per_output_loss(ref.state_dict())
+    assert float((ours - theirs).max()) <= 1e-3, (ours, theirs)
+
+
+def test_multi_output_fit_is_reproducible():
+    X, Y = two_outputs(150, seed=4)
+    fitted = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, seed=3, k=40, w=10)
+        fit(model, maxiter=10)
+        fitted.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    for name, p in fitted[0].items():
+        assert torch.equal(p, fitted[1][name]), name
+
+
+def test_multi_output_conditioning_and_fantasies_take_botorch_path():
+    """condition_on_observations and fantasize on m outputs: BoTorch's own (exact) update, SingleTaskGP's answer."""
+    X, Y = two_outputs()
+    ref, model = pair(X, Y)
+    Xn, Yn = points_at(2, D, seed=6), torch.tensor([[0.3, -0.1], [1.2, 0.4]], dtype=X.dtype)
+    Xt = points_at(10, D, seed=7)
+    with torch.no_grad():
+        for m in (ref, model):
+            m.posterior(Xt)  # GPyTorch's fantasy update needs the base model's caches
+        new_ref, new = ref.condition_on_observations(Xn, Yn), model.condition_on_observations(Xn, Yn)
+        assert_rel(new.posterior(Xt).mean, new_ref.posterior(Xt).mean, 1e-8, "conditioned mean")
+        f_ref = ref.fantasize(Xn, SobolQMCNormalSampler(torch.Size([4]), seed=1))
+        f = model.fantasize(Xn, SobolQMCNormalSampler(torch.Size([4]), seed=1))
+        assert f.batch_shape == f_ref.batch_shape == (4,)
+        assert_rel(f.posterior(Xt).mean, f_ref.posterior(Xt).mean, 1e-6, "fantasy mean")
+
+
+def test_multi_output_warm_start():
+    """warm_start_from copies each output's hyperparameters and seeds the solves with the previous (m, n) solution,
+    new rows at 0; the first posterior solve then starts from it."""
+    X, Y = two_outputs()
+    ref, old = pair(X[:200], Y[:200])
+    with torch.no_grad():
+        old.posterior(points_at(5, D))
+    state = old.warm_state()
+    assert state["gpnys_solution"].shape == (2, 200)
+    new = PreconditionedSingleTaskGP(X, Y, **PRECOND).warm_start_from(old)
+    torch.testing.assert_close(new.covar_module.lengthscale, old.covar_module.lengthscale)
+    assert new._gpnys_seed.shape == (2, N) and bool((new._gpnys_seed[:, 200:] == 0).all())
+    ref = set_outputs(SingleTaskGP(X, Y))
+    with torch.no_grad():
+        p_ref, p = ref.posterior(points_at(5, D)), new.posterior(points_at(5, D))
+    assert_rel(p.mean, p_ref.mean, 1e-8, "warm-started mean")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_multi_output_dtypes(dtype):
+    """float32: the posterior to float32's accuracy (noise 1e-2, as the single-output float32 tests use)."""
+    X, Y = two_outputs(dtype=dtype)
+    ref, model = pair(X.double(), Y.double())
+    model = model.to(dtype)
+    for m in (ref, model):
+        m.likelihood.noise = torch.tensor([[1e-2], [2e-2]]).to(m.train_inputs[0])
+    Xt = points_at(30, D)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt.to(dtype))
+    assert p.mean.dtype == dtype
+    tol = 1e-3 if dtype == torch.float32 else 1e-8
+    scale = float(p_ref.mean.abs().max())
+    torch.testing.assert_close(p.mean.double(), p_ref.mean, rtol=0, atol=tol * scale)
+    assert_rel(p.variance.double(), p_ref.variance, 100 * tol, "variance")
+
+
+@pytest.mark.parametrize("case", ["nan", "yvar-shape"])
+def test_multi_output_bad_input_is_single_task_gp_error(case):
+    """NaN targets in one output, or one noise column for two outputs: SingleTaskGP's own error, at construction."""
+    X, Y = two_outputs(40)
+    kwargs = {"train_Yvar": torch.full((40, 1), 1e-3, dtype=X.dtype)} if case == "yvar-shape" else {}
+    if case == "nan":
+        Y = Y.clone()
+        Y[3, 1] = float("nan")
+    with pytest.raises(Exception) as expected:
+        SingleTaskGP(X, Y, **kwargs)
+    with pytest.raises(expected.type, match=str(expected.value)[:20]):
+        PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, **kwargs)
+
+
+def test_batched_inputs_still_take_single_task_gp_path():
+    """Inputs with batch dimensions (b, n, d) are not preconditioned: SingleTaskGP's Cholesky, one warning."""
+    X, Y = two_outputs(40)
+    Xb, Yb = torch.stack([X, X + 0.1]), torch.stack([Y, -Y])
+    ref = SingleTaskGP(Xb, Yb)
+    model = PreconditionedSingleTaskGP(Xb, Yb, max_cholesky_size=10)
+    model.load_state_dict(ref.state_dict())
+    with pytest.warns(gpnys.checks.NumericalWarning, match="batched inputs"), torch.no_grad():
+        mean = model.posterior(points_at(5, D)).mean
+    with torch.no_grad():
+        torch.testing.assert_close(mean, ref.posterior(points_at(5, D)).mean)
