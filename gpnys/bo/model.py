@@ -37,10 +37,14 @@ unchanged, but for fantasies (last item). Above it, no ``n x n`` Cholesky of the
   covariance cache, so the gradient of an acquisition that sees ``X_q`` only through the fantasy covariance
   (``qNegIntegratedPosteriorVariance``) misses that term.
 
-Single-output models on non-batched inputs take the preconditioned path, with a learnt noise (``train_Yvar=None``,
+Models on non-batched inputs take the preconditioned path, with a learnt noise (``train_Yvar=None``,
 ``GaussianLikelihood``) or known per-point noise (``train_Yvar``, ``FixedNoiseGaussianLikelihood``: ``K̂ = K + D``,
-AFN built on ``K + D / s²`` itself; see :class:`gpnys.gp.hook.PreconditionerHook`). Batched and
-multi-output models stay on BoTorch's path, with a warning above the threshold.
+AFN built on ``K + D / s²`` itself; see :class:`gpnys.gp.hook.PreconditionerHook`). With ``m > 1`` outputs
+(``train_Y (n, m)``: BoTorch's batch of ``m`` independent GPs on inputs ``(m, n, d)``) each output trains through
+its own preconditioner and estimate (the hook's batch mode), under BoTorch's batched L-BFGS-B (one problem per
+output, without the stop at the noise level), and its posterior is a PCG posterior of its own
+(:attr:`PreconditionedSingleTaskGP.output_models`); their conditioning and fantasies take BoTorch's path. Models on
+batched inputs ``(b, n, d)`` stay on BoTorch's path, with a warning above the threshold.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     Args:
         train_X: ``(n, d)``, as for ``SingleTaskGP``.
-        train_Y: ``(n, 1)``, as for ``SingleTaskGP``.
+        train_Y: ``(n, m)``, as for ``SingleTaskGP`` (``m`` outputs: ``m`` independent GPs, module docstring).
         train_Yvar: as for ``SingleTaskGP``.
         likelihood: as for ``SingleTaskGP``.
         covar_module: as for ``SingleTaskGP``.
@@ -160,6 +164,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         path_reason: why the latest :meth:`uses_preconditioner` chose its path.
         posterior_path_reason: why the latest posterior above ``max_cholesky_size`` took BoTorch's exact path or
             PCG (:meth:`posterior_exact`).
+        output_models: ``m`` outputs: the single-output models of the PCG posterior (their own
+            ``posterior_iterations``).
 
     Example:
         Above ``max_cholesky_size`` the posterior comes from PCG; it matches ``SingleTaskGP``'s Cholesky posterior
@@ -342,8 +348,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         return self._outputs() > 0 and (type(self.likelihood) is GaussianLikelihood or self._known_noise())
 
     def uses_preconditioner(self) -> bool:
-        """Whether the preconditioned path applies: one output, non-batched data, a ``GaussianLikelihood`` or known
-        per-point noise (``train_Yvar``), and more than ``max_cholesky_size`` training points."""
+        """Whether the preconditioned path applies: non-batched inputs (one or ``m`` outputs), a ``GaussianLikelihood``
+        or known per-point noise (``train_Yvar``), and more than ``max_cholesky_size`` training points (with
+        ``max_cholesky_size=None``, where the cost model does not predict Cholesky faster for ``m`` marginals)."""
         limit = self._gpnys_config["max_cholesky_size"]
         X = self.train_inputs[0]
         if X.shape[-2] <= (gpytorch.settings.max_cholesky_size.value() if limit is None else limit):
@@ -366,8 +373,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if not getattr(self, "_gpnys_warned", False):  # above the threshold, but not a case gpnys handles: say so
             self._gpnys_warned = True
             warnings.warn(f"PreconditionedSingleTaskGP: {X.shape[-2]} training points exceed max_cholesky_size="
-                          f"{limit}, but models on batched inputs or with other likelihoods are not preconditioned yet: this model runs "
-                          "SingleTaskGP's Cholesky path", NumericalWarning, stacklevel=2)
+                          f"{limit}, but models on batched inputs or with other likelihoods are not preconditioned "
+                          "yet: this model runs SingleTaskGP's Cholesky path", NumericalWarning, stacklevel=2)
         return False
 
     def _kernel_inputs(self) -> torch.Tensor:
@@ -629,7 +636,20 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     @property
     def output_models(self) -> list["PreconditionedSingleTaskGP"]:
         """``m`` outputs on the PCG posterior path: the single-output models whose posteriors it stacks, for
-        diagnostics (``posterior_iterations``, ``hook().history``); empty before the first such posterior."""
+        diagnostics (``posterior_iterations``, ``hook().history``); empty before the first such posterior.
+
+        Example:
+            >>> import torch
+            >>> from gpnys.bo import PreconditionedSingleTaskGP
+            >>> X = torch.rand(120, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+            >>> Y = torch.stack([X.sum(-1).sin(), X.prod(-1)], -1)  # two outputs
+            >>> gp = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=50, posterior_cholesky_size=0)
+            >>> with torch.no_grad():
+            ...     gp.posterior(X[:4]).mean.shape
+            torch.Size([4, 2])
+            >>> len(gp.output_models), gp.output_models[0].train_targets.shape
+            (2, torch.Size([120]))
+        """
         return [] if self._gpnys_outputs is None else list(self._gpnys_outputs[1])
 
     # -- conditioning -------------------------------------------------------------------------------------

@@ -152,3 +152,32 @@ def test_fantasy_model_on_device(cuda_device):
         out.append((v.detach(), x.grad))
     assert rel_error(out[1][0], out[0][0]) < 1e-6
     assert float((out[1][1].cpu() - out[0][1]).abs().max() / out[0][1].abs().max()) < 1e-5
+
+
+def test_multi_output_model_on_device(cuda_device):
+    """Two outputs on the device: the training estimate (one preconditioner per output) within its error bars of
+    the exact loss, and the PCG posterior per output against ``SingleTaskGP``'s on the CPU."""
+    X, Y = data()
+    Y2 = torch.cat([Y, torch.cos(4 * X).sum(-1, keepdim=True)], -1)
+    ref = SingleTaskGP(X, Y2)
+    ref.covar_module.lengthscale = torch.stack([torch.linspace(0.3, 0.7, D), torch.linspace(0.8, 0.4, D)])[:, None]
+    ref.likelihood.noise = torch.tensor([[1e-3], [4e-3]], dtype=F64)
+    model = model_on(cuda_device, F64, X, Y2, posterior_tolerance=1e-10)
+    model.load_state_dict(ref.state_dict())
+    model.train()
+    mll = ExactMarginalLogLikelihood(model.likelihood, model)
+    with model.preconditioned() as hook, torch.no_grad():
+        value = float(mll(model(*model.train_inputs), model.train_targets).sum())
+    assert len(hook.batch_estimates) == 2 and hook.problem.elements[0].train_x.device.type == cuda_device.type
+    ref.train()
+    with torch.no_grad():
+        exact = float(ExactMarginalLogLikelihood(ref.likelihood, ref)(ref(*ref.train_inputs), ref.train_targets).sum())
+    assert abs(value - exact) <= max(4 * hook.last_estimate.std_error / N, 1e-6), (value, exact)
+    model.eval()
+    ref.eval()
+    Xt = query_points(50)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt.to(cuda_device))
+    assert p.mean.device.type == cuda_device.type and p.mean.shape == (50, 2)
+    assert all(m.posterior_iterations > 0 for m in model.output_models)
+    assert rel_error(p.mean, p_ref.mean) < 1e-6 and rel_error(p.variance, p_ref.variance) < 1e-6
