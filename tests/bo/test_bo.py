@@ -697,10 +697,13 @@ def test_bo_large_n_example_quick_and_resumes_from_its_checkpoint(tmp_path, bo_l
     assert cut["records"] == resumed[:1] and cut["wall_s"] == resumed[0]["wall_s"] and cut["best"] == resumed[0]["best"]
 
 
-def test_bo_compare_quick(tmp_path):
-    res = load_script("benchmarks", "bo_compare").main(["--quick", "--out", str(tmp_path / "bo.json")])
+@pytest.mark.parametrize("outputs", [1, 2])
+def test_bo_compare_quick(tmp_path, outputs):
+    res = load_script("benchmarks", "bo_compare").main(["--quick", "--outputs", str(outputs),
+                                                        "--out", str(tmp_path / "bo.json")])
     assert (tmp_path / "bo.png").exists()
-    assert res["methods"]["gpnys"]["builds"] >= 1
+    assert res["methods"]["gpnys"]["builds"] >= 1 and res["methods"]["gpnys"]["path"] == "preconditioned"
+    assert len(res["methods"]["gpnys"]["noise"] if outputs > 1 else [0]) == outputs
     chk = res["posterior_check"]
     assert chk["mean_rel_err_max"] < 1e-6 and chk["var_rel_err_max"] < 1e-4
 
