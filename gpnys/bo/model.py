@@ -42,8 +42,10 @@ Models on non-batched inputs take the preconditioned path, with a learnt noise (
 AFN built on ``K + D / s²`` itself; see :class:`gpnys.gp.hook.PreconditionerHook`). With ``m > 1`` outputs
 (``train_Y (n, m)``: BoTorch's batch of ``m`` independent GPs on inputs ``(m, n, d)``) each output trains through
 its own preconditioner and estimate (the hook's batch mode), under BoTorch's batched L-BFGS-B (one problem per
-output, without the stop at the noise level), and its posterior is a PCG posterior of its own
-(:attr:`PreconditionedSingleTaskGP.output_models`); their conditioning and fantasies take BoTorch's path. Models on
+output, without the stop at the noise level), and its posterior is that of a single-output model of its own
+(:attr:`PreconditionedSingleTaskGP.output_models`: PCG, or Cholesky where the ``m`` factors fit the memory budget;
+never GPyTorch's batched exact path, whose cache is broadcast over the acquisition's batch); their conditioning
+and fantasies take BoTorch's path. Models on
 batched inputs ``(b, n, d)`` stay on BoTorch's path, with a warning above the threshold.
 """
 
@@ -164,7 +166,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         path_reason: why the latest :meth:`uses_preconditioner` chose its path.
         posterior_path_reason: why the latest posterior above ``max_cholesky_size`` took BoTorch's exact path or
             PCG (:meth:`posterior_exact`).
-        output_models: ``m`` outputs: the single-output models of the PCG posterior (their own
+        output_models: ``m`` outputs: the single-output models of the posterior (their own
             ``posterior_iterations``).
 
     Example:
@@ -260,7 +262,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_hook: PreconditionerHook | None = None
         self._gpnys_hook_x: torch.Tensor | None = None  # the kernel inputs the hook was made for
         self._gpnys_posterior: PCGPosterior | None = None
-        #: ``m`` outputs: ``(state, one single-output model per output)`` for the PCG posterior (:meth:`_output_models`)
+        #: ``m`` outputs: ``(state, one single-output model per output)`` for the posterior (:meth:`_output_models`)
         self._gpnys_outputs: tuple[tuple[torch.Tensor, ...], list[PreconditionedSingleTaskGP]] | None = None
         self.posterior_iterations = 0
         self.alpha_iterations = 0
@@ -310,7 +312,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def warm_state(self) -> dict[str, torch.Tensor]:
         """What :meth:`warm_start_from` reads, as tensors for a checkpoint: the ``state_dict()`` without the outcome
         transform, and the latest ``K̂⁻¹ (y - m)`` (the posterior's ``α``, else the last training solve) as
-        ``gpnys_solution (n,)`` with its kernel inputs ``gpnys_solution_inputs (n, d)`` where there is one."""
+        ``gpnys_solution (n,)`` with its kernel inputs ``gpnys_solution_inputs (n, d)`` where there is one
+        (``(m, n)`` and ``(m, n, d)`` for ``m`` outputs)."""
         state = {k: v.detach().clone() for k, v in self.state_dict().items() if not k.startswith("outcome_transform")}
         alpha = self._solution()
         if alpha is not None:
@@ -520,6 +523,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if (self.training or len(args) != 1 or kwargs or gpytorch.settings.prior_mode.on()
                 or not self.uses_preconditioner() or args[0].dim() < 2):
             return super().__call__(*args, **kwargs)
+        if self._outputs() > 1:
+            return self._output_posterior(args[0])
         if self.posterior_exact():  # BoTorch's exact path (module docstring)
             with gpytorch.settings.max_cholesky_size(self.train_inputs[0].shape[-2]):
                 return super().__call__(*args, **kwargs)
@@ -595,28 +600,33 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     def _preconditioned_posterior(self, x: torch.Tensor) -> MultivariateNormal:
         """Latent posterior at ``x (*b, q, d)`` (already input-transformed): mean ``(*b, q)``, covariance
-        ``(*b, q, q)`` (module docstring). ``m`` outputs: ``x (*b, 1 | m, q, d)`` (BoTorch's output dimension) gives
-        mean ``(*b, m, q)`` and covariance ``(*b, m, q, q)``, one PCG posterior per output (:meth:`_output_models`)."""
-        if self._outputs() > 1:
-            x = x if x.dim() > 2 else x.unsqueeze(-3)
-            parts = [model._preconditioned_posterior(x[..., min(i, x.shape[-3] - 1), :, :])
-                     for i, model in enumerate(self._output_models())]
-            return MultivariateNormal(torch.stack([p.mean for p in parts], dim=-2),
-                                      torch.stack([p.covariance_matrix for p in parts], dim=-3))
+        ``(*b, q, q)`` (module docstring)."""
         (cols,) = self._pcg_columns(x)
         cov = self._pcg_covariance(cols, cols)
         return MultivariateNormal(cols.mean, 0.5 * (cov + cov.mT))
 
+    def _output_posterior(self, x: torch.Tensor) -> MultivariateNormal:
+        """``m`` outputs: the latent posterior at ``x (*b, 1 | m, q, d)`` (input-transformed, with BoTorch's output
+        dimension), mean ``(*b, m, q)`` and covariance ``(*b, m, q, q)``, one posterior per output
+        (:meth:`_output_models`; each by PCG, or by Cholesky where :meth:`posterior_exact` says the ``m`` factors
+        fit). GPyTorch's batched exact path is never taken: it broadcasts its ``(m, n, n)`` cache over the batch of
+        ``x``, e.g. 51 GB for BoTorch's 128 raw samples at ``n = 5000`` (docs/bo.md, "Multiple outputs")."""
+        x = x if x.dim() > 2 else x.unsqueeze(-3)
+        parts = [model(x[..., min(i, x.shape[-3] - 1), :, :]) for i, model in enumerate(self._output_models())]
+        return MultivariateNormal(torch.stack([p.mean for p in parts], dim=-2),
+                                  torch.stack([p.covariance_matrix for p in parts], dim=-3))
+
     def _output_models(self) -> list["PreconditionedSingleTaskGP"]:
-        """``m`` outputs: one single-output model per output for the PCG posterior, on the kernel inputs and the
+        """``m`` outputs: one single-output model per output for the posterior, on the kernel inputs and the
         outcome-transformed targets, with copies of that output's hyperparameters (GPyTorch's kernel slicing
         ``covar_module[i]``). Remade when the data or hyperparameters change (their first ``α`` starts from the
-        latest solutions), kept otherwise for their caches (``α``, preconditioner, warm blocks)."""
+        latest solutions), kept otherwise for their caches (``α``, preconditioner, warm blocks, Cholesky factor)."""
         state = self._state()
         if self._gpnys_outputs is not None and _same_state(self._gpnys_outputs[0], state):
             return self._gpnys_outputs[1]
         X, Y, c = self._kernel_inputs(), self.train_targets.detach(), self._gpnys_config
         noise, known, seeds = self.likelihood.noise.detach(), self._known_noise(), self._solution()
+        exact = X.shape[-2] if self.posterior_exact() else 0  # each model's posterior_cholesky_size: all or none
         models = []
         for i in range(X.shape[0]):
             likelihood = None if known else GaussianLikelihood(
@@ -625,7 +635,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 X[i], Y[i, :, None], noise[i, :, None] if known else None, likelihood, self.covar_module[i],
                 _output_module(self.mean_module, i), outcome_transform=None, precond=c["precond"], max_cholesky_size=0,
                 settings=c["settings"], seed=c["seed"], posterior_tolerance=c["posterior_tolerance"],
-                posterior_options=c["posterior_options"], posterior_cholesky_size=0, fit_subset=None, **c["options"])
+                posterior_options=c["posterior_options"], posterior_cholesky_size=exact, fit_subset=None,
+                **c["options"])
             if not known:
                 model.likelihood.noise = noise[i]
             model._gpnys_seed = None if seeds is None else seeds[i]
@@ -635,7 +646,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     @property
     def output_models(self) -> list["PreconditionedSingleTaskGP"]:
-        """``m`` outputs on the PCG posterior path: the single-output models whose posteriors it stacks, for
+        """``m`` outputs on the preconditioned path: the single-output models whose posteriors it stacks, for
         diagnostics (``posterior_iterations``, ``hook().history``); empty before the first such posterior.
 
         Example:

@@ -50,14 +50,15 @@ def set_outputs(model, noise=(1e-3, 4e-3), constant=(0.1, -0.2)):
     return model
 
 
-def pair(X, Y, transforms=False, **kwargs):
+def pair(X, Y, transforms=False, posterior_cholesky_size=0, **kwargs):
     """(``SingleTaskGP`` reference, ``PreconditionedSingleTaskGP`` on the PCG path), same hyperparameters."""
     def extra():
         return {"input_transform": Normalize(d=X.shape[-1]), "outcome_transform": Standardize(m=Y.shape[-1])} \
             if transforms else {}
 
     ref = set_outputs(SingleTaskGP(X, Y, **kwargs, **extra()))
-    model = PreconditionedSingleTaskGP(X, Y, **kwargs, **extra(), **PRECOND)
+    options = {**PRECOND, "posterior_cholesky_size": posterior_cholesky_size}
+    model = PreconditionedSingleTaskGP(X, Y, **kwargs, **extra(), **options)
     model.load_state_dict(ref.state_dict())
     return ref, model
 
@@ -82,6 +83,24 @@ def test_multi_output_posterior_matches_single_task_gp(cholesky_shapes):
     assert len(outputs) == 2 and all(m.posterior_iterations > 0 for m in outputs)  # PCG iterated, per output
     assert all(m.hook().history[-1].rank <= PRECOND["k"] for m in outputs)
     assert max((s[-1] for s in cholesky_shapes), default=0) < N
+
+
+def test_multi_output_exact_posterior_per_output(cholesky_shapes):
+    """Where the m factors fit the budget (posterior_cholesky_size=None) each output takes Cholesky on its own,
+    never GPyTorch's batched exact path (its (m, n, n) cache would be broadcast over the batch of X): n x n
+    factorisations only, no (m, n, n) one, and SingleTaskGP's answer."""
+    X, Y = two_outputs()
+    ref, model = pair(X, Y, posterior_cholesky_size=None)
+    Xq = points_at(3, D, batch=(16, 1), seed=2)
+    with torch.no_grad():
+        q_ref = ref.posterior(Xq)
+        cholesky_shapes.clear()
+        q = model.posterior(Xq)
+    assert model.posterior_exact() and all(m.posterior_exact() for m in model.output_models)
+    assert (N, N) in cholesky_shapes and all(len(s) == 2 for s in cholesky_shapes if s[-1] >= N)
+    torch.testing.assert_close(q.mean, q_ref.mean, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(q.distribution.covariance_matrix, q_ref.distribution.covariance_matrix,
+                               rtol=1e-8, atol=1e-10)
 
 
 def test_multi_output_acquisition_value_and_gradient():
