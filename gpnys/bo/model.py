@@ -236,11 +236,11 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_seed: torch.Tensor | None = None
         #: why the latest :meth:`uses_preconditioner` chose its path
         self.path_reason = ""
-        #: the cost model's choice for ``max_cholesky_size=None``: ``((n, device, dtype, solver), path, reason)``
+        #: the cost model's choice for ``max_cholesky_size=None``: ``((n, m, device, dtype, solver), path, reason)``
         self._gpnys_path: tuple[tuple, str, str] | None = None
         #: why the latest preconditioned-path posterior took BoTorch's exact path or PCG (:meth:`posterior_exact`)
         self.posterior_path_reason = ""
-        #: the memory budget's choice for ``posterior_cholesky_size=None``: ``((n, device, dtype), exact, reason)``
+        #: the memory budget's choice for ``posterior_cholesky_size=None``: ``((n, m, device, dtype), exact, reason)``
         self._gpnys_posterior_path: tuple[tuple, bool, str] | None = None
         #: a fantasy model's ``(base model, X_q (*f, *b, q, d), y_q (*f, *b, q), noise (*f, *b, q))``
         #: (:meth:`condition_on_observations`), transformed; ``None`` for a model of its own data
@@ -363,7 +363,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             # decided once per size, device and dtype: this runs on every posterior call of an acquisition
             # optimisation, whose posteriors must not switch path as the free memory moves
             n, solver = X.shape[-2], self._gpnys_config["solver"]
-            key = (n, X.device, X.dtype, solver)
+            key = (n, self._outputs(), X.device, X.dtype, solver)
             if self._gpnys_path is None or self._gpnys_path[0] != key:
                 self._gpnys_path = (key, *choose_path(n, max(self._outputs(), 1), X.device, X.dtype, solver, "auto"))
             _, path, self.path_reason = self._gpnys_path
@@ -541,7 +541,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if limit is not None:
             self.posterior_path_reason = f"{n} points {'<=' if n <= limit else '>'} posterior_cholesky_size={limit}"
             return n <= limit
-        key = (n, X.device, X.dtype)
+        key = (n, self._outputs(), X.device, X.dtype)
         if self._gpnys_posterior_path is None or self._gpnys_posterior_path[0] != key:
             self._gpnys_posterior_path = (key, *cholesky_fits(n, max(self._outputs(), 1), X.device, X.dtype))
         _, exact, self.posterior_path_reason = self._gpnys_posterior_path
@@ -643,6 +643,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             models.append(model.eval())
         self._gpnys_outputs = (state, models)
         return models
+
+    def subset_output(self, idcs: list[int]) -> "PreconditionedSingleTaskGP":
+        """BoTorch's ``subset_output`` (a copy with the outputs ``idcs``), made without this model's caches (the hook,
+        solves and output models are rebuilt for the subset on first use; sparse factors cannot be deep-copied)."""
+        with self._without_caches():
+            return super().subset_output(idcs)
 
     @property
     def output_models(self) -> list["PreconditionedSingleTaskGP"]:

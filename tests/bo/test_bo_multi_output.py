@@ -227,6 +227,20 @@ def test_multi_output_conditioning_and_fantasies_take_botorch_path():
         assert_rel(f.posterior(Xt).mean, f_ref.posterior(Xt).mean, 1e-6, "fantasy mean")
 
 
+def test_subset_output_after_posteriors():
+    """BoTorch's subset_output (a deep copy) after posteriors have built caches: one output is a single-output
+    model on the preconditioned path, with SingleTaskGP's subset posterior."""
+    X, Y = two_outputs()
+    ref, model = pair(X, Y)
+    Xt = points_at(10, D, seed=3)
+    with torch.no_grad():
+        model.posterior(Xt)
+        sub, sub_ref = model.subset_output([1]), ref.subset_output([1])
+        assert sub.num_outputs == 1 and sub.uses_preconditioner() and model.output_models  # the original keeps its
+        assert_rel(sub.posterior(Xt).mean, sub_ref.posterior(Xt).mean, 1e-8, "subset mean")
+        assert_rel(sub.posterior(Xt).variance, sub_ref.posterior(Xt).variance, 1e-6, "subset variance")
+
+
 def test_multi_output_warm_start():
     """warm_start_from copies each output's hyperparameters and seeds the solves with the previous (m, n) solution,
     new rows at 0; the first posterior solve then starts from it."""
