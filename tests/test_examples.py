@@ -144,3 +144,10 @@ def test_bo_knowledge_gradient_example():
                                               "--restarts", "2", "--raw-samples", "16", "--maxiter", "10"])
     assert res["value_rel_err"] < 1e-8 and res["grad_rel_err"] < 1e-6
     assert res["kg_value"] > 0 and 0 < res["candidate_value"] <= 3.3224
+
+
+def test_bo_multi_objective_example():
+    """A two-output model: its posterior matches SingleTaskGP's, and qLogEHVI iterations do not lose hypervolume."""
+    res = load("bo_multi_objective").main(["--n", "500", "--iters", "1", "--max-cholesky-size", "200"])
+    assert res["mean_rel_err"] < 1e-8 and res["var_rel_err"] < 5e-2
+    assert res["n"] == 502 and res["hypervolumes"][1] >= res["hypervolumes"][0]

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 from gpytorch.distributions import MultivariateNormal
+from linear_operator.operators import DenseLinearOperator
 from linear_operator.utils.cholesky import psd_safe_cholesky
 
-__all__ = ["condition_joint", "condition_blocks"]
+__all__ = ["condition_joint", "condition_blocks", "latent_mvn"]
 
 
 def condition_joint(joint: MultivariateNormal, t: int, targets: torch.Tensor,
@@ -67,9 +68,25 @@ def condition_blocks(mu_t: torch.Tensor, S_tt: torch.Tensor, mu_q: torch.Tensor,
         (0.5, 0.875)
     """
     if mu_q.shape[-1] == 0:
-        return MultivariateNormal(mu_t, S_tt)
+        return latent_mvn(mu_t, S_tt)
     C = S_qq + torch.diag_embed(noise.to(S_qq))  # (broadcast to the targets' batch: one q x q factor each)
     A = torch.cholesky_solve(S_tq.mT, psd_safe_cholesky(C))  # C⁻¹ Σ_qt, (*b, q, t)
     mu = mu_t + ((targets - mu_q).unsqueeze(-2) @ A).squeeze(-2)
     S = S_tt - S_tq @ A
-    return MultivariateNormal(mu, 0.5 * (S + S.mT))
+    return latent_mvn(mu, S)
+
+
+def latent_mvn(mean: torch.Tensor, cov: torch.Tensor) -> MultivariateNormal:
+    """``N(mean (*b, q), cov (*b, q, q))``, the covariance symmetrised and held as a linear operator, as GPyTorch's own
+    posteriors hold theirs: a dense tensor would make torch factorise it at once, without jitter, and a joint
+    posterior at many nearby points is positive definite only up to rounding and the solves' errors. BoTorch's
+    samplers factorise it with jitter where needed (``psd_safe_cholesky``).
+
+    Example:
+        >>> import torch
+        >>> from gpnys.bo.fantasy import latent_mvn
+        >>> cov = torch.ones(2, 2, dtype=torch.float64)  # singular: torch's MultivariateNormal would reject it
+        >>> latent_mvn(torch.zeros(2, dtype=torch.float64), cov).variance.tolist()
+        [1.0, 1.0]
+    """
+    return MultivariateNormal(mean, DenseLinearOperator(0.5 * (cov + cov.mT)))

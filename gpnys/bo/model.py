@@ -70,7 +70,7 @@ from gpytorch.likelihoods import FixedNoiseGaussianLikelihood, GaussianLikelihoo
 from gpytorch.means import Mean
 from gpytorch.module import Module
 
-from gpnys.bo.fantasy import condition_blocks, condition_joint
+from gpnys.bo.fantasy import condition_blocks, condition_joint, latent_mvn
 from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
@@ -425,7 +425,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         with self.hook().activate() as h:
             yield h
 
-    def custom_fit(self, mll: gpytorch.mlls.MarginalLogLikelihood, **kwargs: Any) -> gpytorch.mlls.MarginalLogLikelihood:
+    def custom_fit(self, mll: gpytorch.mlls.MarginalLogLikelihood,
+                   **kwargs: Any) -> gpytorch.mlls.MarginalLogLikelihood:
         """Called by ``botorch.fit.fit_gpytorch_mll``: BoTorch's default fitting routine (its private
         ``_fit_fallback``; same keywords) with the preconditioner active (:meth:`preconditioned`)."""
         # The estimated objective is deterministic (fixed probes) but only as smooth as the CG tolerance allows, so
@@ -603,7 +604,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         ``(*b, q, q)`` (module docstring)."""
         (cols,) = self._pcg_columns(x)
         cov = self._pcg_covariance(cols, cols)
-        return MultivariateNormal(cols.mean, 0.5 * (cov + cov.mT))
+        return latent_mvn(cols.mean, cov)
 
     def _output_posterior(self, x: torch.Tensor) -> MultivariateNormal:
         """``m`` outputs: the latent posterior at ``x (*b, 1 | m, q, d)`` (input-transformed, with BoTorch's output
@@ -613,8 +614,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         ``x``, e.g. 51 GB for BoTorch's 128 raw samples at ``n = 5000`` (docs/bo.md, "Multiple outputs")."""
         x = x if x.dim() > 2 else x.unsqueeze(-3)
         parts = [model(x[..., min(i, x.shape[-3] - 1), :, :]) for i, model in enumerate(self._output_models())]
-        return MultivariateNormal(torch.stack([p.mean for p in parts], dim=-2),
-                                  torch.stack([p.covariance_matrix for p in parts], dim=-3))
+        return latent_mvn(torch.stack([p.mean for p in parts], dim=-2),
+                          torch.stack([p.covariance_matrix for p in parts], dim=-3))
 
     def _output_models(self) -> list["PreconditionedSingleTaskGP"]:
         """``m`` outputs: one single-output model per output for the posterior, on the kernel inputs and the

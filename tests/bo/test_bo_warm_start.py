@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("botorch")
 from botorch.models import SingleTaskGP  # noqa: E402
+from test_bo import data, exact_mll, fit, hartmann6  # noqa: E402
 
 from gpnys.bo import PreconditionedSingleTaskGP  # noqa: E402
-from test_bo import data, exact_mll, fit, hartmann6  # noqa: E402
 
 OPTIONS = {"max_cholesky_size": 0, "posterior_cholesky_size": 0, "posterior_tolerance": 1e-8, "k": 60, "w": 10}
 
