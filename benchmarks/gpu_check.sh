@@ -32,6 +32,9 @@
 #   fantasy  one-shot qKG value + gradient (16 fantasies x 4 points) at 2 000, 10 000 and 30 000 points,
 #          gpnys's fantasy models against SingleTaskGP's where its (f, b, n + 1, n + 1) matrices fit 100 GiB
 #          (`bo_fantasy.py --device cuda`); alone on the GPU, a few minutes;
+#   multi  one BO iteration with two objectives in one two-output model (`bo_compare.py --outputs 2 --device cuda`)
+#          at 5 000 points, against SingleTaskGP (whose posterior broadcasts a 51 GB cache there), then gpnys alone
+#          at 30 000 points;
 #   suite  the `cuda` test suite (in the background, beside the fit; after `speed`, on its own);
 #   fit    the 50-step Adam fit on 10^6 points (`gpu.py --parts fit --fit-1e6`), checkpointed after every step;
 #   paths  every other public path at 10^6 (`gpu.py --parts paths`);
@@ -51,6 +54,7 @@
 #   LIMIT=200 PARTS=collect,dist bash benchmarks/gpu_check.sh            # call 2, at once
 #   LIMIT=560 PARTS=boloop bash benchmarks/gpu_check.sh                 # the BO loop, resumable
 #   LIMIT=300 PARTS=fantasy bash benchmarks/gpu_check.sh                # qKG on fantasy models
+#   LIMIT=400 PARTS=multi bash benchmarks/gpu_check.sh                  # two objectives, one two-output model
 set -u
 OUT=${OUT:-benchmarks/results/gpu_check}
 LIMIT=${LIMIT:-560}
@@ -116,6 +120,12 @@ esac
 case $PARTS in *fantasy*)
   timeout "$(left)" python -u benchmarks/bo_fantasy.py --device cuda --sizes 2000,10000,30000 --memory-gib 100 \
       --out "$OUT/bo_fantasy_cuda.json" > "$OUT/bo_fantasy.log" 2>&1
+esac
+case $PARTS in *multi*)
+  timeout "$(left)" python -u benchmarks/bo_compare.py --device cuda --outputs 2 --n 5000 --memory-gib 100 \
+      --out "$OUT/bo_compare_n5000_m2_cuda.json" > "$OUT/bo_multi_5000.log" 2>&1
+  timeout "$(left)" python -u benchmarks/bo_compare.py --device cuda --outputs 2 --n 30000 --methods gpnys \
+      --out "$OUT/bo_compare_n30000_m2_cuda.json" > "$OUT/bo_multi_30000.log" 2>&1
 esac
 case $PARTS in *mll*)
   timeout "$(left)" python -u benchmarks/gpu.py --parts mll --real-sizes 25000 --synthetic-sizes 200000,1000000 \
