@@ -77,6 +77,7 @@ from gpnys.gp.hook import PreconditionerHook
 from gpnys.gp.path import cholesky_fits, choose_path
 from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.settings import EstimatorSettings
+from gpnys.kernels.entries import batch_element
 from gpnys.precond.strategy import PRECONDITIONERS
 
 __all__ = [
@@ -521,11 +522,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     # -- posterior ----------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if (self.training or len(args) != 1 or kwargs or gpytorch.settings.prior_mode.on()
-                or not self.uses_preconditioner() or args[0].dim() < 2):
+        if self.training or len(args) != 1 or kwargs or gpytorch.settings.prior_mode.on() or args[0].dim() < 2:
             return super().__call__(*args, **kwargs)
-        if self._outputs() > 1:
+        if self._outputs() > 1 and self._handled():  # at every size (:meth:`_output_posterior`)
             return self._output_posterior(args[0])
+        if not self.uses_preconditioner():
+            return super().__call__(*args, **kwargs)
         if self.posterior_exact():  # BoTorch's exact path (module docstring)
             with gpytorch.settings.max_cholesky_size(self.train_inputs[0].shape[-2]):
                 return super().__call__(*args, **kwargs)
@@ -554,7 +556,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _posterior_solves(self, X: torch.Tensor) -> PCGPosterior:
         """The :class:`~gpnys.gp.posterior.PCGPosterior` of the posterior system (its own preconditioner,
         :data:`BO_DEFAULTS` ``["posterior"]``), kept across calls for its cached ``α`` and warm block."""
-        A, M = self.hook().system(X, self._options("posterior", X.shape[0]))
+        hook = self.hook()
+        hook.problem.kernel  # noqa: B018 -- read first: it records the inputs the kernel sees (active_dims applied)
+        A, M = hook.system(hook.problem.inputs(), self._options("posterior", X.shape[0]))
         if self._gpnys_posterior is None:
             self._gpnys_posterior = PCGPosterior(A, M, self._gpnys_config["settings"].max_cg_iterations)
         return self._gpnys_posterior.update(A, M)
@@ -609,9 +613,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _output_posterior(self, x: torch.Tensor) -> MultivariateNormal:
         """``m`` outputs: the latent posterior at ``x (*b, 1 | m, q, d)`` (input-transformed, with BoTorch's output
         dimension), mean ``(*b, m, q)`` and covariance ``(*b, m, q, q)``, one posterior per output
-        (:meth:`_output_models`; each by PCG, or by Cholesky where :meth:`posterior_exact` says the ``m`` factors
-        fit). GPyTorch's batched exact path is never taken: it broadcasts its ``(m, n, n)`` cache over the batch of
-        ``x``, e.g. 51 GB for BoTorch's 128 raw samples at ``n = 5000`` (docs/bo.md, "Multiple outputs")."""
+        (:meth:`_output_models`; each by PCG, or by Cholesky below ``max_cholesky_size`` and where
+        :meth:`posterior_exact` says the ``m`` factors fit). At every size: GPyTorch's batched exact path, which
+        ``SingleTaskGP`` takes, broadcasts its ``(m, n, n)`` cache over the batch of ``x``, e.g. 51 GB for BoTorch's
+        128 raw samples at ``n = 5000`` (docs/bo.md, "Multiple outputs")."""
         x = x if x.dim() > 2 else x.unsqueeze(-3)
         parts = [model(x[..., min(i, x.shape[-3] - 1), :, :]) for i, model in enumerate(self._output_models())]
         return latent_mvn(torch.stack([p.mean for p in parts], dim=-2),
@@ -619,25 +624,33 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     def _output_models(self) -> list["PreconditionedSingleTaskGP"]:
         """``m`` outputs: one single-output model per output for the posterior, on the kernel inputs and the
-        outcome-transformed targets, with copies of that output's hyperparameters (GPyTorch's kernel slicing
-        ``covar_module[i]``). Remade when the data or hyperparameters change (their first ``α`` starts from the
-        latest solutions), kept otherwise for their caches (``α``, preconditioner, warm blocks, Cholesky factor)."""
+        outcome-transformed targets: that output's kernel (a copy, :func:`~gpnys.kernels.entries.batch_element`),
+        this model's mean module taken at that output (:class:`_OutputMean`) and its noise. Remade when the data or
+        hyperparameters change (their first ``α`` starts from the latest solutions, else :meth:`warm_start_from`'s),
+        kept otherwise for their caches (``α``, preconditioner, warm blocks, Cholesky factor). Their posteriors'
+        gradients reach the inputs, not this model's hyperparameters (BoTorch's acquisitions need the former)."""
         state = self._state()
         if self._gpnys_outputs is not None and _same_state(self._gpnys_outputs[0], state):
             return self._gpnys_outputs[1]
         X, Y, c = self._kernel_inputs(), self.train_targets.detach(), self._gpnys_config
-        noise, known, seeds = self.likelihood.noise.detach(), self._known_noise(), self._solution()
-        exact = X.shape[-2] if self.posterior_exact() else 0  # each model's posterior_cholesky_size: all or none
+        m, known = X.shape[0], self._known_noise()
+        noise = self.likelihood.noise.detach()
+        noise = noise if known else noise.expand(m, noise.shape[-1])  # (m, n); (m, 1), also from a shared noise
+        seeds = self._solution()
+        seeds = self._gpnys_seed if seeds is None else seeds
+        # each model's posterior_cholesky_size, all or none: exact below the threshold (a SingleTaskGP's answer)
+        # and where the m factors fit the budget
+        exact = X.shape[-2] if not self.uses_preconditioner() or self.posterior_exact() else 0
         models = []
-        for i in range(X.shape[0]):
+        for i in range(m):
             likelihood = None if known else GaussianLikelihood(
                 noise_constraint=copy.deepcopy(self.likelihood.noise_covar.raw_noise_constraint))
             model = PreconditionedSingleTaskGP(
-                X[i], Y[i, :, None], noise[i, :, None] if known else None, likelihood, self.covar_module[i],
-                _output_module(self.mean_module, i), outcome_transform=None, precond=c["precond"], max_cholesky_size=0,
-                settings=c["settings"], seed=c["seed"], posterior_tolerance=c["posterior_tolerance"],
-                posterior_options=c["posterior_options"], posterior_cholesky_size=exact, fit_subset=None,
-                **c["options"])
+                X[i], Y[i, :, None], noise[i, :, None] if known else None, likelihood,
+                batch_element(self.covar_module, i), _OutputMean(self.mean_module, i, m), outcome_transform=None,
+                precond=c["precond"], max_cholesky_size=0, settings=c["settings"], seed=c["seed"],
+                posterior_tolerance=c["posterior_tolerance"], posterior_options=c["posterior_options"],
+                posterior_cholesky_size=exact, fit_subset=None, **c["options"])
             if not known:
                 model.likelihood.noise = noise[i]
             model._gpnys_seed = None if seeds is None else seeds[i]
@@ -700,7 +713,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 if self.prediction_strategy is None:  # its fantasy update needs its caches (CG / Lanczos here)
                     with torch.no_grad():
                         gpytorch.models.ExactGP.__call__(self.eval(), self.train_inputs[0][..., :1, :])
-                return super().condition_on_observations(X, Y, **kwargs)
+                new = super().condition_on_observations(X, Y, **kwargs)
+            new._gpnys_warned = True  # a model of this documented path: no "not preconditioned" warning
+            return new
         self.eval()
         X_tf = self.transform_inputs(X)
         if hasattr(self, "outcome_transform"):
@@ -803,19 +818,19 @@ def _same_state(before: tuple[torch.Tensor, ...], now: tuple[torch.Tensor, ...])
                for a, b in zip(before, now))
 
 
-def _output_module(module: Module, index: int) -> Module:
-    """Output ``index`` of a mean module of BoTorch's multi-output model (batch shape ``(m,)``): a copy whose
-    parameters with that leading batch dimension are sliced (``Mean`` has no slicing of its own, unlike
-    ``Kernel.__getitem__``)."""
-    module = copy.deepcopy(module)
-    for sub in module.modules():
-        batch = getattr(sub, "batch_shape", None)
-        if isinstance(batch, torch.Size) and len(batch):
-            for p in sub.parameters(recurse=False):
-                if p.dim() and p.shape[0] == batch[0]:
-                    p.data = p.data[index]
-            sub.batch_shape = batch[1:]
-    return module
+class _OutputMean(Mean):
+    """Output ``index`` of the mean module of BoTorch's ``m``-output model: the module itself (batch shape ``(m,)`` or
+    none, any class) evaluated at the inputs repeated over the ``m`` outputs, and its ``index``-th output taken,
+    ``(*b, q, d) -> (*b, q)``. (``Mean`` has no slicing of its own, and its parameters need not lead with the batch
+    dimension, e.g. ``LinearMean``'s.)"""
+
+    def __init__(self, mean: Mean, index: int, outputs: int) -> None:
+        super().__init__()
+        self.mean, self.index, self.outputs = mean, index, outputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.unsqueeze(-3).expand(*x.shape[:-2], self.outputs, *x.shape[-2:])
+        return self.mean(x)[..., self.index, :]
 
 
 class PreconditionedFantasyGP(PreconditionedSingleTaskGP):

@@ -4,7 +4,8 @@ accelerate it.
 A model may keep its kernel under any attribute name, and its ``forward`` may transform the inputs before the
 kernel sees them (``self.cov(20 * x)``). Both are visible in the covariance GPyTorch builds: in training mode
 ``forward`` returns a ``MultivariateNormal`` whose lazy covariance is a ``LazyEvaluatedKernelTensor`` carrying the
-kernel object and the inputs it was called with. gpnys reads them there instead of from attribute names.
+kernel object and the inputs it was called with. gpnys reads them there instead of from attribute names. Those
+inputs are the ones the kernel's ``active_dims`` selected; :func:`selected_kernel` is the kernel as it acts on them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import LinearOperator
 
-__all__ = ["training_kernel", "same_points", "unsupported_model", "unsupported_covariance", "STRUCTURED_KERNELS"]
+__all__ = ["training_kernel", "selected_kernel", "same_points", "unsupported_model", "unsupported_covariance",
+           "STRUCTURED_KERNELS"]
 
 
 def same_points(A: torch.Tensor, B: torch.Tensor) -> bool:
@@ -52,9 +54,40 @@ def training_kernel(model: gpytorch.models.ExactGP) -> tuple[gpytorch.kernels.Ke
     with torch.no_grad(), gpytorch.settings.lazily_evaluate_kernels(True):
         cov = model.forward(X).lazy_covariance_matrix
     if isinstance(cov, LazyEvaluatedKernelTensor) and cov.x1 is cov.x2 and cov.x1.dim() == X.dim():
-        return cov.kernel, cov.x1
+        return selected_kernel(cov.kernel), cov.x1
     raise ValueError(f"model: its forward() covariance is a {type(cov).__name__}, not one kernel evaluated on the "
                      "training inputs; combine the kernels into one kernel object (k1 + k2, k1 * k2)")
+
+
+def selected_kernel(kernel: gpytorch.kernels.Kernel) -> gpytorch.kernels.Kernel:
+    """The kernel as it acts on the inputs its ``active_dims`` already selected (GPyTorch's ``Kernel.__call__``
+    selects them before it builds the lazy kernel tensor whose ``x1`` the hook reads): a view without those
+    ``active_dims``, and without a ``ScaleKernel``'s base kernel's (GPyTorch copies them onto the ``ScaleKernel``,
+    whose ``forward`` calls the base's ``forward``, which skips them). The view shares the kernel's parameters and
+    constraints (a shallow copy with its own buffers), so it follows their values; it is made once per kernel. A
+    kernel without ``active_dims`` is returned as it is.
+
+    Example:
+        >>> import gpytorch
+        >>> from gpnys.gp.discover import selected_kernel
+        >>> k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(active_dims=[0, 2]))
+        >>> view = selected_kernel(k)
+        >>> view.active_dims, view.base_kernel.active_dims
+        (None, None)
+        >>> view.base_kernel.raw_lengthscale is k.base_kernel.raw_lengthscale  # the same parameters
+        True
+    """
+    if kernel.active_dims is None:
+        return kernel
+    view = vars(kernel).get("_gpnys_selected")
+    if view is None:
+        view = type(kernel).__new__(type(kernel))  # copy.copy would share the module's __dict__ here
+        view.__dict__.update(kernel.__dict__, _buffers=dict(kernel._buffers), _modules=dict(kernel._modules))
+        view.active_dims = None
+        if isinstance(kernel, gpytorch.kernels.ScaleKernel):
+            view.base_kernel = selected_kernel(kernel.base_kernel)
+        object.__setattr__(kernel, "_gpnys_selected", view)  # a plain attribute: not a submodule of the kernel
+    return view
 
 
 #: kernels whose evaluation is structured or approximate (grid interpolation, inducing points, random features,

@@ -39,7 +39,7 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
 from gpnys.checks import NumericalWarning, validate_choice
-from gpnys.gp.discover import unsupported_covariance, unsupported_model
+from gpnys.gp.discover import selected_kernel, unsupported_covariance, unsupported_model
 from gpnys.gp.operators import (
     BatchPreconditionedMVN,
     CallerSettingsMVN,
@@ -127,7 +127,7 @@ class PreconditionerHook:
         if not (problem.model.training and isinstance(op, LazyEvaluatedKernelTensor)
                 and op.x1 is op.x2 and op.x1.dim() == 2 and op.x1.shape[0] == problem.train_x.shape[0]):
             return op
-        problem.seen = (op.kernel, op.x1)
+        problem.seen = (selected_kernel(op.kernel), op.x1)
         if op.x1.requires_grad:
             # inputs that carry gradients (a feature extractor in forward(), a learnable input transform): the
             # closed-form operator differentiates the hyperparameters only, so GPyTorch's own kernel tensor runs,

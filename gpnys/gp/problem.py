@@ -25,7 +25,7 @@ from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperato
 from gpnys.checks import NumericalWarning, validate_count, validate_positive_tensors, validate_training_data
 from gpnys.collectives import RowGroup, partitioned
 from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
-from gpnys.gp.discover import same_points, training_kernel
+from gpnys.gp.discover import same_points, selected_kernel, training_kernel
 from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob
 from gpnys.gp.operators import PreconditionedAddedDiag, PreconditionerOperator
 from gpnys.gp.path import PathChooser
@@ -33,7 +33,7 @@ from gpnys.gp.preconditioners import PreconditionerCache, StepRecord
 from gpnys.gp.prediction import HookPrediction
 from gpnys.gp.settings import GP_DEFAULTS, EstimatorSettings
 from gpnys.gp.training_kernel import TrainingKernel
-from gpnys.kernels.entries import computation_dtype, split_outputscale
+from gpnys.kernels.entries import batch_element, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
@@ -229,7 +229,7 @@ class TrainingProblem(HookPrediction):
     def batch_closed_form(self, op: LazyEvaluatedKernelTensor) -> bool:
         """Whether a batch-mode model's elements take gpnys's closed-form kernel operator rather than slices of
         GPyTorch's evaluated ``(b, n, n)`` kernel."""
-        return self.kernels.closed_form(op.kernel[0], op.x1.requires_grad)
+        return self.kernels.closed_form(selected_kernel(batch_element(op.kernel, 0)), op.x1.requires_grad)
 
     # -- the preconditioner and the system --------------------------------------------------------------
     @property
@@ -244,8 +244,9 @@ class TrainingProblem(HookPrediction):
         ``options`` (e.g. ``{"k": 2000, "w": 60}``) override the preconditioner options for this request; such a
         preconditioner is cached separately from the training one (both rebuilt when the hyperparameters change),
         so posterior solves can use a stronger preconditioner than the many MLL evaluations."""
+        kernel = self.kernel  # first: reading it records the inputs the kernel sees, which inputs() follows
         self.inputs()  # the point cache follows the inputs the kernel sees
-        return self.preconditioners.get(self.cache, self.kernel, self.noise(), options)
+        return self.preconditioners.get(self.cache, kernel, self.noise(), options)
 
     def override(self, op: AddedDiagLinearOperator) -> tuple[Callable, LinearOperator, torch.Tensor]:
         """GPyTorch's ``preconditioner_override`` for the training covariance: ``(closure, P̂ operator,
@@ -395,7 +396,7 @@ class BatchElement(TrainingProblem):
         """This element's slice of the training kernel (a detached copy, refreshed by :meth:`covariance`)."""
         if self.seen is None:
             kernel, inputs = training_kernel(self.model)
-            self.seen = (kernel[self.index], inputs[self.index])
+            self.seen = (batch_element(kernel, self.index), inputs[self.index])
         return self.seen[0]
 
     def _likelihood_noise(self) -> torch.Tensor:
@@ -407,7 +408,7 @@ class BatchElement(TrainingProblem):
         """``K̂_i`` ``(n, n)`` of this element, with autograd: ``s_i² K_i`` as a
         :class:`~gpnys.kernels.operator.StationaryKernelOperator` (RBF/Matérn, inputs without gradients; else the
         slice of GPyTorch's evaluated batch ``dense``) plus the noise ``diag`` ``(n,)``."""
-        kernel = op.kernel[self.index]
+        kernel = selected_kernel(batch_element(op.kernel, self.index))
         self.seen = (kernel, op.x1[self.index])
         X = self.inputs()
         if dense is not None:

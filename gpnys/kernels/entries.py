@@ -36,6 +36,26 @@ def split_outputscale(kernel: gpytorch.kernels.Kernel) -> tuple[gpytorch.kernels
     return kernel, 1.0
 
 
+def batch_element(kernel: gpytorch.kernels.Kernel, index: int) -> gpytorch.kernels.Kernel:
+    """Element ``index`` of a kernel with batch shape ``(b,)`` (a copy; the kernel itself without batch shape):
+    GPyTorch's ``kernel[index]`` with every sub-kernel's ``active_dims`` kept. GPyTorch 1.15's ``Kernel.__getitem__``
+    slices every buffer, ``active_dims`` included, as if it were batched (``[0, 2]`` becomes ``0`` for element 0
+    and ``2`` for element 1), so the element would read other input columns.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpnys.kernels.entries import batch_element
+        >>> k = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2]), active_dims=[0, 2])
+        >>> k[1].active_dims.tolist(), batch_element(k, 1).active_dims.tolist()
+        (2, [0, 2])
+    """
+    element = kernel[index]
+    for new, old in zip(element.modules(), kernel.modules()):
+        if isinstance(old, gpytorch.kernels.Kernel) and old.active_dims is not None:
+            new.active_dims = old.active_dims
+    return element
+
+
 def evaluate(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor, diag: bool = False) -> torch.Tensor:
     """Dense ``k(A, B)`` (``(..., p, q)``; ``diag``: ``(..., p)``) with autograd to the kernel's parameters.
 

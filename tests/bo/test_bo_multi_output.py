@@ -7,6 +7,8 @@ its posterior comes from PCG (one single-output model per output, ``output_model
 own path.
 """
 
+import warnings
+
 import gpytorch
 import pytest
 import torch
@@ -98,6 +100,66 @@ def test_multi_output_exact_posterior_per_output(cholesky_shapes):
         q = model.posterior(Xq)
     assert model.posterior_exact() and all(m.posterior_exact() for m in model.output_models)
     assert (N, N) in cholesky_shapes and all(len(s) == 2 for s in cholesky_shapes if s[-1] >= N)
+    torch.testing.assert_close(q.mean, q_ref.mean, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(q.distribution.covariance_matrix, q_ref.distribution.covariance_matrix,
+                               rtol=1e-8, atol=1e-10)
+
+
+def _variant(name, d):
+    """SingleTaskGP keywords of the module variants BoTorch users pass to a two-output model."""
+    two = torch.Size([2])
+    return {
+        "active_dims": {"covar_module": gpytorch.kernels.ScaleKernel(
+            gpytorch.kernels.RBFKernel(ard_num_dims=2, batch_shape=two, active_dims=[0, 2]), batch_shape=two)},
+        "linear_mean": {"mean_module": gpytorch.means.LinearMean(d, batch_shape=two)},
+        "shared_noise": {"likelihood": gpytorch.likelihoods.GaussianLikelihood()},
+        "shared_kernel": {"covar_module": gpytorch.kernels.MaternKernel(nu=1.5, ard_num_dims=d)},
+    }[name]
+
+
+@pytest.mark.parametrize("variant", ["active_dims", "linear_mean", "shared_noise", "shared_kernel"])
+def test_multi_output_module_variants(variant):
+    """A kernel on some input columns (GPyTorch's kernel slicing would move its active_dims), a mean whose
+    parameters do not lead with the batch dimension, one noise for both outputs, one kernel for both: the posterior
+    by PCG per output is SingleTaskGP's, and the training estimate is the exact loss within its error bars."""
+    X, Y = two_outputs()
+    torch.manual_seed(0)
+    ref = SingleTaskGP(X, Y, **_variant(variant, D))
+    model = PreconditionedSingleTaskGP(X, Y, **_variant(variant, D), **PRECOND)
+    with torch.no_grad():
+        for p in ref.parameters():  # away from the defaults (BoTorch's raw noise is the noise: keep its sign)
+            p.mul_(1 + 0.5 * torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+            p.add_(0.1 if p.shape[-1] == 1 and p.dim() == 1 else 0.0)  # LinearMean's bias, ConstantMean's constant
+    model.load_state_dict(ref.state_dict())
+    Xt = points_at(20, D, seed=4)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    scale = float(p_ref.mean.abs().max())
+    torch.testing.assert_close(p.mean, p_ref.mean, rtol=0, atol=1e-8 * scale)
+    assert_rel(p.variance, p_ref.variance, 1e-5, "variance")
+    model.train()
+    ref.train()
+    with torch.no_grad(), model.preconditioned() as hook:
+        ours = float(ExactMarginalLogLikelihood(model.likelihood, model)(model(*model.train_inputs),
+                                                                         model.train_targets).sum())
+    with torch.no_grad():
+        exact = float(ExactMarginalLogLikelihood(ref.likelihood, ref)(ref(*ref.train_inputs), ref.train_targets).sum())
+    assert abs(ours - exact) <= max(4 * hook.last_estimate.std_error / N, 1e-6), (ours, exact)
+
+
+def test_multi_output_posterior_per_output_below_the_threshold():
+    """Below max_cholesky_size (the default, 4096 under BoTorch) the model is a SingleTaskGP but for its posterior,
+    which is taken per output by Cholesky: GPyTorch's batched path would broadcast its (m, n, n) cache over the
+    acquisition's batch."""
+    X, Y = two_outputs()
+    ref = set_outputs(SingleTaskGP(X, Y))
+    model = PreconditionedSingleTaskGP(X, Y)
+    model.load_state_dict(ref.state_dict())
+    assert not model.uses_preconditioner()
+    Xq = points_at(3, D, batch=(8, 1), seed=2)
+    with torch.no_grad():
+        q_ref, q = ref.posterior(Xq), model.posterior(Xq)
+    assert len(model.output_models) == 2 and all(m.posterior_exact() for m in model.output_models)
     torch.testing.assert_close(q.mean, q_ref.mean, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(q.distribution.covariance_matrix, q_ref.distribution.covariance_matrix,
                                rtol=1e-8, atol=1e-10)
@@ -211,12 +273,14 @@ def test_multi_output_fit_is_reproducible():
 
 
 def test_multi_output_conditioning_and_fantasies_take_botorch_path():
-    """condition_on_observations and fantasize on m outputs: BoTorch's own (exact) update, SingleTaskGP's answer."""
+    """condition_on_observations and fantasize on m outputs: BoTorch's own (exact) update, SingleTaskGP's answer,
+    without a "not preconditioned" warning (the path is documented)."""
     X, Y = two_outputs()
     ref, model = pair(X, Y)
     Xn, Yn = points_at(2, D, seed=6), torch.tensor([[0.3, -0.1], [1.2, 0.4]], dtype=X.dtype)
     Xt = points_at(10, D, seed=7)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", gpnys.checks.NumericalWarning)
         for m in (ref, model):
             m.posterior(Xt)  # GPyTorch's fantasy update needs the base model's caches
         new_ref, new = ref.condition_on_observations(Xn, Yn), model.condition_on_observations(Xn, Yn)
@@ -257,6 +321,8 @@ def test_multi_output_warm_start():
     with torch.no_grad():
         p_ref, p = ref.posterior(points_at(5, D)), new.posterior(points_at(5, D))
     assert_rel(p.mean, p_ref.mean, 1e-8, "warm-started mean")
+    for i, model in enumerate(new.output_models):  # the posterior's first solve started from the seed, before a fit
+        torch.testing.assert_close(model._gpnys_seed, new._gpnys_seed[i])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
