@@ -556,8 +556,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _posterior_solves(self, X: torch.Tensor) -> PCGPosterior:
         """The :class:`~gpnys.gp.posterior.PCGPosterior` of the posterior system (its own preconditioner,
         :data:`BO_DEFAULTS` ``["posterior"]``), kept across calls for its cached ``α`` and warm block."""
-        hook = self.hook()
-        hook.problem.kernel  # noqa: B018 -- read first: it records the inputs the kernel sees (active_dims applied)
+        hook = self.hook()  # the system on the inputs the kernel sees (its active_dims applied)
         A, M = hook.system(hook.problem.inputs(), self._options("posterior", X.shape[0]))
         if self._gpnys_posterior is None:
             self._gpnys_posterior = PCGPosterior(A, M, self._gpnys_config["settings"].max_cg_iterations)

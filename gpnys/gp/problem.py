@@ -186,13 +186,18 @@ class TrainingProblem(HookPrediction):
         return not zero_scale
 
     # -- the kernel, its inputs and the noise -----------------------------------------------------------
+    def _seen(self) -> tuple[gpytorch.kernels.Kernel, torch.Tensor]:
+        """:attr:`seen`, read from the model's ``forward`` (:func:`~gpnys.gp.discover.training_kernel`) before the
+        first training call."""
+        if self.seen is None:
+            self.seen = training_kernel(self.model)
+        return self.seen
+
     @property
     def kernel(self) -> gpytorch.kernels.Kernel:
         """The kernel of the training covariance: the one GPyTorch evaluated in the model's ``forward`` (any
-        attribute name; :func:`~gpnys.gp.discover.training_kernel` before the first training call)."""
-        if self.seen is None:
-            self.seen = training_kernel(self.model)
-        return self.seen[0]
+        attribute name), as it acts on the inputs it was given (:func:`~gpnys.gp.discover.selected_kernel`)."""
+        return self._seen()[0]
 
     @property
     def kernel_fraction(self) -> float | None:
@@ -213,10 +218,9 @@ class TrainingProblem(HookPrediction):
         """The points the kernel sees: the training inputs, or what ``forward`` made of them (e.g. ``20 * x``),
         in the computation dtype; the landmark / kNN cache follows them."""
         X = self.train_x
-        if self.seen is not None:
-            seen = self.kernels.promoted(self.seen[1], X.dtype)
-            if not same_points(seen, X):
-                X = seen
+        seen = self.kernels.promoted(self._seen()[1], X.dtype)
+        if not same_points(seen, X):
+            X = seen
         if not same_points(self.cache.X, X):
             self.cache = PointCache(X.detach())
         return self.cache.X
@@ -244,9 +248,8 @@ class TrainingProblem(HookPrediction):
         ``options`` (e.g. ``{"k": 2000, "w": 60}``) override the preconditioner options for this request; such a
         preconditioner is cached separately from the training one (both rebuilt when the hyperparameters change),
         so posterior solves can use a stronger preconditioner than the many MLL evaluations."""
-        kernel = self.kernel  # first: reading it records the inputs the kernel sees, which inputs() follows
         self.inputs()  # the point cache follows the inputs the kernel sees
-        return self.preconditioners.get(self.cache, kernel, self.noise(), options)
+        return self.preconditioners.get(self.cache, self.kernel, self.noise(), options)
 
     def override(self, op: AddedDiagLinearOperator) -> tuple[Callable, LinearOperator, torch.Tensor]:
         """GPyTorch's ``preconditioner_override`` for the training covariance: ``(closure, P̂ operator,
@@ -391,13 +394,13 @@ class BatchElement(TrainingProblem):
         self.variance_reduction = False
         self._reset(X, parent.model.train_targets[index])
 
-    @property
-    def kernel(self) -> gpytorch.kernels.Kernel:
-        """This element's slice of the training kernel (a detached copy, refreshed by :meth:`covariance`)."""
+    def _seen(self) -> tuple[gpytorch.kernels.Kernel, torch.Tensor]:
+        """This element's slice of the training kernel (a detached copy, refreshed by :meth:`covariance`) and of
+        its inputs."""
         if self.seen is None:
             kernel, inputs = training_kernel(self.model)
             self.seen = (batch_element(kernel, self.index), inputs[self.index])
-        return self.seen[0]
+        return self.seen
 
     def _likelihood_noise(self) -> torch.Tensor:
         noise = self.model.likelihood.noise
