@@ -7,7 +7,16 @@ switch for existing ``ExactGP`` models::
         ...  # the usual GPyTorch training loop
 """
 
-from gpnys import datasets, landmarks
+import warnings
+
+with warnings.catch_warnings():
+    # GPyTorch's linear_operator decorates functions with torch.jit.script as it is imported, which torch 2.15
+    # deprecates with a FutureWarning on every import: nothing a user can act on, and it made the CLI's one-line
+    # errors three lines. Only this import is quieted; the warning shows where the user imports GPyTorch first.
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+    import gpytorch  # noqa: F401
+
+from gpnys import datasets, landmarks  # noqa: E402
 from gpnys.budget import memory_budget
 from gpnys.checks import NumericalWarning
 from gpnys.gp.hook import use_preconditioner

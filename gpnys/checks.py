@@ -12,12 +12,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["NumericalWarning", "validate_points", "validate_training_data", "validate_positive", "validate_mu",
-           "validate_count", "validate_positive_tensors", "validate_choice"]
+__all__ = ["NumericalWarning", "HyperparameterError", "validate_points", "validate_training_data", "validate_positive",
+           "validate_mu", "validate_count", "validate_positive_tensors", "validate_choice"]
 
 
 class NumericalWarning(RuntimeWarning):
     """Numerical trouble that gpnys recovered from (a diagonal shift, a fallback); see ``summary()``."""
+
+
+class HyperparameterError(ValueError):
+    """A hyperparameter at which the marginal likelihood does not exist (a non-finite or non-positive
+    length-scale, outputscale or noise), named in the message. An optimiser's trial point can land there (a
+    length-scale whose softplus underflowed to 0): ``PreconditionedSingleTaskGP``'s fit reads it as an infinite
+    loss, from which L-BFGS-B steps back."""
 
 
 def validate_points(X: torch.Tensor, name: str = "X") -> None:

@@ -94,6 +94,9 @@ CASES = {
     "ReducedGP fit nan": (lambda: ReducedGP(X_good(), inf_y(), gpytorch.likelihoods.GaussianLikelihood().double(),
                                             gpytorch.kernels.ScaleKernel(rbf()).double(), m=5).fit(iters=1), "train_y"),
     "settings solver": (lambda: gpnys.EstimatorSettings(solver="dense"), "solver"),
+    "settings cg tolerance": (lambda: gpnys.EstimatorSettings(cg_tolerance=-1.0), "cg_tolerance"),
+    "settings cg iterations": (lambda: gpnys.EstimatorSettings(max_cg_iterations=0), "max_cg_iterations"),
+    "settings lanczos steps": (lambda: gpnys.EstimatorSettings(lanczos_steps=0), "lanczos_steps"),
     # data and budget
     "datasets unknown": (lambda: datasets.load("no-such-data"), "data"),
     "budget negative": (lambda: gpnys.memory_budget(dense_bytes=-1).__enter__(), "dense_bytes"),

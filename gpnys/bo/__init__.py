@@ -2,6 +2,6 @@
 Imported on demand — importing BoTorch raises GPyTorch's global ``max_cholesky_size`` to 4096, which
 ``import gpnys`` alone must not do."""
 
-from gpnys.bo.model import PreconditionedFantasyGP, PreconditionedSingleTaskGP
+from gpnys.bo.model import PosteriorSolveError, PreconditionedFantasyGP, PreconditionedSingleTaskGP
 
-__all__ = ["PreconditionedSingleTaskGP", "PreconditionedFantasyGP"]
+__all__ = ["PreconditionedSingleTaskGP", "PreconditionedFantasyGP", "PosteriorSolveError"]

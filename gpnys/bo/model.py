@@ -54,8 +54,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import warnings
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import gpytorch
 import torch
@@ -63,6 +64,8 @@ from botorch.fit import DEFAULT_WARNING_HANDLER, _fit_fallback
 from botorch.models import SingleTaskGP
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
+from botorch.optim.closures import get_loss_closure_with_grads
+from botorch.optim.fit import fit_gpytorch_mll_scipy
 from botorch.optim.utils import get_parameters_and_bounds
 from botorch.utils.types import DEFAULT
 from gpytorch.distributions import MultivariateNormal
@@ -71,7 +74,7 @@ from gpytorch.means import Mean
 from gpytorch.module import Module
 
 from gpnys.bo.fantasy import condition_blocks, condition_joint, latent_mvn
-from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive
+from gpnys.checks import HyperparameterError, NumericalWarning, validate_choice, validate_count, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
 from gpnys.gp.path import cholesky_fits, choose_path
@@ -79,9 +82,10 @@ from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.entries import batch_element
 from gpnys.precond.strategy import PRECONDITIONERS
+from gpnys.solvers.pcg import PCGResult
 
 __all__ = [
-    "PreconditionedSingleTaskGP", "PreconditionedFantasyGP", "BO_DEFAULTS", "BO_LANDMARK_CAP",
+    "PreconditionedSingleTaskGP", "PreconditionedFantasyGP", "PosteriorSolveError", "BO_DEFAULTS", "BO_LANDMARK_CAP",
     "POSTERIOR_CHOLESKY_SIZE",
 ]
 
@@ -138,7 +142,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             time (4096 once BoTorch is imported), and above it the cost model of :mod:`gpnys.gp.path` (calibrated
             once per device and dtype) keeps Cholesky where that is predicted faster and fits the memory budget.
         settings: the MLL estimator's knobs (:class:`~gpnys.gp.settings.EstimatorSettings`); by default 16 probes
-            with a fixed ``probe_seed`` (= ``seed``) so the training objective is deterministic for L-BFGS-B. Its
+            with a fixed ``probe_seed`` (= ``seed``, also where the given settings leave it ``None``) so the
+            training objective is deterministic for L-BFGS-B and the global RNG is not touched. Its
             ``solver`` (default ``$GPNYS_SOLVER`` or ``"auto"``) applies to ``max_cholesky_size=None``:
             ``"iterative"`` / ``"cholesky"`` force the path above GPyTorch's threshold.
         seed: seed of the preconditioner (rank estimation, landmarks) and of the probes.
@@ -246,7 +251,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         #: a fantasy model's ``(base model, X_q (*f, *b, q, d), y_q (*f, *b, q), noise (*f, *b, q))``
         #: (:meth:`condition_on_observations`), transformed; ``None`` for a model of its own data
         self._gpnys_fantasy: tuple[PreconditionedSingleTaskGP, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        settings = settings or EstimatorSettings(probe_seed=seed)
+        settings = settings or EstimatorSettings()
+        if settings.probe_seed is None:  # L-BFGS-B's line searches need a deterministic objective
+            settings = dataclasses.replace(settings, probe_seed=seed)
         self._gpnys_config = {"precond": precond, "max_cholesky_size": max_cholesky_size,
                               # the model decides the path (uses_preconditioner); its hook always iterates
                               "solver": settings.solver,
@@ -442,13 +449,17 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if kwargs.get("closure") is None and not self._gpnys_warm_fit:
             self._fit_on_subset(mll, kwargs)
         self._gpnys_warm_fit = False
-        if self._outputs() > 1:
+        if self._outputs() > 1 or kwargs.get("optimizer", fit_gpytorch_mll_scipy) is not fit_gpytorch_mll_scipy:
             # BoTorch fits the m outputs as m independent L-BFGS-B problems in one batch, whose callback does not say
-            # which problem it reports on: each stops on its own tolerances, without the test at the noise level
+            # which problem it reports on: each stops on its own tolerances, without the test at the noise level.
+            # Another optimizer (fit_gpytorch_mll_torch) runs once as the caller set it up (its step_limit, its
+            # stopping criterion): the restarts below answer L-BFGS-B's stop on the estimate's ripples
             with self.preconditioned():
                 return _fit_fallback(mll, **kwargs)
         with self.preconditioned() as hook:
             options = dict(kwargs.get("optimizer_kwargs") or {})
+            if kwargs.get("closure") is None:
+                kwargs["closure"] = _finite_closure(mll, options.get("parameters"))
             user = options.get("callback")
             # L-BFGS-B's box (BoTorch bounds the constrained values, e.g. the noise at 1e-4): a component held at a
             # bound does not count against the stop
@@ -531,7 +542,21 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if self.posterior_exact():  # BoTorch's exact path (module docstring)
             with gpytorch.settings.max_cholesky_size(self.train_inputs[0].shape[-2]):
                 return super().__call__(*args, **kwargs)
-        return self._preconditioned_posterior(args[0])
+        try:
+            return self._preconditioned_posterior(args[0])
+        except PosteriorSolveError as failure:
+            # e.g. float32 at BoTorch's noise floor: PCG's answer would be wrong; Cholesky's is not, where it fits
+            X = self.train_inputs[0]
+            n = X.shape[-2]
+            fits, why = cholesky_fits(n, 1, X.device, X.dtype)
+            if not fits:
+                raise PosteriorSolveError(f"{failure}, and BoTorch's exact path does not fit either ({why}): use "
+                                          "float64 (model.double())") from None
+            self._gpnys_posterior_path = ((n, self._outputs(), X.device, X.dtype), True, f"{failure}: exact path")
+            warnings.warn(f"PreconditionedSingleTaskGP: {failure}; this posterior and the next ones at {n} points "
+                          "take BoTorch's exact Cholesky path", NumericalWarning, stacklevel=2)
+            with gpytorch.settings.max_cholesky_size(n):
+                return super().__call__(*args, **kwargs)
 
     def posterior_exact(self) -> bool:
         """Whether a posterior above ``max_cholesky_size`` takes BoTorch's exact path (one Cholesky of ``K̂``) rather
@@ -570,7 +595,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             r = self.train_targets - self.mean_module(X)
             # the start: the hook's last training solve (same data; after a fit, at these hyperparameters; a new hook
             # starts with warm_start_from's seed), else P̂⁻¹ r
-            alpha = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=self.hook().problem.warm_start).x[:, 0]
+            res = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=self.hook().problem.warm_start)
+            _check_solve(res, self._tolerance(X.dtype, 2), "mean weights")
+            alpha = res.x[:, 0]
         self.alpha_iterations = post.mean_iterations
         return alpha
 
@@ -584,7 +611,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         Ks = [self.covar_module(X, x).to_dense() for x in xs]
         with torch.no_grad():  # one solve: its cost is mostly the products with K̂, whatever the column count
             R = torch.cat([K.detach().movedim(-2, 0).reshape(n, -1) for K in Ks], dim=1)
-            B = post.solve(R, self._tolerance(R.dtype)).x
+            res = post.solve(R, self._tolerance(R.dtype))
+            _check_solve(res, self._tolerance(R.dtype), "posterior")
+            B = res.x
             self.posterior_iterations = post.iterations
             KB = post.A(B)
         out, start = [], 0
@@ -798,10 +827,16 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         X = self.train_inputs[0]
         return X, self.train_targets, torch.cat([v.to(X) for v in values]).clone()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The model without its hook, solves and output models (``copy.deepcopy``, ``pickle``, ``torch.save``):
+        they hold closures and sparse CSR factors, which neither copies, and are rebuilt on first use."""
+        state = super().__getstate__()
+        return {**state, **{name: None for name in _CACHES}}
+
     @contextlib.contextmanager
     def _without_caches(self) -> Iterator[None]:
-        """Detach the hook and solves while the model is deep-copied; restore them afterwards."""
-        names = ("_gpnys_hook", "_gpnys_hook_x", "_gpnys_posterior", "_gpnys_outputs")
+        """Detach the hook and solves while BoTorch or GPyTorch work on the model; restore them afterwards."""
+        names = _CACHES
         caches = [getattr(self, name) for name in names]
         self._clear_gpnys_caches()
         try:
@@ -809,6 +844,49 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         finally:
             for name, value in zip(names, caches):
                 setattr(self, name, value)
+
+
+class PosteriorSolveError(RuntimeError):
+    """The PCG posterior's solves broke down or stalled far above their tolerance (float32 near the noise floor):
+    their answer would be wrong. :class:`PreconditionedSingleTaskGP`'s posterior then takes BoTorch's exact path
+    where it fits the memory budget (one warning), else raises this."""
+
+
+def _check_solve(res: PCGResult, tol: float, what: str) -> None:
+    """Raise :class:`PosteriorSolveError` where ``res`` (a posterior solve to ``tol``) broke down or ended at a
+    true relative residual above ``10 tol`` (where :func:`~gpnys.solvers.pcg.pcg` warns of lost accuracy)."""
+    if res.breakdown is not None and bool(res.breakdown.any()):
+        raise PosteriorSolveError(f"{int(res.breakdown.sum())} of {res.breakdown.numel()} PCG {what} solve(s) broke "
+                                  f"down (K̂ not numerically SPD in {res.x.dtype})")
+    worst = float(res.rel_residual.max())
+    if worst > 10 * tol:
+        raise PosteriorSolveError(f"the PCG {what} solves stalled at a relative residual of {worst:.2g} against "
+                                  f"{tol:g} ({res.x.dtype})")
+
+
+def _finite_closure(mll: gpytorch.mlls.MarginalLogLikelihood,
+                    parameters: dict[str, torch.Tensor] | None = None) -> Callable[..., Any]:
+    """BoTorch's loss closure (``get_loss_closure_with_grads``, on the parameters ``fit_gpytorch_mll_scipy`` takes
+    by default), with a trial point where a hyperparameter leaves the loss undefined
+    (:class:`~gpnys.checks.HyperparameterError`: a length-scale whose softplus underflowed to 0 on a long
+    L-BFGS-B step) read as an infinite loss with a zero gradient: the line search steps back from it, as from any
+    rise, where the error would have ended the fit."""
+    if parameters is None:
+        parameters = {name: p for name, p in get_parameters_and_bounds(mll)[0].items() if p.requires_grad}
+    closure = get_loss_closure_with_grads(mll, parameters=parameters)
+
+    def finite(**kwargs: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        try:
+            return closure(**kwargs)
+        except HyperparameterError:
+            like = next(iter(parameters.values()))
+            return like.new_tensor(math.inf), tuple(torch.zeros_like(p) for p in parameters.values())
+
+    return finite
+
+
+#: the caches of :class:`PreconditionedSingleTaskGP` that a copy of the model leaves behind
+_CACHES = ("_gpnys_hook", "_gpnys_hook_x", "_gpnys_posterior", "_gpnys_outputs")
 
 
 def _same_state(before: tuple[torch.Tensor, ...], now: tuple[torch.Tensor, ...]) -> bool:

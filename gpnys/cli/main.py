@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -19,8 +20,16 @@ from gpnys.collectives import CollectiveError
 SUBCOMMANDS = [fit, pcg, mll, reduce, classify]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser with its errors on one line, ``gpnys <command>: error: ...``, and exit status 2 (argparse
+    prints its whole usage block first). The subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpnys", description="Fast and correct GP hyperparameter optimisation.")
+    parser = OneLineParser(prog="gpnys", description="Fast and correct GP hyperparameter optimisation.")
     sub = parser.add_subparsers(dest="command", required=True)
     for mod in SUBCOMMANDS:
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
@@ -54,7 +63,9 @@ def join_torchrun(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named after the subcommand they were given to
+        parser.exit(2, f"gpnys {args.command}: error: unrecognized arguments: {' '.join(extra)} (see --help)\n")
     try:
         if hasattr(args, "device"):
             args.device = parse_device(args.device)

@@ -101,7 +101,8 @@ STRUCTURED_KERNELS = tuple(getattr(gpytorch.kernels, name) for name in (
 def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | None = None) -> str | None:
     """Why the hook cannot accelerate ``model`` (its data, outputs or likelihood), or ``None``: batched inputs,
     several inputs to ``forward`` (a task index), several outputs, or a likelihood other than a
-    ``GaussianLikelihood`` / ``FixedNoiseGaussianLikelihood`` (multitask likelihoods included)."""
+    ``GaussianLikelihood`` / ``FixedNoiseGaussianLikelihood`` (multitask likelihoods included). Targets whose
+    last dimension is not the inputs' ``n`` under one of those two likelihoods are a ``ValueError``."""
     inputs = model.train_inputs
     if inputs is None or len(inputs) != 1:
         return "its forward() takes several inputs (e.g. a task index)"
@@ -109,13 +110,20 @@ def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | No
     batch = inputs[0].shape[:-2]
     if len(batch) > 1 or X.shape[:-2] != batch:
         return f"its training inputs have more than one batch dimension, shape {tuple(inputs[0].shape)}"
-    targets = model.train_targets
+    targets, likelihood = model.train_targets, model.likelihood
+    single = isinstance(likelihood, (gpytorch.likelihoods.GaussianLikelihood,
+                                     gpytorch.likelihoods.FixedNoiseGaussianLikelihood))
+    n = inputs[0].shape[-2]
+    if single and targets is not None and (targets.dim() == 0 or targets.shape[-1] != n):
+        # a single-output likelihood with targets (n - 1,), (n, 1) or (n, t): GPyTorch fails later, or broadcasts
+        raise ValueError(f"train_targets must hold one target per training point, shape ({n},) (or (b, {n}) with "
+                         f"inputs (b, {n}, d)), got {tuple(targets.shape)}; several outputs need a multitask "
+                         "likelihood or a batch of models")
     if targets is None or targets.shape != inputs[0].shape[:-1]:
         return "it has several outputs or tasks"
     policy = gpytorch.settings.observation_nan_policy.value()
     if policy != "ignore" and not bool(torch.isfinite(model.train_targets).all()):
         return f"its targets hold missing values under observation_nan_policy({policy!r})"
-    likelihood = model.likelihood
     if not isinstance(likelihood, (gpytorch.likelihoods.GaussianLikelihood,
                                    gpytorch.likelihoods.FixedNoiseGaussianLikelihood)):
         return f"its likelihood is a {type(likelihood).__name__}"

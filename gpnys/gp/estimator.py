@@ -69,6 +69,8 @@ class Estimate:
             with ``a = K̂⁻¹ r``, ``u_j = K̂⁻¹ z_j`` and ``u`` the dtype's unit round-off: the first-order effect of
             rounding in the products on the inverse quadratic and the log-determinant (docs/accuracy.md, "Rounding
             in float32"; :func:`_rounding`). It is part of ``std_error``.
+        grad_rounding_error: ``{parameter name: tensor}``, the same for the gradient components without a probe
+            term (the mean's: :func:`_mean_error`; 0 elsewhere); part of ``grad_std_error``.
         path: ``"iterative"`` (this estimator) or ``"cholesky"`` (GPyTorch's dense Cholesky: exact, standard
             errors 0); path_reason: why (:func:`gpnys.gp.path.choose_path`).
 
@@ -91,6 +93,7 @@ class Estimate:
     residual_bound: float = 0.0
     lanczos_error: float = 0.0
     rounding_error: float = 0.0
+    grad_rounding_error: dict[str, torch.Tensor] = field(default_factory=dict)
     path: str = "iterative"
     path_reason: str = ""
 
@@ -102,8 +105,10 @@ class Estimate:
             return sum(v * v for v in values) ** 0.5
 
         names = parts[0].grad_std_error.keys() if all(p.grad_std_error for p in parts) else ()
+        floors = parts[0].grad_rounding_error.keys() if all(p.grad_rounding_error for p in parts) else ()
         return cls(value=sum(p.value for p in parts), std_error=quad([p.std_error for p in parts]),
                    grad_std_error={k: quad([p.grad_std_error[k] for p in parts]) for k in names},
+                   grad_rounding_error={k: quad([p.grad_rounding_error[k] for p in parts]) for k in floors},
                    n=sum(p.n for p in parts), probes=sum(p.probes for p in parts),
                    batches=max(p.batches for p in parts), cg_iterations=max(p.cg_iterations for p in parts),
                    residual_bound=sum(p.residual_bound for p in parts),
@@ -233,6 +238,19 @@ def _rounding(X: torch.Tensor, Z: torch.Tensor, K_abs: torch.Tensor | None) -> f
     c = K_abs.shape[1]
     logdet = float((Z[:, : c - 1].abs() * K_abs[:, 1:]).sum(0).abs().mean()) if c > 1 else 0.0
     return ROUNDING_FACTOR * u * (quad + 0.5 * logdet)
+
+
+def _mean_error(sol: Any, batch: int) -> torch.Tensor | None:
+    """The working precision's floor ``(p,)`` in the mean's gradient ``-aᵀ∂m - ρᵀK̂⁻¹∂m`` (the entries of
+    :func:`_mean_directions`; the directions' solves ``X_c = K̂⁻¹∂m_c`` in ``sol``'s columns after ``1 + batch``):
+    ``4 u |X_c|ᵀ K̂ |a|``, the first-order effect of a relative rounding ``u`` in ``ρ = r - K̂a``, as
+    :func:`_rounding` for the loss. ``None`` without directions or the solve's ``K̂ |a|``. Negligible in float64;
+    in float32 on an ill-conditioned ``K̂`` the solves stall at this floor and the mean's gradient, which has no
+    probe term, was 10-30 % off with a standard error of 0."""
+    X = sol.x[:, 1 + batch :]
+    if X.shape[1] == 0 or sol.abs_products is None:
+        return None
+    return ROUNDING_FACTOR * (torch.finfo(X.dtype).eps / 2) * (X.abs().mT @ sol.abs_products[:, 0])
 
 
 def hyperparameter_summary(kernel: gpytorch.kernels.Kernel, noise: torch.Tensor) -> str:
@@ -424,6 +442,9 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
 
     mean = mvn.mean
     r = (value - mean).detach()
+    if not bool(torch.isfinite(r).all()):  # the targets are checked finite: the mean is not
+        raise NonFiniteError(f"the prior mean m(X) holds NaN or inf (the mean module's parameters), at "
+                             f"{state.describe()}")
     lam_min = float(state.noise.detach().min())
     maxiter = settings.max_cg_iterations
     target = settings.target_rel_error
@@ -440,7 +461,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     loose = directions is not None and settings.probe_seed is None
     share = Y_TOLERANCE_SHARE if loose else Y_TOLERANCE_SHARE_TIGHT
     tol_r = share * settings.cg_tolerance if target is None else min(target, share * settings.cg_tolerance)
-    mean_correction = None
+    mean_correction = mean_error = None
     bound = 0.0
     iterations = 0
     a = inv_quad = None
@@ -502,6 +523,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 rounding = _rounding(sol.x, Z, sol.abs_products)
                 # ρᵀK̂⁻¹∂m by the directions' solves: the mean's gradient to second order in the two solves' errors
                 mean_correction = sol.x[:, 1 + batch :].mT @ rho
+                mean_error = _mean_error(sol, batch)
             cols = slice(1, 1 + batch) if first else slice(None)
             diag, off = sol.tridiagonal
             l_j, e_j = slq_terms((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
@@ -584,11 +606,18 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             batch = int(min(max(need - t, settings.num_probes), settings.max_probes - t))
     t = sum(x.shape[0] for x in ell)
     grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
+    grad_floor = None
+    if grad_se is not None and mean_error is not None and d_index is not None and d_index.numel():
+        # the mean's entries have no probe term: their error bar is the working precision's floor
+        grad_floor = torch.zeros_like(grad_se)
+        grad_floor[d_index] = mean_error.to(grad_se)
+        grad_se = (grad_se.square() + grad_floor.square()).sqrt()
     estimate = Estimate(
         value=value_est, std_error=se, n=n, probes=t, batches=batches, cg_iterations=iterations,
         residual_bound=0.5 * bound, lanczos_error=0.5 * lanczos, rounding_error=rounding,
         path_reason=state.path_reason,
         grad_std_error=_split(grad_se, params) if grad_se is not None else {},
+        grad_rounding_error=_split(grad_floor, params) if grad_floor is not None else {},
     )
     if not tensors:
         logp = torch.as_tensor(-value_est, dtype=r.dtype, device=r.device)
@@ -633,8 +662,9 @@ def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, level: 
     """Whether the last gradient (the parameters' ``.grad``, of ``L / n`` as ``ExactMarginalLogLikelihood`` gives)
     is indistinguishable from zero at its error bars: ``Σ_p (g_p / SE_p)²`` over the ``m`` components is below the
     ``level`` quantile of what pure noise gives, a chi-square with ``m`` degrees of freedom (a test of ``g = 0`` at
-    ``1 - level``; scipy's ``chi2.ppf``). A component without a probe term (a constant mean: exact up to CG) is
-    measured against the smallest standard error of the others, so it must be about converged too. ``False``
+    ``1 - level``; scipy's ``chi2.ppf``). A component without a probe term (a constant mean: exact up to CG and
+    the precision's floor, ``grad_rounding_error``) is measured against the smallest probe standard error of the
+    others, or its floor where larger, so it must be about converged too. ``False``
     without an estimate.
 
     Why a test and not the mean ``≤ 1``: at a point where the gradient *is* pure noise the mean of ``m`` squared
@@ -656,18 +686,21 @@ def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, level: 
         if p is None or p.grad is None:
             continue
         g, se = p.grad.detach().reshape(-1), se.reshape(-1)
+        rounding = estimate.grad_rounding_error.get(name)
+        # the probes' part: 0 for a component without a probe term (its error bar is the precision's floor only)
+        probe = se if rounding is None else (se.square() - rounding.reshape(-1).square()).clamp_min(0.0).sqrt()
         if bounds and name in bounds:
             free = _free_components(p.detach().reshape(-1), g, bounds[name])
             held += int((~free).sum())
-            g, se = g[free], se[free]
-        pairs.append((g, se))
-    positive = [se[se > 0] for _, se in pairs]
-    if sum(g.numel() for g, _ in pairs) == 0:
+            g, se, probe = g[free], se[free], probe[free]
+        pairs.append((g, se, probe))
+    positive = [probe[probe > 0] for _, _, probe in pairs]
+    if sum(g.numel() for g, _, _ in pairs) == 0:
         return held > 0
     if sum(p.numel() for p in positive) == 0:
         return False
     floor = float(torch.cat(positive).min())
-    stat = torch.cat([(g.to(se.dtype) * estimate.n / se.clamp_min(floor)).square() for g, se in pairs])
+    stat = torch.cat([(g.to(se.dtype) * estimate.n / se.clamp_min(floor)).square() for g, se, _ in pairs])
     from scipy.stats import chi2  # here, not at import: scipy.stats costs about a second to import
 
     return bool(float(stat.sum()) <= float(chi2.ppf(level, stat.numel())))

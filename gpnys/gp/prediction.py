@@ -14,6 +14,7 @@ import torch
 from gpnys.budget import block_rows
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.posterior import PCGPosterior
+from gpnys.gp.training import eval_mode
 from gpnys.gp.training import predict as exact_predict
 from gpnys.gp.variance import LocalVariance
 from gpnys.kernels.operator import StationaryKernelOperator
@@ -89,6 +90,11 @@ class HookPrediction:
             >>> bool(((var - var_ref).abs() <= hook.variance_bound + 1e-12).all())  # within the reported bound
             True
         """
+        with eval_mode(self.model):  # the caller's training loop goes on in the mode it had
+            return self._predict(test_x, variance)
+
+    def _predict(self, test_x: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`predict`, with the model and its likelihood in eval mode."""
         model, lik = self.model, self.model.likelihood
         self.variance_bound = None
         t_start = time.perf_counter()
@@ -99,8 +105,6 @@ class HookPrediction:
             total = time.perf_counter() - t_start
             self.prediction_time = {"total_s": total, "variance_s": 0.0}
             return mean, (var if variance else None)
-        model.eval()
-        lik.eval()
         with torch.no_grad(), self.settings.context():
             X = model.train_inputs[0]
             kx = self.kernels.inputs if self.kernels.inputs is not None else self._discovered_inputs()

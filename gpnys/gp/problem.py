@@ -22,7 +22,13 @@ import torch.distributed as dist
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, LinearOperator
 
-from gpnys.checks import NumericalWarning, validate_count, validate_positive_tensors, validate_training_data
+from gpnys.checks import (
+    HyperparameterError,
+    NumericalWarning,
+    validate_count,
+    validate_positive_tensors,
+    validate_training_data,
+)
 from gpnys.collectives import RowGroup, partitioned
 from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
 from gpnys.gp.discover import same_points, selected_kernel, training_kernel
@@ -178,7 +184,10 @@ class TrainingProblem(HookPrediction):
         scale = kernel.outputscale if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
         if scale is not None:
             checks.append(("outputscale", scale, True))
-        zero_scale = validate_positive_tensors(*checks, zero=scale)
+        try:
+            zero_scale = validate_positive_tensors(*checks, zero=scale)
+        except ValueError as err:
+            raise HyperparameterError(str(err)) from None
         if zero_scale and not self._warned_scale:
             self._warned_scale = True
             warnings.warn("gpnys: outputscale is 0, so K̂ = σ² I: GPyTorch's own computation gives its exact loss",

@@ -10,7 +10,7 @@ from typing import Any
 
 import gpytorch
 
-from gpnys.checks import validate_choice
+from gpnys.checks import validate_choice, validate_count, validate_positive
 from gpnys.gp.variance import VARIANCE_NEIGHBOURS
 from gpnys.precond.afn import CV_FAMILIES
 
@@ -170,6 +170,9 @@ class EstimatorOptions:
     refresh_growth: float = 1.5
 
     def __post_init__(self) -> None:
+        validate_positive(self.cg_tolerance, "cg_tolerance")
+        validate_count(self.max_cg_iterations, "max_cg_iterations", 1)
+        validate_count(self.lanczos_steps, "lanczos_steps", 1)
         if self.reuse_tolerance is not None and not float(self.reuse_tolerance) >= 0:
             raise ValueError(f"reuse_tolerance must be >= 0 or None, got {self.reuse_tolerance!r}")
         if not float(self.refresh_growth) >= 1:

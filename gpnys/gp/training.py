@@ -365,12 +365,35 @@ def predict(
         >>> bool((mean - torch.sin(6 * X_test[:, 0])).abs().max() < 0.2)  # close to the noise-free function
         True
     """
-    model.eval()
-    model.likelihood.eval()
     n = model.train_inputs[0].shape[-2]
-    with torch.no_grad(), (settings or exact_settings(n)):
+    with eval_mode(model), torch.no_grad(), (settings or exact_settings(n)):
         pred = model.likelihood(model(test_x))
         return pred.mean, pred.variance
+
+
+@contextlib.contextmanager
+def eval_mode(model: gpytorch.models.ExactGP) -> Iterator[None]:
+    """``model`` and its likelihood in eval mode within the block, and back in the modes they had after it (a
+    prediction inside a training loop leaves the loop's next loss a training loss).
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpnys.gp import ExactGPModel
+        >>> model = ExactGPModel(torch.rand(5, 1), torch.rand(5), gpytorch.likelihoods.GaussianLikelihood())
+        >>> with eval_mode(model):
+        ...     model.training, model.likelihood.training
+        (False, False)
+        >>> model.training, model.likelihood.training
+        (True, True)
+    """
+    modes = model.training, model.likelihood.training
+    model.eval()
+    model.likelihood.eval()
+    try:
+        yield
+    finally:
+        model.train(modes[0])  # the likelihood is a submodule: set after the model
+        model.likelihood.train(modes[1])
 
 
 def gaussian_nll(y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> float:

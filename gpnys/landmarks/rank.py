@@ -20,6 +20,7 @@ The estimate is biased, in known directions (measured accuracy: docs/preconditio
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -251,6 +252,10 @@ def estimate_rank(
     if work_dtype is None:
         work_dtype = torch.promote_types(X.dtype, torch.float64)
     unit = KernelEntries(X, kernel).kernel
+    if any(t.is_floating_point() and t.dtype != work_dtype for t in (*unit.parameters(), *unit.buffers())):
+        # the kernel in the working precision too: not every kernel promotes its float32 parameters against
+        # float64 points (PolynomialKernel's addmm with its offset fails)
+        unit = copy.deepcopy(unit).to(work_dtype)
     gen = torch.Generator(device=X.device).manual_seed(int(seed))
     whole = n <= m
     m_used = n if whole else m

@@ -211,10 +211,14 @@ class NystromPreconditioner(Preconditioner):
         """``log det P(theta)`` and the per-probe ``z_j^T P(theta)^{-1} z_j`` (``(t,)``) with autograd (column sampling, stable scaling).
 
         Same landmarks and shift ``nu`` as this preconditioner, rebuilt from the differentiable ``kernel`` and
-        ``mu``: ``B = Y_nu C^{-T}`` with ``C = chol(K11 + nu I)``, ``P = B B^T + mu I`` (equal to the eq. (8)
-        preconditioner up to the ``nu``-level eigenvalue shift), so with ``M = mu I + B^T B``:
-        ``log det P = (n - k) log mu + log det M`` and ``z^T P^{-1} z = (|z|^2 - |chol(M)^{-1} B^T z|^2) / mu``.
-        Used for the log-det gradient control variate (see :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms`).
+        ``mu``: ``B = Y_nu C^{-T}`` with ``C = chol(K11 + nu I)`` and its thin QR ``B = Q R``, then
+        ``P = Q (R R^T - nu I) Q^T + mu I``, the eq. (8) preconditioner as built (``lam = sigma^2 - nu``: the shift
+        undone). With ``M = R R^T - nu I + mu I``: ``log det P = (n - k) log mu + log det M`` and
+        ``z^T P^{-1} z = (|z|^2 - |Q^T z|^2) / mu + |chol(M)^{-1} Q^T z|^2``. Used for the log-det gradient control
+        variate (see :meth:`gpnys.precond.afn.AFNPreconditioner.differentiable_terms`), which is unbiased only
+        where this family equals the preconditioner the probes were drawn from: without the shift undone it was
+        off by ``nu`` on the landmarks' span, which in float32 (``nu`` about ``sqrt(n) eps ||Y||_F``) reaches the
+        noise level and biased the gradients by many standard errors.
 
         Raises:
             NotImplementedError: for the sketch sampling or the RAN scaling.
@@ -232,13 +236,16 @@ class NystromPreconditioner(Preconditioner):
         Y = Y.index_put((idx, ar), Y[idx, ar] + self.nu)
         C = torch.linalg.cholesky(0.5 * (Y[idx] + Y[idx].mT))
         B = torch.linalg.solve_triangular(C.mT, Y, upper=True, left=False)
+        Q, R = torch.linalg.qr(B)
         eye = torch.eye(self.k, dtype=X.dtype, device=X.device)
-        Lm = torch.linalg.cholesky(m * eye + B.mT @ B)
+        core = R @ R.mT + (m - self.nu) * eye
+        Lm = torch.linalg.cholesky(0.5 * (core + core.mT))
         logdet = (self.n - self.k) * torch.log(m) + 2.0 * Lm.diagonal().log().sum()
         if per_point:
             logdet = logdet + mu.log().sum()
-        proj = torch.linalg.solve_triangular(Lm, B.mT @ Z, upper=False)
-        quad = (Z.square().sum(0) - proj.square().sum(0)) / m
+        W = Q.mT @ Z
+        inner = torch.linalg.solve_triangular(Lm, W, upper=False)
+        quad = (Z.square().sum(0) - W.square().sum(0)) / m + inner.square().sum(0)
         return logdet, quad
 
     # ----------------------------------------------------------------------------------------- building

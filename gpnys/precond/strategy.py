@@ -103,7 +103,7 @@ class AutoPreconditioner(Preconditioner):
                                                     decide_only=True)
         self.rank_s = time.perf_counter() - t_rank
         k = int(self.estimate.k)
-        if k < max_k:
+        if k < max_k or self.n < 2:  # AFN needs two points; at n = 1 a rank-1 Nyström factor is exact
             k = max(1, min(k, self.n))
             self.choice = "nystrom"
             self.inner: Preconditioner = NystromPreconditioner(

@@ -842,3 +842,114 @@ def test_known_noise_fit_matches_single_task_gp():
         assert_rel(lengthscale(model), lengthscale(ref), 0.05, f"fitted lengthscales (subset {subset})")
         # the whole known noise is kept (as SingleTaskGP stores it: standardised with the outcomes)
         torch.testing.assert_close(model.likelihood.noise, ref.likelihood.noise)
+
+
+def test_a_used_model_deep_copies_and_pickles():
+    """After a fit and a PCG posterior the model holds its hook, solves and sparse factors: ``copy.deepcopy``,
+    ``pickle`` and ``torch.save`` leave them behind (they hold closures and CSR tensors) and the copy's posterior
+    is the original's."""
+    import copy
+    import io
+    import pickle
+
+    X, Y = data(150, 3)
+    model = PreconditionedSingleTaskGP(X, Y, precond="afn", max_cholesky_size=0, posterior_cholesky_size=0,
+                                       fit_subset=None)
+    fit_gpytorch_mll(ExactMarginalLogLikelihood(model.likelihood, model), optimizer_kwargs={"options": {"maxiter": 3}})
+    Xt = points_at(4, 3)
+    with torch.no_grad():
+        ref = model.posterior(Xt)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)]
+    assert model._gpnys_hook is not None and model._gpnys_posterior is not None  # the original keeps its caches
+    for other in copies:
+        with torch.no_grad():
+            post = other.posterior(Xt)
+        torch.testing.assert_close(post.mean, ref.mean, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(post.variance, ref.variance, rtol=1e-4, atol=1e-8)
+
+
+def test_given_settings_keep_the_fixed_probes():
+    """``settings=EstimatorSettings(solver="iterative")`` (no ``probe_seed``) still trains on fixed probes seeded by
+    ``seed``: the same fit whatever the global RNG, which it leaves untouched."""
+    X, Y = data(300, 3)
+
+    def fit(global_seed):
+        torch.manual_seed(global_seed)
+        model = PreconditionedSingleTaskGP(X, Y, fit_subset=None, settings=gpnys.EstimatorSettings(solver="iterative"))
+        with gpytorch.settings.max_cholesky_size(100):
+            fit_gpytorch_mll(ExactMarginalLogLikelihood(model.likelihood, model),
+                             optimizer_kwargs={"options": {"maxiter": 5}})
+        draw = torch.rand(1)
+        torch.manual_seed(global_seed)
+        return model.covar_module.lengthscale.detach(), bool(torch.equal(draw, torch.rand(1)))
+
+    (a, untouched_a), (b, untouched_b) = fit(0), fit(1)
+    assert torch.equal(a, b) and untouched_a and untouched_b
+
+
+def test_torch_optimizer_runs_once_with_its_step_limit():
+    """BoTorch's torch optimizer (``fit_gpytorch_mll_torch``) runs as set up: ``step_limit`` steps, no L-BFGS-B
+    restarts on the preconditioned path (the restarts are L-BFGS-B's)."""
+    from botorch.optim.fit import fit_gpytorch_mll_torch
+
+    X, Y = data(200, 3)
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, fit_subset=None)
+    steps = []
+    fit_gpytorch_mll(ExactMarginalLogLikelihood(model.likelihood, model), optimizer=fit_gpytorch_mll_torch,
+                     optimizer_kwargs={"step_limit": 20, "callback": lambda params, result: steps.append(result.step)})
+    assert len(steps) == 20 and model.fit_restarts == 0
+
+
+def test_a_trial_point_without_a_loss_reads_as_an_infinite_loss():
+    """A length-scale whose softplus underflowed to 0 (a long L-BFGS-B step on a kernel without a lower bound):
+    under the hook alone a ``HyperparameterError`` (a ``ValueError``) naming it; in the fit's closure an infinite
+    loss with a zero gradient, from which the line search steps back, where the error ended the fit before."""
+    from gpytorch.kernels import MaternKernel, ScaleKernel
+
+    from gpnys.bo.model import _finite_closure
+    from gpnys.checks import HyperparameterError
+
+    X, Y = data(200, 3, seed=1)
+    model = PreconditionedSingleTaskGP(X, Y, covar_module=ScaleKernel(MaternKernel(nu=2.5, ard_num_dims=3)),
+                                       max_cholesky_size=0, fit_subset=None)
+    mll = ExactMarginalLogLikelihood(model.likelihood, model)
+    closure = _finite_closure(mll)
+    with model.preconditioned():
+        loss, grads = closure()
+        assert math.isfinite(float(loss)) and any(bool(g.abs().sum() > 0) for g in grads)
+        with torch.no_grad():
+            model.covar_module.base_kernel.raw_lengthscale[..., 2] = -1e4  # softplus(-1e4) = 0.0
+        loss, grads = closure()
+        assert float(loss) == math.inf and all(bool((g == 0).all()) for g in grads)
+        mll.train()
+        with pytest.raises(HyperparameterError, match="lengthscale"):
+            mll(model(*model.train_inputs), model.train_targets)
+    assert issubclass(HyperparameterError, ValueError)
+
+
+def test_float32_posterior_at_the_noise_floor_takes_the_exact_path():
+    """float32 at BoTorch's noise floor (1e-4): the PCG solves break down, and their answer would be wrong (a
+    variance of 0.19 where the exact one is 6e-6); the posterior takes BoTorch's exact path instead, with one
+    warning, and matches ``SingleTaskGP``'s float32 posterior."""
+    X, Y = data(1000, 3, dtype=torch.float32, noise_std=0.0)
+    model = PreconditionedSingleTaskGP(X, Y, input_transform=Normalize(d=3), outcome_transform=Standardize(m=1),
+                                       max_cholesky_size=0, posterior_cholesky_size=0)
+    with torch.no_grad():
+        model.covar_module.lengthscale = torch.full_like(model.covar_module.lengthscale, 0.4)
+        model.likelihood.noise = 1e-4
+    ref = SingleTaskGP(X.double(), Y.double(), input_transform=Normalize(d=3), outcome_transform=Standardize(m=1))
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    model.eval(), ref.eval()
+    Xt = points_at(20, 3, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        post = model.posterior(Xt)
+    ours = [w for w in caught if "exact Cholesky path" in str(w.message)]
+    assert len(ours) == 1 and issubclass(ours[0].category, gpnys.NumericalWarning)
+    with torch.no_grad():
+        exact = ref.posterior(Xt.double())
+    torch.testing.assert_close(post.mean.double(), exact.mean, rtol=0, atol=1e-3)
+    torch.testing.assert_close(post.variance.double(), exact.variance, rtol=0, atol=1e-4)

@@ -214,3 +214,17 @@ def test_cli_unwritable_output_exits_2(tmp_path):
                               stderr=subprocess.PIPE, text=True, timeout=300)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "standard output" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, flag", [(["fit", "--lr", "abc"], "--lr"), (["fit", "--kernel", "foo"], "--kernel"),
+                                        (["fit", "--foo"], "--foo"), (["mll", "--n"], "--n"), (["nope"], "command")])
+def test_argument_errors_are_one_line_naming_the_flag(argv, flag, capsys):
+    """argparse's own errors (a bad value, an unknown flag) exit 2 with one line, ``gpnys <command>: error: ...``,
+    naming the flag, not argparse's whole usage block."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    lines = err.strip().splitlines()
+    prefix = "gpnys: error:" if argv[0] == "nope" else f"gpnys {argv[0]}: error:"
+    assert len(lines) == 1 and flag in lines[0] and lines[0].startswith(prefix), err

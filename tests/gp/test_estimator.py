@@ -341,8 +341,9 @@ def _grads(model, mll, X, y, hook_settings=None, **kw):
 @pytest.mark.parametrize("mean", ["constant", "linear"])
 def test_mean_gradient_is_second_order_in_the_solves(mean, dtype, monkeypatch):
     """With fresh probes the solve with y stops at a tenth of the probes' tolerance; the mean's gradient (no probe
-    term, reported with a zero standard error) is still Cholesky's: its directions ride in the first batch and the
-    first-order term ρᵀK̂⁻¹∂m is added. Without that term (the directions withheld) the error is far larger."""
+    term: its error bar is the working precision's floor, about 1e-14 of it in float64) is still Cholesky's: its
+    directions ride in the first batch and the first-order term ρᵀK̂⁻¹∂m is added. Without that term (the
+    directions withheld) the error is far larger."""
     X, y = data(400, dtype=dtype)
     module = gpytorch.means.ConstantMean() if mean == "constant" else gpytorch.means.LinearMean(3)
     model, mll = _mean_model(X, y, module)
@@ -352,7 +353,9 @@ def test_mean_gradient_is_second_order_in_the_solves(mean, dtype, monkeypatch):
     exact, _ = _grads(model, mll, X, y)
     got, hook = _grads(model, mll, X, y, EstimatorSettings())
     names = [n for n in got if n.startswith("mean_module")]
-    assert names and all(float(hook.last_estimate.grad_std_error[n].abs().max()) == 0.0 for n in names)
+    floor = 1e-12 if dtype == F64 else 1e-3
+    assert names and all(float(hook.last_estimate.grad_std_error[n].abs().max()) / 400
+                         <= floor * (1 + float(exact[n].abs().max())) for n in names)
     real = estimator._mean_directions
     monkeypatch.setattr(estimator, "_mean_directions", lambda m, tensors, limit=8: real(m, []))
     first_order, _ = _grads(model, mll, X, y, EstimatorSettings())
@@ -441,7 +444,9 @@ def test_gradient_at_noise():
         for name, p in model.named_parameters():
             p.grad = c * est.grad_std_error[name] / est.n
         assert gradient_at_noise(model, est) == (c * c * live <= chi2.ppf(0.95, m)), c
-    assert 6.25 * live <= chi2.ppf(0.9999, m) and gradient_at_noise(model, est, level=0.9999)  # a laxer test
+    for name, p in model.named_parameters():
+        p.grad = 2.4 * est.grad_std_error[name] / est.n
+    assert 5.76 * live <= chi2.ppf(0.9999, m) and gradient_at_noise(model, est, level=0.9999)  # a laxer test
     # a bounded optimiser: a component held at its bound by an outward gradient has no projected gradient
     for name, p in model.named_parameters():
         p.grad = 0.5 * est.grad_std_error[name] / est.n

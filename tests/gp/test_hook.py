@@ -11,7 +11,7 @@ from gpnys import datasets
 from gpnys.checks import NumericalWarning
 from gpnys.gp.hook import PreconditionerHook, use_preconditioner
 from gpnys.gp.settings import EstimatorSettings
-from gpnys.gp.training import ExactGPModel, fit, hyperparameters
+from gpnys.gp.training import ExactGPModel, exact_settings, fit, hyperparameters
 from gpnys.precond.afn import AFNPreconditioner
 
 
@@ -187,6 +187,44 @@ def test_differentiable_terms_match_the_built_preconditioner(name, monkeypatch):
     h = 1e-7
     fd = (value(1e-2 + h) - value(1e-2 - h)) / (2 * h)
     assert float(mu.grad) == pytest.approx(fd, rel=1e-4)
+
+
+def test_nystrom_family_matches_the_built_preconditioner_in_float32():
+    """The Nyström control variate's family is the preconditioner as built, shift undone: in float32 the shift
+    ``nu`` reaches the noise level, and a family off by ``nu`` on the landmarks' span biased the gradients."""
+    from helpers import make_kernel, points
+
+    from gpnys.precond.strategy import make_preconditioner
+
+    X = points(400, 2, dtype=torch.float32)
+    kern = make_kernel("rbf", 0.2, torch.float32)
+    P = make_preconditioner("nystrom", X, kern, 2e-4, rank=120)
+    assert P.nu > 0.3 * 2e-4  # the regime of the old bias: the shift is of the noise level's order
+    Z = torch.randn(400, 4, generator=torch.Generator().manual_seed(0)).to(torch.float32)
+    logdet, quad = P.differentiable_terms(kern, torch.tensor(2e-4), Z)
+    reference = (Z.double() * P.solve(Z).double()).sum(0)
+    torch.testing.assert_close(quad.double(), reference, rtol=2e-3, atol=0.0)
+    assert float(logdet) == pytest.approx(float(P.logdet()), rel=1e-4)
+
+
+def test_float32_nystrom_gradients_within_their_error_bars():
+    """At a noise of 2e-4 in float32 the Nyström preconditioner's gradients agree with float64 Cholesky within
+    their reported standard errors (they were 15-24 standard errors off before the family took the shift back)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(1000, 2, dtype=torch.float64, generator=g)
+    y = torch.sin(3 * x[:, 0]) + 0.01 * torch.randn(1000, dtype=torch.float64, generator=g)
+    ds = type("D", (), {"train_x": x, "train_y": y})
+    ref = model_at(ds, ls=0.2, noise=2e-4, kernel="rbf")
+    _, g_ref = loss_and_grads(ref, exact_settings(1000))
+    m = model_at(ds, ls=0.2, noise=2e-4, kernel="rbf", dtype=torch.float32)
+    settings = EstimatorSettings(solver="iterative")
+    with use_preconditioner(m, "nystrom", settings=settings) as hook:
+        _, grads = loss_and_grads(m, torch.enable_grad())
+    est = hook.last_estimate
+    for name, value in grads.items():
+        se = est.grad_std_error[name] / 1000
+        z = ((value.double() - g_ref[name]) / se.double().reshape(value.shape)).abs().max()
+        assert float(z) < 5.0, (name, float(z))
 
 
 def test_cli_mll_json_reports_errors_against_cholesky(capsys):
@@ -687,3 +725,40 @@ def test_kernel_with_active_dims(batch):
             ours = float(mll(model(X), y).sum())
     assert hook.builds + sum(e.builds for e in hook.problem.elements or []) >= 1
     assert abs(ours - exact) <= max(4 * hook.last_estimate.std_error / 300, 1e-8), (ours, exact)
+
+
+@pytest.mark.parametrize("solver", ["cholesky", "iterative"])
+def test_predict_leaves_the_training_mode_as_it_was(solver, concrete):
+    """``hook.predict`` inside a training loop: the next loss is still a training loss (the model and its
+    likelihood back in train mode), on both paths; ``gpnys.gp.predict`` restores the mode too."""
+    from gpnys.gp.training import predict
+
+    m = model_at(concrete, ls=0.7)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(m.likelihood, m)
+    x, y = m.train_inputs[0], m.train_targets
+    with use_preconditioner(m, "afn", settings=EstimatorSettings(solver=solver, probe_seed=0), k=50, w=10) as hook:
+        before = float(-mll(m(x), y))
+        hook.predict(x[:5])
+        assert m.training and m.likelihood.training
+        after = float(-mll(m(x), y))
+    assert after == pytest.approx(before, rel=1e-5)  # a training loss again (the warm start moves it a little)
+    m.eval()
+    predict(m, x[:5])
+    assert not m.training and not m.likelihood.training
+    m.train()
+    predict(m, x[:5])
+    assert m.training and m.likelihood.training
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_training_point_on_the_iterative_path(dtype):
+    """n = 1 with the iterative path forced and ``auto``: AFN needs two points, so the rank-1 Nyström factor (exact
+    here) is taken; the loss is Cholesky's."""
+    x = torch.tensor([[0.3, 0.7]], dtype=dtype)
+    ds = type("D", (), {"train_x": x, "train_y": torch.tensor([0.4], dtype=dtype)})
+    exact, _ = loss_and_grads(model_at(ds, dtype=dtype), exact_settings(1))
+    m = model_at(ds, dtype=dtype)
+    with use_preconditioner(m, "auto", settings=EstimatorSettings(solver="iterative")) as hook:
+        loss, _ = loss_and_grads(m, torch.enable_grad())
+    assert hook.last_estimate.path == "iterative"
+    assert loss == pytest.approx(exact, rel=1e-5 if dtype == torch.float32 else 1e-12)

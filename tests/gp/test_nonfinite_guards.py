@@ -72,3 +72,21 @@ def test_pcg_raises_on_a_non_finite_preconditioner():
     A = torch.diag(torch.arange(1.0, 6.0, dtype=torch.float64))
     with pytest.raises(NonFiniteError):
         pcg(lambda V: A @ V, torch.ones(5, dtype=torch.float64), lambda R: R * float("inf"))
+
+
+@pytest.mark.parametrize("mean", ["constant", "linear"])
+def test_a_non_finite_mean_raises_naming_the_mean(mean):
+    """A NaN in the mean module's parameters: ``NonFiniteError`` that names the prior mean and the hyperparameters
+    (before, PCG's "B contains NaN or inf")."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(80, 2, dtype=torch.float64, generator=g)
+    y = torch.sin(4 * X[:, 0])
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    if mean == "linear":
+        model.mean_module = gpytorch.means.LinearMean(2).double()
+    with torch.no_grad():
+        next(model.mean_module.parameters()).fill_(float("nan"))
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    settings = gpnys.EstimatorSettings(solver="iterative")
+    with pytest.raises(NonFiniteError, match="prior mean"), gpnys.use_preconditioner(model, settings=settings):
+        mll(model(X), y)

@@ -180,3 +180,16 @@ def test_missing_targets_under_gpytorchs_nan_policy_pass_through(policy):
     assert loss1 == loss0
     for k in grads0:
         assert torch.equal(grads1[k], grads0[k]), k
+
+
+@pytest.mark.parametrize("shape", [(N - 1,), (N + 5,), (N, 1), (N, 2)])
+def test_targets_of_another_shape_raise_naming_them(shape):
+    """A single-output likelihood with targets that are not one per training point: a ValueError naming
+    ``train_targets`` (GPyTorch would fail later, or broadcast a loss of shape (n,)), not a pass-through."""
+    model = _single(lambda x: gpytorch.kernels.RBFKernel())().double()
+    y = torch.rand(*shape, dtype=torch.float64)
+    model.set_train_data(model.train_inputs[0], y, strict=False)
+    with pytest.raises(ValueError, match="train_targets must hold one target per training point") as err:
+        with gpnys.use_preconditioner(model):
+            pass
+    assert f"got {tuple(shape)}" in str(err.value)

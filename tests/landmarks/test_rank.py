@@ -176,3 +176,14 @@ def test_decide_only_stops_once_the_switch_is_decided(dtype):
     high = estimate_rank(X, kernel, 1e-2, m=300, reps=3, max_k=10**6, seed=4, decide_only=True)
     assert high.branch == "eigen-count" and high.details["reps"] == 3
     assert high.k == estimate_rank(X, kernel, 1e-2, m=300, reps=3, max_k=10**6, seed=4).k
+
+
+def test_float32_kernel_that_does_not_promote():
+    """The estimate works in float64 on float32 points; a kernel whose float32 parameters do not promote against
+    float64 points (PolynomialKernel's ``addmm`` with its offset) is taken in the working precision too, so the
+    estimate runs (before, the Nyström and AFN builds failed and fell back to a pivoted Cholesky)."""
+    X = points(300, 3, dtype=torch.float32)
+    kernel = gpytorch.kernels.PolynomialKernel(power=2)
+    est = estimate_rank(X, kernel, 1e-2)
+    ref = estimate_rank(X.double(), gpytorch.kernels.PolynomialKernel(power=2).double(), 1e-2)
+    assert est.k == ref.k and kernel.offset.dtype == torch.float32  # the caller's kernel is left as it was
