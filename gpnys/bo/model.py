@@ -248,6 +248,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self.posterior_path_reason = ""
         #: the memory budget's choice for ``posterior_cholesky_size=None``: ``((n, m, device, dtype), exact, reason)``
         self._gpnys_posterior_path: tuple[tuple, bool, str] | None = None
+        #: a failed PCG posterior solve: ``(state, reason)``; the exact path is taken while the state is the same
+        self._gpnys_posterior_failed: tuple[tuple[torch.Tensor, ...], str] | None = None
         #: a fantasy model's ``(base model, X_q (*f, *b, q, d), y_q (*f, *b, q), noise (*f, *b, q))``
         #: (:meth:`condition_on_observations`), transformed; ``None`` for a model of its own data
         self._gpnys_fantasy: tuple[PreconditionedSingleTaskGP, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -545,18 +547,23 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         try:
             return self._preconditioned_posterior(args[0])
         except PosteriorSolveError as failure:
-            # e.g. float32 at BoTorch's noise floor: PCG's answer would be wrong; Cholesky's is not, where it fits
-            X = self.train_inputs[0]
-            n = X.shape[-2]
-            fits, why = cholesky_fits(n, 1, X.device, X.dtype)
-            if not fits:
-                raise PosteriorSolveError(f"{failure}, and BoTorch's exact path does not fit either ({why}): use "
-                                          "float64 (model.double())") from None
-            self._gpnys_posterior_path = ((n, self._outputs(), X.device, X.dtype), True, f"{failure}: exact path")
-            warnings.warn(f"PreconditionedSingleTaskGP: {failure}; this posterior and the next ones at {n} points "
-                          "take BoTorch's exact Cholesky path", NumericalWarning, stacklevel=2)
-            with gpytorch.settings.max_cholesky_size(n):
+            self._solve_failed(failure)
+            with gpytorch.settings.max_cholesky_size(self.train_inputs[0].shape[-2]):
                 return super().__call__(*args, **kwargs)
+
+    def _solve_failed(self, failure: PosteriorSolveError) -> None:
+        """After a failed PCG posterior solve (e.g. float32 at BoTorch's noise floor, where PCG's answer would be
+        wrong): the posteriors take BoTorch's exact path while the data and hyperparameters stay as they are (one
+        warning), where its factor fits the memory budget; else :class:`PosteriorSolveError`."""
+        X = self.train_inputs[0]
+        n = X.shape[-2]
+        fits, why = cholesky_fits(n, 1, X.device, X.dtype)
+        if not fits:
+            hint = ": use float64 (model.double())" if X.dtype != torch.float64 else ""
+            raise PosteriorSolveError(f"{failure}, and BoTorch's exact path does not fit either ({why}){hint}") from None
+        self._gpnys_posterior_failed = (self._state(), f"{failure}: BoTorch's exact path")
+        warnings.warn(f"PreconditionedSingleTaskGP: {failure}; the posteriors at these data and hyperparameters "
+                      "take BoTorch's exact Cholesky path", NumericalWarning, stacklevel=3)
 
     def posterior_exact(self) -> bool:
         """Whether a posterior above ``max_cholesky_size`` takes BoTorch's exact path (one Cholesky of ``K̂``) rather
@@ -564,6 +571,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         :func:`gpnys.gp.path.cholesky_fits` finds the memory budget enough, decided once per size, device and dtype
         so that the posteriors of one acquisition optimisation do not switch path as the free memory moves. The
         reason is in ``posterior_path_reason``."""
+        failed = self._gpnys_posterior_failed
+        if failed is not None and _same_state(failed[0], self._state()):  # a PCG solve failed here (_solve_failed)
+            self.posterior_path_reason = failed[1]
+            return True
         X, limit = self.train_inputs[0], self._gpnys_config["posterior_cholesky_size"]
         n = X.shape[-2]
         if limit is not None:
@@ -596,7 +607,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             # the start: the hook's last training solve (same data; after a fit, at these hyperparameters; a new hook
             # starts with warm_start_from's seed), else P̂⁻¹ r
             res = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=self.hook().problem.warm_start)
-            _check_solve(res, self._tolerance(X.dtype, 2), "mean weights")
+            _check_solve(res, self._tolerance(X.dtype), "mean weights")  # α runs tighter than the covariance needs
             alpha = res.x[:, 0]
         self.alpha_iterations = post.mean_iterations
         return alpha
@@ -853,15 +864,14 @@ class PosteriorSolveError(RuntimeError):
 
 
 def _check_solve(res: PCGResult, tol: float, what: str) -> None:
-    """Raise :class:`PosteriorSolveError` where ``res`` (a posterior solve to ``tol``) broke down or ended at a
-    true relative residual above ``10 tol`` (where :func:`~gpnys.solvers.pcg.pcg` warns of lost accuracy)."""
-    if res.breakdown is not None and bool(res.breakdown.any()):
-        raise PosteriorSolveError(f"{int(res.breakdown.sum())} of {res.breakdown.numel()} PCG {what} solve(s) broke "
-                                  f"down (K̂ not numerically SPD in {res.x.dtype})")
+    """Raise :class:`PosteriorSolveError` where ``res`` (a posterior solve) ended at a true relative residual above
+    ``10 tol``, ``tol`` the posterior's tolerance (:meth:`PreconditionedSingleTaskGP._tolerance`): broken down or
+    stalled (``K̂`` not numerically positive definite in the working precision)."""
     worst = float(res.rel_residual.max())
     if worst > 10 * tol:
+        broke = int(res.breakdown.sum()) if res.breakdown is not None else 0
         raise PosteriorSolveError(f"the PCG {what} solves stalled at a relative residual of {worst:.2g} against "
-                                  f"{tol:g} ({res.x.dtype})")
+                                  f"{tol:g} ({res.x.dtype}{f', {broke} broke down' if broke else ''})")
 
 
 def _finite_closure(mll: gpytorch.mlls.MarginalLogLikelihood,
@@ -972,10 +982,13 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
         if base.uses_preconditioner() and not base.posterior_exact():
             # PCG: x's columns and X_q's in one solve, X_q without the batch dimensions it is only broadcast along
             # (the fantasies of one qKG point share it), joined in the variational form
-            Xq = Xq[tuple(slice(0, 1) if Xq.stride(i) == 0 else slice(None) for i in range(Xq.dim() - 2))]
-            t, q = base._pcg_columns(x, Xq)
-            return condition_blocks(t.mean, base._pcg_covariance(t, t), q.mean, base._pcg_covariance(t, q),
-                                    base._pcg_covariance(q, q), y, s)
+            Xq_pcg = Xq[tuple(slice(0, 1) if Xq.stride(i) == 0 else slice(None) for i in range(Xq.dim() - 2))]
+            try:
+                t, q = base._pcg_columns(x, Xq_pcg)
+                return condition_blocks(t.mean, base._pcg_covariance(t, t), q.mean, base._pcg_covariance(t, q),
+                                        base._pcg_covariance(q, q), y, s)
+            except PosteriorSolveError as failure:
+                base._solve_failed(failure)  # then the joint posterior below takes BoTorch's exact path
         batch = torch.broadcast_shapes(x.shape[:-2], y.shape[:-1])
         Z = torch.cat([x.expand(*batch, *x.shape[-2:]), Xq.expand(*batch, *Xq.shape[-2:])], dim=-2)
         return condition_joint(base(Z), x.shape[-2], y, s)

@@ -93,9 +93,9 @@ class Estimate:
     residual_bound: float = 0.0
     lanczos_error: float = 0.0
     rounding_error: float = 0.0
-    grad_rounding_error: dict[str, torch.Tensor] = field(default_factory=dict)
     path: str = "iterative"
     path_reason: str = ""
+    grad_rounding_error: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def total(cls, parts: list["Estimate"]) -> "Estimate":

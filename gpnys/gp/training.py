@@ -365,16 +365,19 @@ def predict(
         >>> bool((mean - torch.sin(6 * X_test[:, 0])).abs().max() < 0.2)  # close to the noise-free function
         True
     """
+    model.eval()  # left in eval mode, as GPyTorch predicts: its prediction cache is kept for the next call
+    model.likelihood.eval()
     n = model.train_inputs[0].shape[-2]
-    with eval_mode(model), torch.no_grad(), (settings or exact_settings(n)):
+    with torch.no_grad(), (settings or exact_settings(n)):
         pred = model.likelihood(model(test_x))
         return pred.mean, pred.variance
 
 
 @contextlib.contextmanager
 def eval_mode(model: gpytorch.models.ExactGP) -> Iterator[None]:
-    """``model`` and its likelihood in eval mode within the block, and back in the modes they had after it (a
-    prediction inside a training loop leaves the loop's next loss a training loss).
+    """``model`` and its likelihood in eval mode within the block, and every submodule back in the mode it had
+    after it (a prediction inside a training loop leaves the loop's next loss a training loss). Back in training,
+    GPyTorch drops its prediction cache, as its ``train()`` does.
 
     Example:
         >>> import gpytorch, torch
@@ -386,14 +389,15 @@ def eval_mode(model: gpytorch.models.ExactGP) -> Iterator[None]:
         >>> model.training, model.likelihood.training
         (True, True)
     """
-    modes = model.training, model.likelihood.training
+    modes = {module: module.training for module in (model, *model.modules(), *model.likelihood.modules())}
     model.eval()
     model.likelihood.eval()
     try:
         yield
     finally:
-        model.train(modes[0])  # the likelihood is a submodule: set after the model
-        model.likelihood.train(modes[1])
+        model.train(modes[model])  # GPyTorch's train() drops the prediction cache on the way back to training
+        for module, flag in modes.items():  # each as it was (a feature extractor kept in eval mode stays there)
+            module.training = flag
 
 
 def gaussian_nll(y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> float:

@@ -953,3 +953,25 @@ def test_float32_posterior_at_the_noise_floor_takes_the_exact_path():
         exact = ref.posterior(Xt.double())
     torch.testing.assert_close(post.mean.double(), exact.mean, rtol=0, atol=1e-3)
     torch.testing.assert_close(post.variance.double(), exact.variance, rtol=0, atol=1e-4)
+
+
+def test_float32_fantasies_at_the_noise_floor_take_the_exact_path():
+    """The fantasy models' PCG solves fail as the posterior's do (float32, noise 1e-4): the base model takes
+    BoTorch's exact path for them too (it stays there at these data and hyperparameters), and the fantasy
+    posterior is finite with positive variances."""
+    from botorch.sampling import SobolQMCNormalSampler
+
+    X, Y = data(1000, 3, dtype=torch.float32, noise_std=0.0)
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, posterior_cholesky_size=0)
+    with torch.no_grad():
+        model.covar_module.lengthscale = torch.full_like(model.covar_module.lengthscale, 0.4)
+        model.likelihood.noise = 1e-4
+    model.eval()
+    Xq, Xt = points_at(2, 3, dtype=torch.float32, seed=3), points_at(5, 3, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        fantasy = model.fantasize(Xq, SobolQMCNormalSampler(torch.Size([2]), seed=0))
+        post = fantasy.posterior(Xt)
+    assert any("exact Cholesky path" in str(w.message) for w in caught)
+    assert bool(torch.isfinite(post.mean).all()) and bool((post.variance > 0).all())
+    assert model.posterior_exact() and "exact path" in model.posterior_path_reason

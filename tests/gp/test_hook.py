@@ -196,15 +196,25 @@ def test_nystrom_family_matches_the_built_preconditioner_in_float32():
 
     from gpnys.precond.strategy import make_preconditioner
 
+    from gpnys.gp.control_variate import control_variate_terms
+
     X = points(400, 2, dtype=torch.float32)
     kern = make_kernel("rbf", 0.2, torch.float32)
-    P = make_preconditioner("nystrom", X, kern, 2e-4, rank=120)
-    assert P.nu > 0.3 * 2e-4  # the regime of the old bias: the shift is of the noise level's order
+    P = make_preconditioner("nystrom", X, kern, 2e-4, rank=80)
+    # the regime of the old bias: the shift is of the noise level's order, and no eigenvalue was clamped at 0
+    assert P.nu > 0.3 * 2e-4 and bool((P.lam > 0).all())
     Z = torch.randn(400, 4, generator=torch.Generator().manual_seed(0)).to(torch.float32)
     logdet, quad = P.differentiable_terms(kern, torch.tensor(2e-4), Z)
     reference = (Z.double() * P.solve(Z).double()).sum(0)
     torch.testing.assert_close(quad.double(), reference, rtol=2e-3, atol=0.0)
     assert float(logdet) == pytest.approx(float(P.logdet()), rel=1e-4)
+    # at rank 120 the build clamps a few eigenvalues at 0, which no smooth family follows: no control variate then
+    # (unbiased, more variance) rather than a family off by up to nu in those directions
+    clamped = make_preconditioner("nystrom", X, kern, 2e-4, rank=120)
+    assert bool((clamped.lam == 0).any()) and clamped.nu > 1e-3 * 2e-4
+    with pytest.raises(NotImplementedError, match="clamped"):
+        clamped.differentiable_terms(kern, torch.tensor(2e-4), Z)
+    assert control_variate_terms(clamped, kern, torch.tensor(2e-4), Z, "auto") is None
 
 
 def test_float32_nystrom_gradients_within_their_error_bars():
@@ -730,7 +740,7 @@ def test_kernel_with_active_dims(batch):
 @pytest.mark.parametrize("solver", ["cholesky", "iterative"])
 def test_predict_leaves_the_training_mode_as_it_was(solver, concrete):
     """``hook.predict`` inside a training loop: the next loss is still a training loss (the model and its
-    likelihood back in train mode), on both paths; ``gpnys.gp.predict`` restores the mode too."""
+    likelihood back in train mode, each submodule as it was), on both paths."""
     from gpnys.gp.training import predict
 
     m = model_at(concrete, ls=0.7)
@@ -742,12 +752,12 @@ def test_predict_leaves_the_training_mode_as_it_was(solver, concrete):
         assert m.training and m.likelihood.training
         after = float(-mll(m(x), y))
     assert after == pytest.approx(before, rel=1e-5)  # a training loss again (the warm start moves it a little)
-    m.eval()
-    predict(m, x[:5])
-    assert not m.training and not m.likelihood.training
+    m.mean_module.eval()  # a submodule the user keeps in eval mode stays there
+    hook.predict(x[:5])
+    assert m.training and m.likelihood.training and not m.mean_module.training
     m.train()
-    predict(m, x[:5])
-    assert m.training and m.likelihood.training
+    predict(m, x[:5])  # gpnys.gp.predict leaves eval mode, as GPyTorch's prediction does (its cache kept)
+    assert not m.training and not m.likelihood.training
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
