@@ -560,7 +560,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         fits, why = cholesky_fits(n, 1, X.device, X.dtype)
         if not fits:
             hint = ": use float64 (model.double())" if X.dtype != torch.float64 else ""
-            raise PosteriorSolveError(f"{failure}, and BoTorch's exact path does not fit either ({why}){hint}") from None
+            raise PosteriorSolveError(f"{failure}, and BoTorch's exact path does not fit either ({why}){hint}") \
+                from None
         self._gpnys_posterior_failed = (self._state(), f"{failure}: BoTorch's exact path")
         warnings.warn(f"PreconditionedSingleTaskGP: {failure}; the posteriors at these data and hyperparameters "
                       "take BoTorch's exact Cholesky path", NumericalWarning, stacklevel=3)

@@ -194,9 +194,8 @@ def test_nystrom_family_matches_the_built_preconditioner_in_float32():
     ``nu`` reaches the noise level, and a family off by ``nu`` on the landmarks' span biased the gradients."""
     from helpers import make_kernel, points
 
-    from gpnys.precond.strategy import make_preconditioner
-
     from gpnys.gp.control_variate import control_variate_terms
+    from gpnys.precond.strategy import make_preconditioner
 
     X = points(400, 2, dtype=torch.float32)
     kern = make_kernel("rbf", 0.2, torch.float32)
