@@ -64,8 +64,11 @@ def join_torchrun(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # named after the subcommand they were given to
-        parser.exit(2, f"gpnys {args.command}: error: unrecognized arguments: {' '.join(extra)} (see --help)\n")
+    if extra:  # named after the subcommand they were given to, or "gpnys" for those before it
+        given = list(sys.argv[1:] if argv is None else argv)
+        before = given[: given.index(args.command)] if args.command in given else []
+        prog = "gpnys" if any(e in before for e in extra) else f"gpnys {args.command}"
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see --help)\n")
     try:
         if hasattr(args, "device"):
             args.device = parse_device(args.device)

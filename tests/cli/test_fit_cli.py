@@ -217,7 +217,8 @@ def test_cli_unwritable_output_exits_2(tmp_path):
 
 
 @pytest.mark.parametrize("argv, flag", [(["fit", "--lr", "abc"], "--lr"), (["fit", "--kernel", "foo"], "--kernel"),
-                                        (["fit", "--foo"], "--foo"), (["mll", "--n"], "--n"), (["nope"], "command")])
+                                        (["fit", "--foo"], "--foo"), (["mll", "--n"], "--n"), (["nope"], "command"),
+                                        (["--foo", "fit"], "--foo")])
 def test_argument_errors_are_one_line_naming_the_flag(argv, flag, capsys):
     """argparse's own errors (a bad value, an unknown flag) exit 2 with one line, ``gpnys <command>: error: ...``,
     naming the flag, not argparse's whole usage block."""
@@ -226,5 +227,5 @@ def test_argument_errors_are_one_line_naming_the_flag(argv, flag, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     lines = err.strip().splitlines()
-    prefix = "gpnys: error:" if argv[0] == "nope" else f"gpnys {argv[0]}: error:"
+    prefix = f"gpnys {argv[0]}: error:" if argv[0] in ("fit", "mll") else "gpnys: error:"
     assert len(lines) == 1 and flag in lines[0] and lines[0].startswith(prefix), err
