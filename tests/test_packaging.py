@@ -8,12 +8,14 @@ there, importing the installed gpnys, not this checkout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import site
 import subprocess
 import sys
+import tempfile
 import venv
 import zipfile
 from pathlib import Path
@@ -33,8 +35,15 @@ NEWEST = {"torch": "2.15.0", "gpytorch": "1.15.2", "linear_operator": "0.6.1", "
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    done = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check",
-                           "--outdir", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+    # one build at a time: each pytest-xdist worker that runs a test of this module builds the wheel, and two
+    # setuptools builds in the checkout's build/ directory remove each other's files
+    with open(Path(tempfile.gettempdir()) / "gpnys-wheel-build.lock", "w") as lock:
+        with contextlib.suppress(ImportError):  # POSIX; elsewhere the builds are not serialised
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        done = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check",
+                               "--outdir", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"the wheel did not build:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     (path,) = out.glob("gpnys-*.whl")
     return path
