@@ -7,13 +7,15 @@ Each check raises ``ValueError`` naming the argument, in the manner of scikit-le
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Collection
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["NumericalWarning", "HyperparameterError", "validate_points", "validate_training_data", "validate_positive",
-           "validate_mu", "validate_count", "validate_positive_tensors", "validate_choice"]
+           "validate_mu", "validate_count", "validate_seed", "validate_positive_tensors", "validate_choice"]
 
 
 class NumericalWarning(RuntimeWarning):
@@ -29,8 +31,11 @@ class HyperparameterError(ValueError):
 
 def validate_points(X: torch.Tensor, name: str = "X") -> None:
     """Raise ``ValueError`` unless ``X`` is a finite, non-empty ``(n, d)`` floating tensor."""
-    if not isinstance(X, torch.Tensor) or X.dim() != 2:
-        raise ValueError(f"{name} must be a 2-D tensor (n, d), got {getattr(X, 'shape', type(X))}")
+    if not isinstance(X, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor (n, d), got {type(X).__name__}"
+                         + (" (torch.as_tensor converts it)" if hasattr(X, "__array__") else ""))
+    if X.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor (n, d), got shape {tuple(X.shape)}")
     if X.shape[0] == 0 or X.shape[1] == 0:
         raise ValueError(f"{name} is empty: shape {tuple(X.shape)}")
     if not X.is_floating_point():
@@ -98,8 +103,9 @@ def validate_mu(mu: float) -> float:
 
 def validate_count(value: int, name: str, low: int = 1, high: int | None = None, high_name: str = "n") -> int:
     """Return ``value`` as an int in ``[low, high]``; raise ``ValueError`` naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int,)) and not (
-        isinstance(value, float) and value.is_integer()
+    # numbers.Integral takes numpy's integers too (GridSearchCV's grids of np.arange); Real an integral float
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) and not (
+        isinstance(value, numbers.Real) and float(value).is_integer()
     ):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     value = int(value)
@@ -108,6 +114,13 @@ def validate_count(value: int, name: str, low: int = 1, high: int | None = None,
     if high is not None and value > high:
         raise ValueError(f"{name}={value} exceeds {high_name}={high}")
     return value
+
+
+def validate_seed(seed: Any) -> int:
+    """Return ``seed`` as an int (numpy's integers too); raise ``ValueError`` naming it otherwise."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    return int(seed)
 
 
 def validate_choice(value: Any, name: str, allowed: Collection[Any], *, also: str = "") -> Any:

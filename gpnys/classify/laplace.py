@@ -266,6 +266,7 @@ class LaplaceGP(LaplacePredictions):
         self.builds_ = 0
         fresh = rate = None  # CG iterations per decade: of the first solve after the latest build, of the last
         first = None  # |r_0|, the first step's residual
+        converged = False
         for _ in range(self.max_newton):
             # the preconditioner is rebuilt for the new W only when CG has slowed by half since the last build
             # (a build costs about as much as a Newton step's solve)
@@ -292,12 +293,18 @@ class LaplaceGP(LaplacePredictions):
                                                 - 0.5 * ((a + t * da) * (f + t * df)).sum()),
                                 psi, slack * (abs(psi) + n))
             if halved is None:
+                converged = True
                 break  # no ascent left at this precision: the mode
             step, psi = halved
             change = float((step * df).abs().max())
             a, f = a + step * da, f + step * df
             if change <= self.newton_tol * max(1.0, float(f.abs().max())):
+                converged = True
                 break
+        if not converged:  # not the mode: its Laplace approximation, and with it every figure below, is off
+            warnings.warn(f"{type(self).__name__}: Newton's method stopped at max_newton = {self.max_newton} steps "
+                          "before the mode moved less than newton_tol (raise max_newton)", NumericalWarning,
+                          stacklevel=3)
         self._state(f)  # a fresh P at the mode: log det B's and the gradient's probes
         self.builds_ += 1
         self.f_hat_, self.a_ = f, a
@@ -429,7 +436,9 @@ class LaplaceGP(LaplacePredictions):
         base, _ = split_outputscale(self.kernel)
         with torch.no_grad():
             Ks = self._s2 * evaluate(base, self._X, Xs).to(self._X.dtype)  # (n, m)
-            mean = Ks.mT @ self._grad  # R&W eq. (3.21)
+            # R&W eq. (3.21), with K⁻¹f̂ for ∇ log p(y|f̂) (equal at the mode): consistent with f̂ where Newton
+            # stopped short of it, where ∇ log p(y|f̂) gave predictions in the hundreds for targets in [-1, 4]
+            mean = Ks.mT @ self.a_
             if not variance:
                 return mean, None
             kss = self._s2 * evaluate(base, Xs, Xs, diag=True).to(self._X.dtype)

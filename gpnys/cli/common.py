@@ -60,6 +60,15 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                         "CPU, half the free GPU memory on CUDA)")
 
 
+def check_fit_flags(iters: int, lr: float, iters_flag: str = "--iters") -> None:
+    """A ``ValueError`` naming the flag for a negative iteration count or a learning rate that is not positive and
+    finite (the library's ``fit`` names its own arguments, ``iters`` and ``lr``)."""
+    if iters < 0:
+        raise ValueError(f"{iters_flag} must be >= 0, got {iters}")
+    if not (lr > 0 and lr < float("inf")):
+        raise ValueError(f"--lr must be positive and finite, got {lr}")
+
+
 def parse_device(text: str | None) -> torch.device | None:
     """``--device``: a torch device that exists here (``ValueError`` naming the flag otherwise)."""
     if text is None:

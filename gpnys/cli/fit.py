@@ -15,6 +15,7 @@ from gpnys.cli.common import (
     add_common_args,
     add_data_args,
     add_estimator_args,
+    check_fit_flags,
     emit_json,
     estimator_from_args,
 )
@@ -59,6 +60,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_fit_flags(args.iters, args.lr)
     ds = datasets.load(
         args.data,
         split=args.split,

@@ -23,6 +23,7 @@ from gpnys.cli.common import (
     DTYPES,
     add_common_args,
     add_data_args,
+    check_fit_flags,
     comma_choices,
     emit_json,
 )
@@ -131,6 +132,7 @@ def _runs(methods: list[str], ms: list[int | str], rules: list[str]) -> list[tup
 
 def run(args: argparse.Namespace) -> int:
     methods, ms, rules = _unique(args.method), _unique(args.m), _unique(args.landmarks)
+    check_fit_flags(args.fit_iters, args.lr, "--fit-iters")
     given = _given_hyperparameters(args)
     ds = datasets.load(args.data, split=args.split, n=args.n, seed=args.seed,
                        standardize=not args.no_standardize, dtype=DTYPES[args.dtype], device=args.device)

@@ -7,7 +7,7 @@ from typing import Any
 import gpytorch
 import torch
 
-from gpnys.checks import validate_positive
+from gpnys.checks import validate_positive, validate_seed
 
 __all__ = ["validate_points_k", "generator", "validate_seed", "validate_noise", "validate_kernel"]
 
@@ -30,11 +30,6 @@ def generator(seed: int, device: torch.device) -> torch.Generator:
     """A ``torch.Generator`` on ``device`` seeded with ``seed``."""
     return torch.Generator(device=device).manual_seed(int(seed))
 
-
-def validate_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")  # noqa: TRY004 (library rule: ValueError)
-    return seed
 
 
 def validate_noise(noise: Any) -> float:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import gpytorch
 import torch
 
-from gpnys.checks import validate_count, validate_mu, validate_points
+from gpnys.checks import validate_count, validate_mu, validate_points, validate_seed
 from gpnys.kernels.entries import KernelEntries
 from gpnys.landmarks.farthest import fps
 from gpnys.linalg import small_dense
@@ -246,8 +246,7 @@ def estimate_rank(
         raise ValueError(f"tol must be in (0, 1), got {tol!r}")
     if refine_n is not None:
         refine_n = validate_count(refine_n, "refine_n", min(int(m), X.shape[0]), X.shape[0], "n")
-    if isinstance(seed, bool) or int(seed) != seed:
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+    seed = validate_seed(seed)
     n, d = X.shape
     if work_dtype is None:
         work_dtype = torch.promote_types(X.dtype, torch.float64)

@@ -53,7 +53,7 @@ import gpytorch
 import torch
 
 from gpnys import landmarks as _landmarks
-from gpnys.checks import validate_choice, validate_count
+from gpnys.checks import validate_choice, validate_count, validate_seed
 from gpnys.collectives import RowGroup
 from gpnys.kernels.entries import KernelEntries, evaluate
 from gpnys.linalg import safe_cholesky, small_dense, thin_matmul
@@ -159,8 +159,7 @@ class NystromPreconditioner(Preconditioner):
         self.sampling = validate_choice(sampling, "sampling", SAMPLINGS)
         self.scaling = validate_choice(scaling, "scaling", SCALINGS)
         validate_choice(landmarks, "landmarks", LANDMARKS)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        seed = validate_seed(seed)
         if landmark_indices is not None and self.sampling != "column":
             raise ValueError("landmark_indices can only be given with sampling='column'")
         if self.diag is not None and self.scaling != "stable":

@@ -21,7 +21,7 @@ import warnings
 import gpytorch
 import torch
 
-from gpnys.checks import NumericalWarning, validate_choice
+from gpnys.checks import NumericalWarning, validate_choice, validate_count
 from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.reduced.features import FeatureGP, Solver
 
@@ -95,8 +95,8 @@ class NystromFeatureMap:
                  rtol: float | None = None) -> None:
         self.kernel, self.landmarks = kernel, landmarks
         m = landmarks.shape[0]
-        if rank is not None and (isinstance(rank, bool) or int(rank) != rank or not 1 <= rank <= m):
-            raise ValueError(f"rank must be an integer in [1, m={m}], got {rank!r}")
+        if rank is not None:
+            rank = validate_count(rank, "rank", 1, m, "m")
         work = torch.promote_types(landmarks.dtype, torch.float64)
         evals, V = torch.linalg.eigh(kernel_block(kernel, landmarks, landmarks).to(work))
         evals, V = evals.flip(-1), V.flip(-1)  # descending

@@ -19,7 +19,7 @@ import gpytorch
 import torch
 from linear_operator.operators import DiagLinearOperator
 
-from gpnys.checks import validate_choice, validate_training_data
+from gpnys.checks import validate_choice, validate_count, validate_training_data
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.kernels.entries import computation_dtype
 from gpnys.landmarks.rules import choose_m, select_landmarks
@@ -40,9 +40,9 @@ Posterior = Union[LLAPosterior, RFFPosterior]
 def _count(m: int | str, X: torch.Tensor, kernel, noise: float, seed: int) -> int:
     if m == "auto":
         return choose_m(X, kernel, noise, seed=seed)
-    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= X.shape[0]:
+    if isinstance(m, str):
         raise ValueError(f"m must be 'auto' or an integer in [1, n={X.shape[0]}], got {m!r}")
-    return m
+    return validate_count(m, "m", 1, X.shape[0])
 
 
 def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import gpytorch
 import pytest
@@ -287,3 +288,17 @@ def test_frozen_kernel_has_no_gradient_and_still_fits():
     clf = LaplaceGPClassifier(kernel, precond_options={"k": 30}, num_probes=8, optimizer_steps=3).fit(X, y)
     assert clf.mll_gradient_ == {} and clf.mll_gradient_std_error_ == {} and clf.history_ == []
     assert abs(clf.log_marginal_likelihood_ - dense_laplace(X, y, kernel, X[:2])[1]) <= 4 * clf.mll_std_error_ + 1e-8
+
+
+def test_newton_stopped_short_of_the_mode_warns_and_predicts_from_its_f():
+    """``max_newton`` reached before the mode: one warning (as the reduced model gives), and the predictions at the
+    training points are the latent ``f̂`` where Newton stopped (``K K⁻¹ f̂``), not ``K ∇ log p(y|f̂)``, which is
+    the mode's form and far off away from it."""
+    X, y = data(200)
+    with pytest.warns(NumericalWarning, match="max_newton"):
+        clf = LaplaceGPClassifier(make_kernel(), max_newton=2).fit(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)
+        LaplaceGPClassifier(make_kernel()).fit(X, y)  # the default converges: no warning
+    mean, _ = clf.predict_latent(X)
+    torch.testing.assert_close(mean, clf.f_hat_, rtol=1e-5, atol=1e-5)

@@ -226,7 +226,7 @@ def test_bad_input_names_the_argument():
         ReducedLaplaceClassifier(k, m=60).fit(X, y)
     with pytest.raises(ValueError, match="subsample must be <= n"):
         ReducedLaplaceClassifier(k, m=10, subsample=60, optimizer_steps=1).fit(X, y)
-    with pytest.raises(ValueError, match="rank must be an integer in"):
+    with pytest.raises(ValueError, match="rank=11 exceeds m=10"):
         ReducedLaplaceClassifier(k, m=10, rank=11).fit(X, y)
     with pytest.raises(ValueError, match="landmarks must have d = 2"):
         ReducedLaplaceClassifier(k, landmarks=torch.rand(5, 3, dtype=F64)).fit(X, y)

@@ -218,14 +218,17 @@ def test_cli_unwritable_output_exits_2(tmp_path):
 
 @pytest.mark.parametrize("argv, flag", [(["fit", "--lr", "abc"], "--lr"), (["fit", "--kernel", "foo"], "--kernel"),
                                         (["fit", "--foo"], "--foo"), (["mll", "--n"], "--n"), (["nope"], "command"),
-                                        (["--foo", "fit"], "--foo")])
+                                        (["--foo", "fit"], "--foo"), (["fit", "--iters", "-1"], "--iters"),
+                                        (["fit", "--lr", "0"], "--lr"), (["reduce", "--lr", "nan"], "--lr"),
+                                        (["reduce", "--fit-iters", "-1"], "--fit-iters")])
 def test_argument_errors_are_one_line_naming_the_flag(argv, flag, capsys):
-    """argparse's own errors (a bad value, an unknown flag) exit 2 with one line, ``gpnys <command>: error: ...``,
-    naming the flag, not argparse's whole usage block."""
+    """argparse's own errors (a bad value, an unknown flag) and out-of-range values exit 2 with one line,
+    ``gpnys <command>: error: ...``, naming the flag (not argparse's whole usage block, nor the library's argument
+    name)."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     lines = err.strip().splitlines()
-    prefix = f"gpnys {argv[0]}: error:" if argv[0] in ("fit", "mll") else "gpnys: error:"
+    prefix = f"gpnys {argv[0]}: error:" if argv[0] in ("fit", "mll", "reduce") else "gpnys: error:"
     assert len(lines) == 1 and flag in lines[0] and lines[0].startswith(prefix), err

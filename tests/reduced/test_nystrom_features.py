@@ -78,6 +78,11 @@ def test_pipelines_and_grid_search():
     grid = GridSearchCV(Pipeline([("nys", NystromFeatures(random_state=0)), ("clf", LinearSVC(C=10.0))]),
                         {"nys__n_components": [2, 30]}, cv=3).fit(X, y)
     assert grid.best_params_ == {"nys__n_components": 30} and grid.best_score_ > 0.9
+    # a grid of numpy integers (np.arange), as scikit-learn users write them
+    grid = GridSearchCV(Pipeline([("nys", NystromFeatures(random_state=0)), ("clf", LinearSVC(C=10.0))]),
+                        {"nys__n_components": np.arange(10, 40, 10), "nys__rank": [None, np.int64(8)]},
+                        cv=3, error_score="raise").fit(X, y)
+    assert isinstance(grid.best_params_["nys__n_components"], np.integer) and grid.best_score_ > 0.9
 
 
 # -- features against dense references ---------------------------------------------------------------------------
