@@ -372,11 +372,15 @@ def main():
     if rank == 0:
         torch.save(to_cpu({**res, "calls": dict(CALLS)}), out_path)
     if distributed and mode != "die":
-        # every rank done before any tears its group down: a rank that exits while its peer is still destroying
-        # the group made gloo's teardown abort that peer ("terminate called without an active exception", about
-        # 1 run in 7 of the failure mode on 2 loaded cores, code of commit 097015e too)
+        # every rank done (its results written) before any leaves, then out without gloo's teardown: a rank that
+        # exits while its peer is still destroying the group made gloo abort that peer ("terminate called without
+        # an active exception", about 1 run in 7 of the failure mode on 2 loaded cores, code of commit 097015e too),
+        # and with a barrier first it still did, rarely (SIGABRT in the rank that rejected its input, under the
+        # whole suite on 2 cores, 2026-11-30)
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
