@@ -18,7 +18,7 @@ import torch
 
 from gpnys import datasets
 from gpnys.classify import LaplaceGPClassifier, ReducedLaplaceClassifier
-from gpnys.cli.common import DTYPES, add_common_args, add_data_args, emit_json
+from gpnys.cli.common import DTYPES, add_common_args, add_data_args, check_fit_flags, emit_json
 from gpnys.distributed import rank_and_size
 from gpnys.kernels import make_kernel
 
@@ -52,9 +52,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     """One ``ValueError`` naming the flag for a value out of range (the CLI exits 2 with it)."""
-    if args.steps < 0:
-        raise ValueError(f"--steps must be >= 0, got {args.steps}")
-    for flag, value in (("--lr", args.lr), ("--outputscale", args.outputscale), ("--lengthscale", args.lengthscale)):
+    check_fit_flags(args.steps, args.lr, "--steps")
+    for flag, value in (("--outputscale", args.outputscale), ("--lengthscale", args.lengthscale)):
         if value is not None and not (value > 0 and value < float("inf")):
             raise ValueError(f"{flag} must be positive and finite, got {value}")
     for flag, value, low in (("--k", args.k, 1), ("--w", args.w, 1), ("--probes", args.probes, 2),

@@ -124,8 +124,7 @@ def unsupported_model(model: gpytorch.models.ExactGP, train_x: torch.Tensor | No
     policy = gpytorch.settings.observation_nan_policy.value()
     if policy != "ignore" and not bool(torch.isfinite(model.train_targets).all()):
         return f"its targets hold missing values under observation_nan_policy({policy!r})"
-    if not isinstance(likelihood, (gpytorch.likelihoods.GaussianLikelihood,
-                                   gpytorch.likelihoods.FixedNoiseGaussianLikelihood)):
+    if not single:
         return f"its likelihood is a {type(likelihood).__name__}"
     if tuple(getattr(likelihood, "batch_shape", ())) not in ((), tuple(batch)):
         return f"its likelihood's batch shape {tuple(likelihood.batch_shape)} is not the inputs' {tuple(batch)}"

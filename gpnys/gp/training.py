@@ -389,9 +389,8 @@ def eval_mode(model: gpytorch.models.ExactGP) -> Iterator[None]:
         >>> model.training, model.likelihood.training
         (True, True)
     """
-    modes = {module: module.training for module in (model, *model.modules(), *model.likelihood.modules())}
+    modes = {module: module.training for module in model.modules()}  # the likelihood is a submodule
     model.eval()
-    model.likelihood.eval()
     try:
         yield
     finally:

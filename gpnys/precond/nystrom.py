@@ -232,17 +232,17 @@ class NystromPreconditioner(Preconditioner):
         if self.sampling != "column" or self.scaling != "stable":
             raise NotImplementedError("differentiable terms exist for column sampling with the stable scaling only")
         X, idx = self.X, self.landmark_indices
-        ar = torch.arange(self.k, device=X.device)
-        Y = evaluate(kernel, X, X[idx])
         per_point = mu.dim() > 0  # (n,) shifts: the same family on S K S + I, S = D^{-1/2}, P = S^{-1} (.) S^{-1}
-        if per_point:
-            sv = mu.rsqrt()
-            Y, Z = sv[:, None] * Y * sv[idx], sv[:, None] * Z
         m = torch.ones((), dtype=X.dtype, device=X.device) if per_point else mu
         if self.nu > FAMILY_NU_SHARE * float(m.detach().min()) and bool((self.lam == 0).any()):
             # the build clamped sigma^2 - nu at 0 in some directions (rounding): a smooth family cannot follow the
             # clamp, and where nu is not small against the shift the mismatch would bias the control variate
             raise NotImplementedError("the Nystrom build clamped eigenvalues at a shift nu not small against mu")
+        ar = torch.arange(self.k, device=X.device)
+        Y = evaluate(kernel, X, X[idx])
+        if per_point:
+            sv = mu.rsqrt()
+            Y, Z = sv[:, None] * Y * sv[idx], sv[:, None] * Z
         Y = Y.index_put((idx, ar), Y[idx, ar] + self.nu)
         C = torch.linalg.cholesky(0.5 * (Y[idx] + Y[idx].mT))
         B = torch.linalg.solve_triangular(C.mT, Y, upper=True, left=False)
