@@ -91,9 +91,9 @@ class Bernoulli(LaplaceLikelihood):
         return torch.nn.functional.logsigmoid((2 * y - 1) * f).sum()
 
     def derivatives(self, f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pi = torch.sigmoid(f)
-        W = pi * (1 - pi)
-        return y - pi, W, -W * (1 - 2 * pi)
+        pi, rest = torch.sigmoid(f), torch.sigmoid(-f)  # 1 - π from σ(-f): no cancellation for large f
+        W = pi * rest
+        return y * rest - (1 - y) * pi, W, -W * (rest - pi)
 
     def moments(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``P(y = 1)`` by the probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W §3.4.2) and its Bernoulli
@@ -102,10 +102,36 @@ class Bernoulli(LaplaceLikelihood):
         return p1, p1 * (1 - p1)
 
 
+#: Below ``z = -PROBIT_TAIL`` the probit's ``r + z`` comes from Laplace's continued fraction, not ``r`` and ``z``.
+PROBIT_TAIL = 3.0
+#: Terms of that continued fraction: within 1e-16 relative of ``r + z`` for ``z ≤ -3`` (against 50-digit mpmath).
+PROBIT_TAIL_TERMS = 60
+
+
+def _probit_ratio_tail(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``T₁, T₂, T₃`` of Laplace's continued fraction ``N(x) / Φ(-x) = x + T₁``, ``T_k = k / (x + T_{k+1})``,
+    for ``x > 0``. ``T₁ = r + z`` at ``z = -x``, free of the cancellation ``r - x`` has far in the tail.
+
+    Written here because torch and scipy give the Mills ratio (``erfcx``) but not its difference from ``x``.
+    """
+    t = torch.zeros_like(x)
+    terms = {}
+    for k in range(PROBIT_TAIL_TERMS, 0, -1):
+        t = k / (x + t)
+        if k <= 3:
+            terms[k] = t
+    return terms[1], terms[2], terms[3]
+
+
 class BernoulliProbit(Bernoulli):
     """Labels ``y ∈ {0, 1}``, probit link: ``log p(y|f) = log Φ(z)``, ``z = y' f``, ``y' = 2y - 1`` (R&W eq. (3.16));
-    with ``r = N(z) / Φ(z)``: ``∇ = y' r``, ``W = r² + z r``, ``∇³ = y' r (2r² + 3zr + z² - 1)``. ``r`` is formed
-    from ``log Φ`` (``torch.special.log_ndtr``), finite far in the tails.
+    with ``r = N(z) / Φ(z)``: ``∇ = y' r``, ``W = r² + z r``, ``∇³ = y' r (2r² + 3zr + z² - 1)``.
+
+    Storage trick: far in the misclassified tail (``z < -3``) ``r → -z``, so ``r + z`` and ``∇³`` cancel (in
+    float32 ``W`` was 2.99 for 1.00 at ``z = -100`` and ``∇³`` 47 % off at ``z = -10``). There ``a = r + z`` is
+    Laplace's continued fraction ``1 / (x + 2 / (x + 3 / (x + …)))``, ``x = -z``, whose tail terms ``c = T₂``,
+    ``d = T₃`` give ``W = r a`` and ``∇³ = y' r a² c (d - c)`` without a difference of near-equal numbers. Both
+    branches run in float64 and return the input's dtype.
 
     Example:
         >>> import torch
@@ -121,10 +147,19 @@ class BernoulliProbit(Bernoulli):
         return torch.special.log_ndtr((2 * y - 1) * f).sum()
 
     def derivatives(self, f: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = 2 * y - 1
-        z = s * f
+        wide = torch.promote_types(f.dtype, torch.float64)
+        s = (2 * y - 1).to(wide)
+        z = s * f.to(wide)
         r = torch.exp(-0.5 * z * z - 0.5 * math.log(2 * math.pi) - torch.special.log_ndtr(z))  # N(z) / Φ(z)
-        return s * r, r * (r + z), s * r * (2 * r * r + 3 * z * r + z * z - 1)
+        a, third = r + z, r * (2 * r * r + 3 * z * r + z * z - 1)
+        tail = z < -PROBIT_TAIL
+        if bool(tail.any()):
+            x = torch.where(tail, -z, torch.ones_like(z))  # 1 keeps the untaken branch finite
+            a_tail, c, d = _probit_ratio_tail(x)
+            a = torch.where(tail, a_tail, a)
+            r = torch.where(tail, x + a_tail, r)
+            third = torch.where(tail, r * a_tail * a_tail * c * (d - c), third)
+        return (s * r).to(f.dtype), (r * a).to(f.dtype), (s * third).to(f.dtype)
 
     def moments(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``P(y = 1) = Φ(μ / √(1 + v))``, exact for the probit link (R&W eq. (3.82)), and its Bernoulli variance."""
