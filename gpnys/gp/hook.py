@@ -166,7 +166,7 @@ class PreconditionerHook:
             out = BatchPreconditionedMVN(out.mean, cov)
         else:
             cov = PreconditionedAddedDiag(self.kernel_operator(cov._linear_op), cov._diag_tensor,
-                                          preconditioner_override=problem.override)
+                                          preconditioner_override=problem.override, settings=problem.settings)
             out = PreconditionedMVN(out.mean, cov)
         out._gpnys_problem = problem
         return out
@@ -174,7 +174,8 @@ class PreconditionerHook:
     @contextlib.contextmanager
     def activate(self):
         """The context: the model's likelihood's ``marginal`` goes through :meth:`marginal` (this likelihood only,
-        restored on exit), under the estimator's GPyTorch settings."""
+        restored on exit). The estimator's GPyTorch settings apply to the marginals it returns, not globally: any
+        other model evaluated in the context computes under its caller's settings."""
         likelihood = self.model.likelihood
         if "marginal" in vars(likelihood):  # an outer hook's wrapper: stacking would drop one on exit
             raise ValueError("model: gpnys.use_preconditioner is already active on this model; nested contexts on "
@@ -191,9 +192,8 @@ class PreconditionerHook:
             return self.marginal(original(function_dist, *args, **kwargs), callers)
 
         likelihood.marginal = marginal
-        try:
-            with self.settings.context():
-                yield self
+        try:  # the hook's GPyTorch settings apply to this model's marginals only (PreconditionedAddedDiag)
+            yield self
         finally:
             del likelihood.marginal  # restore the class method
 

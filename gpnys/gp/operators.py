@@ -4,6 +4,7 @@ sampling, the marginal whose ``log_prob`` adds the control variate, and the cova
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Callable
 
 import gpytorch
@@ -15,6 +16,7 @@ from gpnys.precond.base import Preconditioner
 
 if TYPE_CHECKING:
     from gpnys.gp.problem import TrainingProblem
+    from gpnys.gp.settings import EstimatorSettings
 
 __all__ = ["PreconditionerOperator", "PreconditionedMVN", "BatchPreconditionedMVN", "CholeskyMVN",
            "PreconditionedAddedDiag", "CallerSettingsMVN"]
@@ -70,6 +72,12 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         problem = self._gpnys_problem
+        if problem is None:
+            return self._log_prob(value, None)
+        with problem.settings.context():  # the hook's CG + SLQ, for this marginal only
+            return self._log_prob(value, problem)
+
+    def _log_prob(self, value: torch.Tensor, problem: "TrainingProblem | None") -> torch.Tensor:
         if problem is not None:
             problem.last_probes = None
             if problem.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
@@ -106,7 +114,7 @@ class BatchPreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         op, diag = cov._linear_op, cov._diag_tensor.diagonal()
         dense = None if problem.batch_closed_form(op) else op.evaluate_kernel()  # GPyTorch's own (b, n, n) then
         out = []
-        with problem.paths.timed():
+        with problem.paths.timed(), problem.settings.context():
             for element in problem.elements:
                 i = element.index
                 marginal = gpytorch.distributions.MultivariateNormal(self.mean[i],
@@ -146,10 +154,40 @@ class CallerSettingsMVN(gpytorch.distributions.MultivariateNormal):
 
 
 class PreconditionedAddedDiag(AddedDiagLinearOperator):
-    """An ``AddedDiagLinearOperator`` whose ``preconditioner_override`` survives ``evaluate_kernel()``."""
+    """``K̂ = K + D`` of a hooked model: an ``AddedDiagLinearOperator`` whose ``preconditioner_override`` survives
+    ``evaluate_kernel()``, and whose solves, log-determinants and root decompositions (GPyTorch's training loss and
+    its prediction caches, ``mean_cache`` / ``covar_cache``) run under the hook's GPyTorch settings
+    (``settings``: :class:`~gpnys.gp.settings.EstimatorSettings`, CG + SLQ at its tolerances). The settings are
+    scoped to this operator, not set globally for the hook's context, so another model evaluated inside the
+    context computes as its caller set it up."""
+
+    def __init__(self, *linear_ops: LinearOperator, preconditioner_override: Callable | None = None,
+                 settings: "EstimatorSettings | None" = None) -> None:
+        super().__init__(*linear_ops, preconditioner_override=preconditioner_override)
+        self._kwargs["settings"] = settings  # kept by linear_operator's rebuilds (``self.__class__(*args, **kwargs)``)
+
+    def _scoped(self) -> contextlib.AbstractContextManager:
+        settings = self._kwargs.get("settings")
+        return contextlib.nullcontext() if settings is None else settings.context()
 
     def evaluate_kernel(self) -> "PreconditionedAddedDiag":
         evaluated = super().evaluate_kernel()
-        return PreconditionedAddedDiag(
-            evaluated._linear_op, evaluated._diag_tensor, preconditioner_override=self.preconditioner_override
-        )
+        return PreconditionedAddedDiag(evaluated._linear_op, evaluated._diag_tensor,
+                                       preconditioner_override=self.preconditioner_override,
+                                       settings=self._kwargs.get("settings"))
+
+    def solve(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._scoped():
+            return super().solve(*args, **kwargs)
+
+    def inv_quad_logdet(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._scoped():
+            return super().inv_quad_logdet(*args, **kwargs)
+
+    def root_decomposition(self, *args: Any, **kwargs: Any) -> LinearOperator:
+        with self._scoped():
+            return super().root_decomposition(*args, **kwargs)
+
+    def root_inv_decomposition(self, *args: Any, **kwargs: Any) -> LinearOperator:
+        with self._scoped():
+            return super().root_inv_decomposition(*args, **kwargs)

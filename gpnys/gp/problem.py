@@ -433,4 +433,5 @@ class BatchElement(TrainingProblem):
                 X, s2[self.index] if s2.dim() else s2, ls[self.index] if ls.dim() == 3 else ls,
                 base=split_outputscale(kernel)[0],
                 cache=self.kernels.cache, **self.settings.operator_options(group=False))
-        return PreconditionedAddedDiag(kop, DiagLinearOperator(diag), preconditioner_override=self.override)
+        return PreconditionedAddedDiag(kop, DiagLinearOperator(diag), preconditioner_override=self.override,
+                                       settings=self.settings)

@@ -193,3 +193,45 @@ def test_targets_of_another_shape_raise_naming_them(shape):
         with gpnys.use_preconditioner(model):
             pass
     assert f"got {tuple(shape)}" in str(err.value)
+
+
+def test_other_models_inside_the_context_compute_as_their_caller_set_up():
+    """The hook's GPyTorch settings (CG + SLQ, ``max_cholesky_size=0``) belong to the hooked model's marginals:
+    a second model (a plain GPyTorch model, or one under a hook of its own with other settings) evaluated inside
+    the context gives its own loss, gradients and predictions, bit for bit; before, it got GPyTorch's default CG at
+    the hook's tolerance (0.54 for an exact 0.76 here). The hooked model still matches Cholesky."""
+    from gpnys.gp import ExactGPModel
+    from gpnys.gp.settings import EstimatorSettings
+
+    def model(seed):
+        x = _x(3, seed)
+        return ExactGPModel(x, torch.sin(6 * x[:, 0]), gpytorch.likelihoods.GaussianLikelihood()).double()
+
+    def loss_grads_pred(m):
+        m.train()
+        m.zero_grad()
+        mll = gpytorch.mlls.ExactMarginalLogLikelihood(m.likelihood, m)
+        loss = -mll(m(*m.train_inputs), m.train_targets)
+        loss.backward()
+        m.eval()
+        with torch.no_grad():
+            pred = m.likelihood(m(_x(3, seed=9)[:5]))
+        m.train()
+        return (float(loss), [p.grad.clone() for p in m.parameters()], pred.mean, pred.variance)
+
+    hooked, other, third = model(0), model(1), model(2)
+    before = loss_grads_pred(other)
+    with gpnys.use_preconditioner(hooked, settings=EstimatorSettings(probe_seed=0)) as hook:
+        inside = loss_grads_pred(other)
+        with gpnys.use_preconditioner(third, settings=EstimatorSettings(probe_seed=0, cg_tolerance=0.5)):
+            nested = loss_grads_pred(other)
+        ours = loss_grads_pred(hooked)
+        se = hook.last_estimate.std_error / N  # of the loss per point
+    for got in (inside, nested):
+        assert got[0] == before[0]
+        for a, b in zip(got[1:], before[1:]):
+            for u, v in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+                assert torch.equal(u, v)
+    exact = loss_grads_pred(hooked)  # outside the hook: Cholesky at n = 60
+    assert abs(ours[0] - exact[0]) <= 4 * se
+    torch.testing.assert_close(ours[2], exact[2], rtol=1e-4, atol=1e-5)
