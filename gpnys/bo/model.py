@@ -750,9 +750,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if (not self.uses_preconditioner() or X.dim() != 2 or Y.dim() != 2 or kwargs or self._known_noise()
                 or self._outputs() > 1):
             with self._without_caches():  # GPyTorch deep-copies the model (sparse CSR factors cannot be copied)
-                if self.prediction_strategy is None:  # its fantasy update needs its caches (CG / Lanczos here)
-                    with torch.no_grad():
-                        gpytorch.models.ExactGP.__call__(self.eval(), self.train_inputs[0][..., :1, :])
+                self._prediction_caches()
                 new = super().condition_on_observations(X, Y, **kwargs)
             new._gpnys_warned = True  # a model of this documented path: no "not preconditioned" warning
             return new
@@ -770,6 +768,34 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         new.warm_start_from(self)  # its solves start from this model's K̂⁻¹ (y - m) (same hyperparameters)
         new._gpnys_warm_fit = False  # a refit of the new model starts as usual
         return new
+
+    def get_fantasy_model(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: Any) -> "SingleTaskGP":
+        """GPyTorch's ``get_fantasy_model`` (``inputs (*b, q, d)`` and ``targets (*b, q)`` in the model's transformed
+        space): a copy of this model with the points appended and GPyTorch's fantasy update of its caches, which
+        are built first where this model's posterior does not build them (its PCG path).
+
+        Example:
+            >>> import torch
+            >>> from gpnys.bo import PreconditionedSingleTaskGP
+            >>> X = torch.rand(80, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+            >>> gp = PreconditionedSingleTaskGP(X, X.sum(-1, keepdim=True).sin(), outcome_transform=None,
+            ...                                 max_cholesky_size=40, posterior_cholesky_size=0).eval()
+            >>> new = gp.get_fantasy_model(X[:3] + 0.01, torch.zeros(3, dtype=torch.float64))
+            >>> new.train_inputs[0].shape
+            torch.Size([83, 2])
+        """
+        with self._without_caches():
+            self._prediction_caches()
+            new = super().get_fantasy_model(inputs, targets, **kwargs)
+        new._gpnys_warned = True
+        return new
+
+    def _prediction_caches(self) -> None:
+        """Build GPyTorch's ``prediction_strategy`` (CG / Lanczos above its ``max_cholesky_size``), which its fantasy
+        updates need and this model's PCG posterior does not build."""
+        if self.prediction_strategy is None:
+            with torch.no_grad():
+                gpytorch.models.ExactGP.__call__(self.eval(), self.train_inputs[0][..., :1, :])
 
     def _fantasy_applies(self, X: torch.Tensor, Y: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Whether :meth:`condition_on_observations` returns a fantasy model (its docstring): batched points or a

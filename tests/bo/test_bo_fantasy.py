@@ -81,6 +81,25 @@ def test_fantasy_posterior_matches_single_task_gp(path, dtype):
 
 
 @pytest.mark.parametrize("path", list(PATHS))
+def test_get_fantasy_model_matches_single_task_gp(path):
+    """GPyTorch's ``get_fantasy_model`` (transformed inputs and targets) on every posterior path: on the PCG path,
+    whose posterior builds no GPyTorch caches, it raised "call the model on some data first" after a posterior."""
+    ref, model = models(path, transforms=False)
+    Xq, Xt = points_at(3, D, seed=10), points_at(5, D, seed=11)
+    yq = torch.linspace(-1.0, 1.0, 3, dtype=torch.float64)
+    outs = []
+    for m in (ref, model):
+        m.eval()
+        with torch.no_grad():
+            m.posterior(Xt)
+            new = m.get_fantasy_model(Xq, yq)
+            assert new.train_inputs[0].shape == (N + 3, D)
+            outs.append(new.posterior(Xt))
+    assert_close(outs[1].mean, outs[0].mean, 1e-8, "mean")
+    assert_close(outs[1].variance, outs[0].variance, 1e-7, "variance")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 def test_fantasy_of_a_fantasy(path):
     ref, model = models(path)
     Xq = points_at(2, D, seed=10, batch=(3,))
