@@ -56,7 +56,7 @@ import copy
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import gpytorch
 import torch
@@ -64,7 +64,7 @@ from botorch.fit import DEFAULT_WARNING_HANDLER, _fit_fallback
 from botorch.models import SingleTaskGP
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
-from botorch.optim.closures import get_loss_closure_with_grads
+from botorch.optim.closures import get_loss_closure
 from botorch.optim.fit import fit_gpytorch_mll_scipy
 from botorch.optim.utils import get_parameters_and_bounds
 from botorch.utils.types import DEFAULT
@@ -93,8 +93,9 @@ __all__ = [
 #: wherever Cholesky's working set fits the memory budget (``n³/3`` flops and ``8 n²`` bytes a matrix in float64),
 #: instead of solving by PCG per acquisition call (module docstring; docs/bo.md)
 POSTERIOR_CHOLESKY_SIZE: int | None = None
-#: fresh L-BFGS-B runs after one that stopped on its own with the gradient still above its noise (:meth:`custom_fit`)
-FIT_RESTARTS = 2
+#: at most this many fresh L-BFGS-B runs after one that stopped on its own with the gradient still above its noise
+#: and more than the loss's standard error gained (:meth:`custom_fit`)
+FIT_RESTARTS = 8
 
 #: landmark / neighbour counts of ``afn`` and ``auto`` in :class:`PreconditionedSingleTaskGP` unless given (``k`` is
 #: capped at a fraction of ``n``, :data:`BO_LANDMARK_CAP`). BO data are often nearly noiseless (BoTorch's noise
@@ -451,17 +452,17 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if kwargs.get("closure") is None and not self._gpnys_warm_fit:
             self._fit_on_subset(mll, kwargs)
         self._gpnys_warm_fit = False
-        if self._outputs() > 1 or kwargs.get("optimizer", fit_gpytorch_mll_scipy) is not fit_gpytorch_mll_scipy:
-            # BoTorch fits the m outputs as m independent L-BFGS-B problems in one batch, whose callback does not say
-            # which problem it reports on: each stops on its own tolerances, without the test at the noise level.
-            # Another optimizer (fit_gpytorch_mll_torch) runs once as the caller set it up (its step_limit, its
-            # stopping criterion): the restarts below answer L-BFGS-B's stop on the estimate's ripples
-            with self.preconditioned():
+        if kwargs.get("optimizer", fit_gpytorch_mll_scipy) is not fit_gpytorch_mll_scipy:
+            # another optimizer (fit_gpytorch_mll_torch) runs once as the caller set it up (its step_limit, its
+            # stopping criterion): the stop and restarts below answer L-BFGS-B's stop on the estimate's ripples
+            with self.preconditioned(), _finite_loss(mll):
                 return _fit_fallback(mll, **kwargs)
-        with self.preconditioned() as hook:
+        # m outputs: BoTorch fits them as m independent L-BFGS-B problems in one batch, whose callback does not say
+        # which problem it reports on: each stops on its own tolerances, without the test at the noise level, and
+        # the restarts need the caller's iteration budget unset (its steps are not counted)
+        multi = self._outputs() > 1
+        with self.preconditioned() as hook, _finite_loss(mll):
             options = dict(kwargs.get("optimizer_kwargs") or {})
-            if kwargs.get("closure") is None:
-                kwargs["closure"] = _finite_closure(mll, options.get("parameters"))
             user = options.get("callback")
             # L-BFGS-B's box (BoTorch bounds the constrained values, e.g. the noise at 1e-4): a component held at a
             # bound does not count against the stop
@@ -482,9 +483,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                     raise StopIteration
 
             maxiter = (options.get("options") or {}).get("maxiter")
+            if multi and maxiter is not None:
+                return _fit_fallback(mll, **kwargs)
+            last, idle = math.inf, 0  # the estimated loss where the previous run ended; runs in a row without gain
             while True:
                 left = None if maxiter is None else maxiter - steps[0]
-                run = {**options, "callback": at_noise}
+                run = options if multi else {**options, "callback": at_noise}
                 if left is not None:
                     run["options"] = {**options["options"], "maxiter": left}
                 kwargs["optimizer_kwargs"] = run
@@ -492,11 +496,25 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 # L-BFGS-B also stops on its own, on a relative change of the estimated loss below its ftol: the
                 # estimate is only as smooth as the CG tolerances make it, and a step that lands in one of its
                 # ripples can end the run far from the optimum. A fresh run from there (a new curvature model)
-                # goes on, unless the gradient is at its noise there or the budget is spent.
-                if (self.fit_stopped is not None or self.fit_restarts >= FIT_RESTARTS
-                        or (left is not None and steps[0] >= maxiter)
+                # goes on while the gradient is above its noise, one of the last two runs gained more than the
+                # loss's standard error, and the restarts and the caller's budget last.
+                if (self.fit_stopped is not None or (left is not None and steps[0] >= maxiter)
                         or self._gradient_at_noise(mll, hook, bounds)):
                     return mll
+                estimate = hook.last_estimate
+                # a fresh run right after a long one often stops within a few steps, and the next goes on: two
+                # runs in a row that gain less than the loss's standard error end the fit
+                idle = idle + 1 if last - estimate.value <= estimate.std_error else 0
+                if idle >= 2 or self.fit_restarts >= FIT_RESTARTS:
+                    self.fit_stopped = "no progress" if self.fit_restarts < FIT_RESTARTS else "restarts spent"
+                    warnings.warn(
+                        f"gpnys: the fit stopped with the gradient above its noise ({self.fit_stopped} after "
+                        f"{self.fit_restarts} fresh L-BFGS-B runs): the estimated loss is not smooth enough here "
+                        "for L-BFGS-B, and the hyperparameters may be short of the optimum; more probes "
+                        "(EstimatorSettings(num_probes=...)) or precond='auto' smooth it", NumericalWarning,
+                        stacklevel=3)
+                    return mll
+                last = estimate.value
                 self.fit_restarts += 1
 
     def _gradient_at_noise(self, mll: gpytorch.mlls.MarginalLogLikelihood, hook: PreconditionerHook,
@@ -509,10 +527,32 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         try:
             model = mll.model
             (-mll(model(*model.train_inputs), model.train_targets).sum()).backward()
-            return gradient_at_noise(self, hook.last_estimate, bounds=bounds)
+            at_noise = gradient_at_noise(self, hook.last_estimate, bounds=bounds)
+            if not at_noise:
+                self._constant_mean_step(hook.last_estimate)
+            return at_noise
         finally:
             mll.zero_grad()
             mll.train(mode)
+
+    def _constant_mean_step(self, estimate: Any) -> None:
+        """Newton's step on a ``ConstantMean``'s constant (without a constraint or prior), from the gradient just
+        computed: the loss is quadratic in it, ``L(c) = L + g (c' - c) + ½ H (c' - c)²`` with
+        ``H = 1ᵀK̂⁻¹1`` (``estimate.mean_curvature``), so ``c - g / H`` is its exact optimum at the other
+        hyperparameters. The constant has no probe noise, but L-BFGS-B moves it with the others, whose noisy
+        gradients can stall it: a fit ended 19 nats short with only the constant 2.5 off its optimum."""
+        mean = self.mean_module
+        if (type(mean) is not gpytorch.means.ConstantMean or getattr(mean, "raw_constant_constraint", None)
+                is not None or any(True for _ in mean.named_priors())):
+            return
+        H = estimate.mean_curvature.get("mean_module.raw_constant")
+        p = mean.raw_constant
+        if H is None or p.grad is None:
+            return
+        H = H.reshape(p.shape).to(p)
+        with torch.no_grad():
+            n = self.train_targets.shape[-1]  # the gradient is of the loss per point (each output's, for m)
+            p.sub_(torch.where(H > 0, p.grad * n / H.clamp_min(torch.finfo(H.dtype).tiny), 0.0))
 
     def _fit_on_subset(self, mll: gpytorch.mlls.MarginalLogLikelihood, kwargs: dict[str, Any]) -> None:
         """Start values for the full-data fit: ``_fit_fallback`` on ``fit_subset`` seeded random training points
@@ -907,25 +947,34 @@ def _check_solve(res: PCGResult, tol: float, what: str) -> None:
                                   f"{tol:g} ({res.x.dtype}{f', {broke} broke down' if broke else ''})")
 
 
-def _finite_closure(mll: gpytorch.mlls.MarginalLogLikelihood,
-                    parameters: dict[str, torch.Tensor] | None = None) -> Callable[..., Any]:
-    """BoTorch's loss closure (``get_loss_closure_with_grads``, on the parameters ``fit_gpytorch_mll_scipy`` takes
-    by default), with a trial point where a hyperparameter leaves the loss undefined
-    (:class:`~gpnys.checks.HyperparameterError`: a length-scale whose softplus underflowed to 0 on a long
-    L-BFGS-B step) read as an infinite loss with a zero gradient: the line search steps back from it, as from any
-    rise, where the error would have ended the fit."""
-    if parameters is None:
-        parameters = {name: p for name, p in get_parameters_and_bounds(mll)[0].items() if p.requires_grad}
-    closure = get_loss_closure_with_grads(mll, parameters=parameters)
+@contextlib.contextmanager
+def _finite_loss(mll: gpytorch.mlls.MarginalLogLikelihood) -> Iterator[None]:
+    """Within the context, BoTorch's loss for ``mll`` (``get_loss_closure``, which every fit of BoTorch's builds its
+    closures from, the m outputs' batched one included, through ``mll.compute_custom_loss``) reads a trial point
+    whose hyperparameters leave the loss undefined (:class:`~gpnys.checks.HyperparameterError`: a length-scale
+    whose softplus underflowed to 0 on a long L-BFGS-B step) as an infinite loss with a zero gradient, from which
+    the line search steps back as from any rise, where the error would have ended the fit. A batch of m outputs
+    gets an infinite loss for each (the hook checks them together), as BoTorch's own closure does for a NaN."""
+    own = vars(mll).get("compute_custom_loss")
+    default = get_loss_closure(mll)
 
-    def finite(**kwargs: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def loss(**kwargs: Any) -> torch.Tensor:
         try:
-            return closure(**kwargs)
+            return default(**kwargs)
         except HyperparameterError:
-            like = next(iter(parameters.values()))
-            return like.new_tensor(math.inf), tuple(torch.zeros_like(p) for p in parameters.values())
+            params = [p for p in mll.parameters() if p.requires_grad]
+            zero = sum(p.sum() for p in params) * 0.0  # a graph to the parameters: their gradients are 0
+            like = params[0]
+            return torch.full(mll.model._aug_batch_shape, math.inf, dtype=like.dtype, device=like.device) + zero
 
-    return finite
+    mll.compute_custom_loss = loss
+    try:
+        yield
+    finally:
+        if own is None:
+            del mll.compute_custom_loss
+        else:
+            mll.compute_custom_loss = own
 
 
 #: the caches of :class:`PreconditionedSingleTaskGP` that a copy of the model leaves behind

@@ -42,7 +42,7 @@ from gpnys.precond.base import Preconditioner
 from gpnys.solvers.pcg import NonFiniteError, QuadratureTest, pcg
 
 __all__ = ["Estimate", "EstimatorState", "Evaluation", "log_prob", "slq_terms", "gradient_at_noise", "PROXY_ABOVE",
-           "NOISE_LEVEL"]
+           "NOISE_LEVEL", "MEAN_GAIN_SHARE"]
 
 #: :func:`gradient_at_noise`: the gradient is taken as zero when a chi-square test at ``1 - NOISE_LEVEL`` cannot
 #: tell it from its noise
@@ -71,6 +71,9 @@ class Estimate:
             in float32"; :func:`_rounding`). It is part of ``std_error``.
         grad_rounding_error: ``{parameter name: tensor}``, the same for the gradient components without a probe
             term (the mean's: :func:`_mean_error`; 0 elsewhere); part of ``grad_std_error``.
+        mean_curvature: ``{parameter name: tensor}``, ``∂m_cᵀ K̂⁻¹ ∂m_c`` for the mean's entries (0 elsewhere): the
+            loss is quadratic in a mean that is linear in its parameters, so a gradient ``g_c`` there is worth a
+            gain of ``g_c² / (2 ∂m_cᵀ K̂⁻¹ ∂m_c)`` (:func:`gradient_at_noise`).
         path: ``"iterative"`` (this estimator) or ``"cholesky"`` (GPyTorch's dense Cholesky: exact, standard
             errors 0); path_reason: why (:func:`gpnys.gp.path.choose_path`).
 
@@ -96,6 +99,7 @@ class Estimate:
     path: str = "iterative"
     path_reason: str = ""
     grad_rounding_error: dict[str, torch.Tensor] = field(default_factory=dict)
+    mean_curvature: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def total(cls, parts: list["Estimate"]) -> "Estimate":
@@ -106,9 +110,11 @@ class Estimate:
 
         names = parts[0].grad_std_error.keys() if all(p.grad_std_error for p in parts) else ()
         floors = parts[0].grad_rounding_error.keys() if all(p.grad_rounding_error for p in parts) else ()
+        curvatures = parts[0].mean_curvature.keys() if all(p.mean_curvature for p in parts) else ()
         return cls(value=sum(p.value for p in parts), std_error=quad([p.std_error for p in parts]),
                    grad_std_error={k: quad([p.grad_std_error[k] for p in parts]) for k in names},
                    grad_rounding_error={k: quad([p.grad_rounding_error[k] for p in parts]) for k in floors},
+                   mean_curvature={k: sum(p.mean_curvature[k] for p in parts) for k in curvatures},
                    n=sum(p.n for p in parts), probes=sum(p.probes for p in parts),
                    batches=max(p.batches for p in parts), cg_iterations=max(p.cg_iterations for p in parts),
                    residual_bound=sum(p.residual_bound for p in parts),
@@ -197,6 +203,10 @@ ROUNDING_FACTOR, ROUNDING_PROBES = 4.0, 4
 #: hyperparameters) and where the mean has more than ``MEAN_DIRECTIONS`` parameter entries (:func:`_mean_directions`;
 #: docs/accuracy.md, "Where the error bars come from")
 Y_TOLERANCE_SHARE, Y_TOLERANCE_SHARE_TIGHT, MEAN_DIRECTIONS = 1e-1, 1e-2, 8
+
+#: :func:`gradient_at_noise`: the mean's entries (no probe term) count as converged once the gain they still offer
+#: is below this share of the loss's standard error
+MEAN_GAIN_SHARE = 0.1
 
 
 def _mean_directions(mean: torch.Tensor, tensors: list[torch.Tensor],
@@ -461,7 +471,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     loose = directions is not None and settings.probe_seed is None
     share = Y_TOLERANCE_SHARE if loose else Y_TOLERANCE_SHARE_TIGHT
     tol_r = share * settings.cg_tolerance if target is None else min(target, share * settings.cg_tolerance)
-    mean_correction = mean_error = None
+    mean_correction = mean_error = curvature = None
     bound = 0.0
     iterations = 0
     a = inv_quad = None
@@ -524,6 +534,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 # ρᵀK̂⁻¹∂m by the directions' solves: the mean's gradient to second order in the two solves' errors
                 mean_correction = sol.x[:, 1 + batch :].mT @ rho
                 mean_error = _mean_error(sol, batch)
+                curvature = (D * sol.x[:, 1 + batch :]).sum(0)  # ∂m_cᵀ K̂⁻¹ ∂m_c
             cols = slice(1, 1 + batch) if first else slice(None)
             diag, off = sol.tridiagonal
             l_j, e_j = slq_terms((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
@@ -606,18 +617,23 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             batch = int(min(max(need - t, settings.num_probes), settings.max_probes - t))
     t = sum(x.shape[0] for x in ell)
     grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
-    grad_floor = None
-    if grad_se is not None and mean_error is not None and d_index is not None and d_index.numel():
-        # the mean's entries have no probe term: their error bar is the working precision's floor
-        grad_floor = torch.zeros_like(grad_se)
-        grad_floor[d_index] = mean_error.to(grad_se)
-        grad_se = (grad_se.square() + grad_floor.square()).sqrt()
+    grad_floor = grad_curvature = None
+    if grad_se is not None and d_index is not None and d_index.numel():
+        if mean_error is not None:
+            # the mean's entries have no probe term: their error bar is the working precision's floor
+            grad_floor = torch.zeros_like(grad_se)
+            grad_floor[d_index] = mean_error.to(grad_se)
+            grad_se = (grad_se.square() + grad_floor.square()).sqrt()
+        if curvature is not None:
+            grad_curvature = torch.zeros_like(grad_se)
+            grad_curvature[d_index] = curvature.to(grad_se)
     estimate = Estimate(
         value=value_est, std_error=se, n=n, probes=t, batches=batches, cg_iterations=iterations,
         residual_bound=0.5 * bound, lanczos_error=0.5 * lanczos, rounding_error=rounding,
         path_reason=state.path_reason,
         grad_std_error=_split(grad_se, params) if grad_se is not None else {},
         grad_rounding_error=_split(grad_floor, params) if grad_floor is not None else {},
+        mean_curvature=_split(grad_curvature, params) if grad_curvature is not None else {},
     )
     if not tensors:
         logp = torch.as_tensor(-value_est, dtype=r.dtype, device=r.device)
@@ -662,10 +678,14 @@ def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, level: 
     """Whether the last gradient (the parameters' ``.grad``, of ``L / n`` as ``ExactMarginalLogLikelihood`` gives)
     is indistinguishable from zero at its error bars: ``Σ_p (g_p / SE_p)²`` over the ``m`` components is below the
     ``level`` quantile of what pure noise gives, a chi-square with ``m`` degrees of freedom (a test of ``g = 0`` at
-    ``1 - level``; scipy's ``chi2.ppf``). A component without a probe term (a constant mean: exact up to CG and
-    the precision's floor, ``grad_rounding_error``) is measured against the smallest probe standard error of the
-    others, or its floor where larger, so it must be about converged too. ``False``
-    without an estimate.
+    ``1 - level``; scipy's ``chi2.ppf``). A component without a probe term (the mean's: exact up to CG and the
+    precision's floor, ``grad_rounding_error``) has no noise of its own to be at, and is not part of the test: it
+    must have converged on its own, the gain it still offers, ``g² / (2 ∂mᵀK̂⁻¹∂m)`` (``mean_curvature``; the
+    loss is quadratic there), below :data:`MEAN_GAIN_SHARE` of the loss's standard error
+    (``|g| ≤ √(2 ∂mᵀK̂⁻¹∂m · MEAN_GAIN_SHARE · std_error)``, or its floor where larger). Without a curvature (a
+    mean of more than ``MEAN_DIRECTIONS`` entries) it is measured against the smallest probe standard error of the
+    others, in the test. (That yardstick alone is in other units: a constant mean 2.6 from its optimum, 19 nats of
+    loss, passed as converged.) ``False`` without an estimate.
 
     Why a test and not the mean ``≤ 1``: at a point where the gradient *is* pure noise the mean of ``m`` squared
     standard normals exceeds 1 about 40 % of the time (``m = 7``), and with common random numbers the estimate
@@ -679,6 +699,10 @@ def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, level: 
     components held that way: ``True``."""
     if estimate is None or not estimate.grad_std_error:
         return False
+    # the loss per point the gradient is of: a batch-mode model's elements each divide by their own n (its total
+    # estimate adds them up)
+    targets = getattr(model, "train_targets", None)
+    n = targets.shape[-1] if isinstance(targets, torch.Tensor) and targets.dim() else estimate.n
     named = dict(model.named_parameters())
     pairs, held = [], 0
     for name, se in estimate.grad_std_error.items():
@@ -692,15 +716,24 @@ def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, level: 
         if bounds and name in bounds:
             free = _free_components(p.detach().reshape(-1), g, bounds[name])
             held += int((~free).sum())
-            g, se, probe = g[free], se[free], probe[free]
-        pairs.append((g, se, probe))
+        else:
+            free = torch.ones_like(g, dtype=torch.bool)
+        curvature = estimate.mean_curvature.get(name)
+        if curvature is not None:  # the mean's entries: converged when the gain left is below one standard error
+            worth = (2 * curvature.reshape(-1).to(se).clamp_min(0.0) * MEAN_GAIN_SHARE * estimate.std_error).sqrt()
+            mean_entry = (probe == 0) & (worth > 0)
+            if bool((mean_entry & free & (g.to(se).abs() * n > torch.maximum(se, worth))).any()):
+                return False
+            held += int((mean_entry & free).sum())  # converged: out of the test, as a component at its bound
+            free = free & ~mean_entry
+        pairs.append((g[free], se[free], probe[free]))
     positive = [probe[probe > 0] for _, _, probe in pairs]
     if sum(g.numel() for g, _, _ in pairs) == 0:
         return held > 0
     if sum(p.numel() for p in positive) == 0:
         return False
     floor = float(torch.cat(positive).min())
-    stat = torch.cat([(g.to(se.dtype) * estimate.n / se.clamp_min(floor)).square() for g, se, _ in pairs])
+    stat = torch.cat([(g.to(se.dtype) * n / se.clamp_min(floor)).square() for g, se, _ in pairs])
     from scipy.stats import chi2  # here, not at import: scipy.stats costs about a second to import
 
     return bool(float(stat.sum()) <= float(chi2.ppf(level, stat.numel())))

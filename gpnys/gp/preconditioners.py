@@ -124,7 +124,8 @@ class PreconditionerCache:
                 if slot is None:
                     self._first_iterations, self._refresh = None, False
                 t0 = time.perf_counter()
-                P, fallback = self._build(points, kernel, mu, opts, self._diag(noise.detach(), s2f))
+                previous = None if cached is None else cached[1][0]
+                P, fallback = self._build(points, kernel, mu, opts, self._diag(noise.detach(), s2f), previous)
                 s2 = torch.as_tensor(s2f, dtype=X.dtype, device=X.device)
                 cached = self._slots[slot] = (key, (P, s2))
                 self.history.append(StepRecord(mu, s2f, int(P.rank), P.summary().get("choice", P.kind),
@@ -165,9 +166,13 @@ class PreconditionerCache:
         return noise / s2 if noise.dim() == 1 and takes else None
 
     def _build(self, points: PointCache, kernel: gpytorch.kernels.Kernel, mu: float, options: dict[str, Any],
-               diag: torch.Tensor | None = None) -> tuple[Preconditioner, bool]:
+               diag: torch.Tensor | None = None,
+               previous: Preconditioner | None = None) -> tuple[Preconditioner, bool]:
         X = points.X.detach()
         extra = {} if diag is None else {"diag": diag}
+        if (previous is not None and self.method in ("auto", "nystrom") and options.get("rank") is None
+                and previous.kind == self.method):
+            extra["previous_rank"] = int(previous.rank)  # a rank held along the optimiser's path (held_rank)
         if self.group is not None and isinstance(self.method, str):
             extra["group"] = self.group  # FSAI / AFN / Nyström rows built per rank (docs/scaling.md)
         try:

@@ -27,8 +27,8 @@ from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.nystrom import NystromPreconditioner
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 
-__all__ = ["AutoPreconditioner", "make_preconditioner", "PRECONDITIONERS", "DIAG_PRECONDITIONERS",
-           "HOOK_DIAG_PRECONDITIONERS"]
+__all__ = ["AutoPreconditioner", "make_preconditioner", "held_rank", "PRECONDITIONERS", "DIAG_PRECONDITIONERS",
+           "HOOK_DIAG_PRECONDITIONERS", "RANK_HOLD"]
 
 #: names accepted by :func:`make_preconditioner` (``"none"`` gives ``None``: plain CG)
 PRECONDITIONERS = ("none", "pivchol", "nystrom", "ran", "sketch", "fsai", "afn", "auto")
@@ -37,6 +37,26 @@ DIAG_PRECONDITIONERS = ("nystrom", "fsai", "afn", "auto")
 #: the ones the training hook gives them to (AFN and FSAI precondition ``K + D`` better built on ``D`` itself;
 #: Nyström's scaled form can be worse, see :class:`AutoPreconditioner`)
 HOOK_DIAG_PRECONDITIONERS = ("fsai", "afn", "auto")
+#: a new rank estimate within this share of the previous build's rank (or within 1) keeps that rank
+#: (:func:`held_rank`); a quarter held ranks far enough from the estimate that the estimator's noise grew and a
+#: fit stalled 12 nats short of the optimum
+RANK_HOLD = 0.05
+
+
+def held_rank(k: int, previous: int | None) -> int:
+    """The rank to build: the previous build's ``previous`` while the new estimate ``k`` stays within
+    :data:`RANK_HOLD` of it (or within 1), else ``k``. Along an optimiser's path the estimate (Algorithm 4) flips
+    between neighbouring values (73 and 74 for a noise change of 1e-8); each flip moves the estimated loss by about its
+    standard error, a step L-BFGS-B's line search reads as a rise. Holding the rank keeps the estimate smooth in
+    the hyperparameters; the answer stays unbiased at any rank (the preconditioner only preconditions).
+
+    Example:
+        >>> held_rank(74, 73), held_rank(80, 73), held_rank(50, None)
+        (73, 80, 50)
+    """
+    if previous is not None and abs(int(k) - int(previous)) <= max(1.0, RANK_HOLD * int(previous)):
+        return int(previous)
+    return int(k)
 
 
 class AutoPreconditioner(Preconditioner):
@@ -93,6 +113,7 @@ class AutoPreconditioner(Preconditioner):
         cache: PointCache | None = None,
         diag: torch.Tensor | None = None,
         group: Any = None,
+        previous_rank: int | None = None,
     ) -> None:
         super().__init__()
         t0 = self._start(X, mu, diag)
@@ -102,7 +123,7 @@ class AutoPreconditioner(Preconditioner):
         self.estimate: RankEstimate = estimate_rank(X, kernel, self.mu, m=m, reps=reps, max_k=max_k, seed=seed,
                                                     decide_only=True)
         self.rank_s = time.perf_counter() - t_rank
-        k = int(self.estimate.k)
+        k = held_rank(int(self.estimate.k), previous_rank)  # also holds the Nyström / AFN switch near max_k
         if k < max_k or self.n < 2:  # AFN needs two points; at n = 1 a rank-1 Nyström factor is exact
             k = max(1, min(k, self.n))
             self.choice = "nystrom"
@@ -167,6 +188,7 @@ def make_preconditioner(
     w: int | None = None,
     diag: torch.Tensor | None = None,
     group: Any = None,
+    previous_rank: int | None = None,
 ) -> Preconditioner | None:
     """Build a preconditioner of ``K + mu I`` by name (of ``K + diag(mu_i)`` with per-point shifts ``diag (n,)``, for
     the names in :data:`DIAG_PRECONDITIONERS`; ``mu`` is then their mean).
@@ -180,6 +202,8 @@ def make_preconditioner(
 
     ``group`` (a ``torch.distributed`` group, ``True`` for the default one) splits the FSAI, AFN and Nyström builds
     (``nystrom``, ``ran``, ``sketch``, ``auto``) by rows over its ranks; ``pivchol`` is computed on every rank.
+    ``previous_rank``: the rank of the previous build along a path of hyperparameters; ``nystrom`` (without
+    ``rank``) and ``auto`` keep it while their estimate stays near it (:func:`held_rank`).
 
     Example:
         >>> import gpytorch, torch
@@ -215,7 +239,7 @@ def make_preconditioner(
         return PivotedCholeskyPreconditioner(X, kernel, mu, rank=min(_default(rank, 15), n))
     if name == "nystrom":
         if rank is None:
-            rank = estimate_rank(X, kernel, mu, max_k=k, seed=seed).k
+            rank = held_rank(estimate_rank(X, kernel, mu, max_k=k, seed=seed).k, previous_rank)
         r = max(1, min(int(rank), n))
         lm = cache.fps(r) if cache is not None else None
         return NystromPreconditioner(X, kernel, mu, r, landmarks="fps", landmark_indices=lm, diag=diag, group=group)
@@ -229,4 +253,5 @@ def make_preconditioner(
     wd = min(100, n) if w is None else w  # a default never exceeds n; an explicit w is validated
     if name == "afn":
         return AFNPreconditioner(X, kernel, mu, k=min(k, n), w=wd, seed=seed, cache=cache, diag=diag, group=group)
-    return AutoPreconditioner(X, kernel, mu, max_k=k, w=wd, seed=seed, cache=cache, diag=diag, group=group)
+    return AutoPreconditioner(X, kernel, mu, max_k=k, w=wd, seed=seed, cache=cache, diag=diag, group=group,
+                              previous_rank=previous_rank)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import warnings
 
@@ -11,7 +12,9 @@ from gpnys.kernels.system import kernel_system
 from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import (
     PRECONDITIONERS,
+    RANK_HOLD,
     AutoPreconditioner,
+    held_rank,
     make_preconditioner,
 )
 from gpnys.solvers.pcg import pcg
@@ -52,6 +55,39 @@ def test_auto_switches_on_estimated_rank(ls, expected):
     # the preconditioner approximates A: the preconditioned spectrum is much tighter than A's
     ev = torch.linalg.eigvals(torch.linalg.solve(Pd, A)).real
     assert float(ev.max() / ev.min()) < float(torch.linalg.cond(A)) / 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_a_rank_near_the_previous_build_is_held(dtype, monkeypatch):
+    """Along a path of hyperparameters ``auto`` and ``nystrom`` keep the previous build's rank while the estimate
+    stays within ``RANK_HOLD`` of it (a flip of one rank moved the estimated loss by its standard error and stalled
+    L-BFGS-B); the preconditioner is then the rank-``k`` Nyström of the new kernel, exactly. Far from it, and for
+    the Nyström / AFN switch at ``max_k``, the estimate decides."""
+    X = cube(300, dtype)
+    kernel = make_kernel("matern32", 20.0, dtype)
+    P = AutoPreconditioner(X, kernel, 1e-3, max_k=200, w=20, m=100)
+    k = P.rank
+    assert P.choice == "nystrom" and 4 <= k < 200
+    near = k + max(1, int(RANK_HOLD * k))
+    assert held_rank(near, k) == k and held_rank(2 * k + 2, k) == 2 * k + 2 and held_rank(k, None) == k
+    held = AutoPreconditioner(X, kernel, 1e-3, max_k=200, w=20, m=100, previous_rank=near)
+    assert held.rank == near and held.estimate.k == k
+    direct = make_preconditioner("nystrom", X, kernel, 1e-3, rank=near)
+    R = torch.randn(300, 2, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    rtol = 1e-4 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(held.solve(R), direct.solve(R), rtol=rtol, atol=rtol)
+    own = make_preconditioner("nystrom", X, kernel, 1e-3, k=200).rank  # Algorithm 4 in full (auto's decides only)
+    beside = own + max(1, int(RANK_HOLD * own))
+    assert make_preconditioner("nystrom", X, kernel, 1e-3, k=200, previous_rank=beside).rank == beside
+    # the switch: an estimate just below max_k (Algorithm 4's estimate depends on max_k, so it is set here) stays
+    # AFN after an AFN build
+    import gpnys.precond.strategy as strategy
+
+    real = strategy.estimate_rank
+    monkeypatch.setattr(strategy, "estimate_rank",
+                        lambda *args, **kw: dataclasses.replace(real(*args, **kw), k=kw["max_k"] - 1))
+    assert AutoPreconditioner(X, kernel, 1e-3, max_k=60, w=20, m=100).choice == "nystrom"
+    assert AutoPreconditioner(X, kernel, 1e-3, max_k=60, w=20, m=100, previous_rank=60).choice == "afn"
 
 
 def test_afn_beats_plain_cg_mid_lengthscale(dtype):
