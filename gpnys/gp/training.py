@@ -29,6 +29,8 @@ __all__ = ["ExactGPModel", "FitResult", "fit", "predict", "gaussian_nll", "hyper
            "exact_settings", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adam", "lbfgs")
+#: the most loss evaluations an L-BFGS step's strong-Wolfe line search may spend (torch's ``max_ls`` default)
+LINE_SEARCH_EVALUATIONS = 25
 
 
 class ExactGPModel(gpytorch.models.ExactGP):
@@ -116,21 +118,66 @@ class FitResult:
 CHECKPOINT_MAGIC = b"gpnys.fit/2\n"
 
 
+def _sums(t: torch.Tensor) -> list[float]:
+    """Float64 sum, position-weighted sum and sum of squares of ``t``'s values, rounded to 10 digits (a move between
+    devices still matches)."""
+    v = t.detach().reshape(-1).to(torch.float64)
+    w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device).remainder(97.0) + 1.0
+    return [float(f"{x:.10g}") for x in torch.stack([v.sum(), (v * w).sum(), v.square().sum()]).tolist()]
+
+
+def _values(t: torch.Tensor) -> list[float] | dict[str, list]:
+    """A tensor as a checkpoint records it: its values (10 digits) when it has at most 8, else its shape and sums."""
+    if t.numel() <= 8:
+        return [float(f"{x:.10g}") for x in t.detach().reshape(-1).to(torch.float64).tolist()]
+    return {"shape": list(t.shape), "sums": _sums(t)}
+
+
+def _configuration(model: torch.nn.Module) -> dict[str, Any]:
+    """What changes the loss without being trained, by dotted name: every module's buffers (a constraint's bounds, a
+    prior's parameters, a kernel's ``active_dims``), its frozen parameters and its public plain attributes (a
+    Matern's ``nu``, ``ard_num_dims``, a batch shape); ``None`` and other objects (a prediction cache) are left out."""
+    plain = (bool, int, float, str)
+    out: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for key, value in vars(module).items():
+            sequence = isinstance(value, (tuple, list)) and all(isinstance(v, plain) for v in value)  # a torch.Size
+            if not key.startswith("_") and key != "training" and (sequence or isinstance(value, plain)):
+                out[prefix + key] = list(value) if sequence else value
+        untrained = [*module.named_buffers(recurse=False),
+                     *((key, p) for key, p in module.named_parameters(recurse=False) if not p.requires_grad)]
+        out.update({prefix + key: _values(t) for key, t in untrained})
+    return out
+
+
 def _fingerprint(model: torch.nn.Module, optimizer: str) -> dict[str, Any]:
-    """What a checkpoint must match to resume: the training data (n, d, dtype and float64 sums of its values,
-    rounded to 10 digits so that a move between devices still matches), the model's modules and parameter shapes,
-    and the optimiser."""
+    """What a checkpoint must match to resume: the training data (n, d, dtype and :func:`_sums` of its values), the
+    model's modules, parameter shapes and :func:`_configuration`, and the optimiser."""
     X, y = model.train_inputs[0], model.train_targets
+    return {"n": int(X.shape[-2]), "d": int(X.shape[-1]), "dtype": str(X.dtype), "inputs": _sums(X),
+            "outputs": _sums(y), "optimizer": optimizer,
+            "modules": {name: type(m).__name__ for name, m in model.named_modules()},
+            "parameters": {name: list(p.shape) for name, p in model.named_parameters()},
+            "configuration": _configuration(model)}
 
-    def summary(t: torch.Tensor) -> list[float]:
-        v = t.detach().reshape(-1).to(torch.float64)
-        w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device).remainder(97.0) + 1.0
-        return [float(f"{x:.10g}") for x in torch.stack([v.sum(), (v * w).sum(), v.square().sum()]).tolist()]
 
-    return {"n": int(X.shape[-2]), "d": int(X.shape[-1]), "dtype": str(X.dtype), "inputs": summary(X),
-            "targets": summary(y), "optimizer": optimizer,
-            "modules": [f"{name}:{type(m).__name__}" for name, m in model.named_modules()],
-            "parameters": {name: list(p.shape) for name, p in model.named_parameters()}}
+def _difference(theirs: dict[str, Any], ours: dict[str, Any]) -> str | None:
+    """Where a checkpoint's fingerprint differs from this model's, in words (the first key that differs; of a table,
+    each entry that differs); ``None`` if nowhere."""
+    missing = [key for key in ours if key not in theirs]
+    if missing:
+        return f"it records no {missing[0]} (written by an older gpnys)"
+    for key, value in ours.items():
+        other = theirs[key]
+        if other == value:
+            continue
+        if isinstance(value, dict) and isinstance(other, dict):  # name the entries, not the whole table
+            subs = [k for k in dict.fromkeys([*value, *other]) if value.get(k, ...) != other.get(k, ...)]
+            return "; ".join(f"its {key}[{sub!r}] is {other.get(sub, '(absent)')!r}, this model's "
+                             f"{value.get(sub, '(absent)')!r}" for sub in subs)
+        return f"its {key} is {other!r}, this model's {value!r}"
+    return None
 
 
 def _stamp(payload: bytes) -> str:
@@ -163,46 +210,54 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
-def _resume(path: str | os.PathLike, model: torch.nn.Module, opt: torch.optim.Optimizer, optimizer: str,
-            result: FitResult, lr: float) -> float:
+def _resume(path: str | os.PathLike, fingerprint: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer,
+            result: FitResult, iters: int) -> tuple[float, list[torch.Tensor] | None]:
     """Load :func:`fit`'s checkpoint at ``path`` (if the file exists) into ``model``, ``opt`` and ``result``, and
-    torch's random state; returns the elapsed step time it records (0 without a file). The checkpoint must come
-    from this model, data and optimiser (a ``ValueError`` naming the file and the difference otherwise); the call's
-    ``lr`` replaces the stored one."""
+    torch's random state. Returns the elapsed step time it records and, for L-BFGS, where its last step started
+    (``(0.0, None)`` without a file). The checkpoint must have been written for ``fingerprint`` (this model, data and
+    optimiser, before training) and hold at most ``iters`` steps (a ``ValueError`` naming the file and the
+    difference otherwise); ``opt``'s settings (``lr`` included) stay this call's."""
     if not os.path.exists(path):
-        return 0.0
+        return 0.0, None
+    name = os.fspath(path)
     state = read_checkpoint(path)
-    expected = _fingerprint(model, optimizer)
-    theirs = state["fingerprint"]
+    theirs, optimizer = state["fingerprint"], fingerprint["optimizer"]
     if theirs.get("optimizer") != optimizer:
-        raise ValueError(f"checkpoint {os.fspath(path)!r} is not a gpnys fit checkpoint for optimizer={optimizer!r} "
+        raise ValueError(f"checkpoint {name!r} is not a gpnys fit checkpoint for optimizer={optimizer!r} "
                          f"(it was written by optimizer={theirs.get('optimizer')!r})")
-    diff = [key for key in expected if theirs.get(key) != expected[key]]
-    if diff:  # another data set, size, dtype or model structure
-        key = diff[0]
-        raise ValueError(f"checkpoint {os.fspath(path)!r} does not match this model: its {key} is "
-                         f"{theirs.get(key)!r}, this model's {expected[key]!r}")
+    difference = _difference(theirs, fingerprint)
+    if difference:  # another data set, size, dtype, model structure or configuration
+        raise ValueError(f"checkpoint {name!r} does not match this model: {difference}; delete it to start afresh")
+    done = len(state["loss_trace"])
+    if iters < done:
+        raise ValueError(f"iters={iters} is below the {done} steps checkpoint {name!r} holds (iters counts every "
+                         f"step, the resumed ones included): pass iters >= {done}, or delete the file to start afresh")
+    own = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
     try:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
     except (RuntimeError, ValueError, KeyError) as err:
-        raise ValueError(f"checkpoint {os.fspath(path)!r} does not match this model: {err}") from err
-    for group in opt.param_groups:  # the call's learning rate, not the one the checkpoint was written with
-        group["lr"] = lr
+        raise ValueError(f"checkpoint {name!r} does not match this model: {err}") from err
+    for group, hyper in zip(opt.param_groups, own):  # this call's lr (and max_eval, ...), not the stored ones
+        group.update(hyper)
     result.loss_trace[:], result.steps[:] = state["loss_trace"], state["steps"]
+    result.stopped = state["stopped"]
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    return float(state["elapsed_s"])
+    return float(state["elapsed_s"]), state["step_start"]
 
 
-def _save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: torch.optim.Optimizer, optimizer: str,
-                     result: FitResult, elapsed_s: float) -> None:
+def _save_checkpoint(path: str | os.PathLike, fingerprint: dict[str, Any], model: torch.nn.Module,
+                     opt: torch.optim.Optimizer, result: FitResult, elapsed_s: float,
+                     step_start: list[torch.Tensor] | None) -> None:
     """Write :func:`fit`'s checkpoint (its docstring) atomically, with its checksum: a crash mid-write keeps the
-    previous one."""
-    state = {"fingerprint": _fingerprint(model, optimizer), "model": model.state_dict(), "opt": opt.state_dict(),
-             "loss_trace": list(result.loss_trace), "steps": list(result.steps), "elapsed_s": elapsed_s,
-             "rng": torch.get_rng_state(),
+    previous one. ``fingerprint``: the model's before training (a buffer that training moves, a batch norm's running
+    mean, is the same at every resume); ``step_start``: where the last L-BFGS step started (its parameters go back
+    there if the next step's line search fails), else ``None``."""
+    state = {"fingerprint": fingerprint, "model": model.state_dict(), "opt": opt.state_dict(),
+             "loss_trace": list(result.loss_trace), "steps": list(result.steps), "stopped": result.stopped,
+             "step_start": step_start, "elapsed_s": elapsed_s, "rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -238,7 +293,8 @@ def fit(
 
     Args:
         model: an ``ExactGP`` with a ``GaussianLikelihood`` as ``model.likelihood``.
-        iters: optimiser iterations (L-BFGS: one iteration with strong-Wolfe line search per step).
+        iters: optimiser iterations (L-BFGS: one iteration per step, its strong-Wolfe line search spending up to
+            :data:`LINE_SEARCH_EVALUATIONS` loss evaluations).
         lr: learning rate (Adam) or initial step (L-BFGS).
         optimizer: ``"adam"`` or ``"lbfgs"``.
         progress: show a tqdm progress bar with the current loss.
@@ -250,17 +306,22 @@ def fit(
         loss: ``loss(model)`` returning ``-MLL / n`` to minimise instead of GPyTorch's
             ``-ExactMarginalLogLikelihood`` (e.g. :func:`gpnys.baselines.exact.cholesky_loss`); evaluated inside
             ``settings``.
-        stop: called after every step (the parameters' ``.grad`` hold the last evaluation's gradient); ``True``
+        stop: called after every step (the parameters' ``.grad`` hold the last evaluation's gradient; after an
+            L-BFGS step, at the point it kept: evaluated once more if its line search ended elsewhere); ``True``
             ends training with ``FitResult.stopped = "gradient at noise level"`` (e.g.
             :func:`gpnys.gp.estimator.gradient_at_noise`).
         checkpoint: a file that makes a long fit resumable. After every step the model's and the optimiser's
             state, the loss trace, ``steps``, the elapsed step time and torch's random state are written there
             (``torch.save``, through a temporary file and a rename). If the file exists when ``fit`` starts, training
             resumes from it: ``iters`` counts every step, so ``iters - len(loss_trace)`` more are run, and the
-            result (``train_time_s`` included) covers them all. The file carries a CRC-32 of its contents and a
-            fingerprint of the model (data sums, n, d, dtype, modules, parameter shapes, optimiser): a corrupt
-            file, or one from another model, data set or optimiser, raises ``ValueError`` naming the file and the
-            difference. A resumed fit uses this call's ``lr``.
+            result (``train_time_s`` included) covers them all; ``iters`` below the steps it holds is a
+            ``ValueError``. A run that stopped early (``stopped`` is saved too) is finished: a rerun returns its
+            result without further steps. The file carries a CRC-32 of its contents and a fingerprint of the model
+            as built (data sums, n, d, dtype, modules, parameter shapes, the optimiser, and what changes the loss
+            without being trained: buffers such as constraint bounds and prior parameters, frozen parameters, plain
+            attributes such as a Matern's ``nu``): a corrupt file, or one from another model, data set or
+            optimiser, raises ``ValueError`` naming the file and the difference. A resumed fit uses this call's
+            ``lr``. The file's directory must exist (``ValueError`` before any step).
 
     L-BFGS stops cleanly at the first step whose line search makes no progress (the loss at the next step's start
     is not below this step's): the parameters go back to the best point, ``stopped = "line search failed"``. A
@@ -291,8 +352,12 @@ def fit(
         raise ValueError(f"iters must be a non-negative integer, got {iters!r}")
     if not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be positive and finite, got {lr!r}")
-    if checkpoint is not None and (not isinstance(checkpoint, (str, os.PathLike)) or os.path.isdir(checkpoint)):
-        raise ValueError(f"checkpoint must be a file path, got {checkpoint!r}")
+    if checkpoint is not None:
+        if not isinstance(checkpoint, (str, os.PathLike)) or not os.fspath(checkpoint) or os.path.isdir(checkpoint):
+            raise ValueError(f"checkpoint must be a file path, got {checkpoint!r}")
+        folder = os.path.dirname(os.path.abspath(checkpoint))
+        if not os.path.isdir(folder):  # here, not at the first write after a step
+            raise ValueError(f"checkpoint {os.fspath(checkpoint)!r}: its directory {folder!r} does not exist")
     validate_training_data(model.train_inputs[0], model.train_targets, ("train_inputs", "train_targets"))
     torch.manual_seed(seed)
     likelihood = model.likelihood
@@ -305,9 +370,17 @@ def fit(
     if optimizer == "adam":
         opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=lr)
     else:
-        opt = torch.optim.LBFGS(params, lr=lr, max_iter=1, history_size=10, line_search_fn="strong_wolfe")
+        # one iteration per step; max_eval: 1 evaluation where the step starts + the strong-Wolfe search's own
+        # default of up to 25 trials. Torch's default, max_iter * 5 // 4 = 1, leaves the search no trial beyond the
+        # first: an uphill first trial returns a zero step, and the run ends with "line search failed".
+        opt = torch.optim.LBFGS(params, lr=lr, max_iter=1, max_eval=1 + LINE_SEARCH_EVALUATIONS, history_size=10,
+                                line_search_fn="strong_wolfe")
+
+    evaluated: list[torch.Tensor] = []  # L-BFGS with a stop test: the parameters at the last evaluation
 
     def closure() -> torch.Tensor:
+        if optimizer == "lbfgs" and stop is not None:
+            evaluated[:] = [p.detach().clone() for p in params]
         opt.zero_grad()
         with ctx(n):
             value = loss(model) if loss is not None else -mll(model(*model.train_inputs), model.train_targets)
@@ -315,11 +388,15 @@ def fit(
         return value
 
     result = FitResult()
-    previous_s = _resume(checkpoint, model, opt, optimizer, result, lr) if checkpoint is not None else 0.0
+    # the model as built: before the checkpoint's state, or a step, moves it
+    fingerprint = _fingerprint(model, optimizer) if checkpoint is not None else {}
+    previous_s, step_start = (0.0, None) if checkpoint is None else _resume(checkpoint, fingerprint, model, opt,
+                                                                             result, iters)
     start = time.perf_counter() - previous_s
-    bar = tqdm(range(len(result.loss_trace), iters), desc="fit", disable=not progress, leave=True,
-               initial=len(result.loss_trace), total=iters)
-    starts: list[list[torch.Tensor]] = []  # L-BFGS: where the last two steps started
+    done = len(result.loss_trace)
+    bar = tqdm(range(done, done if result.stopped else iters), desc="fit", disable=not progress, leave=True,
+               initial=done, total=iters)  # a run that stopped early is finished: no further steps
+    starts = [step_start] if step_start is not None else []  # L-BFGS: where the last two steps started
     for _ in bar:
         if optimizer == "lbfgs":
             starts = starts[-1:] + [[p.detach().clone() for p in params]]
@@ -327,18 +404,23 @@ def fit(
         if optimizer == "lbfgs" and result.loss_trace and value >= result.loss_trace[-1]:
             with torch.no_grad():  # the previous step went uphill: back to where it started
                 for p, b in zip(params, starts[0]):
-                    p.copy_(b)
+                    p.copy_(b.to(p))
             result.stopped = "line search failed"
-            break
-        result.loss_trace.append(value)
-        extra = on_step(len(result.loss_trace) - 1, value) if on_step is not None else None
-        if extra:
-            result.steps.append(extra)
-        bar.set_postfix(loss=f"{value:.4f}", **(extra or {}))
-        if checkpoint is not None:
-            _save_checkpoint(checkpoint, model, opt, optimizer, result, time.perf_counter() - start)
-        if stop is not None and stop():
-            result.stopped = "gradient at noise level"
+        else:
+            result.loss_trace.append(value)
+            extra = on_step(len(result.loss_trace) - 1, value) if on_step is not None else None
+            if extra:
+                result.steps.append(extra)
+            bar.set_postfix(loss=f"{value:.4f}", **(extra or {}))
+            if stop is not None:
+                if evaluated and not all(map(torch.equal, params, evaluated)):
+                    closure()  # the line search's last evaluation was at a point it did not keep: stop() reads .grad
+                if stop():
+                    result.stopped = "gradient at noise level"
+        if checkpoint is not None:  # after the stop decisions, so that a rerun of a finished run ends alike
+            _save_checkpoint(checkpoint, fingerprint, model, opt, result, time.perf_counter() - start,
+                             starts[-1] if starts else None)
+        if result.stopped:
             break
     result.train_time_s = time.perf_counter() - start
     result.iterations = len(result.loss_trace)

@@ -177,7 +177,7 @@ def test_cli_mll_and_fit_bad_input_name_the_argument(argv, name, capsys):
 
 def test_cli_fit_lbfgs_with_preconditioner_tracks_cholesky(capsys):
     """L-BFGS (strong Wolfe line search) through the gpnys estimator ends near the Cholesky L-BFGS fit."""
-    common = ["fit", "--data", "concrete", "--n", "300", "--iters", "4", "--optimizer", "lbfgs", "--json"]
+    common = ["fit", "--data", "concrete", "--n", "300", "--iters", "8", "--optimizer", "lbfgs", "--json"]
     main(common + ["--precond", "none"])
     exact = json.loads(capsys.readouterr().out)
     main(common + ["--precond", "afn", "--k", "100", "--w", "20"])
