@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
            "device": platform.processor() or platform.machine(), "commit": commit, "date": time.strftime("%Y-%m-%d"),
            "gpnys": {"seconds": t_gpnys, "test_accuracy": acc, "log_q": clf.log_marginal_likelihood_,
                      "rank": clf.rank_, "newton_iterations": clf.newton_iterations_, "history": clf.history_,
-                     "hyperparameters": {"lengthscale": float(kernel.base_kernel.lengthscale.detach()),
-                                         "outputscale": float(kernel.outputscale.detach())}},
+                     "hyperparameters": {"lengthscale": float(clf.kernel_.base_kernel.lengthscale.detach()),
+                                         "outputscale": float(clf.kernel_.outputscale.detach())}},
            "svgp_minibatch": {"batch": args.batch, "lr": args.svgp_lr, "rows": mini,
                               "seconds_to_gpnys_accuracy": reached(mini, acc)},
            "svgp_full_batch": {"rows": full, "seconds_to_gpnys_accuracy": reached(full, acc)}}

@@ -42,8 +42,9 @@ def main(argv=None) -> dict:
                                                 "std_error": gp.mll_std_error_}
     print(f"log q: {first['log_marginal_likelihood']:.2f} ± {first['std_error']:.2f} at the start, "
           f"{gp.log_marginal_likelihood_:.2f} ± {gp.mll_std_error_:.2f} after {args.steps} Adam steps")
-    print(f"length-scale {float(kernel.base_kernel.lengthscale.detach()):.3f}, "
-          f"outputscale {float(kernel.outputscale.detach()):.3f}")
+    trained = gp.kernel_  # the trained hyperparameters (the kernel given is left as it was)
+    print(f"length-scale {float(trained.base_kernel.lengthscale.detach()):.3f}, "
+          f"outputscale {float(trained.outputscale.detach()):.3f}")
     print(f"test RMSE of the expected counts against the true rates: {rmse:.3f} (rates {float(rate_te.min()):.2f}"
           f"-{float(rate_te.max()):.2f}); predicted count s.d. {float(var.sqrt().mean()):.2f} on average")
     return {"start": first["log_marginal_likelihood"], "end": gp.log_marginal_likelihood_,

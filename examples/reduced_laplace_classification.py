@@ -46,8 +46,9 @@ def main(argv=None) -> dict:
     proba = clf.predict_proba(Xte[:3])
     print(f"log q: {start:.2f} at the start, {clf.log_marginal_likelihood_:.2f} after {args.steps} Adam steps on "
           f"{min(args.subsample, args.n)} rows ({seconds:.1f} s; Nyström rank {clf.rank_} of {args.m} landmarks)")
-    print(f"length-scale {float(kernel.base_kernel.lengthscale.detach()):.3f}, "
-          f"outputscale {float(kernel.outputscale.detach()):.3f}")
+    trained = clf.kernel_  # the trained hyperparameters (the kernel given is left as it was)
+    print(f"length-scale {float(trained.base_kernel.lengthscale.detach()):.3f}, "
+          f"outputscale {float(trained.outputscale.detach()):.3f}")
     for name, g in clf.mll_gradient_.items():
         print(f"d log q / d {name}: {g.reshape(-1).tolist()}")
     print(f"test accuracy {accuracy:.4f}; P(y = 1) of three test points: {proba[:, 1].tolist()}")

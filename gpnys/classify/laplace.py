@@ -16,7 +16,9 @@ which weights the points by ``W^½`` (``B ⪰ I``, so its relative residual boun
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import warnings
 from typing import Any, Callable
 
@@ -68,10 +70,35 @@ def halve_step(objective: Callable[[float], float], value: float, slack: float) 
     return None
 
 
+def deepcopy_pickling(obj: Any, memo: dict[int, Any], names: tuple[str, ...]) -> Any:
+    """A deep copy of ``obj`` for its ``__deepcopy__``: the attributes in ``names`` by a pickle round trip (exact, for
+    what pickle copies but ``copy.deepcopy`` cannot: torch deep-copies no sparse CSR tensor), the others by
+    ``copy.deepcopy`` with ``memo``."""
+    new = type(obj).__new__(type(obj))
+    memo[id(obj)] = new
+    for name, value in vars(obj).items():
+        vars(new)[name] = (pickle.loads(pickle.dumps(value, pickle.HIGHEST_PROTOCOL)) if name in names
+                           else copy.deepcopy(value, memo))
+    return new
+
+
 class LaplacePredictions:
     """The predictions of a fitted Laplace model (:class:`LaplaceGP`, :class:`~gpnys.classify.ReducedLaplaceGP`)
     from its ``_latent(X, variance)``: the latent mean ``(m,)`` and, with ``variance``, the latent variance ``(m,)``
     (else ``None``) at points ``X`` ``(m, d)`` that :meth:`_check_points` accepted."""
+
+    kernel: gpytorch.kernels.Kernel
+    likelihood: LaplaceLikelihood
+
+    def _copy_hyperparameters(self, X: torch.Tensor) -> torch.dtype:
+        """Start a fit on ``X``: ``kernel_`` and ``likelihood_``, deep copies of the ``kernel`` and ``likelihood``
+        given at construction (the likelihood's tensors in the computation dtype, on ``X``'s device), which the fit
+        trains and the predictions read. The given objects are never modified, so every fit starts from them (as
+        scikit-learn's estimators do). Returns the computation dtype."""
+        self.kernel_ = copy.deepcopy(self.kernel)
+        dtype = computation_dtype(self.kernel_, X)
+        self.likelihood_ = copy.deepcopy(self.likelihood).to(dtype, X.device)
+        return dtype
 
     def _check_points(self, Xs: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "f_hat_"):
@@ -95,7 +122,7 @@ class LaplacePredictions:
         and its Bernoulli variance; for Student-t noise the latent mean and ``v + σ² ν / (ν − 2)``."""
         mean, var = self.predict_latent(X)
         with torch.no_grad():
-            return self.likelihood.moments(mean, var)
+            return self.likelihood_.moments(mean, var)
 
 
 class LaplaceGP(LaplacePredictions):
@@ -114,10 +141,12 @@ class LaplaceGP(LaplacePredictions):
     implicit term costs one more block solve and the standard errors come from the per-probe terms.
 
     Args:
-        kernel: a GPyTorch kernel (e.g. ``ScaleKernel(MaternKernel(nu=1.5))``); its outputscale is ``s²``.
+        kernel: a GPyTorch kernel (e.g. ``ScaleKernel(MaternKernel(nu=1.5))``); its outputscale is ``s²``. Every
+            fit works on a deep copy, ``kernel_``: this object is never modified.
         likelihood: ``"bernoulli"``, ``"poisson"``, ``"studentt"`` or a
             :class:`~gpnys.classify.likelihoods.LaplaceLikelihood` (e.g. ``StudentT(df=4.0, scale=0.5)``); its
-            trainable parameters (the Student-t's scale) are trained with the kernel's.
+            trainable parameters (the Student-t's scale) are trained with the kernel's, on a deep copy
+            (``likelihood_``).
         method: preconditioner name taking per-point shifts (``"afn"``, ``"fsai"``, ``"nystrom"``, ``"auto"``).
             AFN is built on ``W⁻¹`` itself; ``"auto"``'s Nyström branch (a low estimated rank) uses one scalar
             level for all points, a poor fit when ``W⁻¹`` spans decades (confident points).
@@ -130,14 +159,16 @@ class LaplaceGP(LaplacePredictions):
         num_probes: SLQ probes for ``log det B``. slq_tolerance: CG tolerance of the probe solves (their
             Lanczos tridiagonals). max_cg: CG iterations at most per solve.
         seed: seeds the probes and the preconditioner's randomness (same seed, same results).
-        optimizer_steps: Adam steps on the kernel's hyperparameters in :meth:`fit` (0: keep them). lr: Adam's
-            learning rate.
+        optimizer_steps: Adam steps on the kernel's hyperparameters in :meth:`fit` (0: keep them), from those of
+            ``kernel`` at every fit. lr: Adam's learning rate.
         group: a ``torch.distributed`` process group (``True``: the default one) whose ranks split the kernel
             products, the preconditioner builds and the gradient's derivative pass by rows (every rank holds all of
             ``X`` and ``y``, runs the same Newton steps and gets the same results; start the ranks with the same
             seed, e.g. :func:`gpnys.distributed.init`). ``None``: one process.
 
     Attributes (after :meth:`fit`):
+        kernel_, likelihood_: the kernel and likelihood of the fit, copies of ``kernel`` and ``likelihood`` with the
+            trained hyperparameters (``optimizer_steps > 0``); the predictions use them.
         f_hat_: ``(n,)`` posterior mode. log_marginal_likelihood_: float, R&W eq. (3.32).
         mll_std_error_: float, the SLQ standard error of ``log_marginal_likelihood_``.
         mll_gradient_: ``{raw parameter name: tensor}``, ``∂ log q / ∂θ`` (R&W eq. (5.23)-(5.24)), shapes of the
@@ -187,11 +218,19 @@ class LaplaceGP(LaplacePredictions):
         self.group = None if group is None or group is False else resolve_group(group)
         self._warned_kernel = False
 
+    #: what :meth:`__deepcopy__` copies by pickle: the preconditioner, whose AFN / FSAI factors are sparse CSR
+    _PICKLED = ("_P",)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "LaplaceGP":
+        """``copy.deepcopy``: the preconditioner by pickle (:func:`deepcopy_pickling`), so that a fitted model's
+        copy predicts exactly as it does."""
+        return deepcopy_pickling(self, memo, self._PICKLED)
+
     # ---- the pieces of B = I + W^½ K W^½ -------------------------------------------------------------------
     def _state(self, f: torch.Tensor, build: bool = True) -> None:
         """``W`` (clamped, see :data:`W_FLOOR`) and ``W^½`` at ``f``, and (``build``) the preconditioner
         ``P ≈ K̃ + W⁻¹/s²`` for them; without ``build`` the previous ``P`` stays (any SPD ``P`` keeps CG exact)."""
-        self._W = self.likelihood.derivatives(f, self._y)[1].clamp_min(W_FLOOR)
+        self._W = self.likelihood_.derivatives(f, self._y)[1].clamp_min(W_FLOOR)
         self._sW = self._W.sqrt()
         if not build:
             return
@@ -200,7 +239,7 @@ class LaplaceGP(LaplacePredictions):
         # the confidently classified points' large W⁻¹
         n = self._X.shape[0]
         options = {**{key: min(v, n) for key, v in GP_DEFAULTS.get(self.method, {}).items()}, **self.precond_options}
-        self._P = make_preconditioner(self.method, self._X, self.kernel, float(D.median()), cache=self._points,
+        self._P = make_preconditioner(self.method, self._X, self.kernel_, float(D.median()), cache=self._points,
                                       seed=self.seed, diag=D, group=self.group, **options)
 
     def _K(self, V: torch.Tensor) -> torch.Tensor:
@@ -225,8 +264,9 @@ class LaplaceGP(LaplacePredictions):
         (eq. (3.32)), after ``optimizer_steps`` Adam steps on the hyperparameters. ``X: (n, d)``, ``y: (n,)`` in the
         likelihood's support (0/1 or bool labels; counts). Returns ``self``."""
         yv = check_observations(X, y, self.likelihood)
-        self.likelihood.to(computation_dtype(self.kernel, X), X.device)
-        params = [p for p in self.kernel.parameters() if p.requires_grad] + self.likelihood.parameters()
+        self._copy_hyperparameters(X)
+        self._warned_kernel = False  # one warning a fit (_column_gradients)
+        params = [p for p in self.kernel_.parameters() if p.requires_grad] + self.likelihood_.parameters()
         self.history_: list[dict] = []
         a0 = None
         if self.optimizer_steps and params:
@@ -248,18 +288,18 @@ class LaplaceGP(LaplacePredictions):
         return self
 
     def _fit(self, X: torch.Tensor, y: torch.Tensor, a0: torch.Tensor | None = None) -> None:
-        dtype = computation_dtype(self.kernel, X)
+        dtype = computation_dtype(self.kernel_, X)
         self._X = X.to(dtype)
         self._y = y.to(dtype)
-        _, s2 = split_outputscale(self.kernel)
+        _, s2 = split_outputscale(self.kernel_)
         self._s2 = s2
-        self._system = kernel_system(self._X, self.kernel, mu=1.0, group=self.group)  # K̃ V = system(V) - V
+        self._system = kernel_system(self._X, self.kernel_, mu=1.0, group=self.group)  # K̃ V = system(V) - V
         self._points = PointCache(self._X)  # FPS order and kNN patterns, shared by every Newton step's build
         n = X.shape[0]
         # a warm start a0 (the previous hyperparameters' K⁻¹ f̂) gives f = K a0 and Ψ = log p(y|f) - ½ a0ᵀ f
         a = self._X.new_zeros(n) if a0 is None else a0.to(self._X.dtype)
         f = self._X.new_zeros(n) if a0 is None else self._K(a)
-        psi = float(self.likelihood.log_prob(f, self._y) - 0.5 * (a * f).sum())
+        psi = float(self.likelihood_.log_prob(f, self._y) - 0.5 * (a * f).sum())
         slack = 64 * torch.finfo(dtype).eps
         self.cg_iterations_: list[int] = []
         self.newton_iterations_ = 0
@@ -273,7 +313,7 @@ class LaplaceGP(LaplacePredictions):
             build = fresh is None or rate > REBUILD_GROWTH * fresh
             self._state(f, build)
             self.builds_ += build
-            grad = self.likelihood.derivatives(f, self._y)[0]  # ∇ log p(y|f)
+            grad = self.likelihood_.derivatives(f, self._y)[0]  # ∇ log p(y|f)
             # R&W Algorithm 3.1 lines 5-7, a_new = b - W^½ B⁻¹ W^½ K b with b = W f + ∇, started at the previous
             # a: the step is da = W^½ B⁻¹ W^{-½} (∇ - a), solved inexactly (NEWTON_FORCING)
             rhs = (grad - a) / self._sW
@@ -289,7 +329,7 @@ class LaplaceGP(LaplacePredictions):
             self.newton_iterations_ += 1
             # step halving while the objective Ψ = log p(y|f) - ½ aᵀf (Algorithm 3.1 line 8) decreases (a
             # safeguard; a and f = K a are linear in the step, so halving costs no product)
-            halved = halve_step(lambda t: float(self.likelihood.log_prob(f + t * df, self._y)
+            halved = halve_step(lambda t: float(self.likelihood_.log_prob(f + t * df, self._y)
                                                 - 0.5 * ((a + t * da) * (f + t * df)).sum()),
                                 psi, slack * (abs(psi) + n))
             if halved is None:
@@ -308,9 +348,9 @@ class LaplaceGP(LaplacePredictions):
         self._state(f)  # a fresh P at the mode: log det B's and the gradient's probes
         self.builds_ += 1
         self.f_hat_, self.a_ = f, a
-        self._grad = self.likelihood.derivatives(f, self._y)[0]
+        self._grad = self.likelihood_.derivatives(f, self._y)[0]
         logdet, se = self._logdet_B()  # keeps its probes and solves for _gradient
-        self.log_marginal_likelihood_ = (float(-0.5 * (a * f).sum() + self.likelihood.log_prob(f, self._y))
+        self.log_marginal_likelihood_ = (float(-0.5 * (a * f).sum() + self.likelihood_.log_prob(f, self._y))
                                          - 0.5 * logdet)
         self.mll_std_error_ = 0.5 * se
 
@@ -335,10 +375,10 @@ class LaplaceGP(LaplacePredictions):
         Per probe ``k`` (class docstring): ``½ aᵀ ∂K a - ½ u_kᵀ ∂K v_k + c_kᵀ ∂K ∇log p`` with
         ``c_k = (K + W⁻¹)⁻¹ W⁻¹ s2_k``, ``s2_k = ½ d_k ∘ ∇³ log p``, ``d_k = (W⁻¹ u_k) ∘ (K v_k)`` (eq. (5.23):
         ``(I - K R) b = W⁻¹ (K + W⁻¹)⁻¹ b``)."""
-        named = [(name, p) for name, p in self.kernel.named_parameters() if p.requires_grad]
-        named += self.likelihood.named_parameters()
+        named = [(name, p) for name, p in self.kernel_.named_parameters() if p.requires_grad]
+        named += self.likelihood_.named_parameters()
         params = [p for _, p in named]
-        kernel_params = params[: len(params) - len(self.likelihood.parameters())]
+        kernel_params = params[: len(params) - len(self.likelihood_.parameters())]
         self.mll_gradient_, self.mll_gradient_std_error_ = {}, {}
         if not params:  # a frozen kernel (and likelihood): nothing to differentiate
             return []
@@ -346,7 +386,7 @@ class LaplaceGP(LaplacePredictions):
         t = Zp.shape[1]
         with torch.no_grad():
             V = self._P.solve(Zp) / self._s2  # P̂⁻¹ z
-            third = self.likelihood.derivatives(self.f_hat_, self._y)[2]  # ∇³ log p(y|f)
+            third = self.likelihood_.derivatives(self.f_hat_, self._y)[2]  # ∇³ log p(y|f)
             d = U / self._W[:, None] * self._K(V)  # E[d_k] = diag((K⁻¹ + W)⁻¹)
             # ∂ log q / ∂f̂ = -½ diag((K⁻¹ + W)⁻¹) ∂W/∂f̂ with ∂W/∂f̂ = -∇³ log p: a plus sign here (checked
             # against autograd through a dense Newton iteration in the tests)
@@ -383,8 +423,8 @@ class LaplaceGP(LaplacePredictions):
         f = self.f_hat_.detach()
         KC = self._K(C) if bool(C.any()) else C
         with torch.enable_grad():
-            grad, W, _ = self.likelihood.derivatives(f, self._y)
-            per_probe = self.likelihood.log_prob(f, self._y) - 0.5 * (W[:, None] * d).sum(0) + grad @ KC  # (t,)
+            grad, W, _ = self.likelihood_.derivatives(f, self._y)
+            per_probe = self.likelihood_.log_prob(f, self._y) - 0.5 * (W[:, None] * d).sum(0) + grad @ KC  # (t,)
             rows = []
             for k in range(per_probe.shape[0]):
                 got = torch.autograd.grad(per_probe[k], params, retain_graph=True, allow_unused=True)
@@ -396,12 +436,12 @@ class LaplaceGP(LaplacePredictions):
         """Rows ``j``: ``∂(l_jᵀ K(θ) r_j) / ∂θ`` flattened over ``params`` (``(t, p)``). For a ``ScaleKernel`` over
         RBF/Matérn (or a bare one) in one pass of the kernel operator's per-column derivatives, chained to the raw
         parameters; any other kernel by autograd through GPyTorch's kernel, a column at a time (one warning)."""
-        base, _ = split_outputscale(self.kernel)
-        scaled = isinstance(self.kernel, gpytorch.kernels.ScaleKernel)
+        base, _ = split_outputscale(self.kernel_)
+        scaled = isinstance(self.kernel_, gpytorch.kernels.ScaleKernel)
         X = self._X
         if supported(base):
             with torch.enable_grad():
-                s2 = self.kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
+                s2 = self.kernel_.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
                 op = StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache={}, group=self.group)
                 _, d_s2, d_ls = op.column_derivatives(L, R)
                 out = []
@@ -423,7 +463,7 @@ class LaplaceGP(LaplacePredictions):
         rows = []
         with torch.enable_grad():
             for j in range(L.shape[1]):
-                value = L[:, j] @ self.kernel(X).matmul(R[:, j])
+                value = L[:, j] @ self.kernel_(X).matmul(R[:, j])
                 got = torch.autograd.grad(value, params, allow_unused=True)
                 rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
                                        for p, g in zip(params, got)]))
@@ -433,7 +473,7 @@ class LaplaceGP(LaplacePredictions):
     def _latent(self, Xs: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Latent mean ``k*ᵀ ∇log p(y|f̂)`` (R&W eq. (3.21)) and variance ``k(x*, x*) - k*ᵀ (K + W⁻¹)⁻¹ k*``
         (eq. (3.24))."""
-        base, _ = split_outputscale(self.kernel)
+        base, _ = split_outputscale(self.kernel_)
         with torch.no_grad():
             Ks = self._s2 * evaluate(base, self._X, Xs).to(self._X.dtype)  # (n, m)
             # R&W eq. (3.21), with K⁻¹f̂ for ∇ log p(y|f̂) (equal at the mode): consistent with f̂ where Newton
@@ -471,8 +511,9 @@ class BernoulliClassifier:
         """Class probabilities ``(m, 2)`` (columns: class 0, class 1): the averaged predictive probability
         (R&W eq. (3.25)), for the logit link by MacKay's probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W
         §3.4.2), for the probit link exactly, ``Φ(μ / √(1 + v))``."""
+        mean, var = self.predict_latent(X)  # first: it raises for an unfitted model, which has no likelihood_
         with torch.no_grad():
-            p1, _ = self.likelihood.moments(*self.predict_latent(X))
+            p1, _ = self.likelihood_.moments(mean, var)
         return torch.stack([1 - p1, p1], 1)
 
     def predict(self, X: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

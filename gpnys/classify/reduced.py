@@ -41,7 +41,6 @@ from gpnys.checks import NumericalWarning, validate_choice, validate_count, vali
 from gpnys.classify.laplace import BernoulliClassifier, LaplacePredictions, halve_step
 from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
 from gpnys.kernels.blocks import kernel_diag
-from gpnys.kernels.entries import computation_dtype
 from gpnys.landmarks.rules import METHODS, select
 from gpnys.reduced.lla import VARIANCES, NystromFeatureMap
 
@@ -58,7 +57,8 @@ class ReducedLaplaceGP(LaplacePredictions):
 
     Args:
         kernel: a GPyTorch kernel (outputscale included); its trainable parameters (and the likelihood's) are trained
-            with ``optimizer_steps > 0``.
+            with ``optimizer_steps > 0``, on deep copies (``kernel_``, ``likelihood_``) made at every fit: the objects
+            given are never modified.
         likelihood: a name in :data:`~gpnys.classify.likelihoods.LIKELIHOODS` or a
             :class:`~gpnys.classify.likelihoods.LaplaceLikelihood`.
         m: landmarks (default ``min(500, n)``, or the rows of a ``landmarks`` tensor); at most n.
@@ -77,6 +77,8 @@ class ReducedLaplaceGP(LaplacePredictions):
         seed: seeds the landmark rule and the subsample (same seed and device, same results).
 
     Attributes (after :meth:`fit`):
+        kernel_, likelihood_: the kernel and likelihood of the fit, copies of ``kernel`` and ``likelihood`` with the
+            trained hyperparameters (``optimizer_steps > 0``); the predictions use them.
         landmarks_: ``(m, d)``. rank_: kept directions ``s``. dropped_: ``m − s``, the directions not kept.
         w_: ``(s,)`` the mode in weight space. f_hat_: ``(n,)`` the latent mode ``Φ ŵ``.
         log_marginal_likelihood_: float. mll_gradient_: ``{raw parameter name: tensor}``, ``∂ log q / ∂θ``.
@@ -135,13 +137,12 @@ class ReducedLaplaceGP(LaplacePredictions):
         on every row. ``X: (n, d)``, ``y: (n,)`` in the likelihood's support. Returns ``self``."""
         y = check_observations(X, y, self.likelihood)
         n = X.shape[0]
-        dtype = computation_dtype(self.kernel, X)
-        self.likelihood.to(dtype, X.device)
+        dtype = self._copy_hyperparameters(X)
         X, y = X.to(dtype), y.to(dtype)
         if self.subsample is not None and self.subsample > n:
             raise ValueError(f"subsample must be <= n = {n}, got {self.subsample}")
         self.landmarks_ = self._landmarks(X)
-        params = [p for p in self.kernel.parameters() if p.requires_grad] + self.likelihood.parameters()
+        params = [p for p in self.kernel_.parameters() if p.requires_grad] + self.likelihood_.parameters()
         self.history_: list[dict] = []
         if self.optimizer_steps and not params:
             warnings.warn(f"{type(self).__name__}: optimizer_steps = {self.optimizer_steps} but neither the kernel nor "
@@ -164,8 +165,8 @@ class ReducedLaplaceGP(LaplacePredictions):
             beta = beta if rows[0] is X else None  # the subsample's mode is no start for every row's
         log_q, _, self.newton_iterations_ = self._evaluate(X, y, beta, differentiable=bool(params))
         self.log_marginal_likelihood_ = float(log_q.detach())
-        named = [(name, p) for name, p in self.kernel.named_parameters() if p.requires_grad]
-        named += self.likelihood.named_parameters()
+        named = [(name, p) for name, p in self.kernel_.named_parameters() if p.requires_grad]
+        named += self.likelihood_.named_parameters()
         grads = torch.autograd.grad(log_q, [p for _, p in named], allow_unused=True) if named else ()
         self.mll_gradient_ = {name: (torch.zeros_like(p) if g is None else g).detach()
                               for (name, p), g in zip(named, grads)}
@@ -196,7 +197,7 @@ class ReducedLaplaceGP(LaplacePredictions):
         rtol = math.sqrt(torch.finfo(C.dtype).eps) if self.rtol is None else self.rtol
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NumericalWarning)
-            fmap = NystromFeatureMap(self.kernel, C, rank=self.rank, rtol=rtol)
+            fmap = NystromFeatureMap(self.kernel_, C, rank=self.rank, rtol=rtol)
         self.rank_, self.dropped_ = fmap.s, C.shape[0] - fmap.s
         return fmap
 
@@ -208,9 +209,9 @@ class ReducedLaplaceGP(LaplacePredictions):
         fmap = self._features()
         A, C, s = fmap.A, self.landmarks_, fmap.s
         with torch.set_grad_enabled(differentiable):
-            K_nm = self.kernel(X, C).to_dense()
+            K_nm = self.kernel_(X, C).to_dense()
             Phi = K_nm @ A
-            Q = self.kernel(C, C).to_dense()
+            Q = self.kernel_(C, C).to_dense()
             if differentiable:
                 # value K_nm A; derivative that of K_nm V_s Λ_s^{-½}: within the kept eigen-directions that of
                 # K_nm A (Aᵀ K_mm A)^{-½} at fixed A, and their turn towards the dropped ones, dV_s = V_⊥ M with
@@ -226,7 +227,7 @@ class ReducedLaplaceGP(LaplacePredictions):
         P = Phi.detach()
         w0 = None if beta0 is None else A.mT @ (Q.detach() @ beta0)  # Aᵀ K_mm A = I: the same f in this basis
         w, iterations = self._mode(P, y, w0)
-        lik = self.likelihood
+        lik = self.likelihood_
         with torch.no_grad():
             L = self._cholesky_H(P, lik.derivatives(P @ w, y)[1])
         with torch.set_grad_enabled(differentiable):
@@ -249,7 +250,7 @@ class ReducedLaplaceGP(LaplacePredictions):
 
     def _mode(self, Phi: torch.Tensor, y: torch.Tensor, w0: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """Newton's method on ``ψ(w) = log p(y|Φw) − ½|w|²`` from ``w0`` (zero, or the previous step's mode)."""
-        lik = self.likelihood
+        lik = self.likelihood_
         s = Phi.shape[1]
         n = Phi.shape[0]
         eps = torch.finfo(Phi.dtype).eps
@@ -293,7 +294,7 @@ class ReducedLaplaceGP(LaplacePredictions):
             v = torch.linalg.solve_triangular(self._L, phi.mT, upper=False)
             var = v.square().sum(0)
             if self.variance == "dtc":
-                var = var + (kernel_diag(self.kernel, X) - phi.square().sum(1)).clamp_min(0.0)
+                var = var + (kernel_diag(self.kernel_, X) - phi.square().sum(1)).clamp_min(0.0)
             return mean, var
 
 

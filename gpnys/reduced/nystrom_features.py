@@ -164,7 +164,8 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
                 arr = _validate_data(self, X, reset=reset, dtype=_NUMPY[dtype])
             except ValueError as exc:
                 raise ValueError(f"X: {exc}") from exc
-            return torch.from_numpy(arr).to(device=device), False
+            # a read-only array (a pandas frame's values, a memory map) is copied: torch shares no read-only memory
+            return torch.from_numpy(np.require(arr, requirements="W")).to(device=device), False
         if X.is_complex() or X.dtype == torch.bool:
             raise ValueError(f"X: Complex or boolean data not supported, got {X.dtype}")
         X = X.detach().to(device=device if device is not None else X.device, dtype=dtype)

@@ -248,7 +248,7 @@ def test_hyperparameter_training_raises_the_dense_log_marginal():
     clf = LaplaceGPClassifier(kernel, precond_options={"k": 40}, num_probes=16, optimizer_steps=15, lr=0.1)
     clf.fit(X, y)
     assert len(clf.history_) == 15
-    f, mll, _, _ = dense_laplace(X, y, kernel, X[:2])  # the trained kernel's dense reference
+    f, mll, _, _ = dense_laplace(X, y, clf.kernel_, X[:2])  # the trained kernel's dense reference
     assert mll > start + 5
     assert abs(clf.log_marginal_likelihood_ - mll) <= 4 * clf.mll_std_error_ + 1e-6 * abs(mll)
     # the Newton iterations of later steps start at the previous mode: fewer than the first step's
@@ -258,6 +258,45 @@ def test_hyperparameter_training_raises_the_dense_log_marginal():
     again.fit(X, y)
     assert again.log_marginal_likelihood_ == clf.log_marginal_likelihood_  # same seed, same trajectory
     assert all(torch.equal(again.mll_gradient_[k], clf.mll_gradient_[k]) for k in clf.mll_gradient_)
+
+
+#: float32's tolerances (test_float32_close_to_float64_reference's)
+F32_TOLERANCES = {"cg_tolerance": 1e-5, "newton_tol": 1e-5, "slq_tolerance": 1e-4}
+
+
+def tolerances(dtype):
+    return F32_TOLERANCES if dtype == torch.float32 else {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_fit_trains_a_copy_of_the_kernel_and_refits_identically(dtype):
+    X, y = data(120, dtype)
+    kernel = make_kernel(dtype)
+    given = copy.deepcopy(kernel.state_dict())
+    clf = LaplaceGPClassifier(kernel, precond_options={"k": 30}, num_probes=8, optimizer_steps=3, **tolerances(dtype))
+    proba = clf.fit(X, y).predict_proba(X[:30])
+    assert all(torch.equal(value, given[name]) for name, value in kernel.state_dict().items())  # untouched
+    trained = clf.kernel_.base_kernel.lengthscale.detach().clone()
+    assert not torch.equal(trained, kernel.base_kernel.lengthscale.detach())  # kernel_ holds the trained values
+    assert torch.equal(clf.fit(X, y).predict_proba(X[:30]), proba)  # the second fit starts where the first did
+    assert torch.equal(clf.kernel_.base_kernel.lengthscale.detach(), trained)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("method, options", [("afn", {"k": 30}), ("fsai", {"w": 10})], ids=["afn", "fsai"])
+def test_deep_copy_predicts_as_the_original(dtype, method, options):
+    """The preconditioner's sparse CSR factors, which torch does not deep-copy, are copied by pickle: the copy
+    predicts the same bits, and refitting it leaves the original as it was."""
+    X, y = data(120, dtype)
+    Xs = data(30, dtype, seed=1)[0]
+    clf = LaplaceGPClassifier(make_kernel(dtype), method=method, precond_options=options, num_probes=8,
+                              optimizer_steps=2, **tolerances(dtype)).fit(X, y)
+    proba, var = clf.predict_proba(Xs), clf.predict_variance(Xs)
+    twin = copy.deepcopy(clf)
+    assert twin._P is not clf._P and twin.kernel_ is not clf.kernel_
+    assert torch.equal(twin.predict_proba(Xs), proba) and torch.equal(twin.predict_variance(Xs), var)
+    twin.fit(X[:80], y[:80])
+    assert torch.equal(clf.predict_proba(Xs), proba) and torch.equal(clf.predict_variance(Xs), var)
 
 
 def test_bad_training_options():

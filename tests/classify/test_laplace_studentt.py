@@ -125,8 +125,8 @@ def test_training_raises_log_q_learns_the_scale_and_is_reproducible():
         gp = LaplaceGP(kernel, likelihood=lik, precond_options={"k": 40}, num_probes=16, optimizer_steps=15,
                        seed=1).fit(X, y)
         runs.append(gp)
-    scale = float(runs[0].likelihood.scale)
-    final = float(reference(X, y, kernel, scale=scale)[0].log_q)
+    scale = float(runs[0].likelihood_.scale)  # the trained scale and kernel
+    final = float(reference(X, y, runs[0].kernel_, scale=scale)[0].log_q)
     assert final > start + 20
     assert scale < 0.25  # towards the inliers' noise (0.1), not the outliers' spread
     assert abs(runs[0].log_marginal_likelihood_ - final) <= 4 * runs[0].mll_std_error_ + 1e-6 * abs(final)
@@ -134,12 +134,26 @@ def test_training_raises_log_q_learns_the_scale_and_is_reproducible():
     assert torch.equal(runs[0].f_hat_, runs[1].f_hat_)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_fit_trains_a_copy_of_the_likelihood_and_refits_identically(dtype):
+    X, y = data(100, dtype)
+    lik = StudentT(df=4.0, scale=0.5)
+    options = {"cg_tolerance": 1e-5, "newton_tol": 1e-5, "slq_tolerance": 1e-4} if dtype == torch.float32 else {}
+    gp = LaplaceGP(make_kernel(dtype), likelihood=lik, precond_options={"k": 30}, num_probes=8, optimizer_steps=3,
+                   **options)
+    mean, var = gp.fit(X, y).predict(X[:20])
+    assert float(lik.scale.detach()) == pytest.approx(0.5) and lik.raw_scale.dtype == torch.float32  # untouched
+    assert float(gp.likelihood_.scale.detach()) < 0.5 and gp.likelihood_.raw_scale.dtype == dtype  # trained on the copy
+    again = gp.fit(X, y).predict(X[:20])
+    assert torch.equal(again[0], mean) and torch.equal(again[1], var)
+
+
 def test_float32():
     X, y = data(200)
     gp = LaplaceGP(make_kernel(torch.float32), likelihood=StudentT(scale=0.2), precond_options={"k": 40},
                    cg_tolerance=1e-5, newton_tol=1e-5, slq_tolerance=1e-4).fit(X.float(), y.float())
     ref, _ = reference(X, y, make_kernel())
-    assert gp.f_hat_.dtype == torch.float32 and gp.likelihood.raw_scale.dtype == torch.float32
+    assert gp.f_hat_.dtype == torch.float32 and gp.likelihood_.raw_scale.dtype == torch.float32
     assert (gp.f_hat_.double() - ref.f).abs().max() < 1e-3
     assert abs(gp.log_marginal_likelihood_ - float(ref.log_q)) <= 4 * gp.mll_std_error_ + 1e-5 * abs(float(ref.log_q))
 
@@ -165,4 +179,4 @@ def test_student_t_on_the_cuda_device(cuda_device):
     gp.fit(X.to(cuda_device), y.to(cuda_device))
     ref, _ = reference(X, y, kernel)
     assert abs(gp.log_marginal_likelihood_ - float(ref.log_q)) <= 4 * gp.mll_std_error_ + 1e-8 * abs(float(ref.log_q))
-    assert gp.likelihood.raw_scale.device.type == torch.device(cuda_device).type
+    assert gp.likelihood_.raw_scale.device.type == torch.device(cuda_device).type

@@ -63,13 +63,13 @@ def test_mode_log_q_and_gradient_match_the_dense_laplace_on_the_nystrom_kernel(n
     gp = ReducedLaplaceGP(kernel, likelihood=copy.deepcopy(lik) if not isinstance(lik, str) else lik, landmarks=C,
                           rtol=1e-14).fit(X, y)
     assert gp.rank_ == 25 and gp.dropped_ == 0
-    ref_lik = gp.likelihood if not isinstance(lik, str) else None
+    ref_lik = gp.likelihood_ if not isinstance(lik, str) else None
     ref_kernel = copy.deepcopy(kernel)
     ref_params = [p for _, p in ref_kernel.named_parameters()]
     if name == "studentt":
-        ref_lik = copy.deepcopy(gp.likelihood)
+        ref_lik = copy.deepcopy(gp.likelihood_)
         ref_params += ref_lik.parameters()
-    ref = dense_laplace(nystrom_kernel(ref_kernel, X, C), y, likelihood=ref_lik or gp.likelihood)
+    ref = dense_laplace(nystrom_kernel(ref_kernel, X, C), y, likelihood=ref_lik or gp.likelihood_)
     assert (gp.f_hat_ - ref.f.detach()).abs().max() < 1e-7
     log_q = float(ref.log_q.detach())
     assert abs(gp.log_marginal_likelihood_ - log_q) < 1e-8 * abs(log_q)
@@ -186,7 +186,7 @@ def test_training_raises_log_q_and_the_subsample_path_runs():
     sub = ReducedLaplaceClassifier(make_kernel(lengthscale=1.0), m=40, landmarks="uniform", optimizer_steps=15,
                                    lr=0.1, subsample=200).fit(X, y)
     assert sub.log_marginal_likelihood_ > before.log_marginal_likelihood_ + 1.0
-    assert float(sub.kernel.base_kernel.lengthscale.detach()) < 1.0  # the subsample's steps moved the hyperparameters
+    assert float(sub.kernel_.base_kernel.lengthscale.detach()) < 1.0  # the subsample's steps moved the hyperparameters
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
@@ -205,6 +205,23 @@ def test_same_seed_same_result_and_float32_agrees(dtype):
         assert abs(runs[0].log_marginal_likelihood_ - ref.log_marginal_likelihood_) < 1e-3 * abs(
             ref.log_marginal_likelihood_)
         assert (runs[0].predict_proba(X[:50]).double() - ref.predict_proba(X[:50])).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("name", ["bernoulli", "studentt"])
+def test_fit_trains_copies_of_the_kernel_and_likelihood_and_refits_identically(dtype, name):
+    X, y, lik = observations(name, 150, dtype)
+    kernel = make_kernel(dtype)
+    given = copy.deepcopy(kernel.state_dict())
+    gp = ReducedLaplaceGP(kernel, likelihood=lik, m=20, landmarks="fps", optimizer_steps=3)
+    mean, var = gp.fit(X, y).predict_latent(X[:30])
+    assert all(torch.equal(value, given[key]) for key, value in kernel.state_dict().items())  # untouched
+    assert not torch.equal(gp.kernel_.outputscale.detach(), kernel.outputscale.detach())  # kernel_: trained
+    if name == "studentt":  # the scale is trained on likelihood_; the given likelihood keeps its own
+        assert float(lik.scale.detach()) == pytest.approx(0.4)
+        assert float(gp.likelihood_.scale.detach()) != pytest.approx(0.4)
+    again = gp.fit(X, y).predict_latent(X[:30])
+    assert torch.equal(again[0], mean) and torch.equal(again[1], var)
 
 
 def test_bad_input_names_the_argument():

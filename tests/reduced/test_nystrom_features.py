@@ -202,6 +202,19 @@ def test_dtypes(dtype):
     assert np.abs(Phi @ Phi.T - ref @ ref.T).max() < tol
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_read_only_input_is_copied_without_a_warning(dtype):
+    """A read-only array (a pandas frame's values, a memory map) is copied: torch warns when it shares one."""
+    X, _ = circles(150)
+    X = X.astype(dtype)
+    X.setflags(write=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        nys = NystromFeatures(n_components=20, dtype=dtype, random_state=0).fit(X)
+        Phi = nys.transform(X)
+    assert not X.flags.writeable and np.array_equal(Phi, nys.transform(X.copy()))
+
+
 # -- bad input --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("params, fit_x, match", [
     ({"n_components": 500}, None, "n_components"),
