@@ -40,8 +40,9 @@ class Standardizer:
 
     @classmethod
     def fit(cls, x: torch.Tensor, y: torch.Tensor) -> "Standardizer":
-        x_std = x.std(dim=0)
-        y_std = y.std()
+        # One row has no spread (torch's std would warn and return NaN): unit scale, as for a constant column.
+        x_std = x.std(dim=0) if x.shape[0] > 1 else torch.ones_like(x[0])
+        y_std = y.std() if y.shape[0] > 1 else torch.ones_like(y[0])
         # Constant columns carry no information; leave them unscaled instead of dividing by zero.
         x_std = torch.where(x_std > 0, x_std, torch.ones_like(x_std))
         y_std = torch.where(y_std > 0, y_std, torch.ones_like(y_std))

@@ -18,12 +18,25 @@ import torch
 
 from gpnys import datasets
 from gpnys.classify import LaplaceGPClassifier, ReducedLaplaceClassifier
-from gpnys.cli.common import DTYPES, add_common_args, add_data_args, check_fit_flags, emit_json
+from gpnys.cli.common import (
+    LEARNING_RATE,
+    SCALE,
+    Range,
+    add_common_args,
+    add_data_args,
+    check_at_most,
+    count,
+    emit_json,
+    load_data,
+)
 from gpnys.distributed import rank_and_size
 from gpnys.kernels import make_kernel
 
 NAME = "classify"
 HELP = "Laplace GP binary classification: train the kernel by log q's gradient, report log q and test accuracy"
+#: --k, --w and --probes: as the estimator's (gpnys.cli.common.SHARED_FLAGS)
+FLAGS: dict[str, Range] = {"steps": count(0), "lr": LEARNING_RATE, "lengthscale": SCALE, "outputscale": SCALE,
+                           "n_test": count(1), "reduced": count(1), "subsample": count(1)}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -50,19 +63,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="--reduced: run the Adam steps on this many seeded rows, then fit every row")
 
 
-def _check(args: argparse.Namespace) -> None:
-    """One ``ValueError`` naming the flag for a value out of range (the CLI exits 2 with it)."""
-    check_fit_flags(args.steps, args.lr, "--steps")
-    for flag, value in (("--outputscale", args.outputscale), ("--lengthscale", args.lengthscale)):
-        if value is not None and not (value > 0 and value < float("inf")):
-            raise ValueError(f"{flag} must be positive and finite, got {value}")
-    for flag, value, low in (("--k", args.k, 1), ("--w", args.w, 1), ("--probes", args.probes, 2),
-                             ("--n-test", args.n_test, 1), ("--reduced", args.reduced, 1),
-                             ("--subsample", args.subsample, 1)):
-        if value is not None and value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-
-
 def _labels(y: torch.Tensor, how: str, threshold: torch.Tensor) -> torch.Tensor:
     if how == "median":
         return (y > threshold).to(y.dtype)
@@ -72,19 +72,14 @@ def _labels(y: torch.Tensor, how: str, threshold: torch.Tensor) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace) -> int:
-    _check(args)
-    ds = datasets.load(args.data, split=args.split, n=args.n, seed=args.seed, standardize=False,
-                       dtype=DTYPES[args.dtype], device=args.device, n_test=args.n_test)
+    ds = load_data(args, standardize=False, n_test=args.n_test)  # the labels keep their values
     X, Xt = ds.train_x, ds.test_x
     if not args.no_standardize:
-        mu, sd = X.mean(0), X.std(0)
-        sd = torch.where(sd > 0, sd, torch.ones_like(sd))
-        X, Xt = (X - mu) / sd, (Xt - mu) / sd
+        tf = datasets.Standardizer.fit(X, ds.train_y)
+        X, Xt = tf.transform_x(X), tf.transform_x(Xt)
     threshold = ds.train_y.median()
     y, yt = _labels(ds.train_y, args.labels, threshold), _labels(ds.test_y, args.labels, threshold)
-    for flag, value in (("--k", args.k), ("--reduced", args.reduced), ("--subsample", args.subsample)):
-        if value is not None and value > X.shape[0]:
-            raise ValueError(f"{flag} must be <= n = {X.shape[0]}, got {value}")
+    check_at_most(X.shape[0], args, "k", "reduced", "subsample")
     exact = args.reduced is None
     landmarks = None if exact else args.landmarks or "kmeans"
     if exact:
@@ -107,15 +102,23 @@ def run(args: argparse.Namespace) -> int:
     kernel.base_kernel.lengthscale = lengthscale
     kernel.outputscale = args.outputscale
     options = {key: value for key, value in (("k", args.k), ("w", args.w)) if value is not None}
-    t0 = time.perf_counter()
     if exact:
         clf = LaplaceGPClassifier(kernel, link=args.link, precond_options=options, num_probes=args.probes or 32,
                                   seed=args.seed, optimizer_steps=args.steps, lr=args.lr,
-                                  group=True if rank_and_size()[1] > 1 else None).fit(X, y)  # under torchrun
+                                  group=True if rank_and_size()[1] > 1 else None)  # under torchrun
     else:
         clf = ReducedLaplaceClassifier(kernel, link=args.link, m=args.reduced, landmarks=landmarks,
                                        optimizer_steps=args.steps, lr=args.lr, subsample=args.subsample,
-                                       seed=args.seed).fit(X, y)
+                                       seed=args.seed)
+    t0 = time.perf_counter()
+    try:
+        clf.fit(X, y)
+    except ValueError as exc:  # the start passed; an Adam step then took the hyperparameters where q has no value
+        steps = len(getattr(clf, "history_", []))
+        if not steps:
+            raise
+        raise ValueError(f"Adam diverged after {steps} step(s) ({type(exc).__name__}: {exc}); try a smaller "
+                         f"--lr than {args.lr:g}") from exc
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     accuracy = float((clf.predict(Xt).to(yt.dtype) == yt).double().mean()) if yt.numel() else None
@@ -129,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
         "gradient": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_.items()},
         "gradient_std_error": {k: v.reshape(-1).tolist() for k, v in clf.mll_gradient_std_error_.items()}
         if exact else None,
-        "lengthscale": kernel.base_kernel.lengthscale.detach().reshape(-1).tolist(),
-        "outputscale": float(kernel.outputscale.detach()), "test_accuracy": accuracy,
+        "lengthscale": clf.kernel_.base_kernel.lengthscale.detach().reshape(-1).tolist(),
+        "outputscale": float(clf.kernel_.outputscale.detach()), "test_accuracy": accuracy,
         "newton_iterations": clf.newton_iterations_, "train_s": train_s, "predict_s": predict_s,
         "processes": rank_and_size()[1],
         "history": clf.history_,

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from gpnys import datasets
 from gpnys.distributed import rank_and_size
 from gpnys.gp.settings import SOLVERS, EstimatorSettings
 from gpnys.kernels import KERNEL_NAMES
@@ -31,12 +34,17 @@ def comma_choices(allowed: tuple[str, ...] | list[str], what: str) -> Callable[[
 
 
 def add_data_args(p: argparse.ArgumentParser, default_n: int | None = None) -> None:
+    """``--data --split --n --no-standardize``; without ``--n`` :func:`load_data` keeps ``min(default_n, rows)``
+    training rows (all of them when ``default_n`` is None)."""
     p.add_argument("--data", default="elevators", help="bundled name, synthetic3d, or a .csv/.csv.gz path")
     p.add_argument("--split", type=int, default=0, help="train/test split 0-9 (default 0)")
-    p.add_argument("--n", "--num-points", dest="n", type=int, default=default_n,
-                   help="seeded subsample of n training rows (--num-points under torchrun, whose own parser takes "
-                   "--n for an abbreviation of its --nnodes)")
+    default = ("all training rows" if default_n is None
+               else f"min({default_n}, the training rows); synthetic3d: {default_n}")
+    p.add_argument("--n", "--num-points", dest="n", type=int, default=None,
+                   help=f"seeded subsample of n >= 2 training rows (default: {default}; --num-points under torchrun, "
+                   "whose own parser takes --n for an abbreviation of its --nnodes)")
     p.add_argument("--no-standardize", action="store_true", help="keep raw inputs and targets")
+    p.set_defaults(_default_n=default_n)
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -60,15 +68,6 @@ def add_budget_args(p: argparse.ArgumentParser) -> None:
                         "CPU, half the free GPU memory on CUDA)")
 
 
-def check_fit_flags(iters: int, lr: float, iters_flag: str = "--iters") -> None:
-    """A ``ValueError`` naming the flag for a negative iteration count or a learning rate that is not positive and
-    finite (the library's ``fit`` names its own arguments, ``iters`` and ``lr``)."""
-    if iters < 0:
-        raise ValueError(f"{iters_flag} must be >= 0, got {iters}")
-    if not (lr > 0 and lr < float("inf")):
-        raise ValueError(f"--lr must be positive and finite, got {lr}")
-
-
 def parse_device(text: str | None) -> torch.device | None:
     """``--device``: a torch device that exists here (``ValueError`` naming the flag otherwise)."""
     if text is None:
@@ -85,14 +84,6 @@ def parse_device(text: str | None) -> torch.device | None:
     elif device.type != "cpu":
         raise ValueError(f"--device {text}: only cpu and cuda devices are supported")
     return device
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.tolist()
-    if hasattr(obj, "item"):
-        return obj.item()
-    return str(obj)
 
 
 def add_estimator_args(p: argparse.ArgumentParser) -> None:
@@ -136,20 +127,8 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
 
 
 def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, dict[str, int]]:
-    """``(settings, preconditioner options)`` from the flags of :func:`add_estimator_args`."""
-    for name in ("cg_tol", "probes", "lanczos_steps"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.lanczos_share < 1:
-        raise ValueError(f"--lanczos-share must be in [0, 1), got {args.lanczos_share}")
-    if args.prune_tol is not None and not args.prune_tol >= 0:
-        raise ValueError(f"--prune-tol must be >= 0, got {args.prune_tol}")
-    if args.reuse_tolerance is not None and not args.reuse_tolerance >= 0:
-        raise ValueError(f"--reuse-tolerance must be >= 0, got {args.reuse_tolerance}")
-    if args.accuracy is not None and not 0 < args.accuracy < 1:
-        raise ValueError(f"--accuracy must be in (0, 1), got {args.accuracy}")
-    if args.max_probes < 2:
-        raise ValueError(f"--max-probes must be >= 2, got {args.max_probes}")
+    """``(settings, preconditioner options)`` from the flags of :func:`add_estimator_args` (their ranges are
+    :data:`SHARED_FLAGS`', checked by :func:`check_flags`)."""
     if args.accuracy is not None and args.no_error_bars:
         raise ValueError("--accuracy needs the error bars; drop --no-error-bars")
     cv = args.control_variate
@@ -165,6 +144,161 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
     return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with tensors and numpy values as Python lists and numbers, and every non-finite float as ``None``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {key: _finite(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(value) for value in obj]
+    if hasattr(obj, "tolist"):
+        return _finite(obj.tolist())  # tensors, numpy arrays and scalars
+    return obj
+
+
 def emit_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=_plain)
+    """Print ``obj`` as strict JSON: NaN and infinities (also inside lists, dicts and tensors) become ``null``;
+    anything else that JSON has no type for is written as its ``str``."""
+    json.dump(_finite(obj), sys.stdout, indent=2, default=str, allow_nan=False)
     sys.stdout.write("\n")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag accepts: an integer (``integer``) or a finite float from ``low`` to ``high`` (either
+    excluded with ``low_open`` / ``high_open``). A ``scale`` (a length-scale, outputscale or noise) must also lie
+    in ``[sqrt(tiny), sqrt(max)]`` of ``--dtype``, so that its square is a finite, nonzero number there; scales and
+    ``suspect`` flags are the ones a numerical failure's message names."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+    scale: bool = False
+    suspect: bool = False
+
+    def check(self, flag: str, value: Any, dtype: torch.dtype) -> None:
+        """A ``ValueError`` naming ``flag`` unless ``value`` is in the range."""
+        low, high, low_open, high_open = self.low, self.high, self.low_open, self.high_open
+        if self.scale:
+            info = torch.finfo(dtype)
+            tiny, huge = math.sqrt(info.tiny), math.sqrt(info.max)
+            low, low_open = (tiny, False) if low is None or low < tiny else (low, low_open)
+            high, high_open = (huge, False) if high is None or high > huge else (high, high_open)
+        if self.integer:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, (int, float)) and math.isfinite(value)
+        ok = ok and (low is None or value > low or value == low and not low_open)
+        ok = ok and (high is None or value < high or value == high and not high_open)
+        if not ok:
+            kind = "an integer" if self.integer else "a finite number"
+            lo, hi = (f"{v}" if self.integer or v is None else f"{v:g}" for v in (low, high))
+            if low is not None and high is not None:
+                where = f" in {'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'}"
+            elif low is not None:
+                where = f" {'>' if low_open else '>='} {lo}"
+            else:
+                where = "" if high is None else f" {'<' if high_open else '<='} {hi}"
+            why = f" for --dtype {str(dtype).removeprefix('torch.')} (a scale whose square is finite)" \
+                if self.scale else ""
+            raise ValueError(f"{flag} must be {kind}{where}{why}, got {value}")
+
+
+def count(low: int, high: int | None = None) -> Range:
+    """An integer flag in ``[low, high]``."""
+    return Range(low, high, integer=True)
+
+
+POSITIVE = Range(0.0, low_open=True)
+NONNEGATIVE = Range(0.0)
+SCALE = Range(0.0, low_open=True, scale=True)
+#: an optimiser's learning rate: positive and finite, and named when training fails numerically
+LEARNING_RATE = Range(0.0, low_open=True, suspect=True)
+#: ``--seed`` and the seeds derived from it (``seed + repeat``, ``seed + 1000 split``) fit every generator's range
+SEED_MAX = 2**32 - 1
+
+#: the memory budget's flags in bytes fit a 64-bit integer
+BUDGET_BYTES_MAX = 2**63 - 1
+
+#: the ranges of the flags that :func:`add_data_args`, :func:`add_common_args` and :func:`add_estimator_args` add,
+#: by destination; a subcommand's own ``FLAGS`` add to (and override) them
+SHARED_FLAGS: dict[str, Range] = {
+    "n": count(2), "split": count(0, datasets.NUM_SPLITS - 1), "seed": count(0, SEED_MAX),
+    "block_mib": count(1, BUDGET_BYTES_MAX >> 20), "dense_gib": Range(0.0, BUDGET_BYTES_MAX / 2**30, high_open=True),
+    "k": count(1), "w": count(1), "cg_tol": POSITIVE, "probes": count(2), "lanczos_steps": count(1),
+    "lanczos_share": Range(0.0, 1.0, high_open=True), "prune_tol": NONNEGATIVE, "reuse_tolerance": NONNEGATIVE,
+    "accuracy": Range(0.0, 1.0, low_open=True, high_open=True), "max_probes": count(2),
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_flags(args: argparse.Namespace, ranges: Mapping[str, Range]) -> None:
+    """The one range check of the command line: a ``ValueError`` naming the first flag of ``ranges`` (by
+    destination) whose value is out of its :class:`Range`. Flags the subcommand lacks, or left unset (``None``), are
+    skipped; a list (``pcg --lengthscale 1,2``) is checked item by item, all before any work."""
+    dtype = DTYPES[getattr(args, "dtype", "float64")]
+    for dest, rule in ranges.items():
+        value = getattr(args, dest, None)
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None:
+                rule.check(_flag(dest), item, dtype)
+
+
+def check_at_most(n: int, args: argparse.Namespace, *dests: str) -> None:
+    """A ``ValueError`` naming the first flag of ``dests`` whose value exceeds ``n``, the training rows."""
+    for dest in dests:
+        value = getattr(args, dest, None)
+        if value is not None and value > n:
+            raise ValueError(f"{_flag(dest)} must be <= {n} (the training rows), got {value}")
+
+
+def load_data(args: argparse.Namespace, standardize: bool | None = None,
+              n_test: int | None = None) -> datasets.Dataset:
+    """The data set of ``--data --split --n --seed --dtype --device`` (standardised unless ``--no-standardize`` or
+    ``standardize=False``), with ``n_test`` seeded test rows. Without ``--n``: ``min(default_n, rows)`` training
+    rows (:func:`add_data_args`); an explicit ``--n`` above the rows, or fewer than 2 rows, is an error."""
+    kw = {"split": args.split, "seed": args.seed, "dtype": DTYPES[args.dtype], "device": args.device,
+          "standardize": not args.no_standardize if standardize is None else standardize, "n_test": n_test}
+    n, cap = args.n, getattr(args, "_default_n", None)
+    if n is None and cap is None and args.data in datasets.SYNTHETIC:
+        raise ValueError(f"--n is required for --data {args.data}")
+    if n is None and cap is not None and args.data not in datasets.SYNTHETIC:
+        try:  # the same seeded subsample as --n cap ...
+            ds = datasets.load(args.data, n=cap, **kw)
+        except ValueError:  # ... unless the split has fewer rows: all of them (any other error recurs here)
+            ds = datasets.load(args.data, **kw)
+    else:
+        ds = datasets.load(args.data, n=cap if n is None else n, **kw)
+    if ds.n < 2:
+        raise ValueError(f"--data {args.data}: split {ds.split} has {ds.n} training row(s); at least 2 are needed")
+    if n_test is not None and n_test > ds.test_x.shape[0]:
+        raise ValueError(f"--n-test must be <= {ds.test_x.shape[0]} (the test rows of {ds.name!r} split {ds.split}), "
+                         f"got {n_test}")
+    return ds
+
+
+#: exceptions of a computation that failed on its numbers or its memory (torch's and linear_operator's
+#: ``RuntimeError``s such as ``NotPSDError`` and ``NanError``, overflow, an allocation), reported on one line
+NUMERICAL_ERRORS = (RuntimeError, ArithmeticError, MemoryError)
+
+
+def failure_message(exc: BaseException, args: argparse.Namespace, ranges: Mapping[str, Range]) -> str:
+    """One line for a computation that raised one of :data:`NUMERICAL_ERRORS`: the exception's type and text, and
+    the flags to look at (the memory ones, or the given scales and learning rate of ``ranges``)."""
+    text = " ".join(str(exc).split()) or "no message"
+    what = f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+    if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return f"out of memory ({what}); try a smaller --n or memory budget (--block-mib, --dense-gib)"
+    suspects = []
+    for dest, rule in ranges.items():
+        value = getattr(args, dest, None)
+        if (rule.scale or rule.suspect) and value is not None:
+            shown = ",".join(f"{v:g}" for v in value) if isinstance(value, list) else f"{value:g}"
+            suspects.append(f"{_flag(dest)} {shown}")
+    return f"numerical failure ({what})" + (f"; check {', '.join(suspects)}" if suspects else "")

@@ -9,15 +9,18 @@ import time
 import gpytorch
 import torch
 
-from gpnys import datasets
 from gpnys.cli.common import (
-    DTYPES,
+    LEARNING_RATE,
+    POSITIVE,
+    Range,
     add_common_args,
     add_data_args,
     add_estimator_args,
-    check_fit_flags,
+    check_at_most,
+    count,
     emit_json,
     estimator_from_args,
+    load_data,
 )
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import use_preconditioner
@@ -34,6 +37,7 @@ from gpnys.precond.strategy import PRECONDITIONERS
 
 NAME = "fit"
 HELP = "train an exact GP (ScaleKernel over RBF/Matérn) and report hyperparameters, test RMSE and NLL"
+FLAGS: dict[str, Range] = {"iters": count(0), "lr": LEARNING_RATE, "variance_rel_error": POSITIVE}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -60,16 +64,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_fit_flags(args.iters, args.lr)
-    ds = datasets.load(
-        args.data,
-        split=args.split,
-        n=args.n,
-        seed=args.seed,
-        standardize=not args.no_standardize,
-        dtype=DTYPES[args.dtype],
-        device=args.device,
-    )
+    settings, opts = estimator_from_args(args)  # checked for --precond none too, which uses none of them
+    if args.precond == "none":
+        for flag, value in (("--variance-method", None if args.variance_method in ("auto", "cholesky")
+                             else args.variance_method), ("--variance-rel-error", args.variance_rel_error)):
+            if value is not None:
+                raise ValueError(f"{flag} {value} needs a preconditioned fit; --precond none computes the variances "
+                                 "by Cholesky")
+    ds = load_data(args)
+    check_at_most(ds.n, args, "k", "w")
     if not args.json:
         print(f"data: {ds.describe()}")
         if ds.subsampled and args.precond == "none":
@@ -88,9 +91,6 @@ def run(args: argparse.Namespace) -> int:
         predict_s = time.perf_counter() - t_pred
         bound = None
     else:
-        settings, opts = estimator_from_args(args)
-        if args.variance_rel_error is not None and not args.variance_rel_error > 0:
-            raise ValueError(f"--variance-rel-error must be positive, got {args.variance_rel_error}")
         settings.variance_method, settings.variance_rel_error = args.variance_method, args.variance_rel_error
         if args.optimizer == "lbfgs":  # common random numbers: a deterministic objective for the line search
             settings.probe_seed = args.seed

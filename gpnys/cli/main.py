@@ -13,10 +13,11 @@ import torch.distributed as dist
 from gpnys import distributed as gpnys_distributed
 from gpnys.budget import memory_budget
 from gpnys.cli import classify, fit, mll, pcg, reduce
-from gpnys.cli.common import parse_device
+from gpnys.cli.common import NUMERICAL_ERRORS, SHARED_FLAGS, check_flags, failure_message, parse_device
 from gpnys.collectives import CollectiveError
 
-#: modules with ``NAME``, ``HELP``, ``add_parser(parser)`` and ``run(args) -> int``
+#: modules with ``NAME``, ``HELP``, ``FLAGS`` (their flags' :class:`gpnys.cli.common.Range` by destination),
+#: ``add_parser(parser)`` and ``run(args) -> int``
 SUBCOMMANDS = [fit, pcg, mll, reduce, classify]
 
 
@@ -34,17 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in SUBCOMMANDS:
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
         mod.add_parser(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _flags={**SHARED_FLAGS, **mod.FLAGS})
     return parser
 
 
 def budget_from_args(args: argparse.Namespace) -> dict[str, int | None]:
-    """``memory_budget`` keywords from ``--block-mib`` / ``--dense-gib`` (absent or None: the defaults)."""
+    """``memory_budget`` keywords from ``--block-mib`` / ``--dense-gib`` (absent or None: the defaults; their ranges
+    are checked by :func:`gpnys.cli.common.check_flags`)."""
     mib, gib = getattr(args, "block_mib", None), getattr(args, "dense_gib", None)
-    if mib is not None and mib < 1:
-        raise ValueError(f"--block-mib must be >= 1, got {mib}")
-    if gib is not None and not gib >= 0:
-        raise ValueError(f"--dense-gib must be >= 0, got {gib}")
     return {"block_bytes": None if mib is None else mib << 20, "dense_bytes": None if gib is None else int(gib * 2**30)}
 
 
@@ -70,10 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog = "gpnys" if any(e in before for e in extra) else f"gpnys {args.command}"
         parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see --help)\n")
     try:
+        check_flags(args, args._flags)
         if hasattr(args, "device"):
             args.device = parse_device(args.device)
-        if getattr(args, "seed", 0) < 0:
-            raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
         join_torchrun(args)
         with memory_budget(**budget_from_args(args)):
             return int(args._run(args) or 0)
@@ -86,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
+    except NUMERICAL_ERRORS as exc:  # a computation that failed on its numbers or memory: one line, not a traceback
+        if isinstance(exc, (NotImplementedError, RecursionError)):  # programming errors, not numerical ones
+            raise
+        parser.exit(2, f"gpnys {args.command}: error: {failure_message(exc, args, args._flags)}\n")
     except OSError as exc:  # a file that cannot be read, or an output that cannot be written (pipe, full disk)
         where = exc.filename if exc.filename else "standard output"
         if exc.filename is None:  # stop the interpreter's final flush from writing to the broken stream again

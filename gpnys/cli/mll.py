@@ -4,25 +4,30 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 
-from gpnys import budget, datasets
+from gpnys import budget
 from gpnys.baselines.higp_adapter import evaluate_higp  # imports higp itself only when called
 from gpnys.baselines.mll import METHODS, NOISE_LOWER_BOUND, evaluate, grad_errors
 from gpnys.cli.common import (
-    DTYPES,
+    SCALE,
+    Range,
     add_common_args,
     add_data_args,
     add_estimator_args,
+    check_at_most,
     comma_choices,
+    count,
     emit_json,
     estimator_from_args,
+    load_data,
 )
 from gpnys.kernels.backends import select_backend
 from gpnys.kernels.product import caches_dense
 
 NAME = "mll"
 HELP = "negative MLL per point and its raw-parameter gradient: exact Cholesky vs GPyTorch default vs gpnys"
+FLAGS: dict[str, Range] = {"repeats": count(1), "lengthscale": SCALE, "outputscale": SCALE,
+                           "noise": Range(NOISE_LOWER_BOUND, low_open=True, scale=True)}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -37,15 +42,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    for flag, value, low in (("--lengthscale", args.lengthscale, 0.0), ("--outputscale", args.outputscale, 0.0),
-                             ("--noise", args.noise, NOISE_LOWER_BOUND)):
-        if not (value > low and math.isfinite(value)):
-            raise ValueError(f"{flag} must be finite and > {low:g}, got {value}")
-    ds = datasets.load(args.data, split=args.split, n=args.n, seed=args.seed,
-                       standardize=not args.no_standardize, dtype=DTYPES[args.dtype], device=args.device)
     settings, opts = estimator_from_args(args)
+    ds = load_data(args)
+    check_at_most(ds.n, args, "k", "w")
     common = {"kernel": args.kernel, "lengthscale": args.lengthscale, "outputscale": args.outputscale,
               "noise": args.noise}
     records, ref = [], None

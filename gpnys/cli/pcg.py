@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import time
 
-from gpnys import datasets
 from gpnys.cli.common import (
-    DTYPES,
+    POSITIVE,
+    SCALE,
+    Range,
     add_common_args,
     add_data_args,
+    check_at_most,
     comma_choices,
+    count,
     emit_json,
+    load_data,
 )
 from gpnys.kernels import base_kernel
 from gpnys.kernels.system import kernel_system
@@ -21,13 +25,19 @@ from gpnys.solvers.pcg import pcg
 
 NAME = "pcg"
 HELP = "preconditioned CG on K + mu I: iterations, setup and solve seconds per preconditioner and length-scale"
+FLAGS: dict[str, Range] = {"lengthscale": SCALE, "noise": SCALE, "tol": POSITIVE, "maxiter": count(0),
+                           "rank": count(1)}
 
 
 def _floats(text: str) -> list[float]:
+    """argparse type: a non-empty comma-separated list of numbers."""
     try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from exc
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return values
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -44,15 +54,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    dtype = DTYPES[args.dtype]
-    ds = datasets.load(args.data, split=args.split, n=args.n, seed=args.seed,
-                       standardize=not args.no_standardize, dtype=dtype, device=args.device)
+    ds = load_data(args)
+    check_at_most(ds.n, args, "rank", "w")  # --k is a cap: AFN takes min(k, n) landmarks
     X, b = ds.train_x, ds.train_y
     cache = PointCache(X)
     records = []
     for ls in args.lengthscale:
-        if not ls > 0:
-            raise ValueError(f"lengthscale must be positive, got {ls}")
         kernel = base_kernel(args.kernel).to(X)
         kernel.lengthscale = ls
         matmul = kernel_system(X, kernel, args.noise)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import time
 from typing import Any
 
@@ -18,14 +17,16 @@ import gpytorch
 import torch
 from tqdm.auto import tqdm
 
-from gpnys import datasets
 from gpnys.cli.common import (
-    DTYPES,
+    LEARNING_RATE,
+    SCALE,
+    Range,
     add_common_args,
     add_data_args,
-    check_fit_flags,
     comma_choices,
+    count,
     emit_json,
+    load_data,
 )
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.training import ExactGPModel, fit, hyperparameters
@@ -36,6 +37,9 @@ from gpnys.reduced.evaluate import EVAL_METHODS, evaluate_method
 
 NAME = "reduce"
 HELP = "reduced GPs (gsa, lla, ncr, nytro), random Fourier features and the exact GP: test metrics and error vs exact"
+
+FLAGS: dict[str, Range] = {"lengthscale": SCALE, "outputscale": SCALE, "noise": SCALE, "mean": Range(),
+                           "fit_iters": count(0), "lr": LEARNING_RATE}
 
 #: methods that do not iterate over landmark rules
 _NO_RULE = ("exact", "rff")
@@ -93,14 +97,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _given_hyperparameters(args: argparse.Namespace) -> dict[str, float] | None:
-    """The hyperparameters from the flags, validated; ``None`` when they are to be fitted."""
+    """The hyperparameters from the flags (their ranges checked by ``FLAGS``); ``None`` when they are to be
+    fitted."""
     names = ("lengthscale", "outputscale", "noise")
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    for key, val in given.items():
-        if not (val > 0 and math.isfinite(val)):
-            raise ValueError(f"--{key} must be positive and finite, got {val}")
-    if args.mean is not None and not math.isfinite(args.mean):
-        raise ValueError(f"--mean must be finite, got {args.mean}")
     if not given:
         if args.mean is not None:
             raise ValueError("--mean applies only with given --lengthscale, --outputscale and --noise "
@@ -132,10 +132,8 @@ def _runs(methods: list[str], ms: list[int | str], rules: list[str]) -> list[tup
 
 def run(args: argparse.Namespace) -> int:
     methods, ms, rules = _unique(args.method), _unique(args.m), _unique(args.landmarks)
-    check_fit_flags(args.fit_iters, args.lr, "--fit-iters")
     given = _given_hyperparameters(args)
-    ds = datasets.load(args.data, split=args.split, n=args.n, seed=args.seed,
-                       standardize=not args.no_standardize, dtype=DTYPES[args.dtype], device=args.device)
+    ds = load_data(args)
     X, y = ds.train_x, ds.train_y
     for m in ms:
         if m != "auto" and not 1 <= m <= ds.n:

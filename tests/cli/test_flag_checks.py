@@ -1,0 +1,182 @@
+"""Bad flag values exit 2 with one line naming the flag, before any work; a computation that fails on its numbers or
+its memory exits 2 with one line too; ``--json`` is strict JSON; without ``--n`` `pcg` and `mll` keep
+``min(2000, rows)`` training rows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+import pytest
+import torch
+
+from gpnys import datasets
+from gpnys.cli import common
+from gpnys.cli.main import main
+
+DATA = ["--data", "concrete", "--n", "200"]
+
+pytestmark = pytest.mark.filterwarnings("ignore::gpnys.solvers.pcg.ConvergenceWarning")
+
+
+def _reject(token: str) -> None:
+    raise ValueError(f"not strict JSON: {token}")
+
+
+def strict_json(text: str):
+    """``json.loads`` that refuses NaN, Infinity and -Infinity."""
+    return json.loads(text, parse_constant=_reject)
+
+
+def fails(argv: list[str], capsys) -> tuple[str, str]:
+    """Run the command, expect exit status 2; its stdout and its one stderr line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"gpnys {argv[0]}: error: ") and "Traceback" not in err, err
+    return out, lines[0]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    # absurd values that used to raise deep inside (OverflowError, KeyError, NotPSDError, NaN, a failed Cholesky)
+    (["mll", "--method", "auto", "--dense-gib", "inf"], "--dense-gib"),
+    (["mll", "--method", "auto", "--dense-gib", "1e300"], "--dense-gib"),
+    (["mll", "--method", "auto", "--block-mib", str(2**70)], "--block-mib"),
+    (["mll", "--method", "auto", "--probes", "1"], "--probes"),
+    (["mll", "--method", "exact", "--outputscale", "1e300"], "--outputscale"),
+    (["mll", "--method", "exact", "--noise", "1e300"], "--noise"),
+    (["classify", "--steps", "1", "--lengthscale", "1e-300"], "--lengthscale"),
+    (["mll", "--method", "exact", "--dtype", "float32", "--lengthscale", "1e20"], "--lengthscale"),
+    # values that used to reach the JSON as Infinity
+    (["fit", "--iters", "2", "--probes", "1", "--solver", "iterative", "--json"], "--probes"),
+    (["pcg", "--lengthscale", "inf", "--json"], "--lengthscale"),
+    (["classify", "--steps", "0", "--lengthscale", "1e300", "--json"], "--lengthscale"),
+    # the estimator's flags are checked with --precond none too, and the variance flags need a preconditioner
+    (["fit", "--precond", "none", "--probes", "0"], "--probes"),
+    (["fit", "--precond", "none", "--cg-tol", "nan"], "--cg-tol"),
+    (["fit", "--precond", "none", "--variance-rel-error", "-1"], "--variance-rel-error"),
+    (["fit", "--precond", "none", "--variance-rel-error", "0.1"], "--variance-rel-error"),
+    (["fit", "--precond", "none", "--variance-method", "pcg"], "--variance-method"),
+    (["fit", "--precond", "none", "--k", "5000"], "--k"),
+    # no silent clipping
+    (["pcg", "--precond", "nystrom", "--rank", "0"], "--rank"),
+    (["pcg", "--precond", "nystrom", "--rank", "1000"], "--rank"),
+    (["classify", "--steps", "0", "--n-test", "100000"], "--n-test"),
+    (["pcg", "--lengthscale", ","], "--lengthscale"),
+    # the flag, not the library's argument, is named
+    (["pcg", "--noise", "0"], "--noise"),
+    (["mll", "--n", "0"], "--n"),
+    (["mll", "--split", "-1"], "--split"),
+    (["mll", "--method", "afn", "--k", "0"], "--k"),
+    (["mll", "--method", "afn", "--w", "0"], "--w"),
+    (["mll", "--method", "afn", "--k", "5000"], "--k"),
+    (["pcg", "--tol", "0"], "--tol"),
+    (["pcg", "--maxiter", "-1"], "--maxiter"),
+    (["pcg", "--w", "5000"], "--w"),
+    (["mll", "--method", "afn", "--cg-tol", "inf"], "--cg-tol"),
+    (["mll", "--lengthscale", "1e300"], "--lengthscale"),
+    (["classify", "--outputscale", "1e300"], "--outputscale"),
+    (["mll", "--seed", "99999999999999999999"], "--seed"),
+    (["reduce", "--lengthscale", "1", "--outputscale", "1", "--noise", "inf"], "--noise"),
+    (["reduce", "--lengthscale", "1", "--outputscale", "1", "--noise", "0.1", "--mean", "nan"], "--mean"),
+    # one row cannot be standardised (nor fitted): at least 2
+    (["mll", "--method", "exact", "--n", "1"], "--n"),
+    (["classify", "--n", "1"], "--n"),
+])
+def test_bad_flag_exits_2_with_one_line_naming_it(argv, flag, capsys):
+    out, err = fails(argv[:1] + DATA + argv[1:], capsys)
+    assert flag in err and out == "", err
+
+
+def test_the_whole_lengthscale_list_is_checked_before_any_solve(capsys):
+    out, err = fails(["pcg", *DATA, "--lengthscale=1,-1"], capsys)
+    assert out == "" and "--lengthscale" in err and "-1" in err
+
+
+def test_synthetic_data_needs_n(capsys):
+    _, err = fails(["fit", "--data", "synthetic3d", "--iters", "1"], capsys)
+    assert "--n" in err
+
+
+def test_a_file_with_one_training_row_is_an_error_without_warnings(tmp_path, capsys):
+    path = tmp_path / "two.csv"
+    path.write_text("1,2,3\n4,5,6\n")  # a 90/10 split of two rows: one training row
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "degrees of freedom is <= 0" would raise here
+        _, err = fails(["mll", "--data", str(path), "--method", "exact"], capsys)
+        tf = datasets.Standardizer.fit(torch.ones(1, 3), torch.ones(1))
+    assert "--data" in err and "at least 2" in err
+    assert torch.equal(tf.x_std, torch.ones(3)) and float(tf.y_std) == 1.0
+
+
+def test_training_that_diverges_names_the_learning_rate(capsys):
+    _, err = fails(["fit", *DATA, "--iters", "3", "--lr", "1e300", "--precond", "none", "--json"], capsys)
+    assert "numerical failure" in err and "--lr" in err, err
+    _, err = fails(["classify", "--data", "concrete", "--n", "100", "--steps", "1", "--lengthscale", "2", "--lr",
+                    "1e300"], capsys)
+    assert "--lr 1e+300" in err, err  # "Adam diverged after 1 step(s) (...)" or a numerical failure
+
+
+@pytest.mark.filterwarnings("ignore::linear_operator.utils.warnings.NumericalWarning")
+def test_a_numerical_failure_names_the_scales(capsys):
+    """An outputscale inside the representable range can still leave K + noise I indefinite in floating point."""
+    _, err = fails(["mll", *DATA, "--method", "exact", "--outputscale", "1e100"], capsys)
+    assert "numerical failure" in err and "NotPSDError" in err and "--outputscale 1e+100" in err, err
+
+
+def test_out_of_memory_is_one_line_naming_n(monkeypatch, capsys):
+    def allocate(n: int, seed: int = 0, noise: float = 0.1):
+        raise MemoryError(f"Unable to allocate 24.8 GiB for an array with shape ({n}, 3)")
+
+    monkeypatch.setattr(datasets, "synthetic3d", allocate)
+    _, err = fails(["mll", "--data", "synthetic3d", "--n", "300", "--method", "exact"], capsys)
+    assert "out of memory" in err and "MemoryError" in err and "--n" in err, err
+
+
+@pytest.mark.parametrize("error", [KeyError("raw_noise"), NotImplementedError("later")])
+def test_programming_errors_keep_their_traceback(error, monkeypatch):
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr("gpnys.cli.mll.evaluate", broken)
+    with pytest.raises(type(error)):
+        main(["mll", *DATA, "--method", "exact"])
+
+
+def test_emit_json_is_strict(capsys):
+    common.emit_json({"loss": float("nan"), "se": [1.0, float("inf")], "t": torch.tensor([2.0, -float("inf")]),
+                      "nested": {"x": (float("-inf"),)}, "n": 3, "ok": True, "dev": torch.device("cpu")})
+    out = strict_json(capsys.readouterr().out)
+    assert out == {"loss": None, "se": [1.0, None], "t": [2.0, None], "nested": {"x": [None]}, "n": 3, "ok": True,
+                   "dev": "cpu"}
+
+
+def test_a_run_prints_strict_json(capsys):
+    assert main(["pcg", *DATA, "--precond", "none,nystrom", "--rank", "20", "--maxiter", "5", "--json"]) == 0
+    records = strict_json(capsys.readouterr().out)
+    assert [r["rank"] for r in records] == [0, 20]
+
+
+def test_default_n_is_all_rows_below_2000(tmp_path, capsys):
+    path = tmp_path / "small.csv"
+    gen = torch.Generator().manual_seed(0)
+    path.write_text("\n".join(",".join(f"{v:.6f}" for v in row) for row in torch.rand(150, 3, generator=gen).tolist()))
+    assert main(["mll", "--data", str(path), "--method", "exact", "--json"]) == 0
+    (rec,) = strict_json(capsys.readouterr().out)
+    assert rec["n"] == 135  # 150 rows less the 15 of the test split
+    assert main(["pcg", "--data", str(path), "--precond", "none", "--maxiter", "2", "--json"]) == 0
+    assert strict_json(capsys.readouterr().out)[0]["n"] == 135
+    _, err = fails(["mll", "--data", str(path), "--n", "2000", "--method", "exact"], capsys)
+    assert "2000" in err and "135" in err
+
+
+def test_default_n_caps_at_the_subcommand_default():
+    """Above the cap, the default is the same seeded subsample as an explicit ``--n``."""
+    args = argparse.Namespace(data="concrete", split=1, n=None, seed=3, dtype="float64", device=None,
+                              no_standardize=False, _default_n=100)
+    ds = common.load_data(args)
+    ref = datasets.load("concrete", split=1, n=100, seed=3)
+    assert ds.n == 100 and torch.equal(ds.train_x, ref.train_x) and torch.equal(ds.test_y, ref.test_y)
