@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import math
-import pickle
 import warnings
 from typing import Any, Callable
 
@@ -68,18 +67,6 @@ def halve_step(objective: Callable[[float], float], value: float, slack: float) 
             return step, new
         step /= 2
     return None
-
-
-def deepcopy_pickling(obj: Any, memo: dict[int, Any], names: tuple[str, ...]) -> Any:
-    """A deep copy of ``obj`` for its ``__deepcopy__``: the attributes in ``names`` by a pickle round trip (exact, for
-    what pickle copies but ``copy.deepcopy`` cannot: torch deep-copies no sparse CSR tensor), the others by
-    ``copy.deepcopy`` with ``memo``."""
-    new = type(obj).__new__(type(obj))
-    memo[id(obj)] = new
-    for name, value in vars(obj).items():
-        vars(new)[name] = (pickle.loads(pickle.dumps(value, pickle.HIGHEST_PROTOCOL)) if name in names
-                           else copy.deepcopy(value, memo))
-    return new
 
 
 class LaplacePredictions:
@@ -217,14 +204,6 @@ class LaplaceGP(LaplacePredictions):
         self.lr = validate_positive(lr, "lr")
         self.group = None if group is None or group is False else resolve_group(group)
         self._warned_kernel = False
-
-    #: what :meth:`__deepcopy__` copies by pickle: the preconditioner, whose AFN / FSAI factors are sparse CSR
-    _PICKLED = ("_P",)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "LaplaceGP":
-        """``copy.deepcopy``: the preconditioner by pickle (:func:`deepcopy_pickling`), so that a fitted model's
-        copy predicts exactly as it does."""
-        return deepcopy_pickling(self, memo, self._PICKLED)
 
     # ---- the pieces of B = I + W^½ K W^½ -------------------------------------------------------------------
     def _state(self, f: torch.Tensor, build: bool = True) -> None:

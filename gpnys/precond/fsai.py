@@ -185,6 +185,13 @@ class SparseTriangular:
         self.diag = G.values()[G.crow_indices()[1:] - 1]  # columns ascend, the diagonal ends each row
         self.nnz = int(G.values().numel())
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "SparseTriangular":
+        """``copy.deepcopy``: torch deep-copies no sparse CSR tensor (it reads a storage they lack), so the copy
+        clones ``G`` (bit for bit) and forms ``G^T`` again."""
+        copied = SparseTriangular(self.G.clone())
+        memo[id(self)] = copied
+        return copied
+
     def mm(self, R: torch.Tensor) -> torch.Tensor:
         """``G R`` for ``R: (n, t)``."""
         return self.G @ R

@@ -285,8 +285,9 @@ def test_fit_trains_a_copy_of_the_kernel_and_refits_identically(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("method, options", [("afn", {"k": 30}), ("fsai", {"w": 10})], ids=["afn", "fsai"])
 def test_deep_copy_predicts_as_the_original(dtype, method, options):
-    """The preconditioner's sparse CSR factors, which torch does not deep-copy, are copied by pickle: the copy
-    predicts the same bits, and refitting it leaves the original as it was."""
+    """The preconditioner's sparse CSR factors, which torch does not deep-copy, are cloned
+    (``SparseTriangular.__deepcopy__``): the copy predicts the same bits, and refitting it leaves the original as
+    it was."""
     X, y = data(120, dtype)
     Xs = data(30, dtype, seed=1)[0]
     clf = LaplaceGPClassifier(make_kernel(dtype), method=method, precond_options=options, num_probes=8,

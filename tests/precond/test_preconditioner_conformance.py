@@ -24,7 +24,9 @@ decades. ``P`` is compared with its dense form ``dense_P(P)`` (``P`` applied to 
 
 from __future__ import annotations
 
+import copy
 import functools
+import pickle
 
 import gpytorch
 import pytest
@@ -247,6 +249,17 @@ class PreconditionerTestCase:
         assert all(torch.equal(x, y) for x, y in zip(runs[0], runs[1]))
         if self.SEEDED:
             assert not torch.equal(runs[0][0], runs[2][0]), "another seed, another P"
+
+    def test_copies_give_the_same_bits(self, dtype):
+        """``copy.deepcopy`` and ``pickle`` (a model that holds ``P``: a fitted classifier, a BoTorch model): the copy
+        applies, solves and has the log-determinant of ``P``, bit for bit; torch deep-copies no sparse CSR tensor,
+        which AFN's and FSAI's factors are."""
+        V = torch.randn(N, 2, dtype=dtype, generator=torch.Generator().manual_seed(8))
+        P = self.build(dtype)
+        for Q in (copy.deepcopy(P), pickle.loads(pickle.dumps(P))):
+            assert Q is not P
+            for a, b in ((P.matmul(V), Q.matmul(V)), (P.solve(V), Q.solve(V)), (P.logdet(), Q.logdet())):
+                assert torch.equal(a, b)
 
     def test_full_size_is_the_system(self, dtype, noise):
         """Every point a landmark / a full pattern: ``P = K + mu I`` (``K + diag(mu_i)``); ``SCALED``: a positive
