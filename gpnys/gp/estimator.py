@@ -696,7 +696,25 @@ def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, level: 
     (BoTorch's L-BFGS-B works on the constrained values themselves): a component at a bound whose gradient points
     out of the box has a zero projected gradient and is left out, as L-BFGS-B's own test leaves it (a BoTorch noise
     at its 1e-4 floor otherwise keeps the statistic in the hundreds while the optimiser cannot move it). All
-    components held that way: ``True``."""
+    components held that way: ``True``.
+
+    Example:
+        Far from the optimum the gradient stands out of its noise:
+
+        >>> import gpytorch, torch
+        >>> from gpnys.gp import ExactGPModel
+        >>> from gpnys.gp.estimator import gradient_at_noise
+        >>> from gpnys.gp.hook import use_preconditioner
+        >>> from gpnys.gp.settings import EstimatorSettings
+        >>> X = torch.rand(300, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        >>> model = ExactGPModel(X, torch.sin(6 * X[:, 0]), gpytorch.likelihoods.GaussianLikelihood()).double()
+        >>> mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+        >>> settings = EstimatorSettings(solver="iterative", probe_seed=0)
+        >>> with use_preconditioner(model, "auto", settings=settings) as hook:
+        ...     (-mll(model(X), model.train_targets)).backward()
+        >>> gradient_at_noise(model, hook.last_estimate)
+        False
+    """
     if estimate is None or not estimate.grad_std_error:
         return False
     # the loss per point the gradient is of: a batch-mode model's elements each divide by their own n (its total
