@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RowGroup", "CollectiveError", "gather_rows", "row_range", "resolve_group", "STATS", "reset_stats", "LEAF",
-           "Rows", "SAMPLE_ROWS"]
+           "Rows", "SAMPLE_ROWS", "signature"]
 
 #: row granularity of a split and of a partial kernel pass (``rows=``): the cutoff plan's leaf and the Triton tile
 LEAF = 64
@@ -173,23 +173,42 @@ class RowGroup:
             raise CollectiveError(f"gpnys row partition: the {what} collective failed on rank {self.rank} of "
                                   f"{self.size} (a rank died or the group's timeout passed): {err}") from err
 
-    def agree(self, what: str, failure: BaseException | None) -> None:
+    def agree(self, what: str, failure: BaseException | None, signature: dict[str, Any] | None = None) -> None:
         """Every rank's verdict on its own input, exchanged once (``failure``: this rank's error, or ``None``): a
         rank that rejected its input re-raises its error here, and every other rank raises a ``ValueError`` naming
-        it, at once, instead of waiting for it in the next collective until the group's timeout."""
+        it, at once, instead of waiting for it in the next collective until the group's timeout. ``signature``
+        (plain values, e.g. :func:`signature` of the data and the settings) must be the same on every rank, else
+        every rank raises a ``ValueError`` naming the first entry that differs: a gather of blocks sized or typed
+        differently would abort a gloo process outright, and data that differ outside the gathers' sample rows
+        would give each rank its own answer."""
         if self.size == 1:
             if failure is not None:
                 raise failure
             return
         verdicts: list[Any] = [None] * self.size
         mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-        self._collective(what, dist.all_gather_object, verdicts, mine)
+        self._collective(what, dist.all_gather_object, verdicts, (mine, signature))
         if failure is not None:
             raise failure
-        bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        bad = [(r, v) for r, (v, _) in enumerate(verdicts) if v is not None]
         if bad:
             rank, verdict = bad[0]
             raise ValueError(f"rank {rank} of {self.size} rejected its {what}: {verdict}")
+        ours = verdicts[0][1] or {}
+        for rank, (_, theirs) in enumerate(verdicts[1:], 1):
+            theirs = theirs or {}
+            for key in dict.fromkeys([*ours, *theirs]):
+                a, b = ours.get(key), theirs.get(key)
+                if a == b:
+                    continue
+                if isinstance(a, tuple) and isinstance(b, tuple) and a[:2] == b[:2]:  # a tensor's signature
+                    detail = f"{key} ({a[0]}, shape {a[1]}) holds other values on rank {rank} than on rank 0"
+                elif isinstance(a, tuple) and isinstance(b, tuple):
+                    detail = f"{key} is {a[0]} of shape {a[1]} on rank 0 and {b[0]} of shape {b[1]} on rank {rank}"
+                else:
+                    detail = f"{key} is {a!r} on rank 0 and {b!r} on rank {rank}"
+                raise ValueError(f"gpnys row partition: the ranks hold different {what}: {detail}; every rank must "
+                                 "pass the same data, settings and options")
 
     def gather(self, what: str, local: torch.Tensor, inputs: list[torch.Tensor],
                failure: BaseException | None = None) -> list[torch.Tensor]:
@@ -305,6 +324,25 @@ class RowGroup:
         W = Q2[self.rank * k : (self.rank + 1) * k] @ U_R  # (k, k): this rank's Q'_r U_R
         U = self.gather_rows(f"{what} U rows", n, lambda a_, b_: local["Q"] @ W[: local["Q"].shape[1]], inputs, (k,))
         return U, sigma
+
+def signature(**tensors: torch.Tensor | None) -> dict[str, Any]:
+    """Plain values that identify each tensor exactly, for :meth:`RowGroup.agree`: dtype, shape and two integer sums
+    of its bit patterns (plain and position-weighted, wrapping in int64): exact and independent of the summation
+    order, so every rank gets the same numbers for the same bits, and a changed entry or a swap of two changes
+    them. One host read per tensor."""
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        if t is None:
+            out[name] = None
+            continue
+        flat = t.detach().contiguous().reshape(-1)
+        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        ints = flat.view(bits).to(torch.int64)
+        weights = torch.arange(1, ints.numel() + 1, dtype=torch.int64, device=ints.device)
+        sums = torch.stack([ints.sum(), (ints * weights).sum()]).tolist() if ints.numel() else [0, 0]
+        out[name] = (str(t.dtype), tuple(t.shape), *sums)
+    return out
+
 
 def gather_rows(group: RowGroup | None, what: str, n: int, compute: Callable[[int, int], torch.Tensor],
                 inputs: list[torch.Tensor], tail: tuple[int, ...] = ()) -> torch.Tensor:

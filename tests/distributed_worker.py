@@ -14,6 +14,8 @@
 * ``mismatch``: rank-dependent right-hand sides, which must raise;
 * ``die``: rank 1 exits before the product; rank 0 records the error it gets and how long it took;
 * ``reject``: rank 1's targets hold a NaN: it rejects them on entering the hook, and rank 0 must hear of it;
+* ``disagree-dtype`` / ``disagree-probes`` / ``disagree-row``: rank 1 holds float32 data, asks for 8 probes, or
+  holds one input entry moved by 0.01; every rank records the error it gets on entering the hook;
 * ``laplace``: a Laplace GP classifier (Newton mode, log q, its gradient, two Adam steps, predictions);
 * ``nan``: a NaN in rank 1's rows of one kernel product during an MLL evaluation; every rank records its error.
 
@@ -277,6 +279,33 @@ def reject_on_one_rank(rank, group):
         return {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
 
 
+def disagree(rank, group, how):
+    """Rank 1 differs from rank 0 in ``how`` (``dtype``, ``probes`` or ``row``): every rank must raise a
+    ``ValueError`` naming it on entering the hook, before a gather of blocks sized or typed differently (which
+    aborted the gloo process) or an answer of its own (an entry outside the gathers' sample rows)."""
+    import dataclasses
+
+    import gpytorch
+
+    X, y, _ = data()
+    settings = gd.settings(group, solver="iterative")
+    if rank == 1 and how == "dtype":
+        X, y = X.float(), y.float()
+    elif rank == 1 and how == "probes":
+        settings = dataclasses.replace(settings, num_probes=8)
+    elif rank == 1 and how == "row":
+        X = X.clone()
+        X[5, 1] += 0.01
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").to(X.dtype)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    try:
+        with use_preconditioner(model, "afn", settings=settings, k=30):
+            (-mll(model(X), y)).backward()
+        return {"error": None}
+    except Exception as err:  # noqa: BLE001 (what each rank got is the result)
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def nan_on_one_rank(rank, group):
     """Rank 1's rows of the third kernel product hold a NaN: every rank must raise NonFiniteError (the gathered
     product carries it to all), none return a value."""
@@ -351,6 +380,9 @@ def main():
         torch.save(to_cpu(res), f"{out_path}.{rank}")
     elif mode == "nan":
         res = nan_on_one_rank(rank, group)
+        torch.save(to_cpu(res), f"{out_path}.{rank}")
+    elif mode.startswith("disagree-"):
+        res = disagree(rank, group, mode.removeprefix("disagree-"))
         torch.save(to_cpu(res), f"{out_path}.{rank}")
     elif mode in ("mismatch", "die"):
         X, _, V = data()

@@ -269,6 +269,21 @@ def test_a_rank_that_rejects_its_input_tells_the_others_at_once(tmp_path):
     assert "train_targets" in other["error"] and other["seconds"] < 30  # not the group's 60 s timeout
 
 
+@pytest.mark.parametrize("how, says", [("dtype", "inputs is torch.float64 of shape (300, 3) on rank 0 and "
+                                               "torch.float32"),
+                                      ("probes", "settings.num_probes is '16' on rank 0 and '8' on rank 1"),
+                                      ("row", "inputs (torch.float64, shape (300, 3)) holds other values on rank 1")])
+def test_ranks_that_disagree_raise_naming_what(tmp_path, how, says):
+    """Data or settings that differ between the ranks: a ValueError on every rank naming what differs, on entering
+    the hook. Before, other dtypes or settings sized the gathers differently and gloo aborted a rank (SIGABRT), and
+    an input entry outside the gathers' sample rows gave each rank its own gradient."""
+    assert run_ranks(f"disagree-{how}", tmp_path / "dist.pt", extra_env={"GPNYS_TEST_TIMEOUT": "60"},
+                     timeout=120) == [0, 0]
+    for r in (0, 1):
+        got = torch.load(f"{tmp_path / 'dist.pt'}.{r}", weights_only=False)
+        assert got["error"] is not None and got["error"].startswith("ValueError") and says in got["error"], got
+
+
 def test_a_nan_in_one_ranks_rows_raises_on_every_rank(tmp_path):
     assert run_ranks("nan", tmp_path / "dist.pt", extra_env={"GPNYS_TEST_TIMEOUT": "60"}, timeout=120) == [0, 0]
     for r in (0, 1):

@@ -168,8 +168,9 @@ def emit_json(obj: Any) -> None:
 class Range:
     """The values a numeric flag accepts: an integer (``integer``) or a finite float from ``low`` to ``high`` (either
     excluded with ``low_open`` / ``high_open``). A ``scale`` (a length-scale, outputscale or noise) must also lie
-    in ``[sqrt(tiny), sqrt(max)]`` of ``--dtype``, so that its square is a finite, nonzero number there; scales and
-    ``suspect`` flags are the ones a numerical failure's message names."""
+    in ``[sqrt(tiny), sqrt(max)]`` of ``--dtype``, so that its square is a finite, nonzero number there, and a
+    ``magnitude`` (a prior mean) within ``±sqrt(max)``, so that its square is finite; scales and ``suspect`` flags
+    are the ones a numerical failure's message names."""
 
     low: float | None = None
     high: float | None = None
@@ -177,14 +178,15 @@ class Range:
     high_open: bool = False
     integer: bool = False
     scale: bool = False
+    magnitude: bool = False
     suspect: bool = False
 
     def check(self, flag: str, value: Any, dtype: torch.dtype) -> None:
         """A ``ValueError`` naming ``flag`` unless ``value`` is in the range."""
         low, high, low_open, high_open = self.low, self.high, self.low_open, self.high_open
-        if self.scale:
+        if self.scale or self.magnitude:
             info = torch.finfo(dtype)
-            tiny, huge = math.sqrt(info.tiny), math.sqrt(info.max)
+            tiny, huge = (math.sqrt(info.tiny) if self.scale else -math.sqrt(info.max)), math.sqrt(info.max)
             low, low_open = (tiny, False) if low is None or low < tiny else (low, low_open)
             high, high_open = (huge, False) if high is None or high > huge else (high, high_open)
         if self.integer:
@@ -202,8 +204,9 @@ class Range:
                 where = f" {'>' if low_open else '>='} {lo}"
             else:
                 where = "" if high is None else f" {'<' if high_open else '<='} {hi}"
-            why = f" for --dtype {str(dtype).removeprefix('torch.')} (a scale whose square is finite)" \
-                if self.scale else ""
+            why = (f" for --dtype {str(dtype).removeprefix('torch.')} "
+                   f"({'a scale' if self.scale else 'a value'} whose square is finite)"
+                   if self.scale or self.magnitude else "")
             raise ValueError(f"{flag} must be {kind}{where}{why}, got {value}")
 
 

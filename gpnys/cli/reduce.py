@@ -38,7 +38,7 @@ from gpnys.reduced.evaluate import EVAL_METHODS, evaluate_method
 NAME = "reduce"
 HELP = "reduced GPs (gsa, lla, ncr, nytro), random Fourier features and the exact GP: test metrics and error vs exact"
 
-FLAGS: dict[str, Range] = {"lengthscale": SCALE, "outputscale": SCALE, "noise": SCALE, "mean": Range(),
+FLAGS: dict[str, Range] = {"lengthscale": SCALE, "outputscale": SCALE, "noise": SCALE, "mean": Range(magnitude=True),
                            "fit_iters": count(0), "lr": LEARNING_RATE}
 
 #: methods that do not iterate over landmark rules

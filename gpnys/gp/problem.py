@@ -29,7 +29,7 @@ from gpnys.checks import (
     validate_positive_tensors,
     validate_training_data,
 )
-from gpnys.collectives import RowGroup, partitioned
+from gpnys.collectives import RowGroup, partitioned, signature
 from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
 from gpnys.gp.discover import same_points, selected_kernel, training_kernel
 from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob
@@ -113,9 +113,24 @@ class TrainingProblem(HookPrediction):
             failure = err
         group = settings.kernel_group
         if partitioned(group) and dist.is_available() and dist.is_initialized():
-            RowGroup.of(group).agree("input", failure)  # a rank that rejects its input tells the others now
+            # a rank that rejects its input tells the others now; the data and settings must agree exactly
+            RowGroup.of(group).agree("input", failure, None if failure is not None else self._signature(train_x))
         elif failure is not None:
             raise failure
+
+    def _signature(self, train_x: torch.Tensor) -> dict[str, Any]:
+        """What every rank of a row partition must hold alike (:meth:`RowGroup.agree`): the training inputs as the
+        kernel sees them and as the model holds them, the targets, known per-point noise, the estimator's settings
+        (but the group), the preconditioner's method, options and seed."""
+        model = self.model
+        noise = getattr(model.likelihood, "noise", None) if isinstance(
+            model.likelihood, gpytorch.likelihoods.FixedNoiseGaussianLikelihood) else None
+        settings = {f"settings.{f.name}": repr(getattr(self.settings, f.name))
+                    for f in dataclasses.fields(self.settings) if f.name != "kernel_group"}
+        method = self.method if isinstance(self.method, str) else f"{self.method.__module__}.{self.method.__name__}"
+        return {**signature(inputs=train_x, train_inputs=model.train_inputs[0], train_targets=model.train_targets,
+                            noise=noise),
+                **settings, "method": method, "options": repr(sorted(self._user_options.items())), "seed": self.seed}
 
     # -- the training data ------------------------------------------------------------------------------
     def _data_key(self) -> tuple:

@@ -27,7 +27,7 @@ from gpnys.kernels.entries import KernelEntries
 from gpnys.linalg import safe_cholesky
 from gpnys.precond.strategy import AutoPreconditioner
 from gpnys.reduced.gsa import GSAPosterior
-from gpnys.reduced.lla import LLAPosterior, validate_regression
+from gpnys.reduced.lla import LLAPosterior, validate_regression, validate_test_points
 from gpnys.reduced.ncr import NCRPosterior
 from gpnys.solvers.pcg import pcg
 
@@ -71,7 +71,7 @@ class ExactPosterior:
 
     def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
                  prior_mean: float = 0.0, method: str = "auto", tol: float = 1e-8, seed: int = 0) -> None:
-        validate_regression(X, y, noise)
+        validate_regression(X, y, noise, prior_mean=prior_mean)
         if method not in ("auto", "cholesky", "pcg"):
             raise ValueError(f"method must be 'auto', 'cholesky' or 'pcg', got {method!r}")
         self.kernel, self.X, self.noise, self.prior_mean = kernel, X, float(noise), float(prior_mean)
@@ -107,10 +107,12 @@ class ExactPosterior:
 
     def mean(self, Z: torch.Tensor) -> torch.Tensor:
         """Posterior mean ``(nz,)``."""
+        validate_test_points(Z, self.X.shape[1])
         return self.prior_mean + kernel_block(self.kernel, Z, self.X) @ self.alpha
 
     def variance(self, Z: torch.Tensor, block: int = 512) -> torch.Tensor:
         """Latent posterior variance ``k_zz - k_z^T (K + sigma^2 I)^{-1} k_z`` (``(nz,)``), test points in blocks."""
+        validate_test_points(Z, self.X.shape[1])
         out = []
         for i in range(0, Z.shape[0], block):
             Kxz = kernel_block(self.kernel, self.X, Z[i : i + block])
@@ -175,6 +177,11 @@ def rkhs_error(posterior: LLAPosterior, exact: ExactPosterior) -> float:
         >>> abs(rkhs_error(lla, exact) - rkhs_error(ncr, exact)) < 1e-6
         True
     """
+    if not isinstance(posterior, LLAPosterior):  # RFF's features are not a subspace of the kernel's RKHS
+        raise ValueError(f"posterior: an RKHS distance is defined for the LLA, NCR and GSA posteriors, not for "
+                         f"{type(posterior).__name__}")
+    if posterior.X is not exact.X and (posterior.X.shape != exact.X.shape or not torch.equal(posterior.X, exact.X)):
+        raise ValueError("posterior and exact must be built on the same training inputs X")
     if isinstance(posterior, GSAPosterior):
         d = exact.alpha - posterior.alpha
         sq = float(d @ exact.kernel_matmul(d[:, None])[:, 0])

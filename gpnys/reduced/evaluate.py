@@ -5,7 +5,8 @@ Record fields: ``method``, ``m`` (landmarks; RFF: frequencies, ``2m`` features),
 ``fit_s``, ``predict_s``, ``test_rmse`` and ``test_nll`` (original units of y when a ``Standardizer`` is given;
 NLL only where a variance exists, noise included), ``error_vs_exact`` (RKHS distance ``|f - f*|_H`` of the
 predictor to the full GP's, [SPA] eq. (15)/(19); ``None`` for RFF, whose predictor is not in that RKHS) and
-``mean_rmse_vs_exact`` (RMS difference of the predictive means over the test points).
+``mean_rmse_vs_exact`` (RMS difference of the predictive means over the test points, in the units of
+``test_rmse``; ``error_vs_exact`` is in the scale the GP is fitted in).
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ def evaluate_method(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Tenso
     rec["error_vs_exact"] = rec["mean_rmse_vs_exact"] = None
     if exact is not None:
         with torch.no_grad():
-            rec["mean_rmse_vs_exact"] = float((mean - exact.mean(Xt)).square().mean().sqrt())
+            ours, theirs = mean, exact.mean(Xt)
+            if transform is not None:  # in the units of test_rmse
+                ours, theirs = transform.inverse_y(ours), transform.inverse_y(theirs)
+            rec["mean_rmse_vs_exact"] = float((ours - theirs).square().mean().sqrt())
             if method == "nytro":
                 rec["error_vs_exact"] = landmark_rkhs_error(kernel, C, path.alpha_stop, exact)
             elif method == "exact":

@@ -30,7 +30,7 @@ import torch
 from gpnys.checks import NumericalWarning, validate_choice
 from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.reduced.features import Solver
-from gpnys.reduced.lla import LLAPosterior
+from gpnys.reduced.lla import LLAPosterior, validate_test_points
 
 __all__ = ["GSAPosterior", "COEFFICIENTS"]
 
@@ -85,6 +85,7 @@ class GSAPosterior(LLAPosterior):
             self.alpha = Q @ torch.linalg.solve_triangular(R.mT, self.w[:, None], upper=False)[:, 0]
 
     def _cross_train(self, Z: torch.Tensor) -> torch.Tensor:
+        validate_test_points(Z, self.X.shape[1])
         return kernel_block(self.kernel, Z, self.X)  # (nz, n)
 
     def mean(self, Z: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ the top eigenpairs (NSL truncation, [NSL] §3.2, Algorithm 1).
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import gpytorch
@@ -25,7 +26,7 @@ from gpnys.checks import NumericalWarning, validate_choice, validate_count
 from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.reduced.features import FeatureGP, Solver
 
-__all__ = ["NystromFeatureMap", "LLAPosterior", "validate_regression"]
+__all__ = ["NystromFeatureMap", "LLAPosterior", "validate_regression", "validate_test_points"]
 
 VARIANCES = ("dtc", "sor")
 
@@ -37,9 +38,21 @@ def _finite_2d(T: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains NaN or inf")
 
 
-def validate_regression(X: torch.Tensor, y: torch.Tensor, noise: float, landmarks: torch.Tensor | None = None) -> None:
+def validate_test_points(Z: torch.Tensor, d: int) -> None:
+    """``ValueError`` naming ``Z`` unless it is a finite, non-empty ``(nz, d)`` tensor."""
+    _finite_2d(Z, "Z")
+    if Z.shape[1] != d:
+        raise ValueError(f"Z must have d={d} columns like X, got {Z.shape[1]}")
+
+
+def validate_regression(X: torch.Tensor, y: torch.Tensor, noise: float, landmarks: torch.Tensor | None = None,
+                        prior_mean: float = 0.0, rtol: float | None = None) -> None:
     """``ValueError`` naming the argument: X ``(n, d)``, y ``(n,)`` finite, noise > 0, landmarks ``(m, d)``,
-    ``1 <= m <= n``."""
+    ``1 <= m <= n``, a finite ``prior_mean``, ``rtol`` in ``(0, 1)`` or ``None``."""
+    if not math.isfinite(float(prior_mean)):
+        raise ValueError(f"prior_mean must be finite, got {prior_mean!r}")
+    if rtol is not None and not 0 < float(rtol) < 1:
+        raise ValueError(f"rtol must be in (0, 1) (a cut-off relative to the largest eigenvalue), got {rtol!r}")
     _finite_2d(X, "X")
     if not isinstance(y, torch.Tensor) or y.shape != (X.shape[0],):
         raise ValueError(f"y must have shape ({X.shape[0]},) to match X, got {getattr(y, 'shape', type(y))}")
@@ -172,7 +185,7 @@ class LLAPosterior:
     def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
                  landmarks: torch.Tensor, prior_mean: float = 0.0, variance: str = "dtc", rank: int | None = None,
                  rtol: float | None = None, solver: Solver | None = None) -> None:
-        validate_regression(X, y, noise, landmarks)
+        validate_regression(X, y, noise, landmarks, prior_mean, rtol)
         validate_choice(variance, "variance", VARIANCES)
         self.kernel, self.X, self.noise = kernel, X, float(noise)
         self.prior_mean, self.variance_kind = float(prior_mean), variance
@@ -188,10 +201,12 @@ class LLAPosterior:
 
     def mean(self, Z: torch.Tensor) -> torch.Tensor:
         """Predictive mean ``(nz,)`` at ``Z (nz, d)``."""
+        validate_test_points(Z, self.X.shape[1])
         return self.prior_mean + self.gp.mean(self.features(Z))
 
     def variance(self, Z: torch.Tensor) -> torch.Tensor:
         """Latent (noise-free) predictive variance ``(nz,)``: DTC ``v_SoR + k_zz - |phi_z|^2`` or SoR."""
+        validate_test_points(Z, self.X.shape[1])
         Phi_z = self.features(Z)
         v = self.gp.sor_variance(Phi_z)
         if self.variance_kind == "dtc":  # + the projection residual, >= 0 up to rounding

@@ -186,7 +186,7 @@ class RFFPosterior:
 
     def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
                  num_frequencies: int, seed: int = 0, prior_mean: float = 0.0, solver: Solver | None = None) -> None:
-        validate_regression(X, y, noise)
+        validate_regression(X, y, noise, prior_mean=prior_mean)
         self.kernel, self.X, self.noise, self.prior_mean = kernel, X, float(noise), float(prior_mean)
         self.features = RandomFourierFeatures(kernel, X.shape[1], num_frequencies, seed=seed,
                                               dtype=torch.promote_types(X.dtype, torch.float64),

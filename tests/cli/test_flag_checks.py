@@ -54,6 +54,8 @@ def fails(argv: list[str], capsys) -> tuple[str, str]:
     (["fit", "--iters", "2", "--probes", "1", "--solver", "iterative", "--json"], "--probes"),
     (["pcg", "--lengthscale", "inf", "--json"], "--lengthscale"),
     (["classify", "--steps", "0", "--lengthscale", "1e300", "--json"], "--lengthscale"),
+    (["reduce", "--lengthscale", "1", "--outputscale", "1", "--noise", "0.1", "--method", "exact,lla", "--m", "20",
+      "--mean", "1e200"], "--mean"),
     # the estimator's flags are checked with --precond none too, and the variance flags need a preconditioner
     (["fit", "--precond", "none", "--probes", "0"], "--probes"),
     (["fit", "--precond", "none", "--cg-tol", "nan"], "--cg-tol"),
