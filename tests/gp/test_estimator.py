@@ -341,9 +341,9 @@ def _grads(model, mll, X, y, hook_settings=None, **kw):
 @pytest.mark.parametrize("mean", ["constant", "linear"])
 def test_mean_gradient_is_second_order_in_the_solves(mean, dtype, monkeypatch):
     """With fresh probes the solve with y stops at a tenth of the probes' tolerance; the mean's gradient (no probe
-    term: its error bar is the working precision's floor, about 1e-14 of it in float64) is still Cholesky's: its
-    directions ride in the first batch and the first-order term ρᵀK̂⁻¹∂m is added. Without that term (the
-    directions withheld) the error is far larger."""
+    term) is still Cholesky's: its directions ride in the first batch and the first-order term ρᵀK̂⁻¹∂m is added.
+    Without that term (the directions withheld) the error is far larger. Its error bar (the precision's floor and
+    what the correction leaves, at most ‖ρ‖ ‖ρ_m‖ / λ_min) covers the error it has, and stays small."""
     X, y = data(400, dtype=dtype)
     module = gpytorch.means.ConstantMean() if mean == "constant" else gpytorch.means.LinearMean(3)
     model, mll = _mean_model(X, y, module)
@@ -353,9 +353,10 @@ def test_mean_gradient_is_second_order_in_the_solves(mean, dtype, monkeypatch):
     exact, _ = _grads(model, mll, X, y)
     got, hook = _grads(model, mll, X, y, EstimatorSettings())
     names = [n for n in got if n.startswith("mean_module")]
-    floor = 1e-12 if dtype == F64 else 1e-3
-    assert names and all(float(hook.last_estimate.grad_std_error[n].abs().max()) / 400
-                         <= floor * (1 + float(exact[n].abs().max())) for n in names)
+    floor = 1e-5 if dtype == F64 else 1e-3  # the bound is rigorous: 40-100x the error itself here
+    bars = {n: hook.last_estimate.grad_std_error[n].reshape(got[n].shape) / 400 for n in names}
+    assert names and all(float(bars[n].abs().max()) <= floor * (1 + float(exact[n].abs().max())) for n in names)
+    assert all(bool(((got[n] - exact[n]).abs() <= bars[n]).all()) for n in names), (got, exact, bars)
     real = estimator._mean_directions
     monkeypatch.setattr(estimator, "_mean_directions", lambda m, tensors, limit=8: real(m, []))
     first_order, _ = _grads(model, mll, X, y, EstimatorSettings())
