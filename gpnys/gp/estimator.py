@@ -204,6 +204,10 @@ ROUNDING_FACTOR, ROUNDING_PROBES = 4.0, 4
 #: docs/accuracy.md, "Where the error bars come from")
 Y_TOLERANCE_SHARE, Y_TOLERANCE_SHARE_TIGHT, MEAN_DIRECTIONS = 1e-1, 1e-2, 8
 
+#: below this unit round-off (float32, half) the gradient's error bars take the loose solve with ``r`` into account
+#: (:func:`log_prob`); float64's solves reach their tolerance, and its error bars were honest without the term
+LOOSE_EPS = 1e-10
+
 #: :func:`gradient_at_noise`: the mean's entries (no probe term) count as converged once the gain they still offer
 #: is below this share of the loss's standard error
 MEAN_GAIN_SHARE = 0.1
@@ -472,6 +476,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     share = Y_TOLERANCE_SHARE if loose else Y_TOLERANCE_SHARE_TIGHT
     tol_r = share * settings.cg_tolerance if target is None else min(target, share * settings.cg_tolerance)
     mean_correction = mean_error = curvature = None
+    solve_rows: list[torch.Tensor | None] | None = None  # δaᵀ∂K̂a per representation tensor (below LOOSE_EPS)
     bound = 0.0
     iterations = 0
     a = inv_quad = None
@@ -546,9 +551,17 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             B = M(Z)
             J = None
             if tensors:
-                # a^T dK a rides along as column 0 of the first batch's per-probe pass (no pass of its own)
-                kernel_rows = _column_rep_grads(cov, sol.x[:, : 1 + batch] if first else U,
-                                                torch.cat([a[:, None], B], 1) if first else B)
+                # a^T dK a rides along as column 0 of the first batch's per-probe pass (no pass of its own); below
+                # float64's precision, so does δaᵀ∂K̂a with δa ≈ P̂⁻¹ρ, the first-order error of -½aᵀ∂K̂a that a
+                # loose solve with r leaves (K̂⁻¹ρ, magnified by λ_min⁻¹): float32 gradients at a noise of 1e-4
+                # were 5-19 standard errors off without it (docs/accuracy.md)
+                loose = first and torch.finfo(r.dtype).eps > LOOSE_EPS
+                lefts = [sol.x[:, : 1 + batch]] + ([M(rho[:, None])] if loose else []) if first else [U]
+                rights = [a[:, None], B] + ([a[:, None]] if loose else []) if first else [B]
+                kernel_rows = _column_rep_grads(cov, torch.cat(lefts, 1), torch.cat(rights, 1))
+                if loose:
+                    solve_rows = [None if g is None else g[-1] for g in kernel_rows]
+                    kernel_rows = [None if g is None else g[:-1] for g in kernel_rows]
                 if first:
                     alpha_rows = [None if g is None else g[0] for g in kernel_rows]
                     kernel_rows = [None if g is None else g[1:] for g in kernel_rows]
@@ -621,6 +634,12 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             batch = int(min(max(need - t, settings.num_probes), settings.max_probes - t))
     t = sum(x.shape[0] for x in ell)
     grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
+    if grad_se is not None and solve_rows is not None:
+        # the loose solve's share, mapped to the parameters as the surrogate maps its terms, added in quadrature
+        lead = _RepGradient.apply(solve_rows, a, *reps)
+        parts = torch.autograd.grad(lead, tensors, retain_graph=True, allow_unused=True)
+        solve_term = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(parts, tensors)])
+        grad_se = (grad_se.square() + solve_term.to(grad_se).square()).sqrt()
     grad_floor = grad_curvature = None
     if grad_se is not None and d_index is not None and d_index.numel():
         if mean_error is not None:
