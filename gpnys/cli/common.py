@@ -168,7 +168,8 @@ def emit_json(obj: Any) -> None:
 class Range:
     """The values a numeric flag accepts: an integer (``integer``) or a finite float from ``low`` to ``high`` (either
     excluded with ``low_open`` / ``high_open``). A ``scale`` (a length-scale, outputscale or noise) must also lie
-    in ``[sqrt(tiny), sqrt(max)]`` of ``--dtype``, so that its square is a finite, nonzero number there, and a
+    in ``[sqrt(tiny), min(sqrt(max), log(max))]`` of ``--dtype``, so that its square is a finite, nonzero number
+    there and GPyTorch's softplus constraint can hold it (its inverse overflows above ``log(max)``), and a
     ``magnitude`` (a prior mean) within ``±sqrt(max)``, so that its square is finite; scales and ``suspect`` flags
     are the ones a numerical failure's message names."""
 
@@ -186,7 +187,10 @@ class Range:
         low, high, low_open, high_open = self.low, self.high, self.low_open, self.high_open
         if self.scale or self.magnitude:
             info = torch.finfo(dtype)
-            tiny, huge = (math.sqrt(info.tiny) if self.scale else -math.sqrt(info.max)), math.sqrt(info.max)
+            # a scale is set through GPyTorch's softplus constraint, whose inverse log(exp(x) - 1) overflows to an
+            # infinite raw parameter above log(max) (709.8 in float64): --noise 1e150 gave a loss of -inf, exit 0
+            tiny, huge = ((math.sqrt(info.tiny), min(math.sqrt(info.max), math.log(info.max))) if self.scale
+                          else (-math.sqrt(info.max), math.sqrt(info.max)))
             low, low_open = (tiny, False) if low is None or low < tiny else (low, low_open)
             high, high_open = (huge, False) if high is None or high > huge else (high, high_open)
         if self.integer:
@@ -205,7 +209,7 @@ class Range:
             else:
                 where = "" if high is None else f" {'<' if high_open else '<='} {hi}"
             why = (f" for --dtype {str(dtype).removeprefix('torch.')} "
-                   f"({'a scale' if self.scale else 'a value'} whose square is finite)"
+                   f"({'a scale that GPyTorch can hold' if self.scale else 'a value whose square is finite'})"
                    if self.scale or self.magnitude else "")
             raise ValueError(f"{flag} must be {kind}{where}{why}, got {value}")
 

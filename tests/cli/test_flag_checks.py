@@ -50,6 +50,9 @@ def fails(argv: list[str], capsys) -> tuple[str, str]:
     (["mll", "--method", "exact", "--noise", "1e300"], "--noise"),
     (["classify", "--steps", "1", "--lengthscale", "1e-300"], "--lengthscale"),
     (["mll", "--method", "exact", "--dtype", "float32", "--lengthscale", "1e20"], "--lengthscale"),
+    # GPyTorch's softplus constraint cannot hold them (an infinite raw parameter: a loss of -inf, exit 0)
+    (["mll", "--method", "exact", "--noise", "1e150"], "--noise"),
+    (["mll", "--method", "exact", "--dtype", "float32", "--outputscale", "100"], "--outputscale"),
     # values that used to reach the JSON as Infinity
     (["fit", "--iters", "2", "--probes", "1", "--solver", "iterative", "--json"], "--probes"),
     (["pcg", "--lengthscale", "inf", "--json"], "--lengthscale"),
@@ -124,9 +127,10 @@ def test_training_that_diverges_names_the_learning_rate(capsys):
 
 @pytest.mark.filterwarnings("ignore::linear_operator.utils.warnings.NumericalWarning")
 def test_a_numerical_failure_names_the_scales(capsys):
-    """An outputscale inside the representable range can still leave K + noise I indefinite in floating point."""
-    _, err = fails(["mll", *DATA, "--method", "exact", "--outputscale", "1e100"], capsys)
-    assert "numerical failure" in err and "NotPSDError" in err and "--outputscale 1e+100" in err, err
+    """Scales inside their range can still leave K + noise I indefinite in floating point (float32)."""
+    _, err = fails(["mll", *DATA, "--method", "exact", "--dtype", "float32", "--lengthscale", "80", "--outputscale",
+                    "80", "--noise", "2e-6"], capsys)
+    assert "numerical failure" in err and "NotPSDError" in err and "--outputscale 80" in err, err
 
 
 def test_out_of_memory_is_one_line_naming_n(monkeypatch, capsys):
