@@ -520,7 +520,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _gradient_at_noise(self, mll: gpytorch.mlls.MarginalLogLikelihood, hook: PreconditionerHook,
                            bounds: dict[str, Any]) -> bool:
         """One evaluation of ``mll``'s loss and gradient at the current hyperparameters (train mode, as the fit
-        evaluates), and :func:`~gpnys.gp.estimator.gradient_at_noise` on it; the training mode is restored."""
+        evaluates), and :func:`~gpnys.gp.estimator.gradient_at_noise` on it; the training mode is restored. Where
+        the gradient is above its noise, a constant mean then takes Newton's step (:meth:`_constant_mean_step`) from
+        this evaluation's gradient, before the next L-BFGS-B run."""
         mode = mll.training
         mll.train()
         mll.zero_grad()

@@ -556,8 +556,10 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 # loose solve with r leaves (K̂⁻¹ρ, magnified by λ_min⁻¹): float32 gradients at a noise of 1e-4
                 # were 5-19 standard errors off without it (docs/accuracy.md)
                 loose = first and torch.finfo(r.dtype).eps > LOOSE_EPS
-                lefts = [sol.x[:, : 1 + batch]] + ([M(rho[:, None])] if loose else []) if first else [U]
-                rights = [a[:, None], B] + ([a[:, None]] if loose else []) if first else [B]
+                lefts, rights = ([sol.x[:, : 1 + batch]], [a[:, None], B]) if first else ([U], [B])
+                if loose:
+                    lefts.append(M(rho[:, None]))
+                    rights.append(a[:, None])
                 kernel_rows = _column_rep_grads(cov, torch.cat(lefts, 1), torch.cat(rights, 1))
                 if loose:
                     solve_rows = [None if g is None else g[-1] for g in kernel_rows]
@@ -760,7 +762,7 @@ def gradient_at_noise(model: torch.nn.Module, estimate: Estimate | None, level: 
         else:
             free = torch.ones_like(g, dtype=torch.bool)
         curvature = estimate.mean_curvature.get(name)
-        if curvature is not None:  # the mean's entries: converged when the gain left is below one standard error
+        if curvature is not None:  # the mean's entries: converged when the gain left is below MEAN_GAIN_SHARE of it
             worth = (2 * curvature.reshape(-1).to(se).clamp_min(0.0) * MEAN_GAIN_SHARE * estimate.std_error).sqrt()
             mean_entry = (probe == 0) & (worth > 0)
             if bool((mean_entry & free & (g.to(se).abs() * n > torch.maximum(se, worth))).any()):
