@@ -14,9 +14,10 @@ import torch
 from gpnys.budget import block_rows
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.posterior import PCGPosterior
-from gpnys.gp.training import eval_mode
+from gpnys.gp.training import eval_mode, exact_settings
 from gpnys.gp.training import predict as exact_predict
-from gpnys.gp.variance import LocalVariance
+from gpnys.gp.variance import LocalVariance, rounding_error
+from gpnys.kernels.entries import difference_entries
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.landmarks import select
 from gpnys.linalg import safe_cholesky
@@ -32,7 +33,7 @@ __all__ = ["HookPrediction"]
 
 class HookPrediction:
     """The prediction half of :class:`gpnys.gp.problem.TrainingProblem` (a mixin: it uses the problem's ``system``,
-    ``stationary_operator``, ``kernel`` and ``settings``); ``hook.predict`` reads it.
+    ``stationary_operator``, ``kernel``, ``sync_data`` and ``settings``); ``hook.predict`` reads it.
 
     Attributes (of the latest :meth:`predict`): variance_method_used; variance_bound ``(m,)``; variance_iterations
     (PCG iterations of the variance solves); prediction_time ``{"total_s", "variance_s"}``.
@@ -57,7 +58,8 @@ class HookPrediction:
           ``settings.variance_block``). The variational form ``2 b^T x - x^T K̂ x = b^T K̂^{-1} b - ||e||^2_K̂`` is
           second order in the error, bounded by ``||r||² / min σ²``. Cost ``~ 2 n^2 m`` per iteration.
         * ``"cholesky"``: one Cholesky of ``K̂``, ``n^3/3 + n^2 m`` flops; only offered when the dense kernel is
-          already cached (it needs one more ``n x n`` buffer). Bound 0 (round-off).
+          already cached (it needs one more ``n x n`` buffer). Bound: the rounding estimate
+          :func:`~gpnys.gp.variance.rounding_error` (float32's eps makes it matter).
         * ``"cached"``: :class:`gpnys.gp.variance.LocalVariance`, a landmark root built once plus a local
           correction per point, ``O(n k^2)`` once and ``O(n k)`` per point; approximate, with the bound of that
           class. With ``settings.variance_rel_error`` set, points whose bound exceeds that share of their variance
@@ -90,6 +92,7 @@ class HookPrediction:
             >>> bool(((var - var_ref).abs() <= hook.variance_bound + 1e-12).all())  # within the reported bound
             True
         """
+        self.sync_data()  # training data set since the last evaluation: the caches start afresh on it
         with eval_mode(self.model):  # the caller's training loop goes on in the mode it had
             return self._predict(test_x, variance)
 
@@ -101,7 +104,9 @@ class HookPrediction:
         if self.paths.choose()[0] == "cholesky":  # small n: GPyTorch's exact prediction (gpnys.gp.path)
             mean, var = exact_predict(model, test_x)
             self.variance_method_used = "cholesky"
-            self.variance_bound = torch.zeros_like(var)
+            own = self._exact_variances(test_x) if variance else None
+            if own is not None:
+                var, self.variance_bound = own
             total = time.perf_counter() - t_start
             self.prediction_time = {"total_s": total, "variance_s": 0.0}
             return mean, (var if variance else None)
@@ -125,7 +130,8 @@ class HookPrediction:
             # test-point blocks: (n, b) kernel columns within the memory budget (GPyTorch holds a few copies)
             block = min(self.settings.variance_block, max(64, block_rows(n, parts=4, device=X.device)))
             if not variance:
-                mean = torch.cat([model.forward(T).mean + kernel(T, X) @ alpha for T in test_x.split(block)])
+                mean = torch.cat([model.forward(T).mean + cross_covariance(kernel, X, T).mT @ alpha
+                                  for T in test_x.split(block)])
                 return mean, None
             method = self.settings.variance_method
             t0 = time.perf_counter()
@@ -146,7 +152,7 @@ class HookPrediction:
             t_var += time.perf_counter() - t0
             means, out, bounds = [], [], []
             for T in test_x.split(block):
-                Kxt = kernel(X, T).to_dense()  # (n, b)
+                Kxt = cross_covariance(kernel, X, T)  # (n, b)
                 means.append(model.forward(T).mean + Kxt.mT @ alpha)
                 t0 = time.perf_counter()
                 kxx = kernel(T, diag=True)
@@ -173,6 +179,38 @@ class HookPrediction:
         # y's variance adds the noise; per-point training noise says nothing about new points, and GPyTorch's
         # FixedNoiseGaussianLikelihood then returns the latent variance: so does this
         return torch.cat(means), torch.cat(out) + (noise if noise.dim() == 0 else 0.0)
+
+    def _exact_variances(self, test_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Variances of ``y`` at ``test_x`` from the Cholesky factor GPyTorch's exact prediction cached, with a
+        rounding bound, ``((m,), (m,))``; ``None`` when the kernel does not see the training inputs as given.
+
+        ``k(x, x) − k_xᵀ x`` with the kriging weights ``x = K̂⁻¹ k_x``. For RBF / Matérn kernels ``k_x`` comes from
+        differences (:func:`~gpnys.kernels.entries.difference_entries`; GPyTorch's ``|a|² + |b|² − 2aᵀb`` loses
+        near pairs in float32), and the bound adds the training matrix's entry errors, ``|x|ᵀ|δK̂||x|``, to the
+        arithmetic's :func:`~gpnys.gp.variance.rounding_error`."""
+        model = self.model
+        X = model.train_inputs[0]
+        kx = self.kernels.inputs if self.kernels.inputs is not None else self._discovered_inputs()
+        if kx is None or not same_points(kx, X):
+            return None
+        kernel, n, noise = self.kernel, X.shape[0], self.noise().detach()
+        with torch.no_grad(), exact_settings(n):
+            K = model.prediction_strategy.lik_train_train_covar  # its Cholesky factor is cached
+            dK = difference_entries(kernel, X, X)  # GPyTorch's entries' rounding: |δK̂| (n, n)
+            if dK is not None:
+                dK.diagonal().add_(noise)
+                dK = dK.sub_(K.to_dense()).abs_()
+            scale = K.diagonal(dim1=-2, dim2=-1).max()  # the largest kernel entry (plus noise)
+            out, bounds = [], []
+            for T in test_x.split(max(64, block_rows(n, parts=4, device=X.device))):
+                B = cross_covariance(kernel, X, T)  # (n, b)
+                x = K.solve(B)
+                out.append(kernel(T, diag=True) - (B * x).sum(0))
+                x = x.abs_()
+                bound = rounding_error(scale, x.sum(0))
+                bounds.append(bound if dK is None else bound + (x * (dK @ x)).sum(0))
+        # y's variance adds the noise, not a per-point training noise (as in :meth:`_predict`)
+        return torch.cat(out).clamp_min(0.0) + (noise if noise.dim() == 0 else 0.0), torch.cat(bounds)
 
     def _discovered_inputs(self) -> torch.Tensor | None:
         """The inputs the kernel sees, read from the covariance ``forward`` builds
@@ -220,17 +258,28 @@ class HookPrediction:
         return quad
 
     def _cholesky_quad(self, op: StationaryKernelOperator, noise: torch.Tensor) -> Callable:
-        """``B -> (diag(B^T K̂^{-1} B), 0)`` through one Cholesky of the cached dense ``K̂`` (see :meth:`predict`)."""
+        """``B -> (diag(B^T K̂^{-1} B), rounding bound)`` through one Cholesky of the cached dense ``K̂`` (see
+        :meth:`predict`)."""
         K = op._dense()[0] * op.outputscale.detach()
         K.diagonal().add_(noise)
+        scale = K.diagonal().max()
         L = safe_cholesky(K, "predictive covariance K + noise I")
         del K
 
         def quad(B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            q = torch.linalg.solve_triangular(L, B, upper=False).square().sum(0)
-            return q, torch.zeros_like(q)
+            V = torch.linalg.solve_triangular(L, B, upper=False)
+            x = torch.linalg.solve_triangular(L.mT, V, upper=True)  # the kriging weights, for the rounding bound
+            return V.square().sum(0), rounding_error(scale, x.abs().sum(0))
 
         return quad
+
+
+def cross_covariance(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, T: torch.Tensor) -> torch.Tensor:
+    """``k(X, T)`` ``(n, b)`` without autograd: from differences for RBF / Matérn kernels
+    (:func:`~gpnys.kernels.entries.difference_entries`, exact to rounding where GPyTorch's float32 distances lose
+    near pairs), else GPyTorch's."""
+    B = difference_entries(kernel, X, T)
+    return B if B is not None else kernel(X, T).to_dense()
 
 
 def ritz_min(res: PCGResult) -> float:

@@ -15,10 +15,11 @@ import torch
 
 from gpnys.budget import block_rows
 from gpnys.collectives import RowGroup
-from gpnys.kernels.operator import StationaryKernelOperator, supported
+from gpnys.kernels.formulas import k_of_r
+from gpnys.kernels.operator import StationaryKernelOperator, _nu, supported
 from gpnys.kernels.product import choose_product
 
-__all__ = ["KernelEntries", "split_outputscale", "evaluate", "computation_dtype"]
+__all__ = ["KernelEntries", "split_outputscale", "evaluate", "computation_dtype", "difference_entries", "k_of_points"]
 
 
 def computation_dtype(module: torch.nn.Module, *tensors: torch.Tensor) -> torch.dtype:
@@ -68,6 +69,43 @@ def evaluate(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor, 
         A, B = A.index_select(-1, dims), B.index_select(-1, dims)
     K = kernel.forward(A, B, diag=diag)
     return K if isinstance(K, torch.Tensor) else K.to_dense()
+
+
+def k_of_points(A: torch.Tensor, B: torch.Tensor, nu: float | None) -> torch.Tensor:
+    """Unit-variance RBF / Matérn-``nu`` kernel ``k(A, B)`` (``(..., p, q)``) of points already divided by the
+    length-scale, from their differences: ``torch.cdist`` without its ``|a|² + |b|² − 2aᵀb`` form, which loses about
+    ``eps |a|²`` of a near pair's ``r²`` (Matérn-1/2's cusp turns that into errors of ``sqrt(eps)`` at ``r ≈ 0``)."""
+    return k_of_r(torch.cdist(A, B, compute_mode="donot_use_mm_for_euclid_dist"), nu)
+
+
+def difference_entries(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor | None:
+    """``s² k(A, B)`` (``(p, q)``) of an RBF / Matérn kernel, bare or under a ``ScaleKernel``, from differences of
+    centred, scaled points (:func:`k_of_points`), without autograd; ``None`` for other kernels. A reference for the
+    rounding of GPyTorch's own entries.
+
+    Example:
+        >>> import gpytorch, torch
+        >>> from gpnys.kernels.entries import difference_entries
+        >>> _ = torch.manual_seed(0)
+        >>> X = 5 + torch.rand(500, 2)  # float32, away from the origin
+        >>> k = gpytorch.kernels.MaternKernel(nu=0.5)
+        >>> k.lengthscale = 0.2
+        >>> ref = k.double()(X.double()).to_dense().detach()
+        >>> k = k.float()
+        >>> float((k(X).to_dense().detach() - ref).abs().max()) > 1e-5  # GPyTorch's |a|² + |b|² − 2aᵀb
+        True
+        >>> float((difference_entries(k, X, X) - ref).abs().max()) < 1e-6
+        True
+    """
+    base, s2 = split_outputscale(kernel)
+    if not supported(base) or kernel.active_dims is not None:
+        return None
+    with torch.no_grad():
+        dtype = computation_dtype(kernel, A, B)  # GPyTorch's promotion: float32 inputs in a float64 model
+        A, B = A.to(dtype), B.to(dtype)
+        ls = base.lengthscale.detach().reshape(-1).to(dtype)
+        centre = A.mean(0)
+        return s2 * k_of_points((A - centre) / ls, (B - centre) / ls, _nu(base))
 
 
 class KernelEntries:

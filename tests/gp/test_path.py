@@ -159,7 +159,7 @@ def test_predictions_on_the_cholesky_path_are_gpytorchs(costs):
     with gpnys.use_preconditioner(model) as hook:
         mean, var = hook.predict(X_test)
     ref_mean, ref_var = gpnys.gp.predict(model, X_test)
-    assert hook.variance_method_used == "cholesky" and bool((hook.variance_bound == 0).all())
+    assert hook.variance_method_used == "cholesky" and bool((hook.variance_bound < 1e-12 * ref_var).all())
     torch.testing.assert_close(mean, ref_mean)
     torch.testing.assert_close(var, ref_var)
 
