@@ -272,9 +272,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _clear_gpnys_caches(self) -> None:
         self._gpnys_hook: PreconditionerHook | None = None
         self._gpnys_hook_x: torch.Tensor | None = None  # the kernel inputs the hook was made for
+        self._gpnys_hook_kernel: tuple[Module, ...] | None = None  # the kernel modules it was made for
         self._gpnys_posterior: PCGPosterior | None = None
-        #: ``m`` outputs: ``(state, one single-output model per output)`` for the posterior (:meth:`_output_models`)
-        self._gpnys_outputs: tuple[tuple[torch.Tensor, ...], list[PreconditionedSingleTaskGP]] | None = None
+        #: ``m`` outputs: ``((state, modules), one single-output model per output)`` for the posterior
+        #: (:meth:`_output_models`)
+        self._gpnys_outputs: tuple[tuple[tuple[torch.Tensor, ...], tuple[Module, ...]],
+                                   list[PreconditionedSingleTaskGP]] | None = None
         self.posterior_iterations = 0
         self.alpha_iterations = 0
 
@@ -400,19 +403,27 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 X = self.input_transform.preprocess_transform(X)
         return X.detach()
 
+    def _kernel_modules(self) -> tuple[Module, ...]:
+        """The kernel module and its submodules, as objects: the hook holds them, so a replaced one
+        (``model.covar_module = ...``, a new sub-kernel) needs a new hook."""
+        return tuple(self.covar_module.modules())
+
     def hook(self) -> PreconditionerHook:
-        """The :class:`~gpnys.gp.hook.PreconditionerHook` for the current training data (rebuilt when it changes;
-        it rebuilds the preconditioner itself when the hyperparameters change)."""
-        X, h = self._kernel_inputs(), self._gpnys_hook
-        if h is None or self._gpnys_hook_x.shape != X.shape or not torch.equal(self._gpnys_hook_x, X):
+        """The :class:`~gpnys.gp.hook.PreconditionerHook` for the current training data and kernel modules (rebuilt
+        when either changes, the inputs' dtype or device included; it rebuilds the preconditioner itself when the
+        hyperparameters change)."""
+        X, h, kernel = self._kernel_inputs(), self._gpnys_hook, self._kernel_modules()
+        if (h is None or not _same_state((self._gpnys_hook_x,), (X,))
+                or not _same_modules(self._gpnys_hook_kernel, kernel)):
             c = self._gpnys_config
             h = PreconditionerHook(self, c["precond"], c["settings"], c["seed"], train_x=X,
                                    **self._options("train", X.shape[-2]))
             if self._gpnys_seed is not None and self._gpnys_seed.shape == X.shape[:-1]:
                 for problem, seed in ([(h.problem, self._gpnys_seed)] if h.problem.elements is None
                                       else zip(h.problem.elements, self._gpnys_seed)):
-                    problem.warm_start = seed
-            self._gpnys_hook, self._gpnys_hook_x, self._gpnys_posterior = h, X, None
+                    problem.warm_start = seed.to(X)
+            self._gpnys_hook, self._gpnys_hook_x, self._gpnys_hook_kernel = h, X, kernel
+            self._gpnys_posterior = None
         return h
 
     def _options(self, use: str, n: int) -> dict[str, Any]:
@@ -642,9 +653,11 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         return self._gpnys_posterior.update(A, M)
 
     def _alpha(self, X: torch.Tensor, post: PCGPosterior) -> torch.Tensor:
-        """``α = K̂⁻¹ (y − m(X))`` ``(n,)``, cached on the data and hyperparameters."""
-        key = (X.data_ptr(), X._version, self.train_targets.data_ptr(), self.train_targets._version,
-               tuple(torch.cat([p.detach().reshape(-1) for p in self.parameters()]).tolist()))
+        """``α = K̂⁻¹ (y − m(X))`` ``(n,)``, cached on the data, the mean module and the values of the parameters,
+        buffers and known noise (:meth:`_values`)."""
+        y = self.train_targets
+        key = (X.data_ptr(), X._version, X.dtype, X.device, y.data_ptr(), y._version, y.dtype,
+               tuple(self.mean_module.modules()), tuple(self._values(X).tolist()))
         with torch.no_grad():
             r = self.train_targets - self.mean_module(X)
             # the start: the hook's last training solve (same data; after a fit, at these hyperparameters; a new hook
@@ -711,8 +724,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         hyperparameters change (their first ``α`` starts from the latest solutions, else :meth:`warm_start_from`'s),
         kept otherwise for their caches (``α``, preconditioner, warm blocks, Cholesky factor). Their posteriors'
         gradients reach the inputs, not this model's hyperparameters (BoTorch's acquisitions need the former)."""
-        state = self._state()
-        if self._gpnys_outputs is not None and _same_state(self._gpnys_outputs[0], state):
+        state, modules = self._state(), self._kernel_modules() + tuple(self.mean_module.modules())
+        if (self._gpnys_outputs is not None and _same_state(self._gpnys_outputs[0][0], state)
+                and _same_modules(self._gpnys_outputs[0][1], modules)):
             return self._gpnys_outputs[1]
         X, Y, c = self._kernel_inputs(), self.train_targets.detach(), self._gpnys_config
         m, known = X.shape[0], self._known_noise()
@@ -737,7 +751,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 model.likelihood.noise = noise[i]
             model._gpnys_seed = None if seeds is None else seeds[i]
             models.append(model.eval())
-        self._gpnys_outputs = (state, models)
+        self._gpnys_outputs = ((state, modules), models)
         return models
 
     def subset_output(self, idcs: list[int]) -> "PreconditionedSingleTaskGP":
@@ -900,12 +914,20 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         """The model whose data a fantasy model conditions (this model, where it is not a fantasy model)."""
         return self if self._gpnys_fantasy is None else self._gpnys_fantasy[0]
 
+    def _values(self, like: torch.Tensor) -> torch.Tensor:
+        """Every floating-point parameter and buffer (hyperparameters, constraint bounds, transform statistics) and
+        the known per-point noise (a plain tensor of the likelihood's, outside the ``state_dict``), flattened into
+        one tensor of ``like``'s dtype and device, detached."""
+        values = [t for t in self.state_dict().values() if t.is_floating_point()]
+        if isinstance(self.likelihood, FixedNoiseGaussianLikelihood):
+            values.append(self.likelihood.noise_covar.noise)
+        return torch.cat([v.detach().reshape(-1).to(like) for v in values])
+
     def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a fantasy model of this model depends on: its training inputs and targets (as its posterior sees
-        them) and a copy of every floating-point parameter and buffer (hyperparameters, transform statistics)."""
-        values = [t.detach().reshape(-1) for t in self.state_dict().values() if t.is_floating_point()]
+        them) and a copy of :meth:`_values` (hyperparameters, transform statistics, known noise)."""
         X = self.train_inputs[0]
-        return X, self.train_targets, torch.cat([v.to(X) for v in values]).clone()
+        return X, self.train_targets, self._values(X).clone()
 
     def __getstate__(self) -> dict[str, Any]:
         """The model without its hook, solves and output models (``copy.deepcopy``, ``pickle``, ``torch.save``):
@@ -980,13 +1002,18 @@ def _finite_loss(mll: gpytorch.mlls.MarginalLogLikelihood) -> Iterator[None]:
 
 
 #: the caches of :class:`PreconditionedSingleTaskGP` that a copy of the model leaves behind
-_CACHES = ("_gpnys_hook", "_gpnys_hook_x", "_gpnys_posterior", "_gpnys_outputs")
+_CACHES = ("_gpnys_hook", "_gpnys_hook_x", "_gpnys_hook_kernel", "_gpnys_posterior", "_gpnys_outputs")
 
 
 def _same_state(before: tuple[torch.Tensor, ...], now: tuple[torch.Tensor, ...]) -> bool:
     """Whether two :meth:`PreconditionedSingleTaskGP._state` tuples are the same data and parameters."""
     return all(a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
                for a, b in zip(before, now))
+
+
+def _same_modules(before: tuple[Module, ...] | None, now: tuple[Module, ...]) -> bool:
+    """Whether two tuples of modules hold the same objects."""
+    return before is not None and len(before) == len(now) and all(a is b for a, b in zip(before, now))
 
 
 class _OutputMean(Mean):

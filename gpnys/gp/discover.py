@@ -64,8 +64,9 @@ def selected_kernel(kernel: gpytorch.kernels.Kernel) -> gpytorch.kernels.Kernel:
     selects them before it builds the lazy kernel tensor whose ``x1`` the hook reads): a view without those
     ``active_dims``, and without a ``ScaleKernel``'s base kernel's (GPyTorch copies them onto the ``ScaleKernel``,
     whose ``forward`` calls the base's ``forward``, which skips them). The view shares the kernel's parameters and
-    constraints (a shallow copy with its own buffers), so it follows their values; it is made once per kernel. A
-    kernel without ``active_dims`` is returned as it is.
+    constraints (a shallow copy with its own buffers), so it follows their values; it is made once per kernel and
+    brought up to date with the kernel's other state (``nu``, buffers) at every call. A kernel without
+    ``active_dims`` is returned as it is.
 
     Example:
         >>> import gpytorch
@@ -82,11 +83,13 @@ def selected_kernel(kernel: gpytorch.kernels.Kernel) -> gpytorch.kernels.Kernel:
     view = vars(kernel).get("_gpnys_selected")
     if view is None:
         view = type(kernel).__new__(type(kernel))  # copy.copy would share the module's __dict__ here
-        view.__dict__.update(kernel.__dict__, _buffers=dict(kernel._buffers), _modules=dict(kernel._modules))
-        view.active_dims = None
-        if isinstance(kernel, gpytorch.kernels.ScaleKernel):
-            view.base_kernel = selected_kernel(kernel.base_kernel)
         object.__setattr__(kernel, "_gpnys_selected", view)  # a plain attribute: not a submodule of the kernel
+    # refreshed on every call: plain attributes (a Matérn kernel's nu), buffers and sub-modules may have changed
+    state = {k: v for k, v in kernel.__dict__.items() if k != "_gpnys_selected"}
+    view.__dict__.update(state, _buffers=dict(kernel._buffers), _modules=dict(kernel._modules))
+    view.active_dims = None
+    if isinstance(kernel, gpytorch.kernels.ScaleKernel):
+        view.base_kernel = selected_kernel(kernel.base_kernel)
     return view
 
 

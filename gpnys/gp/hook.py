@@ -30,6 +30,7 @@ applied inside the context; see :class:`EstimatorSettings`.
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
 from typing import Any
 
@@ -53,6 +54,27 @@ from gpnys.precond.base import Preconditioner
 from gpnys.precond.strategy import PRECONDITIONERS
 
 __all__ = ["use_preconditioner", "PreconditionerHook"]
+
+
+class HookedMarginal:
+    """The hooked likelihood's ``marginal`` while the context lasts (an instance attribute over the class method).
+
+    A deep copy of the likelihood, such as a model snapshot taken in a training loop or BoTorch's fantasy models,
+    gets its own class method bound to itself instead: a copied hook would evaluate the copy through this model's
+    caches and this likelihood's noise, after the context too.
+    """
+
+    def __init__(self, likelihood: gpytorch.likelihoods.Likelihood, call: Any) -> None:
+        self.likelihood, self.call = likelihood, call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        copy = memo.get(id(self.likelihood))  # deepcopy registers the likelihood's copy before copying its state
+        if copy is None:
+            raise TypeError("a hooked marginal copies only with its likelihood")
+        return types.MethodType(type(copy).marginal, copy)
 
 
 class PreconditionerHook:
@@ -177,7 +199,7 @@ class PreconditionerHook:
         restored on exit). The estimator's GPyTorch settings apply to the marginals it returns, not globally: any
         other model evaluated in the context computes under its caller's settings."""
         likelihood = self.model.likelihood
-        if "marginal" in vars(likelihood):  # an outer hook's wrapper: stacking would drop one on exit
+        if isinstance(vars(likelihood).get("marginal"), HookedMarginal):  # stacking would drop one on exit
             raise ValueError("model: gpnys.use_preconditioner is already active on this model; nested contexts on "
                              "one model are not supported (leave the outer one first)")
         if self.passthrough is not None:
@@ -191,7 +213,7 @@ class PreconditionerHook:
             self.problem.sync_data()
             return self.marginal(original(function_dist, *args, **kwargs), callers)
 
-        likelihood.marginal = marginal
+        likelihood.marginal = HookedMarginal(likelihood, marginal)
         try:  # the hook's GPyTorch settings apply to this model's marginals only (PreconditionedAddedDiag)
             yield self
         finally:

@@ -50,6 +50,21 @@ class StepRecord:
     fallback: bool = False
 
 
+class _Points:
+    """The points a preconditioner was built on, equal to another only for the same tensor at the same version (the
+    tensor is held, so its ``id`` cannot be reused)."""
+
+    __slots__ = ("X", "version")
+
+    def __init__(self, X: torch.Tensor) -> None:
+        self.X, self.version = X, X._version
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Points) and other.X is self.X and other.version == self.version
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class PreconditionerCache:
     """Preconditioners ``P`` of ``K + mu I`` for one point set, keyed on the hyperparameters.
 
@@ -112,7 +127,7 @@ class PreconditionerCache:
             _, s2f = split_outputscale(kernel)
             level = noise if noise.dim() == 0 else noise.mean()
             mu = float(level.detach()) / s2f
-            key = self._key(kernel, mu, s2f, noise)
+            key = self._key(kernel, mu, s2f, noise, points)
             cached = self._slots.get(slot)
             if slot is None:
                 self.stale = cached is not None and key != cached[0] and self._reusable(cached[0], key)
@@ -143,18 +158,21 @@ class PreconditionerCache:
     def _reusable(self, built: tuple, key: tuple) -> bool:
         """Whether a preconditioner built for the hyperparameter key ``built`` may serve ``key``."""
         tol = self.reuse_tolerance
-        if tol is None or self._refresh or built[3] != key[3] or len(built[0]) != len(key[0]):
+        if tol is None or self._refresh or built[3:] != key[3:] or len(built[0]) != len(key[0]):
             return False
         pairs = list(zip(built[0], key[0])) + [(built[1], key[1])]
         return all(abs(new - old) <= tol * abs(old) for old, new in pairs)
 
     @staticmethod
-    def _key(kernel: gpytorch.kernels.Kernel, mu: float, s2: float, noise: torch.Tensor) -> tuple:
+    def _key(kernel: gpytorch.kernels.Kernel, mu: float, s2: float, noise: torch.Tensor, points: PointCache) -> tuple:
+        """``(length-scales, mu, s², known noise, kernel family, points)``: a preconditioner serves only the same
+        kernel family (type and ``nu``) on the same points (new data, or columns another ``active_dims`` selects)."""
         base, _ = split_outputscale(kernel)
         ls = getattr(base, "lengthscale", None)
         ls_key = tuple(ls.detach().reshape(-1).tolist()) if ls is not None else ()
         per_point = (noise.data_ptr(), noise._version) if noise.dim() == 1 else ()  # known noise replaced in place
-        return (ls_key, mu, s2, per_point)
+        family = (type(base), getattr(base, "nu", None))
+        return (ls_key, mu, s2, per_point, family, _Points(points.X))
 
     def _diag(self, noise: torch.Tensor, s2: float) -> torch.Tensor | None:
         """Per-point shifts ``D / s^2`` ``(n,)`` for a preconditioner that takes them (``diag=``), else ``None``:

@@ -198,8 +198,9 @@ class StationaryKernelOperator(LinearOperator):
                 and ((2 if matern else 1) + 1) * n * n * self.X.element_size() <= self.dense_limit_bytes)
 
     def _key(self) -> tuple:
-        """The inputs (by version; identity is checked separately) and the length-scale key the caches."""
-        return (self.X._version, tuple(self.lengthscale.detach().reshape(-1).tolist()))
+        """The inputs (by version; identity is checked separately), the kernel family (``nu``; ``None`` for RBF) and
+        the length-scale key the caches."""
+        return (self.X._version, self.nu, tuple(self.lengthscale.detach().reshape(-1).tolist()))
 
     def plan(self) -> LeafPlan | None:
         """The cutoff plan for the current length-scale (cached), or ``None`` when it would skip less than

@@ -6,6 +6,7 @@ preconditioned path (CG + SLQ training with the gpnys preconditioner, PCG poster
 the preconditioner inexact so PCG really iterates.
 """
 
+import copy
 import math
 import warnings
 from pathlib import Path
@@ -165,6 +166,31 @@ def test_posterior_caches_follow_hyperparameters_and_data():
     assert model.hook().train_x.shape == (n + 30, d)
     assert_rel(p.mean, p_ref.mean, 1e-4, "mean after new data")
     assert_rel(p.variance, p_ref.variance, 1e-4, "variance after new data")
+
+
+def test_posterior_follows_a_replaced_kernel_module():
+    """A kernel module replaced after a posterior (the whole kernel, then a sub-kernel of another class with the
+    same values): the posterior is the new kernel's at once, not that of the old one the hook and ``α`` were made
+    with (errors of order one)."""
+    n, d = 200, 4
+    X, Y = data(n, d)
+    _, model = pair(X, Y)
+    Xt = points_at(40, d)
+    with torch.no_grad():
+        model.posterior(Xt)
+    model.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=d)).to(X)
+    model.covar_module.base_kernel.lengthscale = torch.linspace(0.2, 0.5, d, dtype=X.dtype)
+    model.covar_module.outputscale = 2.0
+    for step in ("kernel", "sub-kernel"):
+        ref = SingleTaskGP(X, Y, covar_module=copy.deepcopy(model.covar_module))
+        ref.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            p_ref, p = ref.eval().posterior(Xt), model.eval().posterior(Xt)
+        assert_rel(p.mean, p_ref.mean, 1e-6, f"mean after a new {step}")
+        assert_rel(p.variance, p_ref.variance, 1e-6, f"variance after a new {step}")
+        base = gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=d).to(X)
+        base.load_state_dict(model.covar_module.base_kernel.state_dict())  # the same values: only the object differs
+        model.covar_module.base_kernel = base
 
 
 def test_joint_covariance_matches_single_task_gp():
@@ -621,6 +647,25 @@ def test_float32_posterior():
     assert_rel(p.variance, p_ref.variance, 1e-2, "float32 variance")
 
 
+def test_posterior_after_a_dtype_change():
+    """A float32 posterior, then ``model.double()`` (inputs whose values are exact in float64, so equal by value):
+    the hook and its float32 preconditioner are rebuilt, and the posterior is SingleTaskGP's in float64."""
+    n, d = 200, 3
+    X, Y = data(n, d, dtype=torch.float32, seed=13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BoTorch's InputDataWarning about float32
+        ref, model = pair(X, Y, noise=1e-2)
+    Xt = points_at(30, d, dtype=torch.float32)
+    with torch.no_grad():
+        model.posterior(Xt)
+    ref, model = ref.double(), model.double()
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt.double()), model.posterior(Xt.double())
+    assert model.hook().train_x.dtype == p.mean.dtype == torch.float64
+    assert_rel(p.mean, p_ref.mean, 1e-6, "mean after double()")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance after double()")
+
+
 # -- 10. reproducibility -------------------------------------------------------------------------------------
 def test_fit_is_reproducible():
     n, d = 150, 3
@@ -828,6 +873,27 @@ def test_known_noise_takes_the_preconditioned_path():
     assert abs(value - exact) <= 5e-3 * abs(exact), (value, exact)
 
 
+def test_known_noise_change_reaches_the_posterior_mean():
+    """Known noise set anew after a posterior (a plain tensor of the likelihood, neither parameter nor buffer): the
+    cached ``α`` follows it, and mean and variance are those of a SingleTaskGP with the new noise."""
+    n, d = 250, 3
+    X, Y = data(n, d, seed=6, noise_std=0.1)
+    model = PreconditionedSingleTaskGP(X, Y, train_Yvar=known_noise(n), max_cholesky_size=0, posterior_tolerance=1e-8,
+                                       **PRECOND)
+    model.covar_module.lengthscale = torch.tensor([[0.3, 0.5, 0.7]], dtype=X.dtype)
+    Xt = points_at(30, d)
+    with torch.no_grad():
+        model.eval().posterior(Xt)
+    model.likelihood.noise = known_noise(n, seed=9).squeeze(-1) * 10  # in the outcome-transformed scale
+    ref = SingleTaskGP(X, Y, train_Yvar=known_noise(n))
+    ref.load_state_dict(model.state_dict())
+    ref.likelihood.noise = model.likelihood.noise
+    with torch.no_grad():
+        p_ref, p = ref.eval().posterior(Xt), model.posterior(Xt)
+    assert_rel(p.mean, p_ref.mean, 1e-6, "mean after new known noise")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance after new known noise")
+
+
 def test_known_noise_fit_matches_single_task_gp():
     """fit_gpytorch_mll with train_Yvar on the preconditioned path (and from a Cholesky fit on a subset, whose known
     noise is the subset's) reaches SingleTaskGP's fit; the training data and noise stay whole."""
@@ -848,7 +914,6 @@ def test_a_used_model_deep_copies_and_pickles():
     """After a fit and a PCG posterior the model holds its hook, solves and sparse factors: ``copy.deepcopy``,
     ``pickle`` and ``torch.save`` leave them behind (they hold closures and CSR tensors) and the copy's posterior
     is the original's."""
-    import copy
     import io
     import pickle
 

@@ -7,6 +7,7 @@ its posterior comes from PCG (one single-output model per output, ``output_model
 own path.
 """
 
+import copy
 import warnings
 
 import gpytorch
@@ -207,6 +208,30 @@ def test_output_models_follow_hyperparameters_and_data():
     with torch.no_grad():
         p_ref, p = ref.posterior(Xt), model.posterior(Xt)
     assert_rel(p.mean, p_ref.mean, 1e-8, "mean after new data")
+
+
+def test_output_models_follow_a_replaced_kernel_and_known_noise():
+    """The per-output models are made anew for a kernel module replaced by one of another class with the same state
+    (the same values: only the objects differ) and for new known noise (outside the ``state_dict``)."""
+    X, Y = two_outputs()
+    _, model = pair(X, Y, train_Yvar=torch.cat([known_noise(N), known_noise(N, seed=5)], -1))
+    Xt = points_at(20, D)
+    with torch.no_grad():
+        model.posterior(Xt)
+    old = model.covar_module
+    model.covar_module = gpytorch.kernels.MaternKernel(
+        nu=0.5, ard_num_dims=D, batch_shape=old.batch_shape, lengthscale_prior=copy.deepcopy(old.lengthscale_prior),
+        lengthscale_constraint=copy.deepcopy(old.raw_lengthscale_constraint)).to(X)
+    model.covar_module.load_state_dict(old.state_dict())
+    for change in ("kernel", "known noise"):
+        ref = SingleTaskGP(X, Y, train_Yvar=torch.ones_like(Y), covar_module=copy.deepcopy(model.covar_module))
+        ref.load_state_dict(model.state_dict())
+        ref.likelihood.noise = model.likelihood.noise
+        with torch.no_grad():
+            p_ref, p = ref.eval().posterior(Xt), model.posterior(Xt)
+        assert_rel(p.mean, p_ref.mean, 1e-6, f"mean after new {change}")
+        assert_rel(p.variance, p_ref.variance, 1e-6, f"variance after new {change}")
+        model.likelihood.noise = model.likelihood.noise * 20
 
 
 @pytest.mark.parametrize("noise", ["learnt", "known"])

@@ -114,3 +114,101 @@ def test_dtype_move_within_one_hook():
 @pytest.mark.cuda
 def test_device_move_within_one_hook(cuda_device):
     _move_within_one_hook(cuda_device, torch.float64)
+
+
+def _loss(model, X, y):
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    model.train()
+    loss = -mll(model(X), y)
+    loss.backward()
+    return float(loss.detach())
+
+
+@pytest.mark.parametrize("dense_limit_bytes", [None, 0])
+def test_kernel_family_changes_within_one_hook(dense_limit_bytes):
+    """A new kernel object (Matérn-3/2 -> RBF) or ``nu`` changed in place: the dense kernel and the
+    preconditioner are not served from the old kernel's caches (the RBF loss came out as the Matérn one's)."""
+    X, y = _data(300, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").double()
+    model.covar_module.base_kernel.lengthscale = 0.3
+    with gpnys.memory_budget(dense_bytes=dense_limit_bytes), gpnys.use_preconditioner(model, "afn") as hook:
+        for change in ("none", "rbf", "nu"):
+            if change == "rbf":
+                ls = model.covar_module.base_kernel.lengthscale.detach()
+                model.covar_module.base_kernel = gpytorch.kernels.RBFKernel().double()
+                model.covar_module.base_kernel.lengthscale = ls
+            elif change == "nu":
+                model.covar_module.base_kernel = gpytorch.kernels.MaternKernel(nu=1.5).double()
+                model.covar_module.base_kernel.lengthscale = 0.3
+                _loss(model, X, y)
+                model.covar_module.base_kernel.nu = 2.5
+            loss = _loss(model, X, y)
+            _check(hook.last_estimate, model, X, y, loss, 1e-8)
+
+
+def test_active_dims_kernel_follows_nu_and_columns():
+    """A kernel with ``active_dims``: a new ``nu`` reaches the hook (the selected-columns view is kept up to date),
+    and other columns get a preconditioner built on them."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(300, 3, generator=g, dtype=torch.float64)
+    y = torch.sin(6 * X[:, 0]) + X[:, 2] + 0.1 * torch.randn(300, generator=g, dtype=torch.float64)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5, active_dims=[0, 1]))
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel=kernel).double()
+    model.covar_module.base_kernel.lengthscale = 0.3
+    for nu in (1.5, 2.5, 0.5):
+        model.covar_module.base_kernel.nu = nu
+        with gpnys.use_preconditioner(model, "afn") as hook:
+            loss = _loss(model, X, y)
+            _check(hook.last_estimate, model, X, y, loss, 1e-8)
+    with gpnys.use_preconditioner(model, "afn") as hook:
+        _loss(model, X, y)
+        iterations = hook.last_estimate.cg_iterations
+        for dims in ([1, 2], [0, 1]):
+            model.covar_module.active_dims = model.covar_module.base_kernel.active_dims = torch.tensor(dims)
+            loss = _loss(model, X, y)
+            _check(hook.last_estimate, model, X, y, loss, 1e-8)
+            assert hook.last_estimate.cg_iterations <= 3 * max(iterations, 5)
+
+
+def test_predict_after_set_train_data():
+    """``hook.predict`` right after ``set_train_data`` (no loss evaluated on the new data) predicts from the new
+    data: a new n raised, the same n ran PCG with the old points' preconditioner to its iteration limit."""
+    from gpnys.gp.training import predict
+
+    X, y = _data(300, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    T = _data(40, 9)[0]
+    settings = gpnys.EstimatorSettings(solver="iterative", variance_method="pcg")
+    with gpnys.use_preconditioner(model, "afn", settings=settings) as hook:
+        _loss(model, X, y)
+        for n, seed in [(300, 1), (200, 2)]:
+            X, y = _data(n, seed)
+            model.set_train_data(X, y, strict=False)
+            mean, var = hook.predict(T)
+            mean_ref, var_ref = predict(model, T)
+            assert float((mean - mean_ref).abs().max()) < 1e-6
+            assert bool(((var - var_ref).abs() <= hook.variance_bound + 1e-12).all())
+            assert hook.cache.X.shape[0] == n
+
+
+def test_snapshot_copied_inside_the_context_is_its_own_model():
+    """A deep copy taken inside the context (the best model so far) evaluates with its own hyperparameters, inside
+    and after the context, and can be hooked itself; it went through this hook with the original's noise."""
+    import copy
+    import pickle
+
+    X, y = _data(200, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    with gpnys.use_preconditioner(model):
+        _loss(model, X, y)
+        best = copy.deepcopy(model)
+        model.likelihood.noise = 0.5
+        inside = _loss(best, X, y)
+    exact = cholesky_loss(best, X, y)
+    assert abs(inside - exact) < 1e-6 and abs(_loss(best, X, y) - exact) < 1e-10
+    assert abs(exact - cholesky_loss(model, X, y)) > 0.05  # the two models differ
+    with gpnys.use_preconditioner(best) as hook:
+        loss = _loss(best, X, y)
+        _check(hook.last_estimate, best, X, y, loss, 1e-8)
+    assert "marginal" not in vars(best.likelihood)
+    assert abs(_loss(pickle.loads(pickle.dumps(best)), X, y) - exact) < 1e-10
