@@ -10,10 +10,12 @@ switch for existing ``ExactGP`` models::
 import warnings
 
 with warnings.catch_warnings():
-    # GPyTorch's linear_operator decorates functions with torch.jit.script as it is imported, which torch 2.15
-    # deprecates with a FutureWarning on every import: nothing a user can act on, and it made the CLI's one-line
-    # errors three lines. Only this import is quieted; the warning shows where the user imports GPyTorch first.
-    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+    # GPyTorch's linear_operator decorates functions with torch.jit.script as it is imported, which torch deprecates
+    # on every import (a DeprecationWarning in 2.13, a FutureWarning in 2.15): nothing a user can act on, and it
+    # made the CLI's one-line errors three lines. Only this import is quieted; the warning shows where the user
+    # imports GPyTorch first.
+    for category in (DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", message=r"`?torch\.jit\.script`? is deprecated", category=category)
     import gpytorch  # noqa: F401
 
 from gpnys import datasets, landmarks  # noqa: E402

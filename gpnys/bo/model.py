@@ -60,7 +60,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 
 import gpytorch
 import torch
-from botorch.fit import DEFAULT_WARNING_HANDLER, _fit_fallback
+from botorch.fit import DEFAULT_WARNING_HANDLER
 from botorch.models import SingleTaskGP
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
@@ -83,6 +83,14 @@ from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.entries import batch_element
 from gpnys.precond.strategy import PRECONDITIONERS
 from gpnys.solvers.pcg import PCGResult
+
+try:  # BoTorch's default fitting routine: private, and no public name runs it without the dispatch back to us
+    from botorch.fit import _fit_fallback
+except ImportError as err:  # pragma: no cover - a BoTorch release that renamed it
+    import botorch
+
+    raise ImportError(f"gpnys.bo needs botorch.fit._fit_fallback, which botorch {botorch.__version__} does not have "
+                      "(gpnys is tested with botorch 0.18): install a release that has it") from err
 
 __all__ = [
     "PreconditionedSingleTaskGP", "PreconditionedFantasyGP", "PosteriorSolveError", "BO_DEFAULTS", "BO_LANDMARK_CAP",

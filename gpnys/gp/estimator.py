@@ -324,7 +324,9 @@ class Evaluation:
     samples: int
 
 
-def _parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of every parameter of ``model`` that requires a gradient: the names of
+    :attr:`Estimate.grad_std_error`."""
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
@@ -463,7 +465,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     maxiter = settings.max_cg_iterations
     target = settings.target_rel_error
     # the gradient's terms only where autograd will ask for them
-    params = _parameters(state.model) if torch.is_grad_enabled() else []
+    params = trainable_parameters(state.model) if torch.is_grad_enabled() else []
     tensors = [p for _, p in params]
     # the mean's gradient -aᵀ∂m is first order in the solve's error and has no probe term: its directions ∂m/∂θ
     # ride in the first batch, and -aᵀ∂m - ρᵀK̂⁻¹∂m is second order (docs/accuracy.md); a mean with many parameters

@@ -136,7 +136,7 @@ class CholeskyMVN(gpytorch.distributions.MultivariateNormal):
             res = super().log_prob(value)
         problem = self._gpnys_problem
         if problem is not None:
-            problem.record_exact(res.detach())
+            problem.record_exact(res.detach(), res.requires_grad)
         return res
 
 

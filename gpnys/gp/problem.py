@@ -32,7 +32,7 @@ from gpnys.checks import (
 from gpnys.collectives import RowGroup, partitioned, signature
 from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
 from gpnys.gp.discover import same_points, selected_kernel, training_kernel
-from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob
+from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob, trainable_parameters
 from gpnys.gp.operators import PreconditionedAddedDiag, PreconditionerOperator
 from gpnys.gp.path import PathChooser
 from gpnys.gp.preconditioners import PreconditionerCache, StepRecord
@@ -371,11 +371,14 @@ class TrainingProblem(HookPrediction):
         self.last_estimate = Estimate.total(estimates)
         self.estimates += 1
 
-    def record_exact(self, log_prob: torch.Tensor) -> None:
-        """The Cholesky path's :class:`Estimate`: ``-log_prob`` (``()`` or ``(b,)``), standard errors 0."""
+    def record_exact(self, log_prob: torch.Tensor, gradients: bool = False) -> None:
+        """The Cholesky path's :class:`Estimate`: ``-log_prob`` (``()`` or ``(b,)``), standard errors 0 (with
+        ``gradients``, each trainable parameter's too, named as the preconditioned path names them)."""
         n = self.model.train_inputs[0].shape[-2]
-        parts = [Estimate(value=-float(v), std_error=0.0, n=n, path="cholesky", path_reason=self.path_reason)
-                 for v in log_prob.reshape(-1).tolist()]
+        zeros = ({name: torch.zeros_like(p).detach() for name, p in trainable_parameters(self.model)}
+                 if gradients else {})
+        parts = [Estimate(value=-float(v), std_error=0.0, n=n, path="cholesky", path_reason=self.path_reason,
+                          grad_std_error=zeros) for v in log_prob.reshape(-1).tolist()]
         self.batch_estimates = parts if log_prob.dim() else []
         self.last_estimate = Estimate.total(parts)
         self.estimates += 1

@@ -180,16 +180,19 @@ class ReducedGP(gpytorch.models.GP):
     def from_exact(cls, model: gpytorch.models.ExactGP, **kwargs: Any) -> "ReducedGP":
         """A reduced model with (copies of) the kernel, mean and likelihood of a trained ``ExactGP``. The kernel is
         the one its ``forward`` evaluates (any attribute name, :func:`~gpnys.gp.discover.training_kernel`); the
-        mean is ``model.mean_module``."""
+        mean is ``model.mean_module``, else the model's one ``Mean`` attribute (any name)."""
         kernel, seen = training_kernel(model)
         X = model.train_inputs[0]
         if not same_points(seen, X):
             raise ValueError("model: its forward() transforms the inputs before the kernel; build ReducedGP on the "
                              "transformed inputs instead")
+        means = [m for m in model.children() if isinstance(m, gpytorch.means.Mean)]
         mean = getattr(model, "mean_module", None)
         if not isinstance(mean, gpytorch.means.Mean):
-            raise ValueError("model: ReducedGP.from_exact takes the prior mean from model.mean_module "
-                             "(ConstantMean or ZeroMean), which this model does not have")
+            if len(means) != 1:
+                raise ValueError(f"model: ReducedGP.from_exact takes the prior mean from the model's one mean module "
+                                 f"(ConstantMean or ZeroMean, any attribute name); this model has {len(means)}")
+            mean = means[0]
         return cls(X, model.train_targets, copy.deepcopy(model.likelihood), copy.deepcopy(kernel),
                    copy.deepcopy(mean), **kwargs)
 

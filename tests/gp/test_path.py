@@ -153,6 +153,17 @@ def test_forced_paths_and_named_preconditioners(costs):
     assert hook.last_estimate.path == "cholesky"
 
 
+def test_cholesky_path_names_every_gradient_error_bar(costs):
+    """The Cholesky path's gradient standard errors are zeros under the names the preconditioned path gives."""
+    model, X, y = _model()
+    _, _, hook = _value_and_grads(model, X, y, "auto", settings=EstimatorSettings(solver="cholesky"))
+    exact = hook.last_estimate.grad_std_error
+    _, _, hook = _value_and_grads(model, X, y, "auto", settings=EstimatorSettings(solver="iterative"))
+    iterative = hook.last_estimate.grad_std_error
+    assert exact.keys() == iterative.keys() and len(exact) == 4
+    assert all(bool((v == 0).all()) and v.shape == iterative[k].shape for k, v in exact.items())
+
+
 def test_predictions_on_the_cholesky_path_are_gpytorchs(costs):
     model, X, y = _model()
     X_test = torch.rand(20, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

@@ -358,29 +358,34 @@ def test_reduced_gp_refuses_per_point_noise():
         ReducedGP(X, Y, lik, kernel(), method="lla", m=20)
 
 
-def test_from_exact_finds_the_kernel_under_any_name():
-    """ReducedGP.from_exact reads the kernel the model's forward() evaluates (not necessarily covar_module),
-    and refuses a forward() that transforms the inputs."""
+def test_from_exact_finds_the_kernel_and_mean_under_any_name():
+    """ReducedGP.from_exact reads the kernel the model's forward() evaluates (not necessarily covar_module) and
+    the model's one mean module (the README's model calls it ``mean``), and refuses a forward() that transforms
+    the inputs."""
     from gpnys.gp.discover import training_kernel
 
     class Renamed(gpytorch.models.ExactGP):
         def __init__(self, x, y, scale=1.0):
             super().__init__(x, y, gpytorch.likelihoods.GaussianLikelihood())
-            self.mean_module = gpytorch.means.ConstantMean()
+            self.mean = gpytorch.means.ConstantMean()
             self.cov = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
             self.scale = scale
 
         def forward(self, x):
-            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.cov(self.scale * x))
+            return gpytorch.distributions.MultivariateNormal(self.mean(x), self.cov(self.scale * x))
 
     m = Renamed(X, Y).double()
     m.likelihood.noise = NOISE
+    m.mean.constant = 0.7
     k, seen = training_kernel(m)
     assert k is m.cov and torch.equal(seen, m.train_inputs[0])
     r = ReducedGP.from_exact(m, method="lla", m=X.shape[0]).eval()  # every point a landmark: the exact GP
     with torch.no_grad():
-        exact_mean = ExactPosterior(m.cov, X, Y, NOISE, prior_mean=float(m.mean_module.constant)).mean(Z)
+        exact_mean = ExactPosterior(m.cov, X, Y, NOISE, prior_mean=0.7).mean(Z)
         torch.testing.assert_close(r(Z).mean, exact_mean, rtol=1e-6, atol=1e-6)
+    m.second = gpytorch.means.ZeroMean()
+    with pytest.raises(ValueError, match="has 2"):
+        ReducedGP.from_exact(m)
     with pytest.raises(ValueError, match="transforms the inputs"):
         ReducedGP.from_exact(Renamed(X, Y, scale=20.0).double())
 
