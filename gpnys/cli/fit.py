@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         t_pred = time.perf_counter()
         mean, var = predict(model, ds.test_x)
         predict_s = time.perf_counter() - t_pred
-        bound = None
+        bound = mean_bound = None
     else:
         settings.variance_method, settings.variance_rel_error = args.variance_method, args.variance_rel_error
         if args.optimizer == "lbfgs":  # common random numbers: a deterministic objective for the line search
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             t_pred = time.perf_counter()
             mean, var = hook.predict(ds.test_x)
             predict_s = time.perf_counter() - t_pred
-            bound = hook.variance_bound
+            bound, mean_bound = hook.variance_bound, hook.mean_bound
     tf = ds.transform
     y = tf.inverse_y(ds.test_y)
     mean_o, var_o = tf.inverse_y(mean), tf.inverse_variance(var)
@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         # the variances' error bounds relative to the returned variance of y (0 for Cholesky)
         "variance_rel_bound_median": 0.0 if bound is None else float((bound / var).median()),
         "variance_rel_bound_max": 0.0 if bound is None else float((bound / var).max()),
+        # the means' estimated error bound, in target units (None: GPyTorch's own prediction, or Cholesky)
+        "mean_bound_max": None if mean_bound is None else float((tf.inverse_y(mean + mean_bound) - mean_o).abs().max()),
         "loss_trace": res.loss_trace,
         "steps": res.steps,
         "iterations": res.iterations,

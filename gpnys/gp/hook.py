@@ -92,7 +92,7 @@ class PreconditionerHook:
         "kernel_fraction", "last_estimate", "batch_estimates", "builds", "history", "applications", "samples",
         "estimates", "control_variates", "preconditioners", "preconditioner", "system", "stationary_operator",
         "control_variate", "path", "path_reason", "paths", "predict", "variance_method_used", "variance_bound",
-        "variance_iterations", "prediction_time"})
+        "mean_bound", "variance_iterations", "prediction_time"})
 
     def __init__(
         self,

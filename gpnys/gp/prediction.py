@@ -16,7 +16,7 @@ from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.training import eval_mode, exact_settings
 from gpnys.gp.training import predict as exact_predict
-from gpnys.gp.variance import LocalVariance, rounding_error
+from gpnys.gp.variance import ROUNDING_FACTOR, LocalVariance, rounding_error
 from gpnys.kernels.entries import difference_entries
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.landmarks import select
@@ -35,12 +35,13 @@ class HookPrediction:
     """The prediction half of :class:`gpnys.gp.problem.TrainingProblem` (a mixin: it uses the problem's ``system``,
     ``stationary_operator``, ``kernel``, ``sync_data`` and ``settings``); ``hook.predict`` reads it.
 
-    Attributes (of the latest :meth:`predict`): variance_method_used; variance_bound ``(m,)``; variance_iterations
-    (PCG iterations of the variance solves); prediction_time ``{"total_s", "variance_s"}``.
+    Attributes (of the latest :meth:`predict`): variance_method_used; variance_bound ``(m,)``; mean_bound ``(m,)``;
+    variance_iterations (PCG iterations of the variance solves); prediction_time ``{"total_s", "variance_s"}``.
     """
 
     variance_method_used: str | None = None
     variance_bound: torch.Tensor | None = None
+    mean_bound: torch.Tensor | None = None
     variance_iterations: int = 0
     prediction_time: Mapping[str, float] = MappingProxyType({})
 
@@ -49,7 +50,11 @@ class HookPrediction:
 
         The mean is ``m(x) + k_x^T K̂^{-1} (y - m(X))``, one PCG solve with this preconditioner (relative
         residual 1e-6 in float64, 1e-5 in float32; GPyTorch's own prediction cache would form the dense
-        ``n x n`` kernel), then test points in blocks of the memory budget. The variance
+        ``n x n`` kernel), then test points in blocks of the memory budget. ``mean_bound`` ``(m,)`` estimates its
+        error (:func:`mean_bound`): the weights' error ``K̂⁻¹ρ`` for their residual ``ρ = y - m(X) - K̂ α̂``
+        (estimated as ``P̂⁻¹ρ / λ̂``; by the Cholesky factor on the exact path) seen through ``k_x``, plus the
+        rounding of ``k_xᵀα̂``. An estimate: the rigorous ``sqrt(k(x, x)) ||ρ|| / sqrt(min σ²)`` is about 1 000
+        times wider in float32 (docs/accuracy.md). The variance
         ``k(x, x) - k_x^T K̂^{-1} k_x + noise`` comes with a per-point error bound, ``variance_bound`` ``(m,)``,
         by one of (``settings.variance_method``; the choice is kept in ``variance_method_used``):
 
@@ -99,14 +104,16 @@ class HookPrediction:
     def _predict(self, test_x: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`predict`, with the model and its likelihood in eval mode."""
         model, lik = self.model, self.model.likelihood
-        self.variance_bound = None
+        self.variance_bound = self.mean_bound = None
         t_start = time.perf_counter()
         if self.paths.choose()[0] == "cholesky":  # small n: GPyTorch's exact prediction (gpnys.gp.path)
             mean, var = exact_predict(model, test_x)
             self.variance_method_used = "cholesky"
-            own = self._exact_variances(test_x) if variance else None
+            own = self._exact_moments(test_x, variance)
             if own is not None:
-                var, self.variance_bound = own
+                mean, self.mean_bound, own_var, var_bound = own
+                if variance:
+                    var, self.variance_bound = own_var, var_bound
             total = time.perf_counter() - t_start
             self.prediction_time = {"total_s": total, "variance_s": 0.0}
             return mean, (var if variance else None)
@@ -125,14 +132,18 @@ class HookPrediction:
             kernel = self.kernel
             noise = self.noise().detach()
             n, m = X.shape[0], test_x.shape[0]
-            alpha, lam, iters = self._mean_weights(X)
+            alpha, lam, iters, correction = self._mean_weights(X)
             t_var = 0.0  # seconds spent on the variances alone (cache, evaluation, solves)
             # test-point blocks: (n, b) kernel columns within the memory budget (GPyTorch holds a few copies)
             block = min(self.settings.variance_block, max(64, block_rows(n, parts=4, device=X.device)))
             if not variance:
-                mean = torch.cat([model.forward(T).mean + cross_covariance(kernel, X, T).mT @ alpha
-                                  for T in test_x.split(block)])
-                return mean, None
+                means, mean_bounds = [], []
+                for T in test_x.split(block):
+                    Kxt = cross_covariance(kernel, X, T)
+                    means.append(model.forward(T).mean + Kxt.mT @ alpha)
+                    mean_bounds.append(mean_bound(Kxt, alpha, correction))
+                self.mean_bound = torch.cat(mean_bounds)
+                return torch.cat(means), None
             method = self.settings.variance_method
             t0 = time.perf_counter()
             if method in ("auto", "cached"):
@@ -150,12 +161,13 @@ class HookPrediction:
             self.variance_method_used = method
             solve = self._cholesky_quad(op, noise) if method == "cholesky" else self._pcg_quad(X, noise)
             t_var += time.perf_counter() - t0
-            means, out, bounds = [], [], []
+            means, mean_bounds, out, bounds = [], [], [], []
             for T in test_x.split(block):
                 Kxt = cross_covariance(kernel, X, T)  # (n, b)
-                means.append(model.forward(T).mean + Kxt.mT @ alpha)
-                t0 = time.perf_counter()
                 kxx = kernel(T, diag=True)
+                means.append(model.forward(T).mean + Kxt.mT @ alpha)
+                mean_bounds.append(mean_bound(Kxt, alpha, correction))
+                t0 = time.perf_counter()
                 if method == "cached":
                     est = cache(T, kxx)
                     var, bound = est.variance, est.bound
@@ -174,20 +186,22 @@ class HookPrediction:
                 out.append(var)
                 bounds.append(bound)
                 t_var += time.perf_counter() - t0
-        self.variance_bound = torch.cat(bounds)
+        self.variance_bound, self.mean_bound = torch.cat(bounds), torch.cat(mean_bounds)
         self.prediction_time = {"total_s": time.perf_counter() - t_start, "variance_s": t_var}
         # y's variance adds the noise; per-point training noise says nothing about new points, and GPyTorch's
         # FixedNoiseGaussianLikelihood then returns the latent variance: so does this
         return torch.cat(means), torch.cat(out) + (noise if noise.dim() == 0 else 0.0)
 
-    def _exact_variances(self, test_x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Variances of ``y`` at ``test_x`` from the Cholesky factor GPyTorch's exact prediction cached, with a
-        rounding bound, ``((m,), (m,))``; ``None`` when the kernel does not see the training inputs as given.
+    def _exact_moments(self, test_x: torch.Tensor, variance: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """``(mean, mean_bound, variance of y, variance_bound)`` at ``test_x`` (each ``(m,)``; the variances
+        ``None`` unless ``variance``) from the weights and the Cholesky factor GPyTorch's exact prediction cached;
+        ``None`` when the kernel does not see the training inputs as given.
 
-        ``k(x, x) − k_xᵀ x`` with the kriging weights ``x = K̂⁻¹ k_x``. For RBF / Matérn kernels ``k_x`` comes from
-        differences (:func:`~gpnys.kernels.entries.difference_entries`; GPyTorch's ``|a|² + |b|² − 2aᵀb`` loses
-        near pairs in float32), and the bound adds the training matrix's entry errors, ``|x|ᵀ|δK̂||x|``, to the
-        arithmetic's :func:`~gpnys.gp.variance.rounding_error`."""
+        For RBF / Matérn kernels ``k_x`` and ``K̂`` come from differences (:func:`cross_covariance`; GPyTorch's
+        ``|a|² + |b|² − 2aᵀb`` loses near pairs in float32): the mean bound's residual is taken against that ``K̂``,
+        and the variance ``k(x, x) − k_xᵀ x`` (``x = K̂⁻¹ k_x``, by GPyTorch's factor) adds the entries' errors,
+        ``|x|ᵀ|δK̂||x|``, to the arithmetic's :func:`~gpnys.gp.variance.rounding_error`."""
         model = self.model
         X = model.train_inputs[0]
         kx = self.kernels.inputs if self.kernels.inputs is not None else self._discovered_inputs()
@@ -195,22 +209,36 @@ class HookPrediction:
             return None
         kernel, n, noise = self.kernel, X.shape[0], self.noise().detach()
         with torch.no_grad(), exact_settings(n):
-            K = model.prediction_strategy.lik_train_train_covar  # its Cholesky factor is cached
-            dK = difference_entries(kernel, X, X)  # GPyTorch's entries' rounding: |δK̂| (n, n)
-            if dK is not None:
-                dK.diagonal().add_(noise)
-                dK = dK.sub_(K.to_dense()).abs_()
+            strategy = model.prediction_strategy
+            K, alpha = strategy.lik_train_train_covar, strategy.mean_cache  # the Cholesky factor is cached on K
+            Kd = difference_entries(kernel, X, X)
+            if Kd is not None:
+                Kd.diagonal().add_(noise)
+            ref = Kd if Kd is not None else K.to_dense()
+            # the weights' error K̂⁻¹ρ, its residual against entries from differences, by GPyTorch's factor
+            rho = model.train_targets - model.forward(X).mean - ref @ alpha
+            correction = K.solve(rho[:, None])[:, 0]
+            dK = Kd.sub_(K.to_dense()).abs_() if variance and Kd is not None else None  # |δK̂| (n, n)
+            del ref, Kd
             scale = K.diagonal(dim1=-2, dim2=-1).max()  # the largest kernel entry (plus noise)
-            out, bounds = [], []
+            means, mean_bounds, out, bounds = [], [], [], []
             for T in test_x.split(max(64, block_rows(n, parts=4, device=X.device))):
                 B = cross_covariance(kernel, X, T)  # (n, b)
+                kxx = kernel(T, diag=True)
+                means.append(model.forward(T).mean + B.mT @ alpha)
+                mean_bounds.append(mean_bound(B, alpha, correction))
+                if not variance:
+                    continue
                 x = K.solve(B)
-                out.append(kernel(T, diag=True) - (B * x).sum(0))
+                out.append(kxx - (B * x).sum(0))
                 x = x.abs_()
                 bound = rounding_error(scale, x.sum(0))
                 bounds.append(bound if dK is None else bound + (x * (dK @ x)).sum(0))
+        if not variance:
+            return torch.cat(means), torch.cat(mean_bounds), None, None
         # y's variance adds the noise, not a per-point training noise (as in :meth:`_predict`)
-        return torch.cat(out).clamp_min(0.0) + (noise if noise.dim() == 0 else 0.0), torch.cat(bounds)
+        var = torch.cat(out).clamp_min(0.0) + (noise if noise.dim() == 0 else 0.0)
+        return torch.cat(means), torch.cat(mean_bounds), var, torch.cat(bounds)
 
     def _discovered_inputs(self) -> torch.Tensor | None:
         """The inputs the kernel sees, read from the covariance ``forward`` builds
@@ -227,12 +255,17 @@ class HookPrediction:
         """``alpha = K̂^{-1} (y - m(X))`` (``(n,)``) by PCG with this preconditioner: the predictive mean is
         ``m(x) + k_x^T alpha``. Not GPyTorch's prediction cache, which evaluates the dense ``n x n`` kernel. Also
         the smallest Ritz value of ``P̂^{-1} K̂`` from the same run's Lanczos tridiagonal (an estimate of its
-        smallest eigenvalue, for :class:`~gpnys.gp.variance.LocalVariance`) and the iteration count."""
+        smallest eigenvalue, for :class:`~gpnys.gp.variance.LocalVariance`), the iteration count and the estimate
+        of the weights' error for :func:`mean_bound`."""
         r = self.model.train_targets - self.model.forward(X).mean
         tol = 1e-6 if X.dtype == torch.float64 else 1e-5
-        res = PCGPosterior(*self.system(X), self.settings.max_cg_iterations).mean_weights(
+        A, M = self.system(X)
+        res = PCGPosterior(A, M, self.settings.max_cg_iterations).mean_weights(
             r, key=None, tol=tol, start=torch.zeros_like(r), lanczos=True, miniter=10)
-        return res.x[:, 0], ritz_min(res), res.iterations
+        alpha, lam = res.x[:, 0], ritz_min(res)
+        # the weights' error K̂⁻¹ρ, estimated as P̂⁻¹ρ / λ̂ (λ̂ <= 1: the Ritz estimate of λ_min(P̂⁻¹K̂))
+        correction = M((r - A(alpha[:, None])[:, 0])[:, None])[:, 0] / min(lam, 1.0)
+        return alpha, lam, res.iterations, correction
 
     def _variance_landmarks(self, op: StationaryKernelOperator) -> torch.Tensor:
         """``(k,)`` landmark rows for :class:`~gpnys.gp.variance.LocalVariance`: the preconditioner's (AFN, column
@@ -272,6 +305,15 @@ class HookPrediction:
             return V.square().sum(0), rounding_error(scale, x.abs().sum(0))
 
         return quad
+
+
+def mean_bound(B: torch.Tensor, alpha: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
+    """``(b,)`` error estimates of the predictive means ``m(x) + k_xᵀα̂`` for ``B = k(X, T)`` ``(n, b)``, the weights
+    ``alpha`` ``(n,)`` and ``correction`` ``(n,)``, an estimate of the weights' error ``K̂⁻¹ρ`` (``ρ = y − m(X) −
+    K̂α̂``, recomputed in the working precision): ``|k_xᵀ correction| + 4 eps |k_x|ᵀ|α̂|``, the second term the
+    rounding of ``k_xᵀα̂``, whose terms cancel."""
+    dot = B.abs().mT @ alpha.abs()
+    return (B.mT @ correction).abs() + ROUNDING_FACTOR * torch.finfo(alpha.dtype).eps * dot
 
 
 def cross_covariance(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, T: torch.Tensor) -> torch.Tensor:

@@ -189,6 +189,36 @@ def test_cached_variance_cuda(cuda_device):
     assert bool(((est.variance.cpu() - ref).abs() <= est.bound.cpu() + 1e-10).all())
 
 
+def _exact_mean(m, T):
+    """The float64 predictive mean of ``m``'s hyperparameters from kernel entries by differences (GPyTorch's float64
+    Matérn-1/2 entries are off by 1e-12 at near pairs)."""
+    from gpnys.kernels.entries import difference_entries
+
+    m64 = copy.deepcopy(m).double().eval()
+    X, y, kernel = m64.train_inputs[0], m64.train_targets, m64.covar_module
+    with torch.no_grad():
+        K = difference_entries(kernel, X, X) + m64.likelihood.noise * torch.eye(X.shape[0], dtype=torch.float64)
+        alpha = torch.linalg.solve(K, y - m64.mean_module(X))
+        return m64.mean_module(T.double()) + difference_entries(kernel, X, T.double()).mT @ alpha
+
+
+@pytest.mark.parametrize("solver", ["iterative", "cholesky"])
+@pytest.mark.parametrize("hard", [True, False])
+def test_predictive_means_within_their_estimated_bound(dtype, solver, hard):
+    """``hook.mean_bound`` covers the mean's error against float64 at every point, and is within 100 times it."""
+    m, T = _hard_model(dtype) if hard else _model(n=800, dtype=dtype)
+    ref = _exact_mean(m, T)
+    with use_preconditioner(m, "auto", settings=EstimatorSettings(solver=solver)) as hook:
+        mean, _ = hook.predict(T, variance=False)
+        bound = hook.mean_bound.double()
+        assert torch.equal(mean, hook.predict(T)[0]) and torch.equal(hook.mean_bound.double(), bound)
+    err = (mean.double() - ref).abs()
+    # the float64 reference's own rounding (a dense solve with a condition number near 1e6): 1e-12
+    slack = 0.0 if dtype == torch.float32 else 1e-12 * float(ref.abs().max())
+    assert bool((err <= bound + slack).all()), float((err / bound).max())
+    assert float(bound.max()) < 100 * float(err.max())
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("solver,method", [("iterative", "cached"), ("cholesky", "auto")])
 def test_float32_variances_within_their_bound_cuda(cuda_device, solver, method):
@@ -221,6 +251,7 @@ def test_cli_fit_variance_flags(capsys):
     assert main([*argv, "--variance-method", "cached"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["variance_method"] == "cached" and 0 < out["variance_rel_bound_median"] <= out["variance_rel_bound_max"]
+    assert 0 < out["mean_bound_max"] < 1e-3 * out["test_rmse"]  # target units, like the RMSE
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--variance-rel-error", "0"])
     assert exc.value.code == 2
