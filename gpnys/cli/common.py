@@ -281,7 +281,12 @@ def load_data(args: argparse.Namespace, standardize: bool | None = None,
         except ValueError:  # ... unless the split has fewer rows: all of them (any other error recurs here)
             ds = datasets.load(args.data, **kw)
     else:
-        ds = datasets.load(args.data, n=cap if n is None else n, **kw)
+        try:
+            ds = datasets.load(args.data, n=cap if n is None else n, **kw)
+        except ValueError as err:  # the data set's message names its argument n: the user typed --n
+            if n is None or not str(err).startswith("n="):
+                raise
+            raise ValueError(f"--n {n} {str(err).removeprefix(f'n={n} ')}") from None
     if ds.n < 2:
         raise ValueError(f"--data {args.data}: split {ds.split} has {ds.n} training row(s); at least 2 are needed")
     if n_test is not None and n_test > ds.test_x.shape[0]:

@@ -64,7 +64,8 @@ def median_lengthscale(X: torch.Tensor, seed: int = 0, sample: int = MEDIAN_SAMP
     if n > sample:
         g = torch.Generator(device=X.device).manual_seed(int(seed))
         X = X[torch.randperm(n, generator=g, device=X.device)[:sample]]
-    d = torch.pdist(X) if X.shape[0] > 1 else X.new_zeros(1)
+    scale = X.abs().max().clamp_min(torch.finfo(X.dtype).tiny)  # pdist squares: 1e20 in float32 would overflow
+    d = torch.pdist(X / scale) * scale if X.shape[0] > 1 else X.new_zeros(1)
     med = float(d.median()) if d.numel() else 0.0
     return med if med > 0 else 1.0
 

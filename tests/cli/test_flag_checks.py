@@ -74,6 +74,7 @@ def fails(argv: list[str], capsys) -> tuple[str, str]:
     # the flag, not the library's argument, is named
     (["pcg", "--noise", "0"], "--noise"),
     (["mll", "--n", "0"], "--n"),
+    (["fit", "--n", "100000"], "--n 100000"),
     (["mll", "--split", "-1"], "--split"),
     (["mll", "--method", "afn", "--k", "0"], "--k"),
     (["mll", "--method", "afn", "--w", "0"], "--w"),

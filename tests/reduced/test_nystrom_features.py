@@ -127,6 +127,8 @@ def test_median_heuristic_and_torch_input():
     out = nys.transform(Xt)
     assert isinstance(out, torch.Tensor) and out.device == Xt.device and out.shape == (150, 10)
     assert np.array_equal(out.numpy(), nys.transform(X))
+    big = torch.tensor([[0.0], [1e20], [3e20]])  # float32: the squared distances overflow, the distances do not
+    assert median_lengthscale(big) == pytest.approx(2e20, rel=1e-6)
 
 
 # -- NSL = LLA = NCR ([NSL] §3.3, §3.5, Prop 3) ---------------------------------------------------------------------
