@@ -7,10 +7,11 @@ and the kernel/likelihood/mean parameters are carried over; gpnys's ``warm_start
 start and seeds its solves), or not (``cold``), ``fit_gpytorch_mll``, maximise qLogEI with
 ``optimize_acqf`` and evaluate the candidate(s). Both models see the same initial design per seed.
 
-Prints best value and per-iteration fit / acquisition time for each model; writes a JSON and a PNG of
-best-so-far vs wall time.
+Prints best value and per-iteration fit / acquisition time for each model; writes a JSON (``--json``) and a PNG of
+best-so-far vs wall time (``--png``, else next to the JSON, else ``bo_large_n.png``; ``--quick`` writes a PNG only
+when ``--json`` or ``--png`` names where).
 
-Run:  python examples/bo_large_n.py --quick                       (seconds; the test suite runs it)
+Run:  python examples/bo_large_n.py --quick                       (about a minute on 2 CPU cores; the tests run it)
       python examples/bo_large_n.py --n-init 5000 --iters 10 --seeds 0,1,2 --threads 2 \\
           --json benchmarks/results/bo_loop.json                     (the run in docs/bo.md)
       python examples/bo_large_n.py --methods gpnys --starts warm,cold --n-init 30000 --device cuda \\
@@ -148,7 +149,8 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="n-init 120, 2 iterations, gpnys forced on (seconds)")
+    ap.add_argument("--quick", action="store_true",
+                    help="n-init 120, 2 iterations, gpnys forced on (about a minute); no PNG unless --json / --png")
     ap.add_argument("--n-init", type=int, default=2000)
     ap.add_argument("--iters", type=int, default=None, help="BO iterations (default 10; --quick: 2)")
     ap.add_argument("--seeds", default="0")
@@ -200,11 +202,16 @@ def main(argv: list[str] | None = None) -> dict:
            "raw_samples": args.raw_samples, "threads": torch.get_num_threads(), "device": args.device,
            "starts": starts, "warm_over_cold": ratios, "runs": runs}
     png = Path(args.png) if args.png else (Path(args.json).with_suffix(".png") if args.json else Path("bo_large_n.png"))
+    if args.quick and not (args.png or args.json):
+        png = None  # a quick look writes nothing into the current directory
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
-    plot(runs, png)
-    print(f"wrote {png}" + (f" and {args.json}" if args.json else ""))
+    if png is not None:
+        plot(runs, png)
+    written = [str(p) for p in (png, args.json) if p]
+    if written:
+        print("wrote " + " and ".join(written))
     return out
 
 

@@ -1,6 +1,6 @@
 """GP classification with the Laplace approximation on gpnys's preconditioned solvers, hyperparameters trained.
 
-Run:  python examples/laplace_classification.py             (n = 2 000, well under a minute on 2 cores)
+Run:  python examples/laplace_classification.py             (n = 2 000: under a minute on 2 cores)
       python examples/laplace_classification.py --n 500 --steps 5
 
 Rasmussen & Williams (2006), §3.4 and §5.5.1: the posterior mode by Newton's method (each step a preconditioned CG

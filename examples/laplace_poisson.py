@@ -1,6 +1,6 @@
 """Poisson counts with a latent GP (log link), by the Laplace approximation on gpnys's preconditioned solvers.
 
-Run:  python examples/laplace_poisson.py            (n = 2 000, seconds on 2 cores)
+Run:  python examples/laplace_poisson.py            (n = 2 000: 20-45 s on 2 cores)
       python examples/laplace_poisson.py --n 500 --steps 5
 
 Counts ``y ~ Poisson(exp(f(x)))`` with ``f`` a smooth function of two inputs. ``LaplaceGP(kernel,

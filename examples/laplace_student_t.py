@@ -1,6 +1,6 @@
 """Robust GP regression: Student-t noise with outliers, by the Laplace approximation on gpnys's preconditioned solvers.
 
-Run:  python examples/laplace_student_t.py            (n = 2 000, seconds on 2 cores)
+Run:  python examples/laplace_student_t.py            (n = 2 000: 45 s on 2 idle cores, ~2 min when busy)
       python examples/laplace_student_t.py --n 500 --steps 10
 
 ``y = f(x) + ε`` with ``f`` smooth, ``ε`` Gaussian (s.d. 0.1) for most points and a 3.0 shift on one in twenty.

@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row = {"step": step, "loss": float(loss.detach()), "time_s": time.perf_counter() - t0,
                        "path": hook.path, "precond": rec and rec.kind, "rank": rec and rec.rank,
                        "kernel_fraction": hook.kernel_fraction,
-                       "lengthscale": float(model.covar_module.base_kernel.lengthscale),
-                       "noise": float(model.likelihood.noise)}
+                       "lengthscale": model.covar_module.base_kernel.lengthscale.detach().item(),
+                       "noise": model.likelihood.noise.detach().item()}
                 rows.append(row)
                 print(f"step {step}: loss {row['loss']:.5f}  {row['time_s']:.1f} s  {row['precond']} rank {row['rank']}  "
                       f"kernel entries computed {row['kernel_fraction']:.1%}  lengthscale {row['lengthscale']:.3f}  "

@@ -4,10 +4,13 @@ Run: python examples/preconditioned_cg.py [--n 3000] [--lengthscale 3.0] [--mu 1
 
 Points are uniform in a 3-D cube at unit density (the AFN paper's setting); the kernel is Matérn-3/2 in
 GPyTorch's convention. The same PointCache is passed to every build, as a hyperparameter loop would do.
+At the defaults plain CG (``none``) and GPyTorch's pivoted Cholesky (``pivchol``) are expected not to reach the
+tolerance within 1000 iterations: their ConvergenceWarnings are silenced here and the table says so instead.
 """
 
 import argparse
 import time
+import warnings
 
 import gpytorch
 import torch
@@ -15,7 +18,11 @@ import torch
 from gpnys import datasets
 from gpnys.kernels.system import kernel_system
 from gpnys.precond import PointCache, make_preconditioner
-from gpnys.solvers import pcg
+from gpnys.solvers import ConvergenceWarning, pcg
+
+MAXITER = 1000
+#: the baselines that may not converge at the defaults: their warnings are expected and shown in the table
+BASELINES = ("none", "pivchol")
 
 
 def main(argv=None) -> list[dict]:
@@ -35,12 +42,16 @@ def main(argv=None) -> list[dict]:
         t0 = time.perf_counter()
         P = make_preconditioner(name, X, kernel, args.mu, cache=cache, k=min(500, args.n // 4), w=50)
         setup = time.perf_counter() - t0
-        res = pcg(A, y, precond=P, tol=1e-4, maxiter=1000)
+        with warnings.catch_warnings():
+            if name in BASELINES:
+                warnings.simplefilter("ignore", ConvergenceWarning)
+            res = pcg(A, y, precond=P, tol=1e-4, maxiter=MAXITER)
         rows.append({"precond": name, "iterations": res.iterations, "converged": bool(res.converged.all()),
                      "setup_s": setup, "summary": P.summary() if P is not None else {}})
         kind = rows[-1]["summary"].get("choice", name)
-        print(f"{name:8s} ({kind:8s}) iterations {res.iterations:4d}  converged {rows[-1]['converged']}  "
-              f"setup {setup:6.2f} s  rel. residual {float(res.rel_residual.max()):.1e}")
+        conv = "yes" if rows[-1]["converged"] else "no (hit maxiter)"
+        print(f"{name:8s} ({kind:8s}) iterations {res.iterations:4d}  converged {conv:<15s}  "
+              f"setup {setup:6.2f} s  rel. residual {float(res.rel_residual.max()):.1e} (target 1e-4)")
     return rows
 
 
