@@ -208,6 +208,11 @@ Y_TOLERANCE_SHARE, Y_TOLERANCE_SHARE_TIGHT, MEAN_DIRECTIONS = 1e-1, 1e-2, 8
 #: (:func:`log_prob`); float64's solves reach their tolerance, and its error bars were honest without the term
 LOOSE_EPS = 1e-10
 
+#: refinement of the solve with ``r``: while its true residual is above ``REFINE_ABOVE`` times its tolerance (the
+#: recursion's residual drifted from the true one, e.g. float32 with a preconditioner near ``K̂``), PCG runs again on
+#: the true residual from the solution so far, up to ``REFINE_ROUNDS`` times (iterative refinement; :func:`_refine`)
+REFINE_ABOVE, REFINE_ROUNDS, REFINE_PLAIN_STEPS = 10.0, 3, 50
+
 #: :func:`gradient_at_noise`: the mean's entries (no probe term) count as converged once the gain they still offer
 #: is below this share of the loss's standard error
 MEAN_GAIN_SHARE = 0.1
@@ -495,6 +500,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     probe_tol, floor = settings.cg_tolerance, settings.lanczos_steps
     batch = settings.num_probes
     batches = 0
+    unreachable = None  # the part of the loss's error bar more probes cannot shrink, where it exceeds the target
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", category=NumericalWarning)  # CG's own warnings: the error bars say it
         while True:
@@ -535,6 +541,9 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             iterations = max(iterations, sol.iterations)
             if first:
                 a, rho = sol.x[:, 0], sol.residual[:, 0]
+                if float(rho.norm()) > REFINE_ABOVE * tol_r * float(r.norm()):
+                    a, rho, more = _refine(A, M, r, a, rho, tol_r, maxiter)
+                    sol.x[:, 0], iterations = a, iterations + more  # the derivative pass reads column 0
                 inv_quad = float(r @ a + a @ rho)  # 2 r^T a - a^T K a: error in [0, ||rho||^2 / lam_min]
                 bound = float(rho @ rho) / lam_min
                 rounding = _rounding(sol.x, Z, sol.abs_products)
@@ -630,12 +639,23 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 g = torch.autograd.grad(surrogate, tensors, retain_graph=True, allow_unused=True)
                 grad = _flatten(g, tensors)
             g_se = J_all.std(0) / math.sqrt(t) if J_all is not None else None
-            need = _probes_needed(t, se, value_est, grad, g_se, target)
+            # the solve's bound and the rounding do not shrink with more probes: past the target they stop the loop
+            fixed = math.sqrt((0.5 * bound) ** 2 + rounding**2)
+            if fixed >= target * abs(value_est):
+                unreachable = fixed
+                break
+            need = _probes_needed(t, math.sqrt(max(se**2 - fixed**2, 0.0)), value_est, grad, g_se,
+                                  math.sqrt(target**2 - (fixed / max(abs(value_est), 1e-300)) ** 2))
             if need <= t:
                 break
             if 0.5 * lanczos > target * abs(value_est):  # the quadrature dominates: longer Lanczos runs
                 probe_tol, floor = probe_tol / 10, 2 * floor
             batch = int(min(max(need - t, settings.num_probes), settings.max_probes - t))
+    if unreachable is not None:
+        warnings.warn(f"gpnys: target_rel_error={target:g} is out of reach: the working precision's rounding and the "
+                      f"solve's bound alone give {unreachable / n:.3g} per point, {unreachable / abs(value_est):.2g} "
+                      f"of the loss, which more probes do not reduce (float64, or a better-conditioned K̂)",
+                      NumericalWarning, stacklevel=3)
     t = sum(x.shape[0] for x in ell)
     grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
     if grad_se is not None and solve_rows is not None:
@@ -688,6 +708,33 @@ def _surrogate(reps: list[Any], a: torch.Tensor, mean: torch.Tensor, value: torc
     if cv:
         s = s + 0.5 * (cv_logdet + torch.cat(cv).mean())
     return s
+
+
+def _refine(A: Callable, M: Callable, r: torch.Tensor, a: torch.Tensor, rho: torch.Tensor, tol: float,
+            maxiter: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Iterative refinement of ``K̂ a = r`` (``(n,)`` each; ``rho = r − K̂a``, the true residual): CG on ``rho``
+    from 0, ``a += δ``, the residual recomputed, for at most :data:`REFINE_ROUNDS` rounds while it falls and stays
+    above ``REFINE_ABOVE · tol``. Each round tries the preconditioner, then plain CG (:data:`REFINE_PLAIN_STEPS`
+    steps): a drifted residual lies where the preconditioner is applied inaccurately, in float32 the directions of
+    ``K̂``'s largest eigenvalues when ``P̂`` is near ``K̂``, which plain CG resolves first. Returns ``(a, rho,
+    iterations spent)``."""
+    spent = 0
+    target = tol * float(r.norm())
+    for _ in range(REFINE_ROUNDS):
+        now = float(rho.norm())
+        for precond, steps in ((M, maxiter), (None, REFINE_PLAIN_STEPS)):
+            step = pcg(A, rho[:, None], precond, tol=max(target / max(now, 1e-300), 1e-300), maxiter=steps)
+            spent += step.iterations
+            a_new = a + step.x[:, 0]
+            rho_new = r - A(a_new[:, None])[:, 0]
+            if float(rho_new.norm()) < 0.5 * now:
+                break
+        if not float(rho_new.norm()) < now:
+            break
+        a, rho = a_new, rho_new
+        if float(rho.norm()) <= REFINE_ABOVE * target:
+            break
+    return a, rho, spent
 
 
 def _probes_needed(t: int, se: float, value: float, grad: torch.Tensor | None, g_se: torch.Tensor | None,

@@ -165,3 +165,51 @@ def test_float32_gradients_near_the_noise_floor_within_their_error_bars():
                 z = (p.grad.double() - reference[name]).abs() * n / se[name].double()
                 worst = max(worst, float(z.max()))
     assert worst < 4.0, worst
+
+
+def test_float32_solve_with_y_is_refined_where_its_residual_drifted():
+    """Concrete, n = 900, Matérn-3/2, length-scale 3, noise 1e-4, float32: ``auto`` builds a Nyström preconditioner
+    so near ``K̂`` that its float32 application stalls the solve with y at a true relative residual of 0.7 on some
+    probe seeds (a loss standard error of 2 500 per point). Refinement on the true residual brings it to the
+    rounding level; the loss and the outputscale's gradient stay within their error bars of float64 Cholesky."""
+    ds = datasets.load("concrete", n=900, seed=0)
+    X, y = ds.train_x.float(), ds.train_y.float()
+
+    def make(dtype):
+        lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-6))
+        m = ExactGPModel(X.to(dtype), y.to(dtype), lik, kernel="matern32", mean="zero").to(dtype)
+        m.covar_module.base_kernel.lengthscale, m.covar_module.outputscale, m.likelihood.noise = 3.0, 1.0, 1e-4
+        return m
+
+    ref = make(torch.float64)
+    ref.load_state_dict({k: v.double() for k, v in make(torch.float32).state_dict().items()})
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(ref.likelihood, ref)
+    with gpytorch.settings.max_cholesky_size(10**6):
+        exact = -mll(ref(X.double()), y.double())
+        exact.backward()
+    g_ref = float(ref.covar_module.raw_outputscale.grad)
+    model = make(torch.float32)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    for seed in (1, 3):
+        model.zero_grad()
+        settings = EstimatorSettings(probe_seed=seed, solver="iterative")
+        with warnings.catch_warnings(), gpnys.use_preconditioner(model, settings=settings, seed=seed) as hook:
+            warnings.simplefilter("ignore", NumericalWarning)
+            loss = -mll(model(X), y)
+            loss.backward()
+        est = hook.last_estimate
+        assert est.std_error / 900 < 10  # 2 500 without the refinement
+        assert abs(float(loss) - float(exact)) <= 3 * est.std_error / 900
+        se = float(est.grad_std_error["covar_module.raw_outputscale"]) / 900
+        assert abs(float(model.covar_module.raw_outputscale.grad) - g_ref) <= 4 * se
+
+
+def test_requested_accuracy_below_the_rounding_stops_with_a_warning():
+    """Where float32's rounding alone exceeds ``target_rel_error``, more probes cannot reach it: the first batch is
+    kept and a warning names the setting (the loop ran to ``max_probes``, 64 times the probes, before)."""
+    model, X, y = _model("concrete", 182, 2.0, 1e-3, torch.float32)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    settings = EstimatorSettings(target_rel_error=1e-4, max_probes=1024, probe_seed=0)
+    with pytest.warns(NumericalWarning, match="target_rel_error"), gpnys.use_preconditioner(model, settings=settings) as h:
+        mll(model(X), y)
+    assert h.last_estimate.rounding_dominates and h.last_estimate.probes == settings.num_probes
