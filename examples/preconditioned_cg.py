@@ -51,7 +51,7 @@ def main(argv=None) -> list[dict]:
         kind = rows[-1]["summary"].get("choice", name)
         conv = "yes" if rows[-1]["converged"] else "no (hit maxiter)"
         print(f"{name:8s} ({kind:8s}) iterations {res.iterations:4d}  converged {conv:<15s}  "
-              f"setup {setup:6.2f} s  rel. residual {float(res.rel_residual.max()):.1e} (target 1e-4)")
+              f"setup {setup:6.2f} s  rel. residual {float(res.rel_residual.max()):.1e} (tolerance 1e-4)")
     return rows
 
 
