@@ -55,6 +55,16 @@ REBUILD_GROWTH = 1.5
 #: mode's residual, which keeps Newton's convergence superlinear at a fraction of the CG iterations
 NEWTON_FORCING = 1e-2
 
+#: the Newton and CG tolerances are floored at this many machine epsilons of the working dtype: in float32 a
+#: mode does not settle, nor a residual fall, much below its rounding (``newton_tol = 1e-8`` ran ``max_newton``
+#: steps to the same mode as ``1e-5``)
+TOLERANCE_EPS = 100
+
+
+def _floored_tolerance(tol: float, dtype: torch.dtype) -> float:
+    """``tol``, at least :data:`TOLERANCE_EPS` machine epsilons of ``dtype``."""
+    return max(tol, TOLERANCE_EPS * torch.finfo(dtype).eps)
+
 
 def halve_step(objective: Callable[[float], float], value: float, slack: float) -> tuple[float, float] | None:
     """Step halving, R&W Algorithm 3.1's safeguard: the first step ``t = 1, ½, ¼, …`` (30 at most) whose
@@ -140,9 +150,11 @@ class LaplaceGP(LaplacePredictions):
         precond_options: extra options for :func:`~gpnys.precond.strategy.make_preconditioner` (``k``, ``w``,
             ``rank``); AFN's sizes default to GP training's (:data:`gpnys.gp.settings.GP_DEFAULTS`, k = 500, w = 30),
             at most n.
-        cg_tolerance: relative residual of every CG solve with ``B`` (Newton steps and predictive variances).
+        cg_tolerance: relative residual of every CG solve with ``B`` (Newton steps and predictive variances),
+            at least :data:`TOLERANCE_EPS` (100) machine epsilons of the working dtype (1.2e-5 in float32).
         max_newton: Newton steps at most. newton_tol: stop once a step changes no ``f_i`` by more than
-            ``newton_tol * max(1, max|f|)``.
+            ``newton_tol * max(1, max|f|)``; floored like ``cg_tolerance`` (100 eps: the default 1e-8 is below
+            what a float32 mode resolves).
         num_probes: SLQ probes for ``log det B``. slq_tolerance: CG tolerance of the probe solves (their
             Lanczos tridiagonals). max_cg: CG iterations at most per solve.
         seed: seeds the probes and the preconditioner's randomness (same seed, same results).
@@ -280,6 +292,7 @@ class LaplaceGP(LaplacePredictions):
         f = self._X.new_zeros(n) if a0 is None else self._K(a)
         psi = float(self.likelihood_.log_prob(f, self._y) - 0.5 * (a * f).sum())
         slack = 64 * torch.finfo(dtype).eps
+        cg_tol, newton_tol = (_floored_tolerance(t, dtype) for t in (self.cg_tolerance, self.newton_tol))
         self.cg_iterations_: list[int] = []
         self.newton_iterations_ = 0
         self.builds_ = 0
@@ -298,7 +311,7 @@ class LaplaceGP(LaplacePredictions):
             rhs = (grad - a) / self._sW
             norm = float(rhs.norm())
             first = norm if first is None else first
-            tol = max(self.cg_tolerance, min(NEWTON_FORCING, math.sqrt(norm / first) if first > 0 else 0.0))
+            tol = max(cg_tol, min(NEWTON_FORCING, math.sqrt(norm / first) if first > 0 else 0.0))
             res = self._solve_B(rhs, tol)
             self.cg_iterations_.append(res.iterations)
             rate = res.iterations / -math.log10(tol)
@@ -317,7 +330,7 @@ class LaplaceGP(LaplacePredictions):
             step, psi = halved
             change = float((step * df).abs().max())
             a, f = a + step * da, f + step * df
-            if change <= self.newton_tol * max(1.0, float(f.abs().max())):
+            if change <= newton_tol * max(1.0, float(f.abs().max())):
                 converged = True
                 break
         if not converged:  # not the mode: its Laplace approximation, and with it every figure below, is off
@@ -462,7 +475,7 @@ class LaplaceGP(LaplacePredictions):
                 return mean, None
             kss = self._s2 * evaluate(base, Xs, Xs, diag=True).to(self._X.dtype)
             R = self._sW[:, None] * Ks  # R&W Algorithm 3.2: vᵀv = (W^½ k*)ᵀ B⁻¹ (W^½ k*), eq. (3.24)
-            res = self._solve_B(R, self.cg_tolerance)
+            res = self._solve_B(R, _floored_tolerance(self.cg_tolerance, self._X.dtype))
             return mean, (kss - (R * res.x).sum(0)).clamp_min(0)
 
     def predict_variance(self, X: torch.Tensor) -> torch.Tensor:

@@ -213,6 +213,9 @@ LOOSE_EPS = 1e-10
 #: the true residual from the solution so far, up to ``REFINE_ROUNDS`` times (iterative refinement; :func:`_refine`)
 REFINE_ABOVE, REFINE_ROUNDS, REFINE_PLAIN_STEPS = 10.0, 3, 50
 
+#: the gradient's error bars hold the first batch's probe solves' share ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j (:func:`log_prob`)
+PROBE_SOLVE_SHARE = True
+
 #: :func:`gradient_at_noise`: the mean's entries (no probe term) count as converged once the gain they still offer
 #: is below this share of the loss's standard error
 MEAN_GAIN_SHARE = 0.1
@@ -484,6 +487,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     tol_r = share * settings.cg_tolerance if target is None else min(target, share * settings.cg_tolerance)
     mean_correction = mean_error = curvature = None
     solve_rows: list[torch.Tensor | None] | None = None  # δaᵀ∂K̂a per representation tensor (below LOOSE_EPS)
+    probe_solve_rows: list[torch.Tensor | None] | None = None  # mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, the probes' solves' share
     bound = 0.0
     iterations = 0
     a = inv_quad = None
@@ -571,7 +575,15 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 if loose:
                     lefts.append(M(rho[:, None]))
                     rights.append(a[:, None])
+                if first and PROBE_SOLVE_SHARE:
+                    # the probes' own solves: u_j's error K̂⁻¹ρ_j ≈ P̂⁻¹ρ_j biases ½ u_jᵀ∂K̂b_j at first order; with a
+                    # preconditioner near K̂ the probes barely vary and that bias can exceed their spread
+                    lefts.append(M(sol.residual[:, 1 : 1 + batch]))
+                    rights.append(B)
                 kernel_rows = _column_rep_grads(cov, torch.cat(lefts, 1), torch.cat(rights, 1))
+                if first and PROBE_SOLVE_SHARE:
+                    probe_solve_rows = [None if g is None else g[-batch:].mean(0) for g in kernel_rows]
+                    kernel_rows = [None if g is None else g[:-batch] for g in kernel_rows]
                 if loose:
                     solve_rows = [None if g is None else g[-1] for g in kernel_rows]
                     kernel_rows = [None if g is None else g[:-1] for g in kernel_rows]
@@ -664,6 +676,12 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
         parts = torch.autograd.grad(lead, tensors, retain_graph=True, allow_unused=True)
         solve_term = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(parts, tensors)])
         grad_se = (grad_se.square() + solve_term.to(grad_se).square()).sqrt()
+    if grad_se is not None and probe_solve_rows is not None:
+        # the probes' solves' share, ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, mapped the same way and added in quadrature
+        lead = _RepGradient.apply(probe_solve_rows, a, *reps)
+        parts = torch.autograd.grad(lead, tensors, retain_graph=True, allow_unused=True)
+        probe_term = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(parts, tensors)])
+        grad_se = (grad_se.square() + (0.5 * probe_term.to(grad_se)).square()).sqrt()
     grad_floor = grad_curvature = None
     if grad_se is not None and d_index is not None and d_index.numel():
         if mean_error is not None:

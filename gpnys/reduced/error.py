@@ -11,6 +11,9 @@ included), from the closed forms of the SPA paper (§III-D: Prop 3, eq. (15) and
 * a landmark expansion ``f = k(., C) beta`` (NCR, NYTRO, Nyström KRR):
   ``|f - f*|^2 = beta^T K_mm beta - 2 beta^T K_mn alpha* + alpha*^T K alpha*``.
 
+These differences of large terms cancel to the error's square: they are computed in at least float64 (on the
+caller's data and coefficients, float32 ones included), and so is the dense exact posterior.
+
 ``alpha*^T K alpha* = alpha*^T (y - m) - sigma^2 |alpha*|^2`` costs no extra product. Random Fourier features do
 not live in ``H`` (their kernel is not ``k``): for them no RKHS distance is defined.
 """
@@ -27,7 +30,7 @@ from gpnys.kernels.entries import KernelEntries
 from gpnys.linalg import safe_cholesky
 from gpnys.precond.strategy import AutoPreconditioner
 from gpnys.reduced.gsa import GSAPosterior
-from gpnys.reduced.lla import LLAPosterior, validate_regression, validate_test_points
+from gpnys.reduced.lla import LLAPosterior, kernel_in, validate_regression, validate_test_points
 from gpnys.reduced.ncr import NCRPosterior
 from gpnys.solvers.pcg import pcg
 
@@ -47,8 +50,13 @@ class ExactPosterior:
             :data:`DENSE_MAX`).
         tol: PCG relative residual tolerance.
 
+    The Cholesky path (kernel matrix, factor, solves, predictions) runs in at least float64, on the caller's
+    (e.g. float32-rounded) data and hyperparameters: a float32 factor of an ill-conditioned ``K + sigma^2 I`` is
+    off by up to percents. Tensors are returned in the caller's dtype. The PCG path runs in ``X``'s dtype.
+
     Attributes:
-        alpha: ``(n,)`` ``= (K + sigma^2 I)^{-1} (y - m)``; quad: ``alpha^T K alpha`` (``|f*|_H^2``);
+        alpha: ``(n,)`` ``= (K + sigma^2 I)^{-1} (y - m)`` (``X``'s dtype).
+        quad: ``alpha^T K alpha`` (``|f*|_H^2``, from the float64 ``alpha`` on the Cholesky path).
         iterations: PCG iterations (0 for Cholesky).
 
     Example:
@@ -77,28 +85,36 @@ class ExactPosterior:
         self.kernel, self.X, self.noise, self.prior_mean = kernel, X, float(noise), float(prior_mean)
         self.method = ("cholesky" if X.shape[0] <= DENSE_MAX else "pcg") if method == "auto" else method
         self.tol, self.iterations = tol, 0
-        r = y - self.prior_mean
-        self._entries = KernelEntries(X, kernel)  # unit-variance kernel and its outputscale
+        # the dense reference in at least float64: a float32 Cholesky of K + sigma^2 I loses percents of |f*|_H^2
+        dense = self.method == "cholesky"
+        self._work = torch.promote_types(X.dtype, torch.float64) if dense else X.dtype
+        self._X_work = X.to(self._work)
+        self._kernel_work = kernel_in(kernel, self._work) if dense else kernel
+        r = y.to(self._work) - self.prior_mean
+        self._entries = KernelEntries(self._X_work, self._kernel_work)  # unit-variance kernel and its outputscale
         self.L = None
-        if self.method == "cholesky":
-            A = kernel_block(kernel, X, X)
+        if dense:
+            A = kernel_block(self._kernel_work, self._X_work, self._X_work)
             A.diagonal().add_(self.noise)
             self.L = safe_cholesky(A, "ExactPosterior: K + noise I")
-            self.alpha = torch.cholesky_solve(r[:, None], self.L)[:, 0]
+            alpha = torch.cholesky_solve(r[:, None], self.L)[:, 0]
         else:
             s2 = self._entries.outputscale
             self._precond = AutoPreconditioner(X, kernel, self.noise / s2, seed=seed)
-            self.alpha = self.solve(r[:, None])[:, 0]
-        self.quad = float(self.alpha @ r - self.noise * self.alpha.square().sum())
+            alpha = self.solve(r[:, None])[:, 0]
+        self._alpha = alpha  # in the working dtype, for the RKHS distances
+        self.alpha = alpha.to(X.dtype)
+        self.quad = float(alpha @ r - self.noise * alpha.square().sum())
 
     def kernel_matmul(self, V: torch.Tensor) -> torch.Tensor:
-        """``K V`` (outputscale included) for ``V (n, t)``, in row blocks."""
-        return self._entries.outputscale * self._entries.matmul(V)
+        """``K V`` (outputscale included) for ``V (n, t)``, in row blocks, in the working dtype (at least
+        float64 on the Cholesky path), returned in ``V``'s."""
+        return (self._entries.outputscale * self._entries.matmul(V.to(self._work))).to(V.dtype)
 
     def solve(self, B: torch.Tensor) -> torch.Tensor:
-        """``(K + sigma^2 I)^{-1} B`` for ``B (n, t)``."""
+        """``(K + sigma^2 I)^{-1} B`` for ``B (n, t)``, in ``B``'s dtype."""
         if self.L is not None:
-            return torch.cholesky_solve(B, self.L)
+            return torch.cholesky_solve(B.to(self._work), self.L).to(B.dtype)
         s2 = self._entries.outputscale
         res = pcg(lambda V: self._entries.matmul(V) + (self.noise / s2) * V, B / s2, self._precond, tol=self.tol,
                   maxiter=2000)
@@ -108,20 +124,24 @@ class ExactPosterior:
     def mean(self, Z: torch.Tensor) -> torch.Tensor:
         """Posterior mean ``(nz,)``."""
         validate_test_points(Z, self.X.shape[1])
-        return self.prior_mean + kernel_block(self.kernel, Z, self.X) @ self.alpha
+        work = torch.promote_types(Z.dtype, self._work)
+        Kzx = kernel_block(kernel_in(self._kernel_work, work), Z.to(work), self._X_work.to(work)).to(work)
+        return (self.prior_mean + Kzx @ self._alpha.to(work)).to(torch.promote_types(Z.dtype, self.X.dtype))
 
     def variance(self, Z: torch.Tensor, block: int = 512) -> torch.Tensor:
         """Latent posterior variance ``k_zz - k_z^T (K + sigma^2 I)^{-1} k_z`` (``(nz,)``), test points in blocks."""
         validate_test_points(Z, self.X.shape[1])
+        work = torch.promote_types(Z.dtype, self._work)
+        Zw, Xw, kernel = Z.to(work), self._X_work.to(work), kernel_in(self._kernel_work, work)
         out = []
         for i in range(0, Z.shape[0], block):
-            Kxz = kernel_block(self.kernel, self.X, Z[i : i + block])
+            Kxz = kernel_block(kernel, Xw, Zw[i : i + block]).to(work)
             if self.L is not None:
-                red = torch.linalg.solve_triangular(self.L, Kxz, upper=False).square().sum(0)
+                red = torch.linalg.solve_triangular(self.L.to(work), Kxz, upper=False).square().sum(0)
             else:
                 red = (Kxz * self.solve(Kxz)).sum(0)
-            out.append(kernel_diag(self.kernel, Z[i : i + block]) - red)
-        return torch.cat(out).clamp_min(0.0)
+            out.append(kernel_diag(kernel, Zw[i : i + block]).to(work) - red)
+        return torch.cat(out).clamp_min(0.0).to(torch.promote_types(Z.dtype, self.X.dtype))
 
 
 def landmark_rkhs_error(kernel: gpytorch.kernels.Kernel, landmarks: torch.Tensor, beta: torch.Tensor,
@@ -146,10 +166,18 @@ def landmark_rkhs_error(kernel: gpytorch.kernels.Kernel, landmarks: torch.Tensor
         >>> abs(landmark_rkhs_error(kernel, C, ncr.beta, exact) - rkhs_error(ncr, exact)) < 1e-12
         True
     """
-    Kmm = kernel_block(kernel, landmarks, landmarks)
-    Kmn_a = kernel_block(kernel, landmarks, exact.X) @ exact.alpha
+    work = _rkhs_dtype(beta)
+    kernel = kernel_in(kernel, work)
+    C, beta = landmarks.to(work), beta.to(work)
+    Kmm = kernel_block(kernel, C, C)
+    Kmn_a = kernel_block(kernel, C, exact.X.to(work)) @ exact._alpha.to(work)
     sq = float(beta @ (Kmm @ beta)) - 2.0 * float(beta @ Kmn_a) + exact.quad
     return math.sqrt(max(sq, 0.0))
+
+
+def _rkhs_dtype(t: torch.Tensor) -> torch.dtype:
+    """At least float64: the RKHS distances are differences of large terms that cancel to the error's square."""
+    return torch.promote_types(t.dtype, torch.float64)
 
 
 def rkhs_error(posterior: LLAPosterior, exact: ExactPosterior) -> float:
@@ -182,12 +210,17 @@ def rkhs_error(posterior: LLAPosterior, exact: ExactPosterior) -> float:
                          f"{type(posterior).__name__}")
     if posterior.X is not exact.X and (posterior.X.shape != exact.X.shape or not torch.equal(posterior.X, exact.X)):
         raise ValueError("posterior and exact must be built on the same training inputs X")
+    work = _rkhs_dtype(posterior.w)
     if isinstance(posterior, GSAPosterior):
-        d = exact.alpha - posterior.alpha
+        d = exact._alpha.to(work) - posterior.alpha.to(work)
         sq = float(d @ exact.kernel_matmul(d[:, None])[:, 0])
     elif isinstance(posterior, NCRPosterior):
         return landmark_rkhs_error(posterior.kernel, posterior.features.landmarks, posterior.beta, exact)
     else:
-        w = posterior.w
-        sq = float(w @ w) + exact.quad - 2.0 * float(w @ (posterior.Phi.mT @ exact.alpha))
+        w, alpha = posterior.w.to(work), exact._alpha.to(work)
+        if posterior.Phi.dtype == work:
+            proj = posterior.Phi.mT @ alpha
+        else:  # features rounded to a lower precision meet alpha's large entries: recomputed
+            proj = posterior.features.transpose_matmul(posterior.X, alpha)
+        sq = float(w @ w) + exact.quad - 2.0 * float(w @ proj)
     return math.sqrt(max(sq, 0.0))

@@ -16,12 +16,15 @@ the top eigenpairs (NSL truncation, [NSL] §3.2, Algorithm 1).
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
+from collections.abc import Iterator
 
 import gpytorch
 import torch
 
+from gpnys.budget import block_rows
 from gpnys.checks import NumericalWarning, validate_choice, validate_count
 from gpnys.kernels.blocks import kernel_block, kernel_diag
 from gpnys.reduced.features import FeatureGP, Solver
@@ -29,6 +32,16 @@ from gpnys.reduced.features import FeatureGP, Solver
 __all__ = ["NystromFeatureMap", "LLAPosterior", "validate_regression", "validate_test_points"]
 
 VARIANCES = ("dtc", "sor")
+
+
+def kernel_in(kernel: gpytorch.kernels.Kernel, dtype: torch.dtype) -> gpytorch.kernels.Kernel:
+    """``kernel`` with its floating parameters and buffers in at least ``dtype``: itself when they are, else a copy
+    promoted to ``dtype`` (exact). GPyTorch evaluates a float32 kernel on float64 points partly in float32 (errors
+    of 1e-9)."""
+    tensors = [*kernel.parameters(), *kernel.buffers()]
+    if all(torch.promote_types(t.dtype, dtype) == t.dtype for t in tensors if t.is_floating_point()):
+        return kernel
+    return copy.deepcopy(kernel).to(dtype)
 
 
 def _finite_2d(T: torch.Tensor, name: str) -> None:
@@ -76,7 +89,12 @@ class NystromFeatureMap:
         landmarks: ``(m, d)`` points C.
         rank: keep the top ``rank`` eigenpairs only (NSL truncation); default all above the cut-off.
         rtol: eigenvalue cut-off relative to the largest; default ``m * eps`` of the working precision
-            (``torch.linalg.pinv``'s rule). The eigendecomposition runs in at least float64.
+            (``torch.linalg.pinv``'s rule). ``K_mm`` and its eigendecomposition are computed in at least float64.
+
+    Where directions below the landmarks' dtype's own cut-off (``m * eps`` of float32, say) are kept, ``A``'s
+    columns (``1 / sqrt(lambda)``) amplify the rounding of a float32 ``k(Z, C)`` beyond the features' size: the
+    features are then computed in at least float64 (from a float64 copy of the kernel, in row blocks) and returned
+    in the landmarks' dtype.
 
     Attributes:
         A: ``(m, s)``; s: kept directions; dropped: directions cut off as numerically zero.
@@ -111,7 +129,8 @@ class NystromFeatureMap:
         if rank is not None:
             rank = validate_count(rank, "rank", 1, m, "m")
         work = torch.promote_types(landmarks.dtype, torch.float64)
-        evals, V = torch.linalg.eigh(kernel_block(kernel, landmarks, landmarks).to(work))
+        precise_kernel, C = kernel_in(kernel, work), landmarks.to(work)
+        evals, V = torch.linalg.eigh(kernel_block(precise_kernel, C, C))
         evals, V = evals.flip(-1), V.flip(-1)  # descending
         rtol = m * torch.finfo(work).eps if rtol is None else float(rtol)
         keep = evals > rtol * evals[0].clamp_min(torch.finfo(work).tiny)
@@ -123,7 +142,12 @@ class NystromFeatureMap:
         s = int(keep.sum()) if rank is None else min(int(rank), int(keep.sum()))
         self.s = s
         self.eigenvalues, self.eigenvectors = evals, V
-        self.A = (V[:, :s] / evals[:s].sqrt()).to(landmarks.dtype)
+        A = V[:, :s] / evals[:s].sqrt()
+        self.A = A.to(landmarks.dtype)
+        # directions the landmarks' dtype cannot resolve are kept: the features in at least float64 (class docstring)
+        self._resolved = (work == landmarks.dtype or s == 0
+                          or bool(evals[s - 1] > m * torch.finfo(landmarks.dtype).eps * evals[0]))
+        self._work = (precise_kernel, C, A)
 
     def cross(self, Z: torch.Tensor) -> torch.Tensor:
         """``k(Z, C)``: ``(nz, m)``."""
@@ -131,7 +155,30 @@ class NystromFeatureMap:
 
     def __call__(self, Z: torch.Tensor) -> torch.Tensor:
         """Features ``(nz, s)`` of the rows of ``Z``."""
-        return self.cross(Z) @ self.A
+        if self._resolved:
+            return self.cross(Z) @ self.A
+        out = torch.empty(Z.shape[0], self.s, dtype=torch.promote_types(Z.dtype, self.A.dtype), device=Z.device)
+        for rows, block in self._precise_blocks(Z):
+            out[rows] = block
+        return out
+
+    def transpose_matmul(self, Z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``phi(Z)^T v`` (``(s,)``) for ``v (nz,)``, in at least float64 throughout (the RKHS distances of
+        :mod:`gpnys.reduced.error`, where it meets large coefficients)."""
+        A = self._work[2]
+        v = v.to(A.dtype)
+        out = A.new_zeros(self.s)
+        for rows, block in self._precise_blocks(Z):
+            out += block.mT @ v[rows]
+        return out
+
+    def _precise_blocks(self, Z: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+        """``(rows, phi(Z[rows]))`` in at least float64, over row blocks of ``Z``."""
+        kernel, C, A = self._work
+        step = block_rows(C.shape[0], device=Z.device)
+        for i in range(0, Z.shape[0], step):
+            rows = slice(i, i + step)
+            yield rows, kernel_block(kernel, Z[rows].to(A.dtype), C) @ A
 
 
 class LLAPosterior:

@@ -342,3 +342,18 @@ def test_newton_stopped_short_of_the_mode_warns_and_predicts_from_its_f():
         LaplaceGPClassifier(make_kernel()).fit(X, y)  # the default converges: no warning
     mean, _ = clf.predict_latent(X)
     torch.testing.assert_close(mean, clf.f_hat_, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_default_tolerances_converge():
+    """In float32 the default ``newton_tol = 1e-8`` and ``cg_tolerance = 1e-8`` are floored at 100 eps: Newton stops
+    in a few steps, without the ``max_newton`` warning, at the float64 mode of the same rounded data."""
+    X, y = data(1000)
+    X32, y32 = X.float(), y.float()
+    kernel = make_kernel(torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)
+        clf = LaplaceGPClassifier(kernel).fit(X32, y32)
+    assert clf.newton_iterations_ <= 10 and sum(clf.cg_iterations_) < 60
+    with torch.no_grad():
+        ref = baseline_laplace(copy.deepcopy(kernel).double()(X32.double()).to_dense(), y32.double())
+    assert float((clf.f_hat_.double() - ref.f).abs().max()) < 1e-4
