@@ -213,8 +213,9 @@ LOOSE_EPS = 1e-10
 #: the true residual from the solution so far, up to ``REFINE_ROUNDS`` times (iterative refinement; :func:`_refine`)
 REFINE_ABOVE, REFINE_ROUNDS, REFINE_PLAIN_STEPS = 10.0, 3, 50
 
-#: the gradient's error bars hold the first batch's probe solves' share ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j (:func:`log_prob`)
-PROBE_SOLVE_SHARE = True
+#: the gradient's error bars hold the probe solves' share ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, sized on this many of the first
+#: batch's probes (:func:`log_prob`; 0: not at all)
+PROBE_SOLVE_PROBES = 4
 
 #: :func:`gradient_at_noise`: the mean's entries (no probe term) count as converged once the gain they still offer
 #: is below this share of the loss's standard error
@@ -575,15 +576,17 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 if loose:
                     lefts.append(M(rho[:, None]))
                     rights.append(a[:, None])
-                if first and PROBE_SOLVE_SHARE:
+                shared = min(batch, PROBE_SOLVE_PROBES) if first else 0
+                if shared:
                     # the probes' own solves: u_j's error K̂⁻¹ρ_j ≈ P̂⁻¹ρ_j biases ½ u_jᵀ∂K̂b_j at first order; with a
-                    # preconditioner near K̂ the probes barely vary and that bias can exceed their spread
-                    lefts.append(M(sol.residual[:, 1 : 1 + batch]))
-                    rights.append(B)
+                    # preconditioner near K̂ the probes barely vary and that bias can exceed their spread. Its mean
+                    # over the first few probes sizes it (a bias, the same in every probe)
+                    lefts.append(M(sol.residual[:, 1 : 1 + shared]))
+                    rights.append(B[:, :shared])
                 kernel_rows = _column_rep_grads(cov, torch.cat(lefts, 1), torch.cat(rights, 1))
-                if first and PROBE_SOLVE_SHARE:
-                    probe_solve_rows = [None if g is None else g[-batch:].mean(0) for g in kernel_rows]
-                    kernel_rows = [None if g is None else g[:-batch] for g in kernel_rows]
+                if shared:
+                    probe_solve_rows = [None if g is None else g[-shared:].mean(0) for g in kernel_rows]
+                    kernel_rows = [None if g is None else g[:-shared] for g in kernel_rows]
                 if loose:
                     solve_rows = [None if g is None else g[-1] for g in kernel_rows]
                     kernel_rows = [None if g is None else g[:-1] for g in kernel_rows]

@@ -632,13 +632,16 @@ def test_bad_arguments(kwargs, name):
 
 
 # -- 9. float32 ----------------------------------------------------------------------------------------------
-def test_float32_posterior():
-    n, d = 200, 3
+def _float32_pair(n=200, d=3):
     X, Y = data(n, d, dtype=torch.float32, seed=13)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # BoTorch's InputDataWarning about float32
-        ref, model = pair(X, Y, noise=1e-2)
-    Xt = points_at(60, d, dtype=torch.float32)
+        return pair(X, Y, noise=1e-2)
+
+
+def test_float32_posterior():
+    ref, model = _float32_pair()
+    Xt = points_at(60, 3, dtype=torch.float32)
     with torch.no_grad():
         p_ref, p = ref.posterior(Xt), model.posterior(Xt)
     assert p.mean.dtype == p.variance.dtype == torch.float32
@@ -650,12 +653,8 @@ def test_float32_posterior():
 def test_posterior_after_a_dtype_change():
     """A float32 posterior, then ``model.double()`` (inputs whose values are exact in float64, so equal by value):
     the hook and its float32 preconditioner are rebuilt, and the posterior is SingleTaskGP's in float64."""
-    n, d = 200, 3
-    X, Y = data(n, d, dtype=torch.float32, seed=13)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # BoTorch's InputDataWarning about float32
-        ref, model = pair(X, Y, noise=1e-2)
-    Xt = points_at(30, d, dtype=torch.float32)
+    ref, model = _float32_pair()
+    Xt = points_at(30, 3, dtype=torch.float32)
     with torch.no_grad():
         model.posterior(Xt)
     ref, model = ref.double(), model.double()
