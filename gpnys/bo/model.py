@@ -661,11 +661,15 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         return self._gpnys_posterior.update(A, M)
 
     def _alpha(self, X: torch.Tensor, post: PCGPosterior) -> torch.Tensor:
-        """``α = K̂⁻¹ (y − m(X))`` ``(n,)``, cached on the data, the mean module and the values of the parameters,
-        buffers and known noise (:meth:`_values`)."""
+        """``α = K̂⁻¹ (y − m(X))`` ``(n,)``, cached on the data, the mean module, the values of the parameters and
+        buffers, and the known noise tensor."""
         y = self.train_targets
+        values = [t.detach().reshape(-1).to(X) for t in self.state_dict().values() if t.is_floating_point()]
+        known = (self.likelihood.noise_covar.noise if isinstance(self.likelihood, FixedNoiseGaussianLikelihood)
+                 else None)  # by identity and version: n values would cost a host copy per posterior
         key = (X.data_ptr(), X._version, X.dtype, X.device, y.data_ptr(), y._version, y.dtype,
-               tuple(self.mean_module.modules()), tuple(self._values(X).tolist()))
+               tuple(self.mean_module.modules()), tuple(torch.cat(values).tolist()),
+               None if known is None else (known.data_ptr(), known._version, tuple(known.shape)))
         with torch.no_grad():
             r = self.train_targets - self.mean_module(X)
             # the start: the hook's last training solve (same data; after a fit, at these hyperparameters; a new hook

@@ -209,8 +209,9 @@ Y_TOLERANCE_SHARE, Y_TOLERANCE_SHARE_TIGHT, MEAN_DIRECTIONS = 1e-1, 1e-2, 8
 LOOSE_EPS = 1e-10
 
 #: refinement of the solve with ``r``: while its true residual is above ``REFINE_ABOVE`` times its tolerance (the
-#: recursion's residual drifted from the true one, e.g. float32 with a preconditioner near ``K̂``), PCG runs again on
-#: the true residual from the solution so far, up to ``REFINE_ROUNDS`` times (iterative refinement; :func:`_refine`)
+#: recursion's residual drifted from the true one, or the recursion broke down, e.g. float32 with a preconditioner
+#: near ``K̂``), PCG runs again on the true residual from the solution so far, up to ``REFINE_ROUNDS`` times, each
+#: round at most twice the first solve's iterations (iterative refinement; :func:`_refine`)
 REFINE_ABOVE, REFINE_ROUNDS, REFINE_PLAIN_STEPS = 10.0, 3, 50
 
 #: the gradient's error bars hold the probe solves' share ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, sized on this many of the first
@@ -546,8 +547,11 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             iterations = max(iterations, sol.iterations)
             if first:
                 a, rho = sol.x[:, 0], sol.residual[:, 0]
-                if float(rho.norm()) > REFINE_ABOVE * tol_r * float(r.norm()):
-                    a, rho, more = _refine(A, M, r, a, rho, tol_r, maxiter)
+                # a residual that drifted or a recursion that broke down (float32, P̂ near K̂); a solve that ran
+                # out of iterations is not refined: its error bars say so, and rounds would repeat its cost
+                spent = int(sol.iterations_per_column[0])
+                if spent < maxiter and float(rho.norm()) > REFINE_ABOVE * tol_r * float(r.norm()):
+                    a, rho, more = _refine(A, M, r, a, rho, tol_r, min(maxiter, 2 * spent + REFINE_PLAIN_STEPS))
                     sol.x[:, 0], iterations = a, iterations + more  # the derivative pass reads column 0
                 inv_quad = float(r @ a + a @ rho)  # 2 r^T a - a^T K a: error in [0, ||rho||^2 / lam_min]
                 bound = float(rho @ rho) / lam_min

@@ -166,12 +166,15 @@ class PreconditionerCache:
     @staticmethod
     def _key(kernel: gpytorch.kernels.Kernel, mu: float, s2: float, noise: torch.Tensor, points: PointCache) -> tuple:
         """``(length-scales, mu, s², known noise, kernel family, points)``: a preconditioner serves only the same
-        kernel family (type and ``nu``) on the same points (new data, or columns another ``active_dims`` selects)."""
+        kernel family (type, ``nu`` and the values of its other hyperparameters) on the same points (new data, or
+        columns another ``active_dims`` selects)."""
         base, _ = split_outputscale(kernel)
         ls = getattr(base, "lengthscale", None)
         ls_key = tuple(ls.detach().reshape(-1).tolist()) if ls is not None else ()
         per_point = (noise.data_ptr(), noise._version) if noise.dim() == 1 else ()  # known noise replaced in place
-        family = (type(base), getattr(base, "nu", None))
+        # every other hyperparameter of the kernel (a period, an RQ alpha, a sub-kernel's length-scale) by value
+        others = [p.detach().reshape(-1) for name, p in base.named_parameters() if name != "raw_lengthscale"]
+        family = (type(base), getattr(base, "nu", None), tuple(torch.cat(others).tolist()) if others else ())
         return (ls_key, mu, s2, per_point, family, _Points(points.X))
 
     def _diag(self, noise: torch.Tensor, s2: float) -> torch.Tensor | None:

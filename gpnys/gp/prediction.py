@@ -14,7 +14,7 @@ import torch
 from gpnys.budget import block_rows
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.posterior import PCGPosterior
-from gpnys.gp.training import eval_mode, exact_settings
+from gpnys.gp.training import eval_mode
 from gpnys.gp.training import predict as exact_predict
 from gpnys.gp.variance import ROUNDING_FACTOR, LocalVariance, rounding_error
 from gpnys.kernels.entries import difference_entries
@@ -72,8 +72,9 @@ class HookPrediction:
         * ``"auto"``: ``"cached"`` when it costs under a tenth of the cheaper exact method (:func:`_choose`), else
           that exact method.
 
-        A model whose ``forward`` transforms x gets GPyTorch's own predictive variances (the fast paths evaluate
-        ``kernel(X, test_x)`` on the raw inputs; no bound). ``prediction_time``: ``{"total_s", "variance_s"}`` of
+        A model whose kernel does not see the training inputs as given (a ``forward`` that transforms x, a kernel
+        with ``active_dims``), and on the Cholesky path a batched or multi-output model, gets GPyTorch's own
+        prediction: ``variance_bound`` and ``mean_bound`` are then ``None`` (no bound). ``prediction_time``: ``{"total_s", "variance_s"}`` of
         the latest call (the variances alone: cache, evaluation, solves). GPyTorch's LOVE is not used: its
         variances were too far off (docs/accuracy.md, "Predictive variances with error bounds").
 
@@ -106,14 +107,13 @@ class HookPrediction:
         model, lik = self.model, self.model.likelihood
         self.variance_bound = self.mean_bound = None
         t_start = time.perf_counter()
-        if self.paths.choose()[0] == "cholesky":  # small n: GPyTorch's exact prediction (gpnys.gp.path)
-            mean, var = exact_predict(model, test_x)
+        if self.paths.choose()[0] == "cholesky":  # small n: one dense Cholesky (gpnys.gp.path)
             self.variance_method_used = "cholesky"
             own = self._exact_moments(test_x, variance)
-            if own is not None:
-                mean, self.mean_bound, own_var, var_bound = own
-                if variance:
-                    var, self.variance_bound = own_var, var_bound
+            if own is None:  # GPyTorch's exact prediction, without bounds
+                mean, var = exact_predict(model, test_x)
+            else:
+                mean, self.mean_bound, var, self.variance_bound = own
             total = time.perf_counter() - t_start
             self.prediction_time = {"total_s": total, "variance_s": 0.0}
             return mean, (var if variance else None)
@@ -195,50 +195,42 @@ class HookPrediction:
     def _exact_moments(self, test_x: torch.Tensor, variance: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """``(mean, mean_bound, variance of y, variance_bound)`` at ``test_x`` (each ``(m,)``; the variances
-        ``None`` unless ``variance``) from the weights and the Cholesky factor GPyTorch's exact prediction cached;
-        ``None`` when the kernel does not see the training inputs as given.
-
-        For RBF / Matérn kernels ``k_x`` and ``K̂`` come from differences (:func:`cross_covariance`; GPyTorch's
-        ``|a|² + |b|² − 2aᵀb`` loses near pairs in float32): the mean bound's residual is taken against that ``K̂``,
-        and the variance ``k(x, x) − k_xᵀ x`` (``x = K̂⁻¹ k_x``, by GPyTorch's factor) adds the entries' errors,
-        ``|x|ᵀ|δK̂||x|``, to the arithmetic's :func:`~gpnys.gp.variance.rounding_error`."""
+        ``None`` unless ``variance``) from one Cholesky factor of the dense ``K̂``, entries by differences for RBF /
+        Matérn kernels (:func:`~gpnys.kernels.entries.difference_entries`: GPyTorch's ``|a|² + |b|² − 2aᵀb`` loses
+        near pairs in float32), GPyTorch's otherwise. ``None`` where GPyTorch's own prediction is needed: a kernel
+        that does not see the training inputs as given, batched inputs or kernels, several outputs."""
         model = self.model
-        X = model.train_inputs[0]
+        X, y = model.train_inputs[0], model.train_targets
         kx = self.kernels.inputs if self.kernels.inputs is not None else self._discovered_inputs()
-        if kx is None or not same_points(kx, X):
+        if (kx is None or not same_points(kx, X) or X.dim() != 2 or y.dim() != 1
+                or len(getattr(self.kernel, "batch_shape", ())) > 0):
             return None
         kernel, n, noise = self.kernel, X.shape[0], self.noise().detach()
-        with torch.no_grad(), exact_settings(n):
-            strategy = model.prediction_strategy
-            K, alpha = strategy.lik_train_train_covar, strategy.mean_cache  # the Cholesky factor is cached on K
-            Kd = difference_entries(kernel, X, X)
-            if Kd is not None:
-                Kd.diagonal().add_(noise)
-            ref = Kd if Kd is not None else K.to_dense()
-            # the weights' error K̂⁻¹ρ, its residual against entries from differences, by GPyTorch's factor
-            rho = model.train_targets - model.forward(X).mean - ref @ alpha
-            correction = K.solve(rho[:, None])[:, 0]
-            dK = Kd.sub_(K.to_dense()).abs_() if variance and Kd is not None else None  # |δK̂| (n, n)
-            del ref, Kd
-            scale = K.diagonal(dim1=-2, dim2=-1).max()  # the largest kernel entry (plus noise)
+        with torch.no_grad():
+            K = difference_entries(kernel, X, X)
+            K = kernel(X, X).to_dense() if K is None else K
+            quad, L = _dense_quad(K, noise)
+            r = y - model.forward(X).mean
+            alpha = torch.cholesky_solve(r[:, None], L)[:, 0]
+            # the weights' error K̂⁻¹ρ for their residual, recomputed in the working precision
+            rho = r - (K @ alpha[:, None])[:, 0]
+            del K
+            correction = torch.cholesky_solve(rho[:, None], L)[:, 0]
             means, mean_bounds, out, bounds = [], [], [], []
             for T in test_x.split(max(64, block_rows(n, parts=4, device=X.device))):
                 B = cross_covariance(kernel, X, T)  # (n, b)
-                kxx = kernel(T, diag=True)
                 means.append(model.forward(T).mean + B.mT @ alpha)
                 mean_bounds.append(mean_bound(B, alpha, correction))
-                if not variance:
-                    continue
-                x = K.solve(B)
-                out.append(kxx - (B * x).sum(0))
-                x = x.abs_()
-                bound = rounding_error(scale, x.sum(0))
-                bounds.append(bound if dK is None else bound + (x * (dK @ x)).sum(0))
+                if variance:
+                    q, bound = quad(B)
+                    out.append(kernel(T, diag=True) - q)
+                    bounds.append(bound)
+        mean, mean_err = torch.cat(means), torch.cat(mean_bounds)
         if not variance:
-            return torch.cat(means), torch.cat(mean_bounds), None, None
+            return mean, mean_err, None, None
         # y's variance adds the noise, not a per-point training noise (as in :meth:`_predict`)
         var = torch.cat(out).clamp_min(0.0) + (noise if noise.dim() == 0 else 0.0)
-        return torch.cat(means), torch.cat(mean_bounds), var, torch.cat(bounds)
+        return mean, mean_err, var, torch.cat(bounds)
 
     def _discovered_inputs(self) -> torch.Tensor | None:
         """The inputs the kernel sees, read from the covariance ``forward`` builds
@@ -263,8 +255,9 @@ class HookPrediction:
         res = PCGPosterior(A, M, self.settings.max_cg_iterations).mean_weights(
             r, key=None, tol=tol, start=torch.zeros_like(r), lanczos=True, miniter=10)
         alpha, lam = res.x[:, 0], ritz_min(res)
-        # the weights' error K̂⁻¹ρ, estimated as P̂⁻¹ρ / λ̂ (λ̂ <= 1: the Ritz estimate of λ_min(P̂⁻¹K̂))
-        correction = M((r - A(alpha[:, None])[:, 0])[:, None])[:, 0] / min(lam, 1.0)
+        # the weights' error K̂⁻¹ρ (ρ: PCG's true residual, recomputed at its end), estimated as P̂⁻¹ρ / λ̂ (λ̂ <= 1:
+        # the Ritz estimate of λ_min(P̂⁻¹K̂))
+        correction = M(res.residual)[:, 0] / min(lam, 1.0)
         return alpha, lam, res.iterations, correction
 
     def _variance_landmarks(self, op: StationaryKernelOperator) -> torch.Tensor:
@@ -293,18 +286,23 @@ class HookPrediction:
     def _cholesky_quad(self, op: StationaryKernelOperator, noise: torch.Tensor) -> Callable:
         """``B -> (diag(B^T K̂^{-1} B), rounding bound)`` through one Cholesky of the cached dense ``K̂`` (see
         :meth:`predict`)."""
-        K = op._dense()[0] * op.outputscale.detach()
-        K.diagonal().add_(noise)
-        scale = K.diagonal().max()
-        L = safe_cholesky(K, "predictive covariance K + noise I")
-        del K
+        return _dense_quad(op._dense()[0] * op.outputscale.detach(), noise)[0]
 
-        def quad(B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            V = torch.linalg.solve_triangular(L, B, upper=False)
-            x = torch.linalg.solve_triangular(L.mT, V, upper=True)  # the kriging weights, for the rounding bound
-            return V.square().sum(0), rounding_error(scale, x.abs().sum(0))
 
-        return quad
+def _dense_quad(K: torch.Tensor, noise: torch.Tensor) -> tuple[Callable, torch.Tensor]:
+    """``(quad, L)`` for a dense kernel matrix ``K`` ``(n, n)`` (the noise is added in place): ``L L^T = K + noise``
+    and ``quad: B -> (diag(B^T K̂^{-1} B), rounding bound)`` (:func:`~gpnys.gp.variance.rounding_error`, from the
+    kriging weights ``K̂⁻¹B``)."""
+    K.diagonal().add_(noise)
+    scale = K.diagonal().max()
+    L = safe_cholesky(K, "predictive covariance K + noise I")
+
+    def quad(B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        V = torch.linalg.solve_triangular(L, B, upper=False)
+        x = torch.linalg.solve_triangular(L.mT, V, upper=True)  # the kriging weights, for the rounding bound
+        return V.square().sum(0), rounding_error(scale, x.abs().sum(0))
+
+    return quad, L
 
 
 def mean_bound(B: torch.Tensor, alpha: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:

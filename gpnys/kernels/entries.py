@@ -80,8 +80,8 @@ def k_of_points(A: torch.Tensor, B: torch.Tensor, nu: float | None) -> torch.Ten
 
 def difference_entries(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor | None:
     """``s² k(A, B)`` (``(p, q)``) of an RBF / Matérn kernel, bare or under a ``ScaleKernel``, from differences of
-    centred, scaled points (:func:`k_of_points`), without autograd; ``None`` for other kernels. A reference for the
-    rounding of GPyTorch's own entries.
+    centred, scaled points (:func:`k_of_points`), without autograd; ``None`` for other kernels, batched kernels or
+    batched points. A reference for the rounding of GPyTorch's own entries.
 
     Example:
         >>> import gpytorch, torch
@@ -98,7 +98,7 @@ def difference_entries(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torc
         True
     """
     base, s2 = split_outputscale(kernel)
-    if not supported(base) or kernel.active_dims is not None:
+    if not supported(base) or kernel.active_dims is not None or len(kernel.batch_shape) or A.dim() != 2:
         return None
     with torch.no_grad():
         dtype = computation_dtype(kernel, A, B)  # GPyTorch's promotion: float32 inputs in a float64 model

@@ -212,3 +212,43 @@ def test_snapshot_copied_inside_the_context_is_its_own_model():
         _check(hook.last_estimate, best, X, y, loss, 1e-8)
     assert "marginal" not in vars(best.likelihood)
     assert abs(_loss(pickle.loads(pickle.dumps(best)), X, y) - exact) < 1e-10
+
+
+@pytest.mark.parametrize("change", ["period_length", "alpha"])
+def test_preconditioner_follows_every_kernel_hyperparameter(change):
+    """A period or an RQ alpha changed, the length-scale not: the preconditioner is built anew (it was served as
+    fresh, and the control variate then ran on a preconditioner of other hyperparameters)."""
+    from gpnys.gp.preconditioners import PreconditionerCache
+    from gpnys.precond.cache import PointCache
+
+    X, _ = _data(200, 0)
+    base = (gpytorch.kernels.PeriodicKernel() if change == "period_length" else gpytorch.kernels.RQKernel()).double()
+    kernel = gpytorch.kernels.ScaleKernel(base).double()
+    cache, points = PreconditionerCache("nystrom", {"rank": 20}), PointCache(X)
+    noise = torch.tensor(0.01, dtype=torch.float64)
+    P, _ = cache.get(points, kernel, noise)
+    setattr(base, change, 2.5)
+    Q, _ = cache.get(points, kernel, noise)
+    assert Q is not P and len(cache.history) == 2 and not cache.stale
+
+
+def test_cholesky_path_predictions_of_batched_multi_output_and_linear_models():
+    """The Cholesky path's own moments apply to one output of an RBF / Matérn or any plain kernel; batched models,
+    several outputs and kernels with their own GPyTorch prediction strategy get GPyTorch's prediction unchanged."""
+    from botorch.models import SingleTaskGP
+
+    from gpnys.gp.training import predict
+
+    X, y = _data(60, 0)
+    settings = gpnys.EstimatorSettings(solver="cholesky")
+    linear = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    linear.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.LinearKernel()).double()
+    two = SingleTaskGP(X, torch.stack([y, -y], -1))
+    T = _data(5, 1)[0]
+    for model, bounded in ((linear, True), (two, False)):
+        with gpnys.use_preconditioner(model, settings=settings) as hook:
+            mean, var = hook.predict(T)
+        ref_mean, ref_var = predict(model, T)
+        torch.testing.assert_close(mean, ref_mean.reshape(mean.shape))
+        torch.testing.assert_close(var, ref_var.reshape(var.shape))
+        assert (hook.variance_bound is not None) == bounded and (hook.mean_bound is not None) == bounded
