@@ -663,12 +663,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _alpha(self, X: torch.Tensor, post: PCGPosterior) -> torch.Tensor:
         """``α = K̂⁻¹ (y − m(X))`` ``(n,)``, cached on the data, the mean module, the values of the parameters and
         buffers, and the known noise tensor."""
-        y = self.train_targets
-        values = [t.detach().reshape(-1).to(X) for t in self.state_dict().values() if t.is_floating_point()]
-        known = (self.likelihood.noise_covar.noise if isinstance(self.likelihood, FixedNoiseGaussianLikelihood)
-                 else None)  # by identity and version: n values would cost a host copy per posterior
+        y, known = self.train_targets, self._known_noise_tensor()
         key = (X.data_ptr(), X._version, X.dtype, X.device, y.data_ptr(), y._version, y.dtype,
-               tuple(self.mean_module.modules()), tuple(torch.cat(values).tolist()),
+               tuple(self.mean_module.modules()), tuple(self._values(X).tolist()),
+               # known noise by identity and version: n values would cost a host copy per posterior
                None if known is None else (known.data_ptr(), known._version, tuple(known.shape)))
         with torch.no_grad():
             r = self.train_targets - self.mean_module(X)
@@ -927,19 +925,21 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         return self if self._gpnys_fantasy is None else self._gpnys_fantasy[0]
 
     def _values(self, like: torch.Tensor) -> torch.Tensor:
-        """Every floating-point parameter and buffer (hyperparameters, constraint bounds, transform statistics) and
-        the known per-point noise (a plain tensor of the likelihood's, outside the ``state_dict``), flattened into
-        one tensor of ``like``'s dtype and device, detached."""
-        values = [t for t in self.state_dict().values() if t.is_floating_point()]
-        if isinstance(self.likelihood, FixedNoiseGaussianLikelihood):
-            values.append(self.likelihood.noise_covar.noise)
-        return torch.cat([v.detach().reshape(-1).to(like) for v in values])
+        """Every floating-point parameter and buffer (hyperparameters, constraint bounds, transform statistics),
+        flattened into one tensor of ``like``'s dtype and device, detached."""
+        return torch.cat([t.detach().reshape(-1).to(like) for t in self.state_dict().values() if t.is_floating_point()])
+
+    def _known_noise_tensor(self) -> torch.Tensor | None:
+        """A ``FixedNoiseGaussianLikelihood``'s noise (a plain tensor, outside the ``state_dict``), else ``None``."""
+        lik = self.likelihood
+        return lik.noise_covar.noise if isinstance(lik, FixedNoiseGaussianLikelihood) else None
 
     def _state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a fantasy model of this model depends on: its training inputs and targets (as its posterior sees
-        them) and a copy of :meth:`_values` (hyperparameters, transform statistics, known noise)."""
-        X = self.train_inputs[0]
-        return X, self.train_targets, self._values(X).clone()
+        them) and a copy of :meth:`_values` and the known noise (hyperparameters, transform statistics)."""
+        X, known = self.train_inputs[0], self._known_noise_tensor()
+        values = self._values(X) if known is None else torch.cat([self._values(X), known.detach().reshape(-1).to(X)])
+        return X, self.train_targets, values.clone()
 
     def __getstate__(self) -> dict[str, Any]:
         """The model without its hook, solves and output models (``copy.deepcopy``, ``pickle``, ``torch.save``):

@@ -677,18 +677,13 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                       NumericalWarning, stacklevel=3)
     t = sum(x.shape[0] for x in ell)
     grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
-    if grad_se is not None and solve_rows is not None:
-        # the loose solve's share, mapped to the parameters as the surrogate maps its terms, added in quadrature
-        lead = _RepGradient.apply(solve_rows, a, *reps)
-        parts = torch.autograd.grad(lead, tensors, retain_graph=True, allow_unused=True)
-        solve_term = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(parts, tensors)])
-        grad_se = (grad_se.square() + solve_term.to(grad_se).square()).sqrt()
-    if grad_se is not None and probe_solve_rows is not None:
-        # the probes' solves' share, ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, mapped the same way and added in quadrature
-        lead = _RepGradient.apply(probe_solve_rows, a, *reps)
-        parts = torch.autograd.grad(lead, tensors, retain_graph=True, allow_unused=True)
-        probe_term = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(parts, tensors)])
-        grad_se = (grad_se.square() + (0.5 * probe_term.to(grad_se)).square()).sqrt()
+    # the loose solve's share δaᵀ∂K̂a and the probes' solves' share ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, each mapped to the
+    # parameters as the surrogate maps its terms and added in quadrature
+    for rows, weight in ((solve_rows, 1.0), (probe_solve_rows, 0.5)):
+        if grad_se is not None and rows is not None:
+            term = _flatten(torch.autograd.grad(_RepGradient.apply(rows, a, *reps), tensors, retain_graph=True,
+                                                allow_unused=True), tensors)
+            grad_se = (grad_se.square() + (weight * term.to(grad_se)).square()).sqrt()
     grad_floor = grad_curvature = None
     if grad_se is not None and d_index is not None and d_index.numel():
         if mean_error is not None:

@@ -74,9 +74,10 @@ class HookPrediction:
 
         A model whose kernel does not see the training inputs as given (a ``forward`` that transforms x, a kernel
         with ``active_dims``), and on the Cholesky path a batched or multi-output model, gets GPyTorch's own
-        prediction: ``variance_bound`` and ``mean_bound`` are then ``None`` (no bound). ``prediction_time``: ``{"total_s", "variance_s"}`` of
-        the latest call (the variances alone: cache, evaluation, solves). GPyTorch's LOVE is not used: its
-        variances were too far off (docs/accuracy.md, "Predictive variances with error bounds").
+        prediction: ``variance_bound`` and ``mean_bound`` are then ``None`` (no bound). ``prediction_time``:
+        ``{"total_s", "variance_s"}`` of the latest call (the variances alone: cache, evaluation, solves).
+        GPyTorch's LOVE is not used: its variances were too far off (docs/accuracy.md, "Predictive variances with
+        error bounds").
 
         Example:
             Against the Cholesky prediction (:func:`gpnys.gp.predict`), variances by PCG:
@@ -137,13 +138,9 @@ class HookPrediction:
             # test-point blocks: (n, b) kernel columns within the memory budget (GPyTorch holds a few copies)
             block = min(self.settings.variance_block, max(64, block_rows(n, parts=4, device=X.device)))
             if not variance:
-                means, mean_bounds = [], []
-                for T in test_x.split(block):
-                    Kxt = cross_covariance(kernel, X, T)
-                    means.append(model.forward(T).mean + Kxt.mT @ alpha)
-                    mean_bounds.append(mean_bound(Kxt, alpha, correction))
-                self.mean_bound = torch.cat(mean_bounds)
-                return torch.cat(means), None
+                parts = [_mean_block(model, kernel, X, T, alpha, correction)[1:] for T in test_x.split(block)]
+                self.mean_bound = torch.cat([err for _, err in parts])
+                return torch.cat([mean for mean, _ in parts]), None
             method = self.settings.variance_method
             t0 = time.perf_counter()
             if method in ("auto", "cached"):
@@ -163,10 +160,10 @@ class HookPrediction:
             t_var += time.perf_counter() - t0
             means, mean_bounds, out, bounds = [], [], [], []
             for T in test_x.split(block):
-                Kxt = cross_covariance(kernel, X, T)  # (n, b)
+                Kxt, mean, err = _mean_block(model, kernel, X, T, alpha, correction)  # Kxt: (n, b)
                 kxx = kernel(T, diag=True)
-                means.append(model.forward(T).mean + Kxt.mT @ alpha)
-                mean_bounds.append(mean_bound(Kxt, alpha, correction))
+                means.append(mean)
+                mean_bounds.append(err)
                 t0 = time.perf_counter()
                 if method == "cached":
                     est = cache(T, kxx)
@@ -188,9 +185,7 @@ class HookPrediction:
                 t_var += time.perf_counter() - t0
         self.variance_bound, self.mean_bound = torch.cat(bounds), torch.cat(mean_bounds)
         self.prediction_time = {"total_s": time.perf_counter() - t_start, "variance_s": t_var}
-        # y's variance adds the noise; per-point training noise says nothing about new points, and GPyTorch's
-        # FixedNoiseGaussianLikelihood then returns the latent variance: so does this
-        return torch.cat(means), torch.cat(out) + (noise if noise.dim() == 0 else 0.0)
+        return torch.cat(means), _y_variance(torch.cat(out), noise)
 
     def _exact_moments(self, test_x: torch.Tensor, variance: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
@@ -207,8 +202,7 @@ class HookPrediction:
             return None
         kernel, n, noise = self.kernel, X.shape[0], self.noise().detach()
         with torch.no_grad():
-            K = difference_entries(kernel, X, X)
-            K = kernel(X, X).to_dense() if K is None else K
+            K = cross_covariance(kernel, X, X)
             quad, L = _dense_quad(K, noise)
             r = y - model.forward(X).mean
             alpha = torch.cholesky_solve(r[:, None], L)[:, 0]
@@ -218,9 +212,9 @@ class HookPrediction:
             correction = torch.cholesky_solve(rho[:, None], L)[:, 0]
             means, mean_bounds, out, bounds = [], [], [], []
             for T in test_x.split(max(64, block_rows(n, parts=4, device=X.device))):
-                B = cross_covariance(kernel, X, T)  # (n, b)
-                means.append(model.forward(T).mean + B.mT @ alpha)
-                mean_bounds.append(mean_bound(B, alpha, correction))
+                B, mean, err = _mean_block(model, kernel, X, T, alpha, correction)
+                means.append(mean)
+                mean_bounds.append(err)
                 if variance:
                     q, bound = quad(B)
                     out.append(kernel(T, diag=True) - q)
@@ -228,9 +222,7 @@ class HookPrediction:
         mean, mean_err = torch.cat(means), torch.cat(mean_bounds)
         if not variance:
             return mean, mean_err, None, None
-        # y's variance adds the noise, not a per-point training noise (as in :meth:`_predict`)
-        var = torch.cat(out).clamp_min(0.0) + (noise if noise.dim() == 0 else 0.0)
-        return mean, mean_err, var, torch.cat(bounds)
+        return mean, mean_err, _y_variance(torch.cat(out).clamp_min(0.0), noise), torch.cat(bounds)
 
     def _discovered_inputs(self) -> torch.Tensor | None:
         """The inputs the kernel sees, read from the covariance ``forward`` builds
@@ -312,6 +304,19 @@ def mean_bound(B: torch.Tensor, alpha: torch.Tensor, correction: torch.Tensor) -
     rounding of ``k_xᵀα̂``, whose terms cancel."""
     dot = B.abs().mT @ alpha.abs()
     return (B.mT @ correction).abs() + ROUNDING_FACTOR * torch.finfo(alpha.dtype).eps * dot
+
+
+def _mean_block(model: gpytorch.models.ExactGP, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, T: torch.Tensor,
+                alpha: torch.Tensor, correction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k(X, T), mean, mean_bound)`` at a block of test points ``T (b, d)``: ``(n, b)``, ``(b,)``, ``(b,)``."""
+    B = cross_covariance(kernel, X, T)
+    return B, model.forward(T).mean + B.mT @ alpha, mean_bound(B, alpha, correction)
+
+
+def _y_variance(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The variance of ``y`` from the latent one: plus a homoskedastic noise. A per-point training noise says nothing
+    about new points, and GPyTorch's ``FixedNoiseGaussianLikelihood`` then returns the latent variance: so does this."""
+    return latent + (noise if noise.dim() == 0 else 0.0)
 
 
 def cross_covariance(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, T: torch.Tensor) -> torch.Tensor:

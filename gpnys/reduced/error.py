@@ -121,18 +121,21 @@ class ExactPosterior:
         self.iterations += int(res.iterations)
         return res.x
 
-    def mean(self, Z: torch.Tensor) -> torch.Tensor:
-        """Posterior mean ``(nz,)``."""
+    def _test_points(self, Z: torch.Tensor) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, gpytorch.kernels.Kernel]:
+        """Checked test points ``Z (nz, d)`` in the working dtype with this posterior's: ``(dtype, Z, X, kernel)``."""
         validate_test_points(Z, self.X.shape[1])
         work = torch.promote_types(Z.dtype, self._work)
-        Kzx = kernel_block(kernel_in(self._kernel_work, work), Z.to(work), self._X_work.to(work)).to(work)
+        return work, Z.to(work), self._X_work.to(work), kernel_in(self._kernel_work, work)
+
+    def mean(self, Z: torch.Tensor) -> torch.Tensor:
+        """Posterior mean ``(nz,)``."""
+        work, Zw, Xw, kernel = self._test_points(Z)
+        Kzx = kernel_block(kernel, Zw, Xw).to(work)
         return (self.prior_mean + Kzx @ self._alpha.to(work)).to(torch.promote_types(Z.dtype, self.X.dtype))
 
     def variance(self, Z: torch.Tensor, block: int = 512) -> torch.Tensor:
         """Latent posterior variance ``k_zz - k_z^T (K + sigma^2 I)^{-1} k_z`` (``(nz,)``), test points in blocks."""
-        validate_test_points(Z, self.X.shape[1])
-        work = torch.promote_types(Z.dtype, self._work)
-        Zw, Xw, kernel = Z.to(work), self._X_work.to(work), kernel_in(self._kernel_work, work)
+        work, Zw, Xw, kernel = self._test_points(Z)
         out = []
         for i in range(0, Z.shape[0], block):
             Kxz = kernel_block(kernel, Xw, Zw[i : i + block]).to(work)
