@@ -36,7 +36,7 @@ from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
 from gpnys.checks import NumericalWarning
 from gpnys.gp.settings import EstimatorSettings
-from gpnys.linalg import small_dense
+from gpnys.linalg import draw, small_dense
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import Preconditioner
 from gpnys.solvers.pcg import NonFiniteError, QuadratureTest, pcg
@@ -217,6 +217,10 @@ REFINE_ABOVE, REFINE_ROUNDS, REFINE_PLAIN_STEPS = 10.0, 3, 50
 #: the gradient's error bars hold the probe solves' share ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, sized on this many of the first
 #: batch's probes (:func:`log_prob`; 0: not at all)
 PROBE_SOLVE_PROBES = 4
+
+#: below :data:`LOOSE_EPS`, the gradient's error bars hold the kernel products' rounding in the solve with ``r``,
+#: ``(K̂⁻¹e)ᵀ∂K̂a`` with ``e ~ u K̂|a|`` in random signs, sized on this many sign draws (:func:`log_prob`)
+ROUNDING_SIGNS = 4
 
 #: :func:`gradient_at_noise`: the mean's entries (no probe term) count as converged once the gain they still offer
 #: is below this share of the loss's standard error
@@ -490,6 +494,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     mean_correction = mean_error = curvature = None
     solve_rows: list[torch.Tensor | None] | None = None  # δaᵀ∂K̂a per representation tensor (below LOOSE_EPS)
     probe_solve_rows: list[torch.Tensor | None] | None = None  # mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, the probes' solves' share
+    rounding_rows: list[torch.Tensor | None] | None = None  # (P̂⁻¹e_k)ᵀ∂K̂a per sign draw k (below LOOSE_EPS)
     bound = 0.0
     iterations = 0
     a = inv_quad = None
@@ -553,6 +558,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 if spent < maxiter and float(rho.norm()) > REFINE_ABOVE * tol_r * float(r.norm()):
                     a, rho, more = _refine(A, M, r, a, rho, tol_r, min(maxiter, 2 * spent + REFINE_PLAIN_STEPS))
                     sol.x[:, 0], iterations = a, iterations + more  # the derivative pass reads column 0
+                    if sol.abs_products is not None:  # the rounding terms read K̂|a| of the refined a
+                        sol.abs_products[:, 0] = A(a.abs()[:, None])[:, 0]
                 inv_quad = float(r @ a + a @ rho)  # 2 r^T a - a^T K a: error in [0, ||rho||^2 / lam_min]
                 bound = float(rho @ rho) / lam_min
                 rounding = _rounding(sol.x, Z, sol.abs_products)
@@ -577,9 +584,19 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 # were 5-19 standard errors off without it (docs/accuracy.md)
                 loose = first and torch.finfo(r.dtype).eps > LOOSE_EPS
                 lefts, rights = ([sol.x[:, : 1 + batch]], [a[:, None], B]) if first else ([U], [B])
+                signs = ROUNDING_SIGNS if loose and sol.abs_products is not None else 0
                 if loose:
                     lefts.append(M(rho[:, None]))
                     rights.append(a[:, None])
+                if signs:
+                    # the kernel products' rounding: the computed K̂a is off by e ~ u K̂|a| (independent signs, the
+                    # probabilistic model of rounding), which moves a by K̂⁻¹e ≈ P̂⁻¹e whatever the residual says;
+                    # where K̂|a| >> |r| (float32 at a small noise) no solve gets below it, and float32 noise
+                    # gradients were 25 standard errors off without it (docs/accuracy.md)
+                    e = (torch.finfo(r.dtype).eps / 2) * sol.abs_products[:, :1] * draw(
+                        (n, signs), r.dtype, r.device, generator=generator, distribution="rademacher")
+                    lefts.append(M(e))
+                    rights.append(a[:, None].expand(-1, signs))
                 shared = min(batch, PROBE_SOLVE_PROBES) if first else 0
                 if shared:
                     # the probes' own solves: u_j's error K̂⁻¹ρ_j ≈ P̂⁻¹ρ_j biases ½ u_jᵀ∂K̂b_j at first order; with a
@@ -591,6 +608,9 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 if shared:
                     probe_solve_rows = [None if g is None else g[-shared:].mean(0) for g in kernel_rows]
                     kernel_rows = [None if g is None else g[:-shared] for g in kernel_rows]
+                if signs:
+                    rounding_rows = [None if g is None else g[-signs:] for g in kernel_rows]
+                    kernel_rows = [None if g is None else g[:-signs] for g in kernel_rows]
                 if loose:
                     solve_rows = [None if g is None else g[-1] for g in kernel_rows]
                     kernel_rows = [None if g is None else g[:-1] for g in kernel_rows]
@@ -684,6 +704,13 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             term = _flatten(torch.autograd.grad(_RepGradient.apply(rows, a, *reps), tensors, retain_graph=True,
                                                 allow_unused=True), tensors)
             grad_se = (grad_se.square() + (weight * term.to(grad_se)).square()).sqrt()
+    if grad_se is not None and rounding_rows is not None:  # the products' rounding: the draws' root mean square
+        draws = torch.stack([
+            _flatten(torch.autograd.grad(_RepGradient.apply([None if g is None else g[k] for g in rounding_rows], a,
+                                                            *reps), tensors, retain_graph=True, allow_unused=True),
+                     tensors)
+            for k in range(ROUNDING_SIGNS)])
+        grad_se = (grad_se.square() + draws.to(grad_se).square().mean(0)).sqrt()
     grad_floor = grad_curvature = None
     if grad_se is not None and d_index is not None and d_index.numel():
         if mean_error is not None:
