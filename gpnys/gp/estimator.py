@@ -204,9 +204,9 @@ ROUNDING_FACTOR, ROUNDING_PROBES = 4.0, 4
 #: docs/accuracy.md, "Where the error bars come from")
 Y_TOLERANCE_SHARE, Y_TOLERANCE_SHARE_TIGHT, MEAN_DIRECTIONS = 1e-1, 1e-2, 8
 
-#: below this unit round-off (float32, half) the gradient's error bars take the loose solve with ``r`` into account
-#: (:func:`log_prob`); float64's solves reach their tolerance, and its error bars were honest without the term
-LOOSE_EPS = 1e-10
+#: below this unit round-off (float32, half) the gradient's error bars hold the kernel products' rounding in the solve
+#: with ``r`` (:data:`ROUNDING_SIGNS`); in float64 it was below the probes' spread by orders of magnitude
+ROUNDING_EPS = 1e-10
 
 #: refinement of the solve with ``r``: while its true residual is above ``REFINE_ABOVE`` times its tolerance (the
 #: recursion's residual drifted from the true one, or the recursion broke down, e.g. float32 with a preconditioner
@@ -218,7 +218,7 @@ REFINE_ABOVE, REFINE_ROUNDS, REFINE_PLAIN_STEPS = 10.0, 3, 50
 #: batch's probes (:func:`log_prob`; 0: not at all)
 PROBE_SOLVE_PROBES = 4
 
-#: below :data:`LOOSE_EPS`, the gradient's error bars hold the kernel products' rounding in the solve with ``r``,
+#: below :data:`ROUNDING_EPS`, the gradient's error bars hold the kernel products' rounding in the solve with ``r``,
 #: ``(K̂⁻¹e)ᵀ∂K̂a`` with ``e ~ u K̂|a|`` in random signs, sized on this many sign draws (:func:`log_prob`)
 ROUNDING_SIGNS = 4
 
@@ -492,9 +492,9 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     share = Y_TOLERANCE_SHARE if loose else Y_TOLERANCE_SHARE_TIGHT
     tol_r = share * settings.cg_tolerance if target is None else min(target, share * settings.cg_tolerance)
     mean_correction = mean_error = curvature = None
-    solve_rows: list[torch.Tensor | None] | None = None  # δaᵀ∂K̂a per representation tensor (below LOOSE_EPS)
+    solve_rows: list[torch.Tensor | None] | None = None  # δaᵀ∂K̂a per representation tensor
     probe_solve_rows: list[torch.Tensor | None] | None = None  # mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, the probes' solves' share
-    rounding_rows: list[torch.Tensor | None] | None = None  # (P̂⁻¹e_k)ᵀ∂K̂a per sign draw k (below LOOSE_EPS)
+    rounding_rows: list[torch.Tensor | None] | None = None  # (P̂⁻¹e_k)ᵀ∂K̂a per sign draw k (below ROUNDING_EPS)
     bound = 0.0
     iterations = 0
     a = inv_quad = None
@@ -578,14 +578,15 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             B = M(Z)
             J = None
             if tensors:
-                # a^T dK a rides along as column 0 of the first batch's per-probe pass (no pass of its own); below
-                # float64's precision, so does δaᵀ∂K̂a with δa ≈ P̂⁻¹ρ, the first-order error of -½aᵀ∂K̂a that a
-                # loose solve with r leaves (K̂⁻¹ρ, magnified by λ_min⁻¹): float32 gradients at a noise of 1e-4
-                # were 5-19 standard errors off without it (docs/accuracy.md)
-                loose = first and torch.finfo(r.dtype).eps > LOOSE_EPS
+                # a^T dK a rides along as column 0 of the first batch's per-probe pass (no pass of its own), and so
+                # does δaᵀ∂K̂a with δa ≈ P̂⁻¹ρ, the first-order error of -½aᵀ∂K̂a that the solve with r leaves
+                # (K̂⁻¹ρ, magnified by λ_min⁻¹): float32 gradients at a noise of 1e-4 were 5-19 standard errors off
+                # without it, and float64 ones 30-55 where a preconditioner near K̂ leaves the probes little spread
+                # (docs/accuracy.md)
                 lefts, rights = ([sol.x[:, : 1 + batch]], [a[:, None], B]) if first else ([U], [B])
-                signs = ROUNDING_SIGNS if loose and sol.abs_products is not None else 0
-                if loose:
+                signs = (ROUNDING_SIGNS if first and sol.abs_products is not None
+                         and torch.finfo(r.dtype).eps > ROUNDING_EPS else 0)
+                if first:
                     lefts.append(M(rho[:, None]))
                     rights.append(a[:, None])
                 if signs:
@@ -611,12 +612,10 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 if signs:
                     rounding_rows = [None if g is None else g[-signs:] for g in kernel_rows]
                     kernel_rows = [None if g is None else g[:-signs] for g in kernel_rows]
-                if loose:
-                    solve_rows = [None if g is None else g[-1] for g in kernel_rows]
-                    kernel_rows = [None if g is None else g[:-1] for g in kernel_rows]
                 if first:
+                    solve_rows = [None if g is None else g[-1] for g in kernel_rows]
                     alpha_rows = [None if g is None else g[0] for g in kernel_rows]
-                    kernel_rows = [None if g is None else g[1:] for g in kernel_rows]
+                    kernel_rows = [None if g is None else g[1:-1] for g in kernel_rows]
                 sums = [None if g is None else g.sum(0) for g in kernel_rows]
                 probe_sums = sums if first else [None if g is None else p + g for p, g in zip(probe_sums, sums)]
                 outs = [(rep, g) for rep, g in zip(reps, kernel_rows)
