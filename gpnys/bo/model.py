@@ -262,6 +262,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         #: a fantasy model's ``(base model, X_q (*f, *b, q, d), y_q (*f, *b, q), noise (*f, *b, q))``
         #: (:meth:`condition_on_observations`), transformed; ``None`` for a model of its own data
         self._gpnys_fantasy: tuple[PreconditionedSingleTaskGP, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: open :meth:`preconditioned` contexts: their hook is in use, and :meth:`train` keeps it
+        self._gpnys_in_use = 0
         settings = settings or EstimatorSettings()
         if settings.probe_seed is None:  # L-BFGS-B's line searches need a deterministic objective
             settings = dataclasses.replace(settings, probe_seed=seed)
@@ -281,13 +283,26 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_hook: PreconditionerHook | None = None
         self._gpnys_hook_x: torch.Tensor | None = None  # the kernel inputs the hook was made for
         self._gpnys_hook_kernel: tuple[Module, ...] | None = None  # the kernel modules it was made for
+        self._gpnys_hook_settings: tuple | None = None  # and their plain settings (:meth:`_settings`)
         self._gpnys_posterior: PCGPosterior | None = None
-        #: ``m`` outputs: ``((state, modules), one single-output model per output)`` for the posterior
+        #: ``m`` outputs: ``((state, modules, settings), one single-output model per output)`` for the posterior
         #: (:meth:`_output_models`)
-        self._gpnys_outputs: tuple[tuple[tuple[torch.Tensor, ...], tuple[Module, ...]],
+        self._gpnys_outputs: tuple[tuple[tuple[torch.Tensor, ...], tuple[Module, ...], tuple],
                                    list[PreconditionedSingleTaskGP]] | None = None
         self.posterior_iterations = 0
         self.alpha_iterations = 0
+
+    def train(self, mode: bool = True) -> "PreconditionedSingleTaskGP":
+        """``SingleTaskGP.train``. Where GPyTorch drops ``SingleTaskGP``'s prediction cache (``train()``, and
+        ``eval()`` after training), it also drops this model's: the hook (training and posterior preconditioners,
+        the kernel inputs it found), ``α``, the posterior's solves and the output models, rebuilt on first use; a
+        change that no cache key sees is picked up there. The hook of an open :meth:`preconditioned` context
+        (``fit_gpytorch_mll``, whose routine switches modes itself) is in use and stays."""
+        if mode or self.training:
+            for name in _CACHES:
+                if not (getattr(self, "_gpnys_in_use", 0) and name.startswith("_gpnys_hook")):
+                    setattr(self, name, None)
+        return super().train(mode)
 
     def warm_start_from(self, previous: SingleTaskGP | Mapping[str, torch.Tensor]) -> "PreconditionedSingleTaskGP":
         """Start where the previous BO iteration's model ended; returns ``self``.
@@ -416,13 +431,29 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         (``model.covar_module = ...``, a new sub-kernel) needs a new hook."""
         return tuple(self.covar_module.modules())
 
+    def _settings(self) -> tuple:
+        """The plain settings of the kernel and mean modules, which neither :meth:`_values` (floating-point
+        parameters and buffers) nor the modules' identities see: each module's public attributes that are numbers,
+        strings, ``None`` or tuples of them (Matérn's ``nu``, ``ard_num_dims``) and its integer buffers by value
+        (``active_dims``). A change (``kernel.nu = 0.5``, ``kernel.active_dims = ...``) needs a new hook, ``α`` and
+        output models."""
+        out = []
+        for i, module in enumerate((*self.covar_module.modules(), *self.mean_module.modules())):
+            for name, value in vars(module).items():
+                value = _plain(value)
+                if value is not _NOT_PLAIN and not name.startswith("_") and name != "training":
+                    out.append((i, name, value))
+            out.extend((i, name, buffer.tolist()) for name, buffer in module.named_buffers(recurse=False)
+                       if not buffer.is_floating_point())
+        return tuple(out)
+
     def hook(self) -> PreconditionerHook:
-        """The :class:`~gpnys.gp.hook.PreconditionerHook` for the current training data and kernel modules (rebuilt
-        when either changes, the inputs' dtype or device included; it rebuilds the preconditioner itself when the
-        hyperparameters change)."""
-        X, h, kernel = self._kernel_inputs(), self._gpnys_hook, self._kernel_modules()
+        """The :class:`~gpnys.gp.hook.PreconditionerHook` for the current training data, kernel modules and their
+        settings (rebuilt when any changes, the inputs' dtype or device included, and after :meth:`train`; it
+        rebuilds the preconditioner itself when the hyperparameters change)."""
+        X, h, kernel, settings = self._kernel_inputs(), self._gpnys_hook, self._kernel_modules(), self._settings()
         if (h is None or not _same_state((self._gpnys_hook_x,), (X,))
-                or not _same_modules(self._gpnys_hook_kernel, kernel)):
+                or not _same_modules(self._gpnys_hook_kernel, kernel) or self._gpnys_hook_settings != settings):
             c = self._gpnys_config
             h = PreconditionerHook(self, c["precond"], c["settings"], c["seed"], train_x=X,
                                    **self._options("train", X.shape[-2]))
@@ -431,7 +462,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                                       else zip(h.problem.elements, self._gpnys_seed)):
                     problem.warm_start = seed.to(X)
             self._gpnys_hook, self._gpnys_hook_x, self._gpnys_hook_kernel = h, X, kernel
-            self._gpnys_posterior = None
+            self._gpnys_hook_settings, self._gpnys_posterior = settings, None
         return h
 
     def _options(self, use: str, n: int) -> dict[str, Any]:
@@ -453,7 +484,11 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             yield None
             return
         with self.hook().activate() as h:
-            yield h
+            self._gpnys_in_use = getattr(self, "_gpnys_in_use", 0) + 1
+            try:
+                yield h
+            finally:
+                self._gpnys_in_use -= 1
 
     def custom_fit(self, mll: gpytorch.mlls.MarginalLogLikelihood,
                    **kwargs: Any) -> gpytorch.mlls.MarginalLogLikelihood:
@@ -662,7 +697,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
 
     def _alpha(self, X: torch.Tensor, post: PCGPosterior) -> torch.Tensor:
         """``α = K̂⁻¹ (y − m(X))`` ``(n,)``, cached on the data, the mean module, the values of the parameters and
-        buffers, and the known noise tensor."""
+        buffers, and the known noise tensor (``post`` is made anew with the hook: new kernel modules or settings)."""
         y, known = self.train_targets, self._known_noise_tensor()
         key = (X.data_ptr(), X._version, X.dtype, X.device, y.data_ptr(), y._version, y.dtype,
                tuple(self.mean_module.modules()), tuple(self._values(X).tolist()),
@@ -681,6 +716,11 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _pcg_columns(self, *xs: torch.Tensor) -> list[_Columns]:
         """The PCG posterior's pieces at each point set ``x (*b, q, d)`` (input-transformed), from one PCG solve of
         all their columns (:class:`_Columns`)."""
+        for x in xs:
+            finite = torch.isfinite(x).all(-1)
+            if not bool(finite.all()):
+                raise ValueError(f"X: the test inputs have NaN or inf entries ({int((~finite).sum())} of "
+                                 f"{finite.numel()} points); the PCG posterior needs finite points")
         X = self.train_inputs[0]
         post = self._posterior_solves(X)
         alpha = self._alpha(X, post)
@@ -732,11 +772,13 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         outcome-transformed targets: that output's kernel (a copy, :func:`~gpnys.kernels.entries.batch_element`),
         this model's mean module taken at that output (:class:`_OutputMean`) and its noise. Remade when the data or
         hyperparameters change (their first ``α`` starts from the latest solutions, else :meth:`warm_start_from`'s),
-        kept otherwise for their caches (``α``, preconditioner, warm blocks, Cholesky factor). Their posteriors'
+        kept otherwise for their caches (``α``, preconditioner, warm blocks, Cholesky factor), until the kernel or
+        mean modules or their settings (:meth:`_settings`) change or :meth:`train` drops them. Their posteriors'
         gradients reach the inputs, not this model's hyperparameters (BoTorch's acquisitions need the former)."""
         state, modules = self._state(), self._kernel_modules() + tuple(self.mean_module.modules())
+        settings = self._settings()
         if (self._gpnys_outputs is not None and _same_state(self._gpnys_outputs[0][0], state)
-                and _same_modules(self._gpnys_outputs[0][1], modules)):
+                and _same_modules(self._gpnys_outputs[0][1], modules) and self._gpnys_outputs[0][2] == settings):
             return self._gpnys_outputs[1]
         X, Y, c = self._kernel_inputs(), self.train_targets.detach(), self._gpnys_config
         m, known = X.shape[0], self._known_noise()
@@ -761,7 +803,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 model.likelihood.noise = noise[i]
             model._gpnys_seed = None if seeds is None else seeds[i]
             models.append(model.eval())
-        self._gpnys_outputs = ((state, modules), models)
+        self._gpnys_outputs = ((state, modules, settings), models)
         return models
 
     def subset_output(self, idcs: list[int]) -> "PreconditionedSingleTaskGP":
@@ -945,7 +987,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         """The model without its hook, solves and output models (``copy.deepcopy``, ``pickle``, ``torch.save``):
         they hold closures and sparse CSR factors, which neither copies, and are rebuilt on first use."""
         state = super().__getstate__()
-        return {**state, **{name: None for name in _CACHES}}
+        return {**state, **{name: None for name in _CACHES}, "_gpnys_in_use": 0}
 
     @contextlib.contextmanager
     def _without_caches(self) -> Iterator[None]:
@@ -1013,8 +1055,25 @@ def _finite_loss(mll: gpytorch.mlls.MarginalLogLikelihood) -> Iterator[None]:
             mll.compute_custom_loss = own
 
 
-#: the caches of :class:`PreconditionedSingleTaskGP` that a copy of the model leaves behind
-_CACHES = ("_gpnys_hook", "_gpnys_hook_x", "_gpnys_hook_kernel", "_gpnys_posterior", "_gpnys_outputs")
+#: the caches of :class:`PreconditionedSingleTaskGP` that a copy of the model leaves behind and ``train()`` drops
+_CACHES = ("_gpnys_hook", "_gpnys_hook_x", "_gpnys_hook_kernel", "_gpnys_hook_settings", "_gpnys_posterior",
+           "_gpnys_outputs")
+#: :func:`_plain`'s answer for a value that is not a plain setting
+_NOT_PLAIN = object()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` where it is a plain setting (``None``, a bool, int, float or string, or a tuple or list of them,
+    ``torch.Size`` included) as a tuple comparable with ``==`` (a NaN as the string ``"nan"``), else
+    :data:`_NOT_PLAIN`."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else value
+    if isinstance(value, (tuple, list)):
+        items = tuple(_plain(v) for v in value)
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in items) else items
+    return _NOT_PLAIN
 
 
 def _same_state(before: tuple[torch.Tensor, ...], now: tuple[torch.Tensor, ...]) -> bool:

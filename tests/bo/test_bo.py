@@ -193,6 +193,108 @@ def test_posterior_follows_a_replaced_kernel_module():
         model.covar_module.base_kernel = base
 
 
+def settings_kernel(setting, d, **kwargs):
+    """A kernel with a plain setting (an attribute, not a parameter) that :func:`change_setting` changes: Matérn's
+    ``nu`` (2.5), or ``active_dims`` (0, 1) of an RBF kernel."""
+    if setting == "nu":
+        return gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=d, **kwargs)
+    return gpytorch.kernels.RBFKernel(ard_num_dims=2, active_dims=(0, 1), **kwargs)
+
+
+def change_setting(kernel, setting):
+    """Matérn's ``nu`` 2.5 -> 0.5, or ``active_dims`` (0, 1) -> (1, 2)."""
+    if setting == "nu":
+        kernel.nu = 0.5
+    else:
+        kernel.active_dims = torch.tensor([1, 2])
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["train-eval", "no-reset"])
+@pytest.mark.parametrize("setting", ["nu", "active_dims"])
+def test_posterior_follows_kernel_settings(setting, reset):
+    """A kernel's plain setting changed after a posterior (Matérn's ``nu``, ``active_dims``: attributes, not
+    parameters): the next posterior is the new kernel's, after ``train()`` / ``eval()`` (which clears every cache,
+    as it clears SingleTaskGP's) and without (the caches' keys hold the kernel's settings). The reference is
+    SingleTaskGP after ``train()`` / ``eval()``. Stale caches gave mean errors of 0.7 (nu) and 4e2 (active_dims)."""
+    n, d = 200, 3
+    X, Y = data(n, d)
+    ref = SingleTaskGP(X, Y, covar_module=settings_kernel(setting, d))
+    ref.likelihood.noise = 1e-3
+    ref.covar_module.lengthscale = 0.4
+    model = PreconditionedSingleTaskGP(X, Y, covar_module=settings_kernel(setting, d), max_cholesky_size=0,
+                                       posterior_tolerance=1e-8, **PRECOND)
+    model.load_state_dict(ref.state_dict())
+    Xt = points_at(30, d)
+    with torch.no_grad():
+        model.posterior(Xt)  # α, the hook and the posterior system at the old setting
+    hook = model.hook()
+    for m in (ref, model):
+        change_setting(m.covar_module, setting)
+    ref.train()
+    ref.eval()
+    if reset:
+        model.train()
+        model.eval()
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    assert_rel(p.mean, p_ref.mean, 1e-6, f"mean after a new {setting}")
+    assert_rel(p.variance, p_ref.variance, 1e-6, f"variance after a new {setting}")
+    assert model.hook() is not hook  # made anew for the new setting
+
+
+def test_train_clears_the_posterior_caches():
+    """``train()`` drops α, the posterior system and the hook, as GPyTorch's ``train()`` drops SingleTaskGP's
+    prediction cache (a change that no cache key sees is then picked up); ``fit_gpytorch_mll`` keeps the hook it
+    trains with (its ``train()`` / ``eval()`` calls come while the hook is in use), and the posterior after it."""
+    n, d = 200, 3
+    X, Y = data(n, d)
+    ref, model = pair(X, Y)
+    Xt = points_at(10, d)
+    with torch.no_grad():
+        model.posterior(Xt)
+    hook = model.hook()
+    model.eval()  # already in eval mode: nothing changes
+    assert model.hook() is hook
+    model.train()
+    assert model.hook() is not hook and model.hook().builds == 0
+    fit(model, maxiter=3)
+    hook = model.hook()
+    assert hook.builds >= 1  # the training preconditioners of the fit
+    with torch.no_grad():
+        p = model.posterior(Xt)
+    assert model.hook() is hook
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        p_ref = ref.posterior(Xt)
+    assert_rel(p.mean, p_ref.mean, 1e-6, "mean after a fit")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance after a fit")
+
+
+@pytest.mark.parametrize("outputs", [1, 2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nonfinite_test_inputs_name_x(bad, outputs):
+    """NaN or inf in the test inputs of a PCG posterior: a ValueError naming ``X`` before any solve (not one about
+    the solver's internal right-hand sides), and the next posterior at finite points is SingleTaskGP's."""
+    n, d = 200, 3
+    X, Y = data(n, d)
+    Y = torch.cat([Y, -Y], dim=-1)[:, :outputs]
+    ref = SingleTaskGP(X, Y)
+    ref.likelihood.noise = 1e-3
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0, posterior_tolerance=1e-8, **PRECOND)
+    model.load_state_dict(ref.state_dict())
+    Xt = points_at(4, d)
+    with torch.no_grad():
+        model.posterior(Xt)
+    Xbad = Xt.clone()
+    Xbad[2, 1] = bad
+    with pytest.raises(ValueError, match=r"^X\b"):
+        model.posterior(Xbad)
+    with torch.no_grad():
+        p_ref, p = ref.posterior(Xt), model.posterior(Xt)
+    assert_rel(p.mean, p_ref.mean, 1e-6, "mean after the error")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance after the error")
+
+
 def test_joint_covariance_matches_single_task_gp():
     n, d = 250, 4
     X, Y = data(n, d)
@@ -425,11 +527,12 @@ def test_default_posterior_tolerance_and_separate_posterior_preconditioner():
     assert_rel(p.variance, p_ref.variance, 1e-4, "variance at the default tolerance")
     hook = model.hook()
     assert [r.rank for r in hook.history] == [80]  # only the posterior preconditioner, with its own k
-    model.train()
-    with model.preconditioned(), torch.no_grad():
+    with model.preconditioned(), torch.no_grad():  # as in fit_gpytorch_mll: the hook in use outlives train() / eval()
+        model.train()
         ExactMarginalLogLikelihood(model.likelihood, model)(model(*model.train_inputs), model.train_targets)
+        model.eval()
+    assert model.hook() is hook
     assert [r.rank for r in hook.history] == [80, PRECOND["k"]]  # training used the training options
-    model.eval()
     with torch.no_grad():
         model.posterior(Xt)
     assert hook.builds == 2  # the posterior preconditioner was cached
