@@ -495,6 +495,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     solve_rows: list[torch.Tensor | None] | None = None  # δaᵀ∂K̂a per representation tensor
     probe_solve_rows: list[torch.Tensor | None] | None = None  # mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, the probes' solves' share
     rounding_rows: list[torch.Tensor | None] | None = None  # (P̂⁻¹e_k)ᵀ∂K̂a per sign draw k (below ROUNDING_EPS)
+    solve_dirs = rounding_dirs = None  # P̂⁻¹ρ (n, 1) and P̂⁻¹e_k (n, ROUNDING_SIGNS): a's first-order errors
     bound = 0.0
     iterations = 0
     a = inv_quad = None
@@ -587,7 +588,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 signs = (ROUNDING_SIGNS if first and sol.abs_products is not None
                          and torch.finfo(r.dtype).eps > ROUNDING_EPS else 0)
                 if first:
-                    lefts.append(M(rho[:, None]))
+                    solve_dirs = M(rho[:, None])
+                    lefts.append(solve_dirs)
                     rights.append(a[:, None])
                 if signs:
                     # the kernel products' rounding: the computed K̂a is off by e ~ u K̂|a| (independent signs, the
@@ -596,7 +598,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                     # gradients were 25 standard errors off without it (docs/accuracy.md)
                     e = (torch.finfo(r.dtype).eps / 2) * sol.abs_products[:, :1] * draw(
                         (n, signs), r.dtype, r.device, generator=generator, distribution="rademacher")
-                    lefts.append(M(e))
+                    rounding_dirs = M(e)
+                    lefts.append(rounding_dirs)
                     rights.append(a[:, None].expand(-1, signs))
                 shared = min(batch, PROBE_SOLVE_PROBES) if first else 0
                 if shared:
@@ -710,6 +713,16 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                      tensors)
             for k in range(ROUNDING_SIGNS)])
         grad_se = (grad_se.square() + draws.to(grad_se).square().mean(0)).sqrt()
+    if grad_se is not None and directions is None and solve_dirs is not None and mean.requires_grad:
+        # a mean with more than MEAN_DIRECTIONS entries has no second-order correction: its gradient -aᵀ∂m is first
+        # order in a's error, δaᵀ∂m with δa ≈ P̂⁻¹ρ (and P̂⁻¹e, the products' rounding): one vector-Jacobian product
+        # each (a linear mean on 10 inputs was 6e-6 off with a standard error of 0)
+        dirs = solve_dirs if rounding_dirs is None else torch.cat([solve_dirs, rounding_dirs], 1)
+        shares = torch.stack([
+            _flatten(torch.autograd.grad(mean, tensors, grad_outputs=v, retain_graph=True, allow_unused=True), tensors)
+            for v in dirs.unbind(1)]).to(grad_se).square()
+        rounded = shares[1:].mean(0) if shares.shape[0] > 1 else 0.0
+        grad_se = (grad_se.square() + shares[0] + rounded).sqrt()
     grad_floor = grad_curvature = None
     if grad_se is not None and d_index is not None and d_index.numel():
         if mean_error is not None:

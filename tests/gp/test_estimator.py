@@ -369,6 +369,27 @@ def test_mean_gradient_is_second_order_in_the_solves(mean, dtype, monkeypatch):
             assert err1 >= 10 * err, (n, err, err1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_mean_with_many_entries_has_error_bars_of_its_first_order_error(dtype):
+    """A linear mean on 10 inputs (11 entries, above ``MEAN_DIRECTIONS``) takes no second-order correction: its
+    gradient is first order in the solve's error, up to 6e-5 of itself here, and its error bars held nothing (0).
+    They hold ``(P̂⁻¹ρ)ᵀ∂m`` (and in float32 the products' rounding), an estimate of the error's size over the
+    entries (one direction, ``P̂⁻¹ρ`` for ``K̂⁻¹ρ``): the error's norm is within twice theirs, which are within 1e-3 of
+    the gradient."""
+    X, y = data(400, d=10, dtype=dtype)
+    y = y + X @ torch.linspace(-1, 1, 10, dtype=dtype)
+    model, mll = _mean_model(X, y, gpytorch.means.LinearMean(10))
+    model.likelihood.noise = 1e-3
+    exact, _ = _grads(model, mll, X, y)
+    for seed in range(2):
+        got, hook = _grads(model, mll, X, y, EstimatorSettings(probe_seed=seed))
+        for n in ("mean_module.weights", "mean_module.bias"):
+            bar = hook.last_estimate.grad_std_error[n].reshape(got[n].shape) / 400
+            scale = float(exact[n].abs().max())
+            assert bool((bar > 0).all()) and float(bar.max()) <= 1e-3 * scale, (n, bar)
+            assert float((got[n] - exact[n]).norm()) <= 2 * float(bar.norm()), (n, got[n] - exact[n], bar)
+
+
 def test_mean_directions_are_the_means_jacobian():
     X, _ = data(50)
     lin = gpytorch.means.LinearMean(3).double()
