@@ -27,6 +27,7 @@ import torch
 from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_points, validate_positive
 from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
 from gpnys.collectives import resolve_group
+from gpnys.gp.discover import selected_kernel
 from gpnys.gp.estimator import slq_terms
 from gpnys.gp.settings import GP_DEFAULTS
 from gpnys.kernels.entries import computation_dtype, evaluate, split_outputscale
@@ -139,7 +140,8 @@ class LaplaceGP(LaplacePredictions):
 
     Args:
         kernel: a GPyTorch kernel (e.g. ``ScaleKernel(MaternKernel(nu=1.5))``); its outputscale is ``s²``. Every
-            fit works on a deep copy, ``kernel_``: this object is never modified.
+            fit works on a deep copy, ``kernel_``: this object is never modified. Its ``active_dims`` (on a
+            ``ScaleKernel`` or its base kernel) select the columns of ``X`` it reads, as in GPyTorch's ``kernel(X)``.
         likelihood: ``"bernoulli"``, ``"poisson"``, ``"studentt"`` or a
             :class:`~gpnys.classify.likelihoods.LaplaceLikelihood` (e.g. ``StudentT(df=4.0, scale=0.5)``); its
             trainable parameters (the Student-t's scale) are trained with the kernel's, on a deep copy
@@ -154,7 +156,8 @@ class LaplaceGP(LaplacePredictions):
             at least :data:`TOLERANCE_EPS` (100) machine epsilons of the working dtype (1.2e-5 in float32).
         max_newton: Newton steps at most. newton_tol: stop once a step changes no ``f_i`` by more than
             ``newton_tol * max(1, max|f|)``; floored like ``cg_tolerance`` (100 eps: the default 1e-8 is below
-            what a float32 mode resolves).
+            what a float32 mode resolves). Newton also stops once a step moves ``f`` no less than the previous one
+            while ``Ψ`` rises by no more than its rounding (the mode at this precision).
         num_probes: SLQ probes for ``log det B``. slq_tolerance: CG tolerance of the probe solves (their
             Lanczos tridiagonals). max_cg: CG iterations at most per solve.
         seed: seeds the probes and the preconditioner's randomness (same seed, same results).
@@ -230,7 +233,7 @@ class LaplaceGP(LaplacePredictions):
         # the confidently classified points' large W⁻¹
         n = self._X.shape[0]
         options = {**{key: min(v, n) for key, v in GP_DEFAULTS.get(self.method, {}).items()}, **self.precond_options}
-        self._P = make_preconditioner(self.method, self._X, self.kernel_, float(D.median()), cache=self._points,
+        self._P = make_preconditioner(self.method, self._Xk, self._kernel, float(D.median()), cache=self._points,
                                       seed=self.seed, diag=D, group=self.group, **options)
 
     def _K(self, V: torch.Tensor) -> torch.Tensor:
@@ -259,6 +262,9 @@ class LaplaceGP(LaplacePredictions):
         self._warned_kernel = False  # one warning a fit (_column_gradients)
         params = [p for p in self.kernel_.parameters() if p.requires_grad] + self.likelihood_.parameters()
         self.history_: list[dict] = []
+        if self.optimizer_steps and not params:
+            warnings.warn(f"{type(self).__name__}: optimizer_steps = {self.optimizer_steps} but neither the kernel nor "
+                          "the likelihood has a trainable parameter; no step is taken", UserWarning, stacklevel=2)
         a0 = None
         if self.optimizer_steps and params:
             opt = torch.optim.Adam(params, lr=self.lr)
@@ -282,10 +288,16 @@ class LaplaceGP(LaplacePredictions):
         dtype = computation_dtype(self.kernel_, X)
         self._X = X.to(dtype)
         self._y = y.to(dtype)
-        _, s2 = split_outputscale(self.kernel_)
+        # the kernel as GPyTorch's __call__ applies it: on the columns its active_dims select (the ScaleKernel's,
+        # which GPyTorch copies from its base kernel), as the kernel view of gpnys.gp.discover that acts on them
+        # (it shares kernel_'s parameters); every product, preconditioner build, derivative and prediction uses
+        # the pair, so that a ScaleKernel's own active_dims are not dropped with its outputscale
+        self._kernel = selected_kernel(self.kernel_)
+        self._Xk = self._columns(self._X)
+        _, s2 = split_outputscale(self._kernel)
         self._s2 = s2
-        self._system = kernel_system(self._X, self.kernel_, mu=1.0, group=self.group)  # K̃ V = system(V) - V
-        self._points = PointCache(self._X)  # FPS order and kNN patterns, shared by every Newton step's build
+        self._system = kernel_system(self._Xk, self._kernel, mu=1.0, group=self.group)  # K̃ V = system(V) - V
+        self._points = PointCache(self._Xk)  # FPS order and kNN patterns, shared by every Newton step's build
         n = X.shape[0]
         # a warm start a0 (the previous hyperparameters' K⁻¹ f̂) gives f = K a0 and Ψ = log p(y|f) - ½ a0ᵀ f
         a = self._X.new_zeros(n) if a0 is None else a0.to(self._X.dtype)
@@ -299,6 +311,8 @@ class LaplaceGP(LaplacePredictions):
         fresh = rate = None  # CG iterations per decade: of the first solve after the latest build, of the last
         first = None  # |r_0|, the first step's residual
         converged = False
+        last = math.inf  # the previous step's largest change of f
+        gains: list[float] = []  # Ψ's rise at each step
         for _ in range(self.max_newton):
             # the preconditioner is rebuilt for the new W only when CG has slowed by half since the last build
             # (a build costs about as much as a Newton step's solve)
@@ -327,16 +341,23 @@ class LaplaceGP(LaplacePredictions):
             if halved is None:
                 converged = True
                 break  # no ascent left at this precision: the mode
-            step, psi = halved
+            step, new = halved
+            gains.append(new - psi)
+            psi = new
             change = float((step * df).abs().max())
             a, f = a + step * da, f + step * df
             if change <= newton_tol * max(1.0, float(f.abs().max())):
                 converged = True
                 break
+            if change >= last and gains[-1] <= slack * (abs(psi) + n):
+                # the steps no longer shrink and Ψ no longer rises: the mode at this precision (rounding in the
+                # solves; a flat Ψ, as Student-t noise of small df with far outliers gives, where Fisher scoring
+                # would wander at Ψ's rounding for any number of steps), as ReducedLaplaceGP stops
+                converged = True
+                break
+            last = change
         if not converged:  # not the mode: its Laplace approximation, and with it every figure below, is off
-            warnings.warn(f"{type(self).__name__}: Newton's method stopped at max_newton = {self.max_newton} steps "
-                          "before the mode moved less than newton_tol (raise max_newton)", NumericalWarning,
-                          stacklevel=3)
+            self._warn_short(f, change, gains, slack * (abs(psi) + n))
         self._state(f)  # a fresh P at the mode: log det B's and the gradient's probes
         self.builds_ += 1
         self.f_hat_, self.a_ = f, a
@@ -345,6 +366,26 @@ class LaplaceGP(LaplacePredictions):
         self.log_marginal_likelihood_ = (float(-0.5 * (a * f).sum() + self.likelihood_.log_prob(f, self._y))
                                          - 0.5 * logdet)
         self.mll_std_error_ = 0.5 * se
+
+    def _warn_short(self, f: torch.Tensor, change: float, gains: list[float], rounding: float) -> None:
+        """The warning for Newton's method stopped at ``max_newton`` before the mode: the last step's change of
+        ``f``, the mode's residual ``max|f − K∇log p(y|f)|`` (0 at the mode; one kernel product) and Ψ's rise over
+        the last steps; raising ``max_newton`` is advised only while Ψ still rises above its ``rounding``."""
+        residual = float((f - self._K(self.likelihood_.derivatives(f, self._y)[0])).abs().max())
+        recent = gains[-5:]
+        rise = sum(recent)
+        advice = ("Ψ still rises: raise max_newton" if rise > len(recent) * rounding else
+                  "Ψ no longer rises above its rounding, so more steps would not move f towards the mode; a larger "
+                  "newton_tol accepts this f")
+        warnings.warn(f"{type(self).__name__}: Newton's method stopped at max_newton = {self.max_newton} steps "
+                      f"before the mode moved less than newton_tol: the last step moved f by {change:.2e}, "
+                      f"max|f − K∇log p(y|f)| = {residual:.3e} (0 at the mode), and Ψ = log p(y|f) − ½ fᵀK⁻¹f rose "
+                      f"by {rise:.2e} over the last {len(recent)} steps; {advice}", NumericalWarning, stacklevel=4)
+
+    def _columns(self, X: torch.Tensor) -> torch.Tensor:
+        """The columns of ``X`` ``(m, d)`` that ``kernel_``'s ``active_dims`` select (all of them without)."""
+        dims = self.kernel_.active_dims
+        return X if dims is None else X.index_select(-1, dims.to(X.device))
 
     def _logdet_B(self) -> tuple[float, float]:
         """``log det B = log det M + log det(M^{-½} B M^{-½})``: ``log det M = n log s² + Σ log W + log det P``
@@ -428,12 +469,12 @@ class LaplaceGP(LaplacePredictions):
         """Rows ``j``: ``∂(l_jᵀ K(θ) r_j) / ∂θ`` flattened over ``params`` (``(t, p)``). For a ``ScaleKernel`` over
         RBF/Matérn (or a bare one) in one pass of the kernel operator's per-column derivatives, chained to the raw
         parameters; any other kernel by autograd through GPyTorch's kernel, a column at a time (one warning)."""
-        base, _ = split_outputscale(self.kernel_)
-        scaled = isinstance(self.kernel_, gpytorch.kernels.ScaleKernel)
-        X = self._X
+        base, _ = split_outputscale(self._kernel)
+        scaled = isinstance(self._kernel, gpytorch.kernels.ScaleKernel)
+        X = self._Xk
         if supported(base):
             with torch.enable_grad():
-                s2 = self.kernel_.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
+                s2 = self._kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
                 op = StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache={}, group=self.group)
                 _, d_s2, d_ls = op.column_derivatives(L, R)
                 out = []
@@ -455,7 +496,7 @@ class LaplaceGP(LaplacePredictions):
         rows = []
         with torch.enable_grad():
             for j in range(L.shape[1]):
-                value = L[:, j] @ self.kernel_(X).matmul(R[:, j])
+                value = L[:, j] @ self._kernel(X).matmul(R[:, j])
                 got = torch.autograd.grad(value, params, allow_unused=True)
                 rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
                                        for p, g in zip(params, got)]))
@@ -465,9 +506,10 @@ class LaplaceGP(LaplacePredictions):
     def _latent(self, Xs: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Latent mean ``k*ᵀ ∇log p(y|f̂)`` (R&W eq. (3.21)) and variance ``k(x*, x*) - k*ᵀ (K + W⁻¹)⁻¹ k*``
         (eq. (3.24))."""
-        base, _ = split_outputscale(self.kernel_)
+        base, _ = split_outputscale(self._kernel)
+        Xs = self._columns(Xs)
         with torch.no_grad():
-            Ks = self._s2 * evaluate(base, self._X, Xs).to(self._X.dtype)  # (n, m)
+            Ks = self._s2 * evaluate(base, self._Xk, Xs).to(self._X.dtype)  # (n, m)
             # R&W eq. (3.21), with K⁻¹f̂ for ∇ log p(y|f̂) (equal at the mode): consistent with f̂ where Newton
             # stopped short of it, where ∇ log p(y|f̂) gave predictions in the hundreds for targets in [-1, 4]
             mean = Ks.mT @ self.a_

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import warnings
 
 import gpytorch
 import pytest
@@ -14,6 +16,7 @@ import torch
 from scipy import integrate
 
 from gpnys.baselines.laplace import dense_laplace
+from gpnys.checks import NumericalWarning
 from gpnys.classify import LaplaceGP
 from gpnys.classify.likelihoods import StudentT
 
@@ -180,3 +183,47 @@ def test_student_t_on_the_cuda_device(cuda_device):
     ref, _ = reference(X, y, kernel)
     assert abs(gp.log_marginal_likelihood_ - float(ref.log_q)) <= 4 * gp.mll_std_error_ + 1e-8 * abs(float(ref.log_q))
     assert gp.likelihood_.raw_scale.device.type == torch.device(cuda_device).type
+
+
+def heavy_tailed(n=200):
+    """``df = 1.5`` noise of scale 0.05 with 10 % outliers 100 scales away: Fisher scoring (``W`` = 222 at every
+    point, the outliers' observed curvature about −0.1) crawls, and ``Ψ`` is flat near its maximum."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(n, 2, dtype=F64, generator=g)
+    y = torch.sin(5 * X[:, 0]) + 0.05 * torch.randn(n, dtype=F64, generator=g)
+    y[::10] += 5.0
+    return X, y, StudentT(df=1.5, scale=0.05, train_scale=False)
+
+
+def test_heavy_tailed_noise_stops_at_the_modes_precision():
+    """Once the steps stop shrinking and Ψ stops rising above its rounding, the mode is found at this precision:
+    the fit stops there (it used to run all ``max_newton`` steps and warn to raise it, which changed nothing) and
+    matches the dense reference."""
+    X, y, lik = heavy_tailed()
+    kernel = make_kernel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)
+        gp = LaplaceGP(kernel, likelihood=lik, precond_options={"k": 40}, num_probes=32, max_newton=400).fit(X, y)
+    assert gp.newton_iterations_ < 400
+    with torch.no_grad():
+        ref = dense_laplace(kernel(X).to_dense(), y, likelihood=lik)
+        Xs = torch.rand(20, 2, dtype=F64, generator=torch.Generator().manual_seed(4))
+        mean, var = ref.latent(kernel(X, Xs).to_dense(), kernel(Xs, diag=True))
+    assert abs(gp.log_marginal_likelihood_ - float(ref.log_q)) <= 4 * gp.mll_std_error_ + 1e-3
+    mu, v = gp.predict_latent(Xs)
+    assert float((mu - mean).abs().max()) < 1e-3 and float((v - var).abs().max()) < 1e-5
+
+
+def test_max_newton_warning_states_the_residual():
+    """Stopped short of the mode while Ψ still rises: the warning gives ``max|f − K∇log p(y|f)|`` at the ``f``
+    reached (checked against a dense product) and says to raise ``max_newton``."""
+    X, y, lik = heavy_tailed()
+    kernel = make_kernel()
+    with pytest.warns(NumericalWarning, match="raise max_newton") as record:
+        gp = LaplaceGP(kernel, likelihood=lik, precond_options={"k": 40}, num_probes=8, max_newton=10).fit(X, y)
+    message = str(record[0].message)
+    stated = float(re.search(r"max\|f − K∇log p\(y\|f\)\| = ([0-9.e+-]+)", message).group(1))
+    with torch.no_grad():
+        residual = float((gp.f_hat_ - kernel(X).to_dense() @ lik.derivatives(gp.f_hat_, y)[0]).abs().max())
+    assert residual > 1
+    assert stated == pytest.approx(residual, rel=1e-2)
