@@ -144,28 +144,46 @@ class Estimate:
                 "probes": self.probes, "cg_iterations": self.cg_iterations}
 
 
+def _tridiagonal_eigh(tridiagonal: tuple[torch.Tensor, torch.Tensor],
+                      steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``eigh`` of every column's leading ``steps_j x steps_j`` tridiagonal (``(m, t)`` padded diagonals of
+    :func:`gpnys.solvers.pcg.pcg`), padded with decoupled unit diagonals (``log 1 = 0``) so that one batched ``eigh``
+    serves all: ``(t, m)`` eigenvalues clamped above 0, ``(t, m, m)`` eigenvectors."""
+    diag, off = tridiagonal
+    m = diag.shape[0]
+    k = steps.clamp_min(1)
+    rows = torch.arange(m, device=diag.device)[:, None]
+    d = torch.where(rows < k[None, :], diag, torch.ones_like(diag))
+    o = torch.where(rows[:-1] < (k[None, :] - 1), off, torch.zeros_like(off)) if m > 1 else off
+    T = torch.diag_embed(d.mT) + torch.diag_embed(o.mT, 1) + torch.diag_embed(o.mT, -1)
+    with small_dense(m, T.device):
+        evals, evecs = torch.linalg.eigh(T)
+    if bool((evals <= 0).any()):
+        warnings.warn("gpnys: a Lanczos tridiagonal had non-positive eigenvalues (rounding); clamped",
+                      NumericalWarning, stacklevel=4)
+    return evals.clamp_min(torch.finfo(T.dtype).tiny), evecs
+
+
 def slq_terms(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor,
               n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-probe ``ℓ_j = n e₁ᵀ log(T_j) e₁`` and ``|ℓ_j - ℓ_j^{(m_j - 1)}|`` (``(t,)`` each) from the padded
-    tridiagonals of :func:`gpnys.solvers.pcg.pcg` and each column's step count ``m_j``. Columns are padded with
-    decoupled unit diagonals (``log 1 = 0``), so one batched ``eigh`` serves all."""
-    diag, off = tridiagonal
-    m, t = diag.shape
+    tridiagonals of :func:`gpnys.solvers.pcg.pcg` and each column's step count ``m_j`` (:func:`_tridiagonal_eigh`)."""
     out = []
     for drop in (0, 1):  # the full quadrature, and the one a step shorter
-        k = (steps - drop).clamp_min(1)
-        rows = torch.arange(m, device=diag.device)[:, None]
-        d = torch.where(rows < k[None, :], diag, torch.ones_like(diag))
-        o = torch.where(rows[:-1] < (k[None, :] - 1), off, torch.zeros_like(off)) if m > 1 else off
-        T = torch.diag_embed(d.mT) + torch.diag_embed(o.mT, 1) + torch.diag_embed(o.mT, -1)
-        with small_dense(m, T.device):
-            evals, evecs = torch.linalg.eigh(T)
-        floor = torch.finfo(T.dtype).tiny
-        if bool((evals <= 0).any()):
-            warnings.warn("gpnys: a Lanczos tridiagonal had non-positive eigenvalues (rounding); clamped",
-                          NumericalWarning, stacklevel=3)
-        out.append(n * (evecs[:, 0, :].square() * evals.clamp_min(floor).log()).sum(-1))
+        evals, evecs = _tridiagonal_eigh(tridiagonal, steps - drop)
+        out.append(n * (evecs[:, 0, :].square() * evals.log()).sum(-1))
     return out[0], (out[0] - out[1]).abs()
+
+
+def ritz_log_square(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor) -> float:
+    """The largest ``log² θ`` over the Ritz values ``θ`` of the probes' tridiagonals (:func:`slq_terms`'s
+    arguments), at most ``log² λ`` of an extreme eigenvalue ``λ`` of the preconditioned matrix ``M`` (Ritz values
+    interlace its spectrum). Each ``ℓ_j = ξ_jᵀ log(M) ξ_j`` has variance ``2 ‖log M‖_F² ≥ 2 log² λ`` for Gaussian
+    probes, and about ``2 log² λ`` or more for random signs where that eigenvector of ``log M`` spreads over many
+    coordinates: a floor under the ``ℓ_j``'s sample variance, which collapses when one large eigenvalue makes them
+    skewed (a scaled chi-square of one degree)."""
+    evals, _ = _tridiagonal_eigh(tridiagonal, steps)
+    return float(evals.log().square().max())
 
 
 def _quadrature_test(n: int, share: float, tol_r: float, probes: int) -> QuadratureTest:
@@ -506,6 +524,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     if settings.probe_seed is not None:
         generator = torch.Generator(device=r.device).manual_seed(int(settings.probe_seed))
     ell, lerr, jac, cv = [], [], [], []
+    ritz_max = 0.0  # the largest log² of a Ritz value of the probes' tridiagonals
     alpha_rows: list[torch.Tensor | None] = []
     probe_sums: list[torch.Tensor | None] = []
     cv_logdet = None
@@ -575,6 +594,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             cols = slice(1, 1 + batch) if first else slice(None)
             diag, off = sol.tridiagonal
             l_j, e_j = slq_terms((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
+            ritz_max = max(ritz_max, ritz_log_square((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols]))
             U = sol.x[:, cols]
             B = M(Z)
             J = None
@@ -663,7 +683,11 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             batches += 1
             t = sum(x.shape[0] for x in ell)
             l_all = torch.cat(ell)
-            se_ld = float(l_all.std() / math.sqrt(t)) if t > 1 else math.inf
+            # the terms' sample variance, or where larger 2 log²θ_max (ritz_log_square): with one large eigenvalue
+            # of log M the ℓ_j are skewed, and 16 of them understated their spread by 2-3x at 3 of 20 probe seeds
+            # (2-D RBF, Nyström of rank 13; docs/accuracy.md)
+            spread = max(float(l_all.var()) if t > 1 else math.inf, 2 * ritz_max)
+            se_ld = math.sqrt(spread / t)
             lanczos = float(torch.cat(lerr).mean())
             se = math.sqrt((0.5 * se_ld) ** 2 + (0.5 * lanczos) ** 2 + (0.5 * bound) ** 2 + rounding**2)
             value_est = 0.5 * (inv_quad + logdet_p + float(l_all.mean()) + n * math.log(2 * math.pi))
