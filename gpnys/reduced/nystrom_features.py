@@ -37,6 +37,22 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 _NUMPY = {torch.float64: np.float64, torch.float32: np.float32}
 
 
+#: kernels that depend on ``x - x'`` only, and the containers that keep that (:func:`_shift_invariant`)
+_STATIONARY = (gpytorch.kernels.RBFKernel, gpytorch.kernels.MaternKernel, gpytorch.kernels.RQKernel,
+               gpytorch.kernels.PeriodicKernel, gpytorch.kernels.SpectralMixtureKernel, gpytorch.kernels.CosineKernel)
+_CONTAINERS = (gpytorch.kernels.ScaleKernel, gpytorch.kernels.AdditiveKernel, gpytorch.kernels.ProductKernel)
+
+
+def _shift_invariant(kernel: gpytorch.kernels.Kernel) -> bool:
+    """Whether ``kernel`` depends on its inputs through ``x - x'`` alone (stationary kernels, their scales, sums
+    and products); an unknown kernel counts as not."""
+    if type(kernel) in _STATIONARY:
+        return True
+    if type(kernel) in _CONTAINERS:
+        return all(_shift_invariant(k) for k in kernel.children() if isinstance(k, gpytorch.kernels.Kernel))
+    return False
+
+
 def _validate_data(est: BaseEstimator, X: Any, **kwargs: Any) -> np.ndarray:
     """scikit-learn's ``validate_data`` (a function from 1.6 on, a method before)."""
     try:
@@ -105,7 +121,9 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
             ``Nystroem``); landmark_indices_: ``(m,)`` rows of X, or ``None`` for k-means.
         A_: ``(m, s)`` (orthonormal) or ``(m, m)`` (standard) projection, ``phi = k(X, C) A_``.
         rank_: ``s``; lengthscale_: the length-scale used (``None`` for a kernel object); kernel_: the kernel;
-        n_features_in_: ``d``.
+        n_features_in_: ``d``; center_: ``(d,)`` mean of the training rows (at least float64) that a
+        shift-invariant kernel's features are computed relative to, so that float32 keeps the digits of inputs far
+        from the origin (``None`` for other kernels).
 
     ``transform`` returns numpy for numpy (or list) input and a tensor on the fitted device for tensor input.
 
@@ -153,30 +171,34 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         self.random_state = random_state
 
     # -- input -------------------------------------------------------------------------------------------------
-    def _as_tensor(self, X: Any, dtype: torch.dtype, device: torch.device | None,
-                   reset: bool) -> tuple[torch.Tensor, bool]:
-        """``X`` as a ``(n, d)`` tensor of ``dtype`` on ``device``; ``True`` when the input was a tensor.
+    def _as_tensor(self, X: Any, dtype: torch.dtype, device: torch.device | None, reset: bool,
+                   center: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """``X`` as a ``(n, d)`` tensor of ``dtype`` on ``device``, less ``center`` (``(d,)``, subtracted in at least
+        float64 before the cast); ``True`` when the input was a tensor.
 
         Arrays go through scikit-learn's ``validate_data`` (its messages, prefixed ``"X: "``); ``reset`` sets
         ``n_features_in_``, otherwise ``X`` must have that many columns.
         """
+        precise = torch.promote_types(dtype, torch.float64)
         if not isinstance(X, torch.Tensor):
             try:
-                arr = _validate_data(self, X, reset=reset, dtype=_NUMPY[dtype])
+                arr = _validate_data(self, X, reset=reset, dtype=_NUMPY[precise])
             except ValueError as exc:
                 raise ValueError(f"X: {exc}") from exc
             # a read-only array (a pandas frame's values, a memory map) is copied: torch shares no read-only memory
-            return torch.from_numpy(np.require(arr, requirements="W")).to(device=device), False
+            Xt = torch.from_numpy(np.require(arr, requirements="W")).to(device=device)
+            return (Xt if center is None else Xt - center.to(Xt)).to(dtype), False
         if X.is_complex() or X.dtype == torch.bool:
             raise ValueError(f"X: Complex or boolean data not supported, got {X.dtype}")
-        X = X.detach().to(device=device if device is not None else X.device, dtype=dtype)
+        X = X.detach().to(device=device if device is not None else X.device)
+        X = X.to(torch.promote_types(X.dtype, precise)) if center is not None else X
         validate_points(X, "X")
         if reset:
             self.n_features_in_ = X.shape[1]
         elif X.shape[1] != self.n_features_in_:
             raise ValueError(f"X has {X.shape[1]} features, but {type(self).__name__} is expecting "
                              f"{self.n_features_in_} features as input.")
-        return X, True
+        return (X if center is None else X - center.to(X)).to(dtype), True
 
     def _seed(self) -> int:
         rs = self.random_state
@@ -193,7 +215,17 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         if not (rs is None or isinstance(rs, np.random.RandomState)
                 or (isinstance(rs, (int, np.integer)) and not isinstance(rs, bool) and 0 <= int(rs) < 2**63)):
             raise ValueError(f"random_state must be None, a non-negative int or a RandomState, got {rs!r}")
-        Xt, _ = self._as_tensor(X, dtype, device, reset=True)
+        shift = isinstance(self.kernel, str) or _shift_invariant(self.kernel)
+        if shift:
+            # a stationary kernel sees differences only: the features are computed from centred points, whose
+            # entries the dtype then holds to its precision (float32 inputs near 1e4 lost three digits and the
+            # Gram matrix 0.18 of itself); the centre is the data's mean, taken in at least float64
+            precise, _ = self._as_tensor(X, torch.promote_types(dtype, torch.float64), device, reset=True)
+            self.center_ = precise.mean(0)
+            Xt = (precise - self.center_).to(dtype)
+        else:
+            self.center_ = None
+            Xt, _ = self._as_tensor(X, dtype, device, reset=True)
         n = Xt.shape[0]
         m = validate_count(self.n_components, "n_components", 1, n, "n (training rows)")
         if self.rank is not None:
@@ -224,7 +256,8 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         if self.basis == "standard":  # V_s Sigma_s^{-1} V_s^T: V_s = A with unit columns (A^T A = Sigma_s^{-2})
             A = A @ (A / A.norm(dim=0)).mT
         self.kernel_, self.feature_map_ = kernel, fmap
-        self.landmarks_ = self.components_ = C
+        # in the caller's coordinates (the feature map holds the centred ones)
+        self.landmarks_ = self.components_ = C if self.center_ is None else (C.to(self.center_) + self.center_).to(C)
         self.landmark_indices_ = idx
         self.A_, self.rank_, self.dropped_ = A, fmap.s, fmap.dropped
         self._n_features_out = A.shape[1]
@@ -233,6 +266,6 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
     def transform(self, X: Any) -> Any:
         """Features ``(n, s)`` (orthonormal) or ``(n, m)`` (standard) of the rows of ``X (n, d)``."""
         check_is_fitted(self, "A_")
-        Xt, is_tensor = self._as_tensor(X, self.A_.dtype, self.A_.device, reset=False)
+        Xt, is_tensor = self._as_tensor(X, self.A_.dtype, self.A_.device, reset=False, center=self.center_)
         Phi = self.feature_map_.cross(Xt) @ self.A_
         return Phi if is_tensor else Phi.numpy(force=True)

@@ -123,12 +123,27 @@ def test_median_heuristic_and_torch_input():
     Xt = torch.as_tensor(X)
     nys = NystromFeatures(n_components=10, random_state=0).fit(Xt)
     assert nys.lengthscale_ == pytest.approx(float(torch.pdist(Xt).median()), rel=1e-12)  # n <= 1000: all pairs
-    assert median_lengthscale(Xt) == nys.lengthscale_
+    assert median_lengthscale(Xt) == pytest.approx(nys.lengthscale_, rel=1e-12)  # of the centred rows
     out = nys.transform(Xt)
     assert isinstance(out, torch.Tensor) and out.device == Xt.device and out.shape == (150, 10)
     assert np.array_equal(out.numpy(), nys.transform(X))
     big = torch.tensor([[0.0], [1e20], [3e20]])  # float32: the squared distances overflow, the distances do not
     assert median_lengthscale(big) == pytest.approx(2e20, rel=1e-6)
+
+
+@pytest.mark.parametrize("offset", [1e3, 1e4])
+def test_float32_features_of_offset_data_are_float64s(offset):
+    """Inputs near 1e4 hold three fewer digits in float32: with a stationary kernel the features are computed from
+    the centred points (the centre taken in float64), and the float32 Gram matrix is float64's to 1e-4 (0.18 off at
+    1e4 before). A linear kernel is not shift-invariant: its inputs are not centred."""
+    rng = np.random.default_rng(0)
+    X = offset + rng.random((300, 3))
+    maps = [NystromFeatures(n_components=50, random_state=0, dtype=dt).fit(X) for dt in ("float64", "float32")]
+    G64, G32 = (Phi.astype(np.float64) @ Phi.T.astype(np.float64) for Phi in (m.transform(X) for m in maps))
+    assert np.abs(G64 - G32).max() <= 1e-4
+    assert np.allclose(maps[0].landmarks_.numpy(), X[maps[0].landmark_indices_.numpy()], rtol=0, atol=1e-9)
+    linear = NystromFeatures(gpytorch.kernels.LinearKernel().double(), n_components=3, random_state=0).fit(X)
+    assert linear.center_ is None
 
 
 # -- NSL = LLA = NCR ([NSL] §3.3, §3.5, Prop 3) ---------------------------------------------------------------------
