@@ -22,9 +22,11 @@ import warnings
 from typing import Any, Callable
 
 import gpytorch
+import numpy as np
 import torch
 
-from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_points, validate_positive
+from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive
+from gpnys.classify.estimator import LaplaceEstimator, as_output
 from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
 from gpnys.collectives import resolve_group
 from gpnys.gp.discover import selected_kernel
@@ -80,47 +82,78 @@ def halve_step(objective: Callable[[float], float], value: float, slack: float) 
     return None
 
 
-class LaplacePredictions:
-    """The predictions of a fitted Laplace model (:class:`LaplaceGP`, :class:`~gpnys.classify.ReducedLaplaceGP`)
-    from its ``_latent(X, variance)``: the latent mean ``(m,)`` and, with ``variance``, the latent variance ``(m,)``
-    (else ``None``) at points ``X`` ``(m, d)`` that :meth:`_check_points` accepted."""
+class LaplacePredictions(LaplaceEstimator):
+    """The estimator protocol and predictions of a Laplace model (:class:`LaplaceGP`,
+    :class:`~gpnys.classify.ReducedLaplaceGP`) from its ``_latent(X, variance)``: the latent mean ``(m,)`` and,
+    with ``variance``, the latent variance ``(m,)`` (else ``None``) at points ``X`` ``(m, d)``, ``m ≥ 1``, in the fit's
+    dtype on its device.
+
+    Inputs: tensors, numpy arrays or lists (:class:`~gpnys.classify.estimator.LaplaceEstimator`); the predictions
+    are tensors for a tensor ``X`` and numpy arrays otherwise."""
 
     kernel: gpytorch.kernels.Kernel
-    likelihood: LaplaceLikelihood
 
-    def _copy_hyperparameters(self, X: torch.Tensor) -> torch.dtype:
-        """Start a fit on ``X``: ``kernel_`` and ``likelihood_``, deep copies of the ``kernel`` and ``likelihood``
-        given at construction (the likelihood's tensors in the computation dtype, on ``X``'s device), which the fit
-        trains and the predictions read. The given objects are never modified, so every fit starts from them (as
-        scikit-learn's estimators do). Returns the computation dtype."""
+    def _resolve_likelihood(self) -> LaplaceLikelihood:
+        return resolve_likelihood(self.likelihood)
+
+    def _targets(self, y: Any, X: torch.Tensor) -> torch.Tensor:
+        """``y`` as a tensor on ``X``'s device (a numpy array or a list of numbers converted);
+        :func:`~gpnys.classify.likelihoods.check_observations` checks it."""
+        if isinstance(y, torch.Tensor):
+            return y
+        arr = np.asarray(y)
+        if arr.dtype.kind not in "biuf":
+            raise ValueError(f"y must hold numbers, got dtype {arr.dtype}")
+        return torch.from_numpy(np.require(arr, requirements="W")).to(X.device)
+
+    def _prepare(self, X: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor, LaplaceLikelihood]:
+        """Check the constructor's ``kernel`` and likelihood, and the training data: ``(X, y, likelihood)``, ``X``
+        ``(n, d)`` floating (``n_features_in_`` set) and ``y`` ``(n,)`` in the likelihood's support."""
+        if not isinstance(self.kernel, gpytorch.kernels.Kernel):
+            raise ValueError(f"kernel must be a GPyTorch kernel, got {type(self.kernel).__name__}")
+        likelihood = self._resolve_likelihood()
+        if y is None:
+            raise ValueError(f"{type(self).__name__} requires y to be passed, but the target y is None")
+        param = next(iter(self.kernel.parameters()), None)
+        X = self._fit_points(X, param.device if param is not None else torch.device("cpu"))
+        return X, check_observations(X, self._targets(y, X), likelihood), likelihood
+
+    def _copy_hyperparameters(self, X: torch.Tensor, likelihood: LaplaceLikelihood) -> torch.dtype:
+        """Start a fit on ``X``: ``kernel_`` and ``likelihood_``, deep copies of the ``kernel`` given at
+        construction and of ``likelihood`` (the constructor's, resolved; its tensors in the computation dtype, on
+        ``X``'s device), which the fit trains and the predictions read. The given objects are never modified, so
+        every fit starts from them (as scikit-learn's estimators do). Returns the computation dtype."""
         self.kernel_ = copy.deepcopy(self.kernel)
         dtype = computation_dtype(self.kernel_, X)
-        self.likelihood_ = copy.deepcopy(self.likelihood).to(dtype, X.device)
+        self.likelihood_ = copy.deepcopy(likelihood).to(dtype, X.device)
         return dtype
-
-    def _check_points(self, Xs: torch.Tensor) -> torch.Tensor:
-        if not hasattr(self, "f_hat_"):
-            raise RuntimeError(f"{type(self).__name__}: call fit first")
-        validate_points(Xs, "X")
-        if Xs.shape[1] != self._X.shape[1]:
-            raise ValueError(f"X must have {self._X.shape[1]} columns, got {Xs.shape[1]}")
-        return Xs.to(self._X.dtype)
 
     def _latent(self, Xs: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
-    def predict_latent(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent predictive mean and variance at ``X`` ``(m, d)``, each ``(m,)`` (the model's ``_latent``)."""
-        return self._latent(self._check_points(X), True)
+    def _latent_at(self, X: Any, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """``_latent`` at the query points ``X`` (0 rows give empty tensors), and whether ``X`` was a tensor."""
+        self._check_fitted()
+        Xs, tensor = self._query_points(X, self._X.dtype, self._X.device)
+        if Xs.shape[0] == 0:
+            empty = Xs.new_zeros(0)
+            return empty, empty if variance else None, tensor
+        return (*self._latent(Xs, variance), tensor)
 
-    def predict(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict_latent(self, X: Any) -> tuple[Any, Any]:
+        """Latent predictive mean and variance at ``X`` ``(m, d)``, each ``(m,)`` (the model's ``_latent``)."""
+        mean, var, tensor = self._latent_at(X, True)
+        return as_output(mean, tensor), as_output(var, tensor)
+
+    def predict(self, X: Any) -> tuple[Any, Any]:
         """Predictive mean and variance of the observation at ``X`` ``(m, d)``, each ``(m,)``, over the latent
         Gaussian, by the likelihood's ``moments``: for counts the log-normal mixture's
         (:meth:`~gpnys.classify.likelihoods.Poisson.moments`); for labels ``P(y = 1)`` by the probit approximation
         and its Bernoulli variance; for Student-t noise the latent mean and ``v + σ² ν / (ν − 2)``."""
-        mean, var = self.predict_latent(X)
+        mean, var, tensor = self._latent_at(X, True)
         with torch.no_grad():
-            return self.likelihood_.moments(mean, var)
+            mean, var = self.likelihood_.moments(mean, var)
+        return as_output(mean, tensor), as_output(var, tensor)
 
 
 class LaplaceGP(LaplacePredictions):
@@ -137,6 +170,11 @@ class LaplaceGP(LaplacePredictions):
     probes of ``log det B``: with ``z ~ N(0, P̂)``, ``P̂ ≈ K + W⁻¹``, ``u = (K + W⁻¹)⁻¹ z`` (the probes' solves) and
     ``v = P̂⁻¹ z``, ``E[uᵀ ∂K v] = tr((K + W⁻¹)⁻¹ ∂K)`` and ``E[(W⁻¹ u) ∘ (K v)] = diag((K⁻¹ + W)⁻¹)``, so the
     implicit term costs one more block solve and the standard errors come from the per-probe terms.
+
+    A scikit-learn estimator without a ``score``: ``get_params`` / ``set_params`` and ``sklearn.base.clone`` (the
+    constructor keeps its arguments as given and :meth:`fit` checks them), ``X`` and ``y`` as tensors, numpy arrays
+    or lists, and predictions as tensors for a tensor ``X`` and as numpy arrays otherwise. ``predict`` returns the
+    mean and the variance, so ``GridSearchCV`` needs a ``scoring``; :class:`LaplaceGPClassifier` has ``score``.
 
     Args:
         kernel: a GPyTorch kernel (e.g. ``ScaleKernel(MaternKernel(nu=1.5))``); its outputscale is ``s²``. Every
@@ -171,6 +209,7 @@ class LaplaceGP(LaplacePredictions):
     Attributes (after :meth:`fit`):
         kernel_, likelihood_: the kernel and likelihood of the fit, copies of ``kernel`` and ``likelihood`` with the
             trained hyperparameters (``optimizer_steps > 0``); the predictions use them.
+        n_features_in_: the columns of ``X``.
         f_hat_: ``(n,)`` posterior mode. log_marginal_likelihood_: float, R&W eq. (3.32).
         mll_std_error_: float, the SLQ standard error of ``log_marginal_likelihood_``.
         mll_gradient_: ``{raw parameter name: tensor}``, ``∂ log q / ∂θ`` (R&W eq. (5.23)-(5.24)), shapes of the
@@ -202,23 +241,28 @@ class LaplaceGP(LaplacePredictions):
                  cg_tolerance: float = 1e-8, max_newton: int = 50, newton_tol: float = 1e-8, num_probes: int = 32,
                  slq_tolerance: float = 1e-6, max_cg: int = 1000, seed: int = 0, optimizer_steps: int = 0,
                  lr: float = 0.1, group: Any = None) -> None:
-        if not isinstance(kernel, gpytorch.kernels.Kernel):
-            raise ValueError(f"kernel must be a GPyTorch kernel, got {type(kernel).__name__}")
-        self.likelihood = resolve_likelihood(likelihood)
-        validate_choice(method, "method", DIAG_PRECONDITIONERS)
-        self.kernel, self.method = kernel, method
-        self.precond_options = dict(precond_options or {})
-        self.cg_tolerance = validate_positive(cg_tolerance, "cg_tolerance")
-        self.newton_tol = validate_positive(newton_tol, "newton_tol")
-        self.slq_tolerance = validate_positive(slq_tolerance, "slq_tolerance")
-        self.max_newton = validate_count(max_newton, "max_newton", 1)
-        self.num_probes = validate_count(num_probes, "num_probes", 2)
-        self.max_cg = validate_count(max_cg, "max_cg", 1)
-        self.seed = validate_count(seed, "seed", 0)
-        self.optimizer_steps = validate_count(optimizer_steps, "optimizer_steps", 0)
-        self.lr = validate_positive(lr, "lr")
-        self.group = None if group is None or group is False else resolve_group(group)
-        self._warned_kernel = False
+        self.kernel, self.likelihood, self.method, self.precond_options = kernel, likelihood, method, precond_options
+        self.cg_tolerance, self.max_newton, self.newton_tol = cg_tolerance, max_newton, newton_tol
+        self.num_probes, self.slq_tolerance, self.max_cg, self.seed = num_probes, slq_tolerance, max_cg, seed
+        self.optimizer_steps, self.lr, self.group = optimizer_steps, lr, group
+
+    def _settings(self) -> None:
+        """Check the constructor's arguments (at :meth:`fit`, as scikit-learn does) and keep them, as numbers, in
+        private attributes that the fit reads; a ``ValueError`` names a bad one."""
+        self._method = validate_choice(self.method, "method", DIAG_PRECONDITIONERS)
+        if self.precond_options is not None and not isinstance(self.precond_options, dict):
+            raise ValueError(f"precond_options must be a dict or None, got {type(self.precond_options).__name__}")
+        self._precond_options = dict(self.precond_options or {})
+        self._cg_tolerance = validate_positive(self.cg_tolerance, "cg_tolerance")
+        self._newton_tol = validate_positive(self.newton_tol, "newton_tol")
+        self._slq_tolerance = validate_positive(self.slq_tolerance, "slq_tolerance")
+        self._max_newton = validate_count(self.max_newton, "max_newton", 1)
+        self._num_probes = validate_count(self.num_probes, "num_probes", 2)
+        self._max_cg = validate_count(self.max_cg, "max_cg", 1)
+        self._seed = validate_count(self.seed, "seed", 0)
+        self._optimizer_steps = validate_count(self.optimizer_steps, "optimizer_steps", 0)
+        self._lr = validate_positive(self.lr, "lr")
+        self._group = None if self.group is None or self.group is False else resolve_group(self.group)
 
     # ---- the pieces of B = I + W^½ K W^½ -------------------------------------------------------------------
     def _state(self, f: torch.Tensor, build: bool = True) -> None:
@@ -232,9 +276,9 @@ class LaplaceGP(LaplacePredictions):
         # the scalar level (rank estimate, Nyström's scaled form) is the median shift: the mean is dominated by
         # the confidently classified points' large W⁻¹
         n = self._X.shape[0]
-        options = {**{key: min(v, n) for key, v in GP_DEFAULTS.get(self.method, {}).items()}, **self.precond_options}
-        self._P = make_preconditioner(self.method, self._Xk, self._kernel, float(D.median()), cache=self._points,
-                                      seed=self.seed, diag=D, group=self.group, **options)
+        options = {**{key: min(v, n) for key, v in GP_DEFAULTS.get(self._method, {}).items()}, **self._precond_options}
+        self._P = make_preconditioner(self._method, self._Xk, self._kernel, float(D.median()), cache=self._points,
+                                      seed=self._seed, diag=D, group=self._group, **options)
 
     def _K(self, V: torch.Tensor) -> torch.Tensor:
         """``K V = s² K̃ V`` (``V`` of shape ``(n,)`` or ``(n, t)``)."""
@@ -250,25 +294,27 @@ class LaplaceGP(LaplacePredictions):
         return self._P.solve(R / sW) / (sW * self._s2)
 
     def _solve_B(self, R: torch.Tensor, tol: float, lanczos: bool = False):
-        return pcg(self._B, R, self._M_inv, tol=tol, maxiter=self.max_cg, lanczos=lanczos)
+        return pcg(self._B, R, self._M_inv, tol=tol, maxiter=self._max_cg, lanczos=lanczos)
 
     # ---- fit -----------------------------------------------------------------------------------------------
-    def fit(self, X: torch.Tensor, y: torch.Tensor) -> "LaplaceGP":
+    def fit(self, X: Any, y: Any) -> "LaplaceGP":
         """Posterior mode (R&W Algorithm 3.1, Newton's method on eq. (3.18)) and log marginal likelihood
         (eq. (3.32)), after ``optimizer_steps`` Adam steps on the hyperparameters. ``X: (n, d)``, ``y: (n,)`` in the
-        likelihood's support (0/1 or bool labels; counts). Returns ``self``."""
-        yv = check_observations(X, y, self.likelihood)
-        self._copy_hyperparameters(X)
+        likelihood's support (0/1 or bool labels; counts), tensors or arrays. Checks the constructor's arguments
+        first. Returns ``self``."""
+        self._settings()
+        X, yv, likelihood = self._prepare(X, y)
+        self._copy_hyperparameters(X, likelihood)
         self._warned_kernel = False  # one warning a fit (_column_gradients)
         params = [p for p in self.kernel_.parameters() if p.requires_grad] + self.likelihood_.parameters()
         self.history_: list[dict] = []
-        if self.optimizer_steps and not params:
-            warnings.warn(f"{type(self).__name__}: optimizer_steps = {self.optimizer_steps} but neither the kernel nor "
-                          "the likelihood has a trainable parameter; no step is taken", UserWarning, stacklevel=2)
+        if self._optimizer_steps and not params:
+            warnings.warn(f"{type(self).__name__}: optimizer_steps = {self._optimizer_steps} but neither the kernel "
+                          "nor the likelihood has a trainable parameter; no step is taken", UserWarning, stacklevel=2)
         a0 = None
-        if self.optimizer_steps and params:
-            opt = torch.optim.Adam(params, lr=self.lr)
-            for step in range(self.optimizer_steps):
+        if self._optimizer_steps and params:
+            opt = torch.optim.Adam(params, lr=self._lr)
+            for step in range(self._optimizer_steps):
                 with torch.no_grad():
                     self._fit(X, yv, a0)
                 grads = self._gradient()
@@ -296,7 +342,7 @@ class LaplaceGP(LaplacePredictions):
         self._Xk = self._columns(self._X)
         _, s2 = split_outputscale(self._kernel)
         self._s2 = s2
-        self._system = kernel_system(self._Xk, self._kernel, mu=1.0, group=self.group)  # K̃ V = system(V) - V
+        self._system = kernel_system(self._Xk, self._kernel, mu=1.0, group=self._group)  # K̃ V = system(V) - V
         self._points = PointCache(self._Xk)  # FPS order and kNN patterns, shared by every Newton step's build
         n = X.shape[0]
         # a warm start a0 (the previous hyperparameters' K⁻¹ f̂) gives f = K a0 and Ψ = log p(y|f) - ½ a0ᵀ f
@@ -304,7 +350,7 @@ class LaplaceGP(LaplacePredictions):
         f = self._X.new_zeros(n) if a0 is None else self._K(a)
         psi = float(self.likelihood_.log_prob(f, self._y) - 0.5 * (a * f).sum())
         slack = 64 * torch.finfo(dtype).eps
-        cg_tol, newton_tol = (_floored_tolerance(t, dtype) for t in (self.cg_tolerance, self.newton_tol))
+        cg_tol, newton_tol = (_floored_tolerance(t, dtype) for t in (self._cg_tolerance, self._newton_tol))
         self.cg_iterations_: list[int] = []
         self.newton_iterations_ = 0
         self.builds_ = 0
@@ -313,7 +359,7 @@ class LaplaceGP(LaplacePredictions):
         converged = False
         last = math.inf  # the previous step's largest change of f
         gains: list[float] = []  # Ψ's rise at each step
-        for _ in range(self.max_newton):
+        for _ in range(self._max_newton):
             # the preconditioner is rebuilt for the new W only when CG has slowed by half since the last build
             # (a build costs about as much as a Newton step's solve)
             build = fresh is None or rate > REBUILD_GROWTH * fresh
@@ -377,7 +423,7 @@ class LaplaceGP(LaplacePredictions):
         advice = ("Ψ still rises: raise max_newton" if rise > len(recent) * rounding else
                   "Ψ no longer rises above its rounding, so more steps would not move f towards the mode; a larger "
                   "newton_tol accepts this f")
-        warnings.warn(f"{type(self).__name__}: Newton's method stopped at max_newton = {self.max_newton} steps "
+        warnings.warn(f"{type(self).__name__}: Newton's method stopped at max_newton = {self._max_newton} steps "
                       f"before the mode moved less than newton_tol: the last step moved f by {change:.2e}, "
                       f"max|f − K∇log p(y|f)| = {residual:.3e} (0 at the mode), and Ψ = log p(y|f) − ½ fᵀK⁻¹f rose "
                       f"by {rise:.2e} over the last {len(recent)} steps; {advice}", NumericalWarning, stacklevel=4)
@@ -390,11 +436,11 @@ class LaplaceGP(LaplacePredictions):
     def _logdet_B(self) -> tuple[float, float]:
         """``log det B = log det M + log det(M^{-½} B M^{-½})``: ``log det M = n log s² + Σ log W + log det P``
         exactly, the rest by SLQ with probes ``~ N(0, M)``; returns it and the SLQ standard error."""
-        n, t = self._X.shape[0], self.num_probes
+        n, t = self._X.shape[0], self._num_probes
         device = self._X.device
-        gen = torch.Generator(device=device).manual_seed(self.seed)
+        gen = torch.Generator(device=device).manual_seed(self._seed)
         Z = math.sqrt(self._s2) * self._sW[:, None] * self._P.sample(t, generator=gen)
-        res = self._solve_B(Z, self.slq_tolerance, lanczos=True)
+        res = self._solve_B(Z, self._slq_tolerance, lanczos=True)
         self._probes = (Z / self._sW[:, None], self._sW[:, None] * res.x)  # z ~ N(0, P̂) and (K + W⁻¹)⁻¹ z
         ell, _ = slq_terms(res.tridiagonal, res.iterations_per_column, n)
         exact = n * math.log(self._s2) + float(self._W.log().sum()) + float(self._P.logdet())
@@ -425,7 +471,7 @@ class LaplaceGP(LaplacePredictions):
             # against autograd through a dense Newton iteration in the tests)
             s2 = 0.5 * d * third[:, None]
             C = torch.zeros_like(s2) if not bool(third.any()) else (  # A⁻¹ = W^½ B⁻¹ W^½
-                self._sW[:, None] * self._solve_B(s2 / self._sW[:, None], self.slq_tolerance).x)
+                self._sW[:, None] * self._solve_B(s2 / self._sW[:, None], self._slq_tolerance).x)
         parts = []
         if kernel_params:
             a, g = self.a_, self._grad
@@ -475,7 +521,7 @@ class LaplaceGP(LaplacePredictions):
         if supported(base):
             with torch.enable_grad():
                 s2 = self._kernel.outputscale if scaled else torch.ones((), dtype=X.dtype, device=X.device)
-                op = StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache={}, group=self.group)
+                op = StationaryKernelOperator(X, s2, base.lengthscale, base=base, cache={}, group=self._group)
                 _, d_s2, d_ls = op.column_derivatives(L, R)
                 out = []
                 for p in params:  # chain rule to the raw parameters: the constraints act entrywise
@@ -517,51 +563,144 @@ class LaplaceGP(LaplacePredictions):
                 return mean, None
             kss = self._s2 * evaluate(base, Xs, Xs, diag=True).to(self._X.dtype)
             R = self._sW[:, None] * Ks  # R&W Algorithm 3.2: vᵀv = (W^½ k*)ᵀ B⁻¹ (W^½ k*), eq. (3.24)
-            res = self._solve_B(R, _floored_tolerance(self.cg_tolerance, self._X.dtype))
+            res = self._solve_B(R, _floored_tolerance(self._cg_tolerance, self._X.dtype))
             return mean, (kss - (R * res.x).sum(0)).clamp_min(0)
 
-    def predict_variance(self, X: torch.Tensor) -> torch.Tensor:
+    def predict_variance(self, X: Any) -> Any:
         """Latent predictive variance ``k(x*, x*) - k*ᵀ (K + W⁻¹)⁻¹ k*`` (R&W eq. (3.24)). ``X: (m, d)`` -> ``(m,)``"""
-        return self._latent(self._check_points(X), True)[1]
+        _, var, tensor = self._latent_at(X, True)
+        return as_output(var, tensor)
 
+
+#: the links of the binary classifiers and their likelihoods (:data:`gpnys.classify.likelihoods.LIKELIHOODS`)
+LINKS = {"logit": "bernoulli", "probit": "bernoulli_probit"}
 
 
 class BernoulliClassifier:
-    """Binary labels (0/1) for a Laplace model whose ``predict_latent`` gives latent means and variances: the
+    """Binary classification for a Laplace model whose ``_latent_at`` gives latent means and variances: the
     Bernoulli likelihood with ``link`` ``"logit"`` (R&W eq. (3.15), :class:`~gpnys.classify.likelihoods.Bernoulli`)
-    or ``"probit"`` (eq. (3.16), :class:`~gpnys.classify.likelihoods.BernoulliProbit`), and class probabilities.
-    Mixed in before the model (``class C(BernoulliClassifier, Model)``), whose other arguments it passes on."""
+    or ``"probit"`` (eq. (3.16), :class:`~gpnys.classify.likelihoods.BernoulliProbit`), any two labels, class
+    probabilities and scikit-learn's classifier methods. Mixed in before the model (``class C(BernoulliClassifier,
+    Model)``), whose constructor arguments the class lists, ``link`` in place of ``likelihood``.
 
-    def __init__(self, kernel: gpytorch.kernels.Kernel, *, link: str = "logit", **kwargs) -> None:
-        if "likelihood" in kwargs:
-            raise ValueError(f"likelihood: {type(self).__name__} is Bernoulli; the model it extends takes other "
-                             "likelihoods")
-        if link not in ("logit", "probit"):
-            raise ValueError(f"link must be 'logit' or 'probit', got {link!r}")
-        self.link = link
-        super().__init__(kernel, likelihood="bernoulli" if link == "logit" else "bernoulli_probit", **kwargs)
+    Labels: ``y`` holds exactly two distinct labels (numbers, strings, booleans), kept sorted as ``classes_``; the
+    model's Bernoulli ``y`` is 1 for ``classes_[1]`` and 0 for ``classes_[0]`` (labels 0/1 stay as they are).
+    ``predict`` returns labels of ``classes_``: a long tensor for a tensor ``X`` and numeric labels, else a numpy
+    array."""
 
-    def predict_proba(self, X: torch.Tensor) -> torch.Tensor:
-        """Class probabilities ``(m, 2)`` (columns: class 0, class 1): the averaged predictive probability
-        (R&W eq. (3.25)), for the logit link by MacKay's probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W
-        §3.4.2), for the probit link exactly, ``Φ(μ / √(1 + v))``."""
-        mean, var = self.predict_latent(X)  # first: it raises for an unfitted model, which has no likelihood_
+    _estimator_type = "classifier"
+    link: str
+    classes_: np.ndarray
+
+    def _resolve_likelihood(self) -> LaplaceLikelihood:
+        return resolve_likelihood(LINKS[validate_choice(self.link, "link", LINKS)])
+
+    def _targets(self, y: Any, X: torch.Tensor) -> torch.Tensor:
+        """Two labels ``y`` ``(n,)`` (a tensor, an array or a list) as the model's 0/1 (1: ``classes_[1]``) in
+        ``X``'s dtype on its device; sets ``classes_``. A ``ValueError`` names ``y`` for another shape, NaN, labels
+        that are not whole numbers (``"Unknown label type: continuous"``, as scikit-learn's classifiers say), and for
+        one class or more than two."""
+        n = X.shape[0]
+        if isinstance(y, torch.Tensor):
+            if y.dim() != 1 or y.shape[0] != n:
+                raise ValueError(f"y must be a 1-D tensor of {n} observations, got {tuple(y.shape)}")
+            if y.is_complex():
+                raise ValueError(f"y must hold real labels, got {y.dtype}")
+            if y.is_floating_point():
+                if not bool(torch.isfinite(y).all()):
+                    raise ValueError("y contains NaN or inf")
+                if bool((y != y.round()).any()):
+                    raise ValueError(f"y: Unknown label type: continuous (labels that are not whole numbers); "
+                                     f"{type(self).__name__} takes two classes")
+            classes = torch.unique(y)  # sorted
+            self._two_classes(classes.numpy(force=True))
+            positive = y == classes[-1]
+        else:
+            from sklearn.utils.multiclass import check_classification_targets
+            from sklearn.utils.validation import column_or_1d
+
+            try:
+                arr = column_or_1d(y, warn=True)  # an (n, 1) column warns (DataConversionWarning) and is raveled
+            except ValueError as exc:
+                raise ValueError(f"y: {exc}") from exc
+            if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+                raise ValueError("y contains NaN or inf")
+            try:
+                check_classification_targets(arr)
+            except ValueError as exc:
+                raise ValueError(f"y: {exc}") from exc
+            if arr.shape[0] != n:
+                raise ValueError(f"y must hold {n} labels (one a row of X), got {arr.shape[0]}")
+            classes, inverse = np.unique(arr, return_inverse=True)
+            self._two_classes(classes)
+            positive = torch.from_numpy(inverse.reshape(-1) == 1)
+        return positive.to(device=X.device, dtype=X.dtype)
+
+    def _two_classes(self, classes: np.ndarray) -> None:
+        """``classes_`` (sorted labels), or a ``ValueError`` naming ``y`` unless there are two."""
+        name = type(self).__name__
+        if len(classes) == 1:
+            raise ValueError(f"y holds one class only ({classes.tolist()[0]!r}): {name} needs two")
+        if len(classes) > 2:
+            shown = ", ".join(repr(c) for c in classes.tolist()[:5]) + (", ..." if len(classes) > 5 else "")
+            raise ValueError(f"y holds {len(classes)} classes ({shown}). Only binary classification is supported: "
+                             f"{name} takes two labels")
+        self.classes_ = classes
+        self._label_values = None  # labels that a long tensor holds exactly (predict's output for tensor X)
+        if classes.dtype.kind in "biuf":
+            whole = classes.astype(np.int64)
+            if bool((whole == classes).all()):
+                self._label_values = torch.from_numpy(whole)
+
+    def _labels(self, positive: torch.Tensor, tensor: bool) -> Any:
+        index = positive.long()
+        if tensor and self._label_values is not None:
+            return self._label_values.to(index.device)[index]
+        return self.classes_[index.numpy(force=True)]
+
+    def predict_proba(self, X: Any) -> Any:
+        """Class probabilities ``(m, 2)`` (columns: ``classes_[0]``, ``classes_[1]``; 0/1 for labels 0/1): the
+        averaged predictive probability (R&W eq. (3.25)), for the logit link by MacKay's probit approximation
+        ``σ(μ / √(1 + π v / 8))`` (R&W §3.4.2), for the probit link exactly, ``Φ(μ / √(1 + v))``."""
+        mean, var, tensor = self._latent_at(X, True)
         with torch.no_grad():
             p1, _ = self.likelihood_.moments(mean, var)
-        return torch.stack([1 - p1, p1], 1)
+        return as_output(torch.stack([1 - p1, p1], 1), tensor)
 
-    def predict(self, X: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Labels ``(m,)`` (0/1, long): the sign of the latent mean, the more probable class (R&W §3.4.2); no
-        variance is computed."""
-        mean, _ = self._latent(self._check_points(X), False)
-        return (mean > 0).long()
+    def decision_function(self, X: Any) -> Any:
+        """``(m,)``: the argument of the link in :meth:`predict_proba`, ``μ / √(1 + π v / 8)`` (logit) or
+        ``μ / √(1 + v)`` (probit), so that ``P(classes_[1]) = σ(·)`` or ``Φ(·)``: it ranks the points as the
+        probabilities do and has the sign of the latent mean ``μ`` (positive: ``classes_[1]``). ``predict_latent``
+        gives ``μ`` and ``v``."""
+        mean, var, tensor = self._latent_at(X, True)
+        with torch.no_grad():
+            return as_output(self.likelihood_.moderated(mean, var), tensor)
+
+    def predict(self, X: Any) -> Any:  # type: ignore[override]
+        """Labels ``(m,)`` of ``classes_``: ``classes_[1]`` where the latent mean is positive, the more probable class
+        (R&W §3.4.2); no variance is computed. A long tensor for a tensor ``X`` (numeric labels), else a numpy
+        array."""
+        mean, _, tensor = self._latent_at(X, False)
+        return self._labels(mean > 0, tensor)
+
+    def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """Accuracy of :meth:`predict` on ``X`` against ``y`` (scikit-learn's ``accuracy_score``, as its
+        ``ClassifierMixin.score``)."""
+        from sklearn.metrics import accuracy_score
+
+        def array(v: Any) -> Any:
+            return v.numpy(force=True) if isinstance(v, torch.Tensor) else v
+
+        return float(accuracy_score(array(y), array(self.predict(X)), sample_weight=array(sample_weight)))
 
 
 class LaplaceGPClassifier(BernoulliClassifier, LaplaceGP):
-    """Laplace-approximate GP binary classifier (labels 0/1; R&W §3.4): :class:`LaplaceGP` with the Bernoulli
-    likelihood, class probabilities and labels. ``link``: ``"logit"`` (R&W eq. (3.15),
-    :class:`~gpnys.classify.likelihoods.Bernoulli`) or ``"probit"`` (eq. (3.16),
-    :class:`~gpnys.classify.likelihoods.BernoulliProbit`). Other arguments as :class:`LaplaceGP`'s.
+    """Laplace-approximate GP binary classifier (R&W §3.4): :class:`LaplaceGP` with the Bernoulli likelihood, class
+    probabilities and labels, and a scikit-learn classifier (``clone``, ``Pipeline``, ``GridSearchCV``; ``classes_``,
+    ``score``, ``decision_function``; numpy arrays or tensors in, the same kind out). ``link``: ``"logit"`` (R&W
+    eq. (3.15), :class:`~gpnys.classify.likelihoods.Bernoulli`) or ``"probit"`` (eq. (3.16),
+    :class:`~gpnys.classify.likelihoods.BernoulliProbit`). ``y``: any two labels (:class:`BernoulliClassifier`).
+    Other arguments as :class:`LaplaceGP`'s; all are checked by :meth:`fit`.
 
     Example:
         >>> import gpytorch, torch
@@ -578,3 +717,12 @@ class LaplaceGPClassifier(BernoulliClassifier, LaplaceGP):
         >>> bool((clf.predict(X) == y).double().mean() > 0.9)
         True
     """
+
+    def __init__(self, kernel: gpytorch.kernels.Kernel, *, link: str = "logit", method: str = "afn",
+                 precond_options: dict | None = None, cg_tolerance: float = 1e-8, max_newton: int = 50,
+                 newton_tol: float = 1e-8, num_probes: int = 32, slq_tolerance: float = 1e-6, max_cg: int = 1000,
+                 seed: int = 0, optimizer_steps: int = 0, lr: float = 0.1, group: Any = None) -> None:
+        self.kernel, self.link, self.method, self.precond_options = kernel, link, method, precond_options
+        self.cg_tolerance, self.max_newton, self.newton_tol = cg_tolerance, max_newton, newton_tol
+        self.num_probes, self.slq_tolerance, self.max_cg, self.seed = num_probes, slq_tolerance, max_cg, seed
+        self.optimizer_steps, self.lr, self.group = optimizer_steps, lr, group

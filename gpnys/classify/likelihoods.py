@@ -95,10 +95,15 @@ class Bernoulli(LaplaceLikelihood):
         W = pi * rest
         return y * rest - (1 - y) * pi, W, -W * (rest - pi)
 
+    def moderated(self, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        """The link's argument of the averaged ``P(y = 1)`` of a latent ``N(mean, var)``: ``μ / √(1 + π v / 8)``
+        (MacKay's probit approximation, R&W §3.4.2), ``P(y = 1) = σ(·)``."""
+        return mean / torch.sqrt(1 + math.pi * var / 8)
+
     def moments(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``P(y = 1)`` by the probit approximation ``σ(μ / √(1 + π v / 8))`` (R&W §3.4.2) and its Bernoulli
         variance."""
-        p1 = torch.sigmoid(mean / torch.sqrt(1 + math.pi * var / 8))
+        p1 = torch.sigmoid(self.moderated(mean, var))
         return p1, p1 * (1 - p1)
 
 
@@ -161,9 +166,13 @@ class BernoulliProbit(Bernoulli):
             third = torch.where(tail, r * a_tail * a_tail * c * (d - c), third)
         return (s * r).to(f.dtype), (r * a).to(f.dtype), (s * third).to(f.dtype)
 
+    def moderated(self, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        """``μ / √(1 + v)``: ``P(y = 1) = Φ(·)`` exactly (R&W eq. (3.82))."""
+        return mean / torch.sqrt(1 + var)
+
     def moments(self, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``P(y = 1) = Φ(μ / √(1 + v))``, exact for the probit link (R&W eq. (3.82)), and its Bernoulli variance."""
-        p1 = torch.special.ndtr(mean / torch.sqrt(1 + var))
+        p1 = torch.special.ndtr(self.moderated(mean, var))
         return p1, p1 * (1 - p1)
 
 

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_points, validate_positive
 from gpnys.classify.laplace import BernoulliClassifier, LaplacePredictions, halve_step
-from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
+from gpnys.classify.likelihoods import LaplaceLikelihood
 from gpnys.kernels.blocks import kernel_diag
 from gpnys.landmarks.rules import METHODS, select
 from gpnys.reduced.lla import VARIANCES, NystromFeatureMap
@@ -54,6 +55,9 @@ class ReducedLaplaceGP(LaplacePredictions):
     """Laplace-approximate GP on the rank-``s`` Nyström kernel ``K̃ = Φ Φᵀ`` (module docstring): the mode, ``log q``
     (R&W eq. (3.32) for ``K̃``) and its exact gradient, with ``"bernoulli"`` (0/1 labels, logistic link),
     ``"bernoulli_probit"``, ``"poisson"`` or ``"studentt"`` likelihoods (:mod:`gpnys.classify.likelihoods`).
+
+    A scikit-learn estimator as :class:`~gpnys.classify.LaplaceGP` is (``clone``; arguments checked by :meth:`fit`;
+    tensors or numpy arrays in, the same kind out).
 
     Args:
         kernel: a GPyTorch kernel (outputscale included); its trainable parameters (and the likelihood's) are trained
@@ -80,6 +84,7 @@ class ReducedLaplaceGP(LaplacePredictions):
         kernel_, likelihood_: the kernel and likelihood of the fit, copies of ``kernel`` and ``likelihood`` with the
             trained hyperparameters (``optimizer_steps > 0``); the predictions use them.
         landmarks_: ``(m, d)``. rank_: kept directions ``s``. dropped_: ``m − s``, the directions not kept.
+        n_features_in_: the columns of ``X``.
         w_: ``(s,)`` the mode in weight space. f_hat_: ``(n,)`` the latent mode ``Φ ŵ``.
         log_marginal_likelihood_: float. mll_gradient_: ``{raw parameter name: tensor}``, ``∂ log q / ∂θ``.
         newton_iterations_: int (the final fit). history_: one ``{"step", "log_marginal_likelihood",
@@ -108,54 +113,67 @@ class ReducedLaplaceGP(LaplacePredictions):
                  m: int | None = None, landmarks: str | torch.Tensor = "kmeans", rank: int | None = None,
                  rtol: float | None = None, variance: str = "dtc", max_newton: int = 50, newton_tol: float = 1e-8,
                  optimizer_steps: int = 0, lr: float = 0.1, subsample: int | None = None, seed: int = 0) -> None:
-        if not isinstance(kernel, gpytorch.kernels.Kernel):
-            raise ValueError(f"kernel must be a GPyTorch kernel, got {type(kernel).__name__}")
-        likelihood = resolve_likelihood(likelihood)
+        self.kernel, self.likelihood, self.m, self.landmarks, self.rank, self.rtol = (kernel, likelihood, m, landmarks,
+                                                                                     rank, rtol)
+        self.variance, self.max_newton, self.newton_tol = variance, max_newton, newton_tol
+        self.optimizer_steps, self.lr, self.subsample, self.seed = optimizer_steps, lr, subsample, seed
+
+    def _settings(self) -> None:
+        """Check the constructor's arguments (at :meth:`fit`, as scikit-learn does) and keep them, as numbers, in
+        private attributes that the fit reads; a ``ValueError`` names a bad one."""
+        landmarks, m = self.landmarks, self.m
         if isinstance(landmarks, torch.Tensor):
             validate_points(landmarks, "landmarks")
             if m is not None and m != landmarks.shape[0]:
                 raise ValueError(f"m = {m} disagrees with the {landmarks.shape[0]} landmarks given; leave m out")
         else:
             validate_choice(landmarks, "landmarks", METHODS, also="or an (m, d) tensor")
-        validate_choice(variance, "variance", VARIANCES)
-        self.kernel, self.likelihood, self.landmarks, self.variance = kernel, likelihood, landmarks, variance
-        self.m = None if m is None else validate_count(m, "m", 1)
-        self.rank = None if rank is None else validate_count(rank, "rank", 1)
-        if rtol is not None and not 0 < float(rtol) < 1:
-            raise ValueError(f"rtol must be in (0, 1), got {rtol}")
-        self.rtol = None if rtol is None else float(rtol)
-        self.max_newton = validate_count(max_newton, "max_newton", 1)
-        self.newton_tol = validate_positive(newton_tol, "newton_tol")
-        self.optimizer_steps = validate_count(optimizer_steps, "optimizer_steps", 0)
-        self.lr = validate_positive(lr, "lr")
-        self.subsample = None if subsample is None else validate_count(subsample, "subsample", 1)
-        self.seed = validate_count(seed, "seed", 0)
+        self._landmarks_rule = landmarks
+        self._variance = validate_choice(self.variance, "variance", VARIANCES)
+        self._m = None if m is None else validate_count(m, "m", 1)
+        self._rank = None if self.rank is None else validate_count(self.rank, "rank", 1)
+        self._rtol = None
+        if self.rtol is not None:
+            try:
+                self._rtol = float(self.rtol)
+            except (TypeError, ValueError):
+                self._rtol = math.nan
+            if not 0 < self._rtol < 1:
+                raise ValueError(f"rtol must be in (0, 1), got {self.rtol!r}")
+        self._max_newton = validate_count(self.max_newton, "max_newton", 1)
+        self._newton_tol = validate_positive(self.newton_tol, "newton_tol")
+        self._optimizer_steps = validate_count(self.optimizer_steps, "optimizer_steps", 0)
+        self._lr = validate_positive(self.lr, "lr")
+        self._subsample = None if self.subsample is None else validate_count(self.subsample, "subsample", 1)
+        self._seed = validate_count(self.seed, "seed", 0)
 
     # ---- fit -----------------------------------------------------------------------------------------------
-    def fit(self, X: torch.Tensor, y: torch.Tensor) -> "ReducedLaplaceGP":
+    def fit(self, X: Any, y: Any) -> "ReducedLaplaceGP":
         """Landmarks, ``optimizer_steps`` Adam steps on the hyperparameters, then the mode, ``log q`` and its gradient
-        on every row. ``X: (n, d)``, ``y: (n,)`` in the likelihood's support. Returns ``self``."""
-        y = check_observations(X, y, self.likelihood)
+        on every row. ``X: (n, d)``, ``y: (n,)`` in the likelihood's support, tensors or arrays. Checks the
+        constructor's arguments first. Returns ``self``."""
+        self._settings()
+        X, y, likelihood = self._prepare(X, y)
         n = X.shape[0]
-        dtype = self._copy_hyperparameters(X)
+        dtype = self._copy_hyperparameters(X, likelihood)
         X, y = X.to(dtype), y.to(dtype)
-        if self.subsample is not None and self.subsample > n:
-            raise ValueError(f"subsample must be <= n = {n}, got {self.subsample}")
+        if self._subsample is not None and self._subsample > n:
+            raise ValueError(f"subsample must be <= n = {n}, got {self._subsample}")
         self.landmarks_ = self._landmarks(X)
         params = [p for p in self.kernel_.parameters() if p.requires_grad] + self.likelihood_.parameters()
         self.history_: list[dict] = []
-        if self.optimizer_steps and not params:
-            warnings.warn(f"{type(self).__name__}: optimizer_steps = {self.optimizer_steps} but neither the kernel nor "
-                          "the likelihood has a trainable parameter; no step is taken", UserWarning, stacklevel=2)
+        if self._optimizer_steps and not params:
+            warnings.warn(f"{type(self).__name__}: optimizer_steps = {self._optimizer_steps} but neither the kernel "
+                          "nor the likelihood has a trainable parameter; no step is taken", UserWarning, stacklevel=2)
         beta = None  # the last mode as landmark coefficients A ŵ: a warm start in any later basis
-        if self.optimizer_steps and params:
+        if self._optimizer_steps and params:
             rows = X, y
-            if self.subsample is not None and self.subsample < n:
-                gen = torch.Generator(device=X.device).manual_seed(self.seed)
-                idx = torch.randperm(n, generator=gen, device=X.device)[: self.subsample]
+            if self._subsample is not None and self._subsample < n:
+                gen = torch.Generator(device=X.device).manual_seed(self._seed)
+                idx = torch.randperm(n, generator=gen, device=X.device)[: self._subsample]
                 rows = X[idx], y[idx]
-            opt = torch.optim.Adam(params, lr=self.lr)
-            for step in range(self.optimizer_steps):
+            opt = torch.optim.Adam(params, lr=self._lr)
+            for step in range(self._optimizer_steps):
                 log_q, beta, iterations = self._evaluate(*rows, beta, differentiable=True)
                 self.history_.append({"step": step, "log_marginal_likelihood": float(log_q.detach()),
                                       "newton_iterations": iterations})
@@ -173,31 +191,32 @@ class ReducedLaplaceGP(LaplacePredictions):
         with torch.no_grad():
             self.f_hat_ = self._Phi @ self.w_
         self._X, self._y = X, y
-        if self.newton_iterations_ >= self.max_newton:
-            warnings.warn(f"{type(self).__name__}: Newton's method stopped at max_newton = {self.max_newton} steps "
+        if self.newton_iterations_ >= self._max_newton:
+            warnings.warn(f"{type(self).__name__}: Newton's method stopped at max_newton = {self._max_newton} steps "
                           "before the mode moved less than newton_tol", NumericalWarning, stacklevel=2)
         return self
 
     def _landmarks(self, X: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.landmarks, torch.Tensor):
-            if self.landmarks.shape[1] != X.shape[1]:
-                raise ValueError(f"landmarks must have d = {X.shape[1]} columns like X, got {self.landmarks.shape[1]}")
-            if self.landmarks.shape[0] > X.shape[0]:
-                raise ValueError(f"landmarks: m = {self.landmarks.shape[0]} exceeds n = {X.shape[0]}")
-            return self.landmarks.to(X)
-        m = min(DEFAULT_M, X.shape[0]) if self.m is None else self.m
+        given = self._landmarks_rule
+        if isinstance(given, torch.Tensor):
+            if given.shape[1] != X.shape[1]:
+                raise ValueError(f"landmarks must have d = {X.shape[1]} columns like X, got {given.shape[1]}")
+            if given.shape[0] > X.shape[0]:
+                raise ValueError(f"landmarks: m = {given.shape[0]} exceeds n = {X.shape[0]}")
+            return given.to(X)
+        m = min(DEFAULT_M, X.shape[0]) if self._m is None else self._m
         if m > X.shape[0]:
             raise ValueError(f"m must be <= n = {X.shape[0]}, got {m}")
-        return select(X, m, method=self.landmarks, seed=self.seed)[0]
+        return select(X, m, method=given, seed=self._seed)[0]
 
     def _features(self) -> NystromFeatureMap:
         """The Nyström map at the current hyperparameters (its ``A`` without autograd); a cut-off is by design here
         (``rtol``), so its warning is not raised at every step."""
         C = self.landmarks_
-        rtol = math.sqrt(torch.finfo(C.dtype).eps) if self.rtol is None else self.rtol
+        rtol = math.sqrt(torch.finfo(C.dtype).eps) if self._rtol is None else self._rtol
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NumericalWarning)
-            fmap = NystromFeatureMap(self.kernel_, C, rank=self.rank, rtol=rtol)
+            fmap = NystromFeatureMap(self.kernel_, C, rank=self._rank, rtol=rtol)
         self.rank_, self.dropped_ = fmap.s, C.shape[0] - fmap.s
         return fmap
 
@@ -255,13 +274,13 @@ class ReducedLaplaceGP(LaplacePredictions):
         n = Phi.shape[0]
         eps = torch.finfo(Phi.dtype).eps
         slack = 64 * eps
-        tol = max(self.newton_tol, 64 * eps)  # a float32 mode does not settle below its rounding
+        tol = max(self._newton_tol, 64 * eps)  # a float32 mode does not settle below its rounding
         with torch.no_grad():
             w = Phi.new_zeros(s) if w0 is None else w0
             f = Phi @ w
             psi = float(lik.log_prob(f, y) - 0.5 * (w @ w))
             iterations, last = 0, math.inf
-            for _ in range(self.max_newton):
+            for _ in range(self._max_newton):
                 g, W, _ = lik.derivatives(f, y)
                 L = self._cholesky_H(Phi, W)
                 dw = torch.cholesky_solve((Phi.mT @ g - w)[:, None], L)[:, 0]
@@ -293,15 +312,17 @@ class ReducedLaplaceGP(LaplacePredictions):
                 return mean, None
             v = torch.linalg.solve_triangular(self._L, phi.mT, upper=False)
             var = v.square().sum(0)
-            if self.variance == "dtc":
+            if self._variance == "dtc":
                 var = var + (kernel_diag(self.kernel_, X) - phi.square().sum(1)).clamp_min(0.0)
             return mean, var
 
 
 class ReducedLaplaceClassifier(BernoulliClassifier, ReducedLaplaceGP):
-    """Laplace GP binary classifier (labels 0/1) on the Nyström kernel: :class:`ReducedLaplaceGP` with the Bernoulli
-    likelihood, class probabilities and labels. ``link``: ``"logit"`` (R&W eq. (3.15)) or ``"probit"``
-    (eq. (3.16)). Other arguments as :class:`ReducedLaplaceGP`'s.
+    """Laplace GP binary classifier on the Nyström kernel: :class:`ReducedLaplaceGP` with the Bernoulli likelihood,
+    class probabilities and labels, and a scikit-learn classifier as
+    :class:`~gpnys.classify.LaplaceGPClassifier` is (``clone``, ``Pipeline``, ``GridSearchCV``; ``classes_``,
+    ``score``, ``decision_function``; any two labels). ``link``: ``"logit"`` (R&W eq. (3.15)) or ``"probit"``
+    (eq. (3.16)). Other arguments as :class:`ReducedLaplaceGP`'s; all are checked by :meth:`fit`.
 
     Example:
         >>> import gpytorch, torch
@@ -318,3 +339,11 @@ class ReducedLaplaceClassifier(BernoulliClassifier, ReducedLaplaceGP):
         >>> bool((clf.predict(X) == y).double().mean() > 0.9)
         True
     """
+
+    def __init__(self, kernel: gpytorch.kernels.Kernel, *, link: str = "logit", m: int | None = None,
+                 landmarks: str | torch.Tensor = "kmeans", rank: int | None = None, rtol: float | None = None,
+                 variance: str = "dtc", max_newton: int = 50, newton_tol: float = 1e-8, optimizer_steps: int = 0,
+                 lr: float = 0.1, subsample: int | None = None, seed: int = 0) -> None:
+        self.kernel, self.link, self.m, self.landmarks, self.rank, self.rtol = kernel, link, m, landmarks, rank, rtol
+        self.variance, self.max_newton, self.newton_tol = variance, max_newton, newton_tol
+        self.optimizer_steps, self.lr, self.subsample, self.seed = optimizer_steps, lr, subsample, seed

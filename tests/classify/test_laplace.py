@@ -10,6 +10,7 @@ import warnings
 import gpytorch
 import pytest
 import torch
+from sklearn.exceptions import NotFittedError
 
 from gpnys.baselines.laplace import dense_laplace as baseline_laplace
 from gpnys.checks import NumericalWarning
@@ -118,7 +119,7 @@ def test_accuracy_on_a_separable_set():
 
 @pytest.mark.parametrize("X, y, name", [
     (torch.rand(10, 2, dtype=F64), torch.tensor([0, 1, 2, 0, 1, 0, 1, 0, 1, 0], dtype=F64), "y"),
-    (torch.rand(10, 2, dtype=F64), -torch.ones(10, dtype=F64).index_fill(0, torch.tensor([0]), 1.0), "y"),
+    (torch.rand(10, 2, dtype=F64), torch.tensor([0.5, 1.5] * 5, dtype=F64), "y"),  # not labels: continuous
     (torch.rand(10, 2, dtype=F64), torch.ones(10, dtype=F64), "y"),
     (torch.rand(10, 2, dtype=F64), torch.full((10,), float("nan"), dtype=F64), "y"),
     (torch.rand(10, 2, dtype=F64), torch.tensor([0.0, 1.0] * 4, dtype=F64), "y"),
@@ -132,17 +133,15 @@ def test_bad_input_names_the_argument(X, y, name):
 
 
 def test_bad_options_and_points():
-    with pytest.raises(ValueError, match="method"):
-        LaplaceGPClassifier(make_kernel(), method="pivchol")
-    with pytest.raises(ValueError, match="cg_tolerance"):
-        LaplaceGPClassifier(make_kernel(), cg_tolerance=0)
-    with pytest.raises(ValueError, match="num_probes"):
-        LaplaceGPClassifier(make_kernel(), num_probes=1)
-    with pytest.raises(ValueError, match="group needs torch.distributed"):  # no process group to split over
-        LaplaceGPClassifier(make_kernel(), group=True)
     X, y = data(40)
+    # the arguments are checked by fit, as scikit-learn's estimators do (the constructor only keeps them)
+    for kwargs, match in (({"method": "pivchol"}, "method"), ({"cg_tolerance": 0}, "cg_tolerance"),
+                          ({"num_probes": 1}, "num_probes"), ({"precond_options": 10}, "precond_options"),
+                          ({"group": True}, "group needs torch.distributed")):  # no process group to split over
+        with pytest.raises(ValueError, match=match):
+            LaplaceGPClassifier(make_kernel(), **kwargs).fit(X, y)
     clf = LaplaceGPClassifier(make_kernel(), precond_options={"k": 10}, num_probes=4)
-    with pytest.raises(RuntimeError, match="fit"):
+    with pytest.raises(NotFittedError, match="fit"):
         clf.predict(X)
     clf.fit(X, y.bool())
     with pytest.raises(ValueError, match=r"\bX\b"):
@@ -301,10 +300,11 @@ def test_deep_copy_predicts_as_the_original(dtype, method, options):
 
 
 def test_bad_training_options():
+    X, y = data(20)
     with pytest.raises(ValueError, match="optimizer_steps"):
-        LaplaceGPClassifier(make_kernel(), optimizer_steps=-1)
+        LaplaceGPClassifier(make_kernel(), optimizer_steps=-1).fit(X, y)
     with pytest.raises(ValueError, match="lr"):
-        LaplaceGPClassifier(make_kernel(), lr=0.0)
+        LaplaceGPClassifier(make_kernel(), lr=0.0).fit(X, y)
 
 
 @pytest.mark.cuda

@@ -114,9 +114,10 @@ def test_bad_counts_name_y(y, match):
 
 
 def test_bad_likelihood_arguments():
+    X, y = torch.rand(10, 2, dtype=F64), torch.tensor([0.0, 1.0] * 5, dtype=F64)
     with pytest.raises(ValueError, match="likelihood"):
-        LaplaceGP(make_kernel(), likelihood="student-t")
-    with pytest.raises(ValueError, match="likelihood"):
+        LaplaceGP(make_kernel(), likelihood="student-t").fit(X, y)
+    with pytest.raises(TypeError, match="likelihood"):  # the classifier is Bernoulli: no such argument
         LaplaceGPClassifier(make_kernel(), likelihood="poisson")
 
 

@@ -68,7 +68,7 @@ def test_same_seed_same_results_and_bad_link():
     b = LaplaceGPClassifier(make_kernel(), link="probit", precond_options={"k": 20}, seed=4).fit(X, y)
     assert a.log_marginal_likelihood_ == b.log_marginal_likelihood_ and torch.equal(a.f_hat_, b.f_hat_)
     with pytest.raises(ValueError, match="link"):
-        LaplaceGPClassifier(make_kernel(), link="cloglog")
+        LaplaceGPClassifier(make_kernel(), link="cloglog").fit(X, y)
 
 
 @pytest.mark.cuda

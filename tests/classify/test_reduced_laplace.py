@@ -9,6 +9,7 @@ import copy
 import gpytorch
 import pytest
 import torch
+from sklearn.exceptions import NotFittedError
 
 from gpnys.baselines.laplace import dense_laplace
 from gpnys.classify import ReducedLaplaceClassifier, ReducedLaplaceGP, StudentT
@@ -227,9 +228,9 @@ def test_fit_trains_copies_of_the_kernel_and_likelihood_and_refits_identically(d
 def test_bad_input_names_the_argument():
     X, y = labels(50)
     k = make_kernel()
-    with pytest.raises(ValueError, match="y must hold labels 0 and 1"):
-        ReducedLaplaceClassifier(k, m=10).fit(X, y + 1)
-    with pytest.raises(ValueError, match="single class"):
+    with pytest.raises(ValueError, match="y holds 3 classes"):
+        ReducedLaplaceClassifier(k, m=10).fit(X, torch.arange(50, dtype=F64) % 3)
+    with pytest.raises(ValueError, match="y holds one class"):
         ReducedLaplaceClassifier(k, m=10).fit(X, torch.ones(50, dtype=F64))
     Xn = X.clone()
     Xn[3, 0] = float("nan")
@@ -251,12 +252,14 @@ def test_bad_input_names_the_argument():
                           ({"link": "cauchit"}, "link"), ({"m": 0}, "m must be >= 1"), ({"lr": -1.0}, "lr"),
                           ({"rtol": 1.0}, r"rtol must be in \(0, 1\)"), ({"rank": 0}, "rank must be >= 1"),
                           ({"m": 4, "landmarks": X[:5]}, "m = 4 disagrees"),
-                          ({"likelihood": "poisson"}, "likelihood")):
-        with pytest.raises(ValueError, match=match):
-            ReducedLaplaceClassifier(k, **kwargs)
+                          ({"rtol": "small"}, "rtol"), ({"subsample": 0}, "subsample")):
+        with pytest.raises(ValueError, match=match):  # checked by fit, as scikit-learn's estimators do
+            ReducedLaplaceClassifier(k, **kwargs).fit(X, y)
+    with pytest.raises(TypeError, match="likelihood"):  # the classifier is Bernoulli: no such argument
+        ReducedLaplaceClassifier(k, likelihood="poisson")
     with pytest.raises(ValueError, match="kernel"):
-        ReducedLaplaceGP("rbf")
-    with pytest.raises(RuntimeError, match="call fit first"):
+        ReducedLaplaceGP("rbf").fit(X, y)
+    with pytest.raises(NotFittedError, match="fit"):
         ReducedLaplaceClassifier(k).predict_proba(X)
     clf = ReducedLaplaceClassifier(k, m=10).fit(X, y)
     with pytest.raises(ValueError, match="X must have 2 columns"):
