@@ -121,9 +121,10 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
             ``Nystroem``); landmark_indices_: ``(m,)`` rows of X, or ``None`` for k-means.
         A_: ``(m, s)`` (orthonormal) or ``(m, m)`` (standard) projection, ``phi = k(X, C) A_``.
         rank_: ``s``; lengthscale_: the length-scale used (``None`` for a kernel object); kernel_: the kernel;
-        n_features_in_: ``d``; center_: ``(d,)`` mean of the training rows (at least float64) that a
-        shift-invariant kernel's features are computed relative to, so that float32 keeps the digits of inputs far
-        from the origin (``None`` for other kernels).
+        n_features_in_: ``d``.
+        center_: ``(d,)`` mean of the training rows (at least float64) that a shift-invariant kernel's features
+            are computed relative to, so that float32 keeps the digits of inputs far from the origin (``None`` for
+            other kernels).
 
     ``transform`` returns numpy for numpy (or list) input and a tensor on the fitted device for tensor input.
 
