@@ -24,8 +24,11 @@ unchanged, but for fantasies (last item). Above it, no ``n x n`` Cholesky of the
 
   whose error is second order in the PCG error of ``B`` (``Σ − Σ_exact = Eᵀ K̂ E``, ``E = B − K̂⁻¹K*``) and whose
   gradient w.r.t. ``X*`` (``B`` held fixed) is the exact one to first order — what ``optimize_acqf`` needs.
-  ``B`` is warm-started from the previous call's solution when the batch shape repeats (an L-BFGS run over
-  the acquisition function moves ``X*`` a little per step): ``x0 = B_prev + P̂⁻¹ (K* − K*_prev)``.
+  Each column of ``B`` is solved until a bound on its variance's error and an estimate of its own error (which the
+  gradient holds) are within ``posterior_variance_rtol`` (1e-4); where the dtype cannot reach that (float32 at a
+  small noise), one warning per model says what it reached. ``B`` is warm-started from the previous call's
+  solution when the batch shape repeats (an L-BFGS run over the acquisition function moves ``X*`` a little per
+  step): ``x0 = B_prev + P̂⁻¹ (K* − K*_prev)``.
   BoTorch draws joint samples for ``q > 1`` from the ``q x q`` covariance (its Cholesky is ``q x q``).
 * ``condition_on_observations`` with one new batch of points returns a new model of this class with the data
   appended (hyperparameters kept, transforms not refitted, as BoTorch does).
@@ -82,7 +85,7 @@ from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.entries import batch_element
 from gpnys.precond.strategy import PRECONDITIONERS
-from gpnys.solvers.pcg import PCGResult
+from gpnys.solvers.pcg import ConvergenceWarning, PCGResult
 
 try:  # BoTorch's default fitting routine: private, and no public name runs it without the dispatch back to us
     from botorch.fit import _fit_fallback
@@ -94,13 +97,21 @@ except ImportError as err:  # pragma: no cover - a BoTorch release that renamed 
 
 __all__ = [
     "PreconditionedSingleTaskGP", "PreconditionedFantasyGP", "PosteriorSolveError", "BO_DEFAULTS", "BO_LANDMARK_CAP",
-    "POSTERIOR_CHOLESKY_SIZE",
+    "POSTERIOR_CHOLESKY_SIZE", "POSTERIOR_VARIANCE_RTOL",
 ]
 
 #: the default of ``posterior_cholesky_size``: ``None``, the posterior (fixed hyperparameters) factorises ``K̂`` once
 #: wherever Cholesky's working set fits the memory budget (``n³/3`` flops and ``8 n²`` bytes a matrix in float64),
 #: instead of solving by PCG per acquisition call (module docstring; docs/bo.md)
 POSTERIOR_CHOLESKY_SIZE: int | None = None
+#: the default of ``posterior_variance_rtol``: each PCG posterior variance is solved until the bound on its error is
+#: at most this fraction of it (:meth:`PreconditionedSingleTaskGP._column_solves`; measured in docs/bo.md)
+POSTERIOR_VARIANCE_RTOL = 1e-4
+#: at most this many further solves of the columns whose variance bound exceeds ``posterior_variance_rtol``
+VARIANCE_ROUNDS = 3
+#: the products' rounding is computed (one product with ``|B|``) where its cheap part exceeds this share of the
+#: allowance ``rtol · v``, or where a column needs a further solve
+VARIANCE_ROUNDING = 1e-3
 #: at most this many fresh L-BFGS-B runs after one that stopped on its own with the gradient still above its noise
 #: and more than the loss's standard error gained (:meth:`custom_fit`)
 FIT_RESTARTS = 8
@@ -156,9 +167,15 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             ``solver`` (default ``$GPNYS_SOLVER`` or ``"auto"``) applies to ``max_cholesky_size=None``:
             ``"iterative"`` / ``"cholesky"`` force the path above GPyTorch's threshold.
         seed: seed of the preconditioner (rank estimation, landmarks) and of the probes.
-        posterior_tolerance: relative PCG residual for ``B = K̂⁻¹ K*``. The covariance error is second order in
-            it but scales like ``tol² |k*|² / σ²`` (measured errors in docs/bo.md). ``α`` is solved to ``tol²``.
-            Both are floored at ``1000 eps`` of the dtype.
+        posterior_tolerance: relative PCG residual for ``B = K̂⁻¹ K*`` in a first pass (its columns then go on as
+            ``posterior_variance_rtol`` needs). The covariance error is second order in it but scales like
+            ``tol² |k*|² / σ²``. ``α`` is solved to ``tol²``. Both are floored at ``1000 eps`` of the dtype.
+        posterior_variance_rtol: each test point's column of ``B`` is solved until the bound ``‖ρ‖² / min σ²`` on its
+            variance's error is at most this fraction of the variance, and the estimate ``‖P̂⁻¹ρ‖`` of its own
+            error (the variance's gradient w.r.t. the point is first order in it) at most this fraction of it
+            (``ρ`` its residual; docs/bo.md, "Posterior", for the measured errors and cost). Where the dtype's
+            rounding keeps it from that (float32 at a small noise), one ``NumericalWarning`` per model names the
+            accuracy reached. ``None``: ``posterior_tolerance`` alone, unchecked.
         posterior_options: preconditioner options for the posterior solves only, over ``**precond_options``
             (which apply to both) and the defaults for ``afn`` / ``auto`` (``k=3500, w=90``, at most ``0.7 n``
             landmarks, :data:`BO_DEFAULTS`);
@@ -176,7 +193,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             w=30``, :data:`BO_DEFAULTS`).
 
     Attributes:
-        posterior_iterations: PCG iterations of the latest posterior solve (``B``), for diagnostics.
+        posterior_iterations: PCG iterations of the latest posterior solve (``B``, with the further solves of
+            ``posterior_variance_rtol``), for diagnostics.
+        posterior_variance_error: the latest PCG posterior's largest bound on a variance's relative error (with the
+            dtype's rounding, estimated); ``None`` without ``posterior_variance_rtol`` or a PCG posterior yet.
+        posterior_gradient_error: the latest PCG posterior's largest estimated relative error ``‖P̂⁻¹ρ‖ / ‖b‖`` of a
+            column of ``B``, which the variances' gradients hold.
         alpha_iterations: PCG iterations of the latest solve for ``α = K̂⁻¹ (y − m)``.
         path_reason: why the latest :meth:`uses_preconditioner` chose its path.
         posterior_path_reason: why the latest posterior above ``max_cholesky_size`` took BoTorch's exact path or
@@ -227,6 +249,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         settings: EstimatorSettings | None = None,
         seed: int = 0,
         posterior_tolerance: float = 1e-6,
+        posterior_variance_rtol: float | None = POSTERIOR_VARIANCE_RTOL,
         posterior_options: dict[str, Any] | None = None,
         posterior_cholesky_size: int | None = POSTERIOR_CHOLESKY_SIZE,
         fit_subset: int | None = 1000,
@@ -234,6 +257,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     ) -> None:
         validate_choice(precond, "precond", tuple(p for p in PRECONDITIONERS if p != "none"))
         validate_positive(posterior_tolerance, "posterior_tolerance")
+        if posterior_variance_rtol is not None:
+            posterior_variance_rtol = validate_positive(posterior_variance_rtol, "posterior_variance_rtol")
         # sizes: an integer (or None); validate_count also takes a whole float such as 1e4
         max_cholesky_size, posterior_cholesky_size, fit_subset = (
             None if v is None else validate_count(v, name, low) for v, name, low in (
@@ -264,6 +289,13 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_fantasy: tuple[PreconditionedSingleTaskGP, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         #: open :meth:`preconditioned` contexts: their hook is in use, and :meth:`train` keeps it
         self._gpnys_in_use = 0
+        #: whether this model (or the model whose output models these are) said that its PCG posterior variances
+        #: miss ``posterior_variance_rtol``: one warning per model, not per call (:meth:`_column_solves`)
+        self._gpnys_accuracy_warned = [False]
+        #: the latest PCG posterior's bound on its variances' relative error, and estimate of the relative error of
+        #: the solves their gradients hold (:meth:`_column_solves`)
+        self.posterior_variance_error: float | None = None
+        self.posterior_gradient_error: float | None = None
         settings = settings or EstimatorSettings()
         if settings.probe_seed is None:  # L-BFGS-B's line searches need a deterministic objective
             settings = dataclasses.replace(settings, probe_seed=seed)
@@ -273,6 +305,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                               "settings": dataclasses.replace(settings, solver="iterative"),
                               "seed": seed,
                               "posterior_tolerance": float(posterior_tolerance),
+                              "posterior_variance_rtol": posterior_variance_rtol,
                               "posterior_cholesky_size": posterior_cholesky_size,
                               "options": precond_options, "posterior_options": dict(posterior_options or {}),
                               "fit_subset": fit_subset}
@@ -285,6 +318,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self._gpnys_hook_kernel: tuple[Module, ...] | None = None  # the kernel modules it was made for
         self._gpnys_hook_settings: tuple | None = None  # and their plain settings (:meth:`_settings`)
         self._gpnys_posterior: PCGPosterior | None = None
+        #: per block shape, the relative residuals the latest block's columns needed (:meth:`_column_solves`)
+        self._gpnys_column_tol: dict[torch.Size, torch.Tensor] = {}
         #: ``m`` outputs: ``((state, modules, settings), one single-output model per output)`` for the posterior
         #: (:meth:`_output_models`)
         self._gpnys_outputs: tuple[tuple[tuple[torch.Tensor, ...], tuple[Module, ...], tuple],
@@ -693,6 +728,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         A, M = hook.system(hook.problem.inputs(), self._options("posterior", X.shape[0]))
         if self._gpnys_posterior is None:
             self._gpnys_posterior = PCGPosterior(A, M, self._gpnys_config["settings"].max_cg_iterations)
+            self._gpnys_column_tol = {}
         return self._gpnys_posterior.update(A, M)
 
     def _alpha(self, X: torch.Tensor, post: PCGPosterior) -> torch.Tensor:
@@ -728,11 +764,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         Ks = [self.covar_module(X, x).to_dense() for x in xs]
         with torch.no_grad():  # one solve: its cost is mostly the products with K̂, whatever the column count
             R = torch.cat([K.detach().movedim(-2, 0).reshape(n, -1) for K in Ks], dim=1)
-            res = post.solve(R, self._tolerance(R.dtype))
-            _check_solve(res, self._tolerance(R.dtype), "posterior")
-            B = res.x
-            self.posterior_iterations = post.iterations
-            KB = post.A(B)
+            prior = torch.cat([self.covar_module(x, diag=True).detach().reshape(-1) for x in xs]).to(R)
+            B, KB = self._column_solves(post, R, prior)
         out, start = [], 0
         for x, K in zip(xs, Ks):
             stop = start + K[..., 0, :].numel()
@@ -740,6 +773,87 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             out.append(_Columns(x, self.mean_module(x) + (K.mT @ alpha[:, None]).squeeze(-1), K, Bx, KBx))
             start = stop
         return out
+
+    def _column_solves(self, post: PCGPosterior, R: torch.Tensor,
+                       prior: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, K̂B)`` for the kernel columns ``R = K(X, x) (n, t)`` (``prior`` ``(t,)``: ``k(x, x)``): PCG to
+        ``posterior_tolerance``, then each column on until its variance and that variance's gradient are within
+        ``rtol = posterior_variance_rtol``.
+
+        * The variational variance ``v = k(x, x) − (2 rᵀb − bᵀK̂b)`` is off by ``ρᵀK̂⁻¹ρ ≤ ‖ρ‖² / min σ²`` (``ρ`` the
+          column's true residual; ``λ_min(K̂) ≥ min σ²``): a bound, to be at most ``rtol · v``.
+        * Its gradient w.r.t. ``x`` (``b`` held fixed) is off by ``2 ∂rᵀe``, first order in the solution's error
+          ``e = b − K̂⁻¹r``, whose estimate ``‖P̂⁻¹ρ‖`` (one preconditioner solve; within 0.7–1.5 of ``‖e‖`` where
+          measured, while ``‖ρ‖ / min σ²`` was up to 60 times ``‖e‖``) is to be at most ``rtol ‖b‖``.
+
+        A column that misses either is solved again from its ``b``, to the relative residual that scales its miss
+        down to a quarter (half, for the gradient's first-order error), at most :data:`VARIANCE_ROUNDS` times, not
+        below what the dtype can reach, ``2 u ‖K̂|b|‖ / ‖r‖`` (``u`` the unit roundoff). The rounding of the
+        products and of ``v`` itself adds about ``u (k(x, x) + 2 |r|ᵀ|b| + 2 |b|ᵀK̂|b|)`` to ``v``'s error, which no
+        solve removes (float32 at a small noise). ``posterior_variance_error`` is the largest
+        (bound + rounding) / ``v``; a miss of ``rtol`` (in it or in the gradient's estimate) gets one
+        :class:`~gpnys.checks.NumericalWarning` per model."""
+        tol = self._tolerance(R.dtype)
+        rtol = self._gpnys_config["posterior_variance_rtol"]
+        last = self._gpnys_column_tol.get(R.shape) if rtol is not None else None
+        with warnings.catch_warnings():  # with the check below, a column short of its tolerance shows there
+            if rtol is not None:
+                warnings.simplefilter("ignore", ConvergenceWarning)
+            res = post.solve(R, tol if last is None else last.clamp_max(tol))
+        _check_solve(res, tol, "posterior")
+        self.posterior_iterations = post.iterations
+        B, rho = res.x, res.residual
+        if rtol is None:
+            self.posterior_variance_error = self.posterior_gradient_error = None
+            return B, R - rho
+        floor = max(float(self.hook().problem.noise().detach().min()), torch.finfo(R.dtype).tiny)  # λ_min(K̂) >= σ²
+        tiny, u = torch.finfo(R.dtype).tiny, torch.finfo(R.dtype).eps / 2
+        norm = torch.linalg.vector_norm(R, dim=0).clamp_min(tiny)
+        rounding = reach = None
+        for step in range(VARIANCE_ROUNDS + 1):
+            v = prior - (2 * R * B - B * (R - rho)).sum(0)
+            bound = rho.square().sum(0) / floor  # >= v's error
+            e = torch.linalg.vector_norm(post.M(rho), dim=0)  # ≈ ‖b − K̂⁻¹r‖
+            b = torch.linalg.vector_norm(B, dim=0)
+            cheap = u * (prior + 2 * (R.abs() * B.abs()).sum(0))
+            over = (bound > rtol * v.clamp_min(0)) | (e > rtol * b)
+            if rounding is None and bool((cheap > VARIANCE_ROUNDING * rtol * v).any() | over.any()):
+                KaB = post.A(B.abs())  # the products' rounding (one product), where it may matter
+                rounding = cheap + 2 * u * (B.abs() * KaB).sum(0)
+                reach = 2 * u * torch.linalg.vector_norm(KaB, dim=0) / norm
+            # the relative residual that brings each column to a quarter of its allowances
+            rel = torch.linalg.vector_norm(rho, dim=0) / norm
+            want = torch.minimum(torch.sqrt(rtol * v.clamp_min(0) * floor) / (2 * norm),
+                                 rel * rtol * b / (2 * e).clamp_min(tiny))
+            want = (want if reach is None else torch.maximum(want, reach)).clamp_min(torch.finfo(R.dtype).eps)
+            if step == VARIANCE_ROUNDS or not bool(over.any()):
+                break
+            over &= want < rel  # the columns that can still gain
+            if not bool(over.any()):
+                break
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ConvergenceWarning)
+                res = post.solve(R, torch.where(over, want, 1.0).to(torch.float64))
+            self.posterior_iterations += post.iterations
+            better = res.residual.square().sum(0) <= rho.square().sum(0)  # a stalled column keeps its better b
+            B, rho = torch.where(better, res.x, B), torch.where(better, res.residual, rho)
+        # the next block of this shape (an acquisition optimiser's next step) is solved to what these columns need
+        self._gpnys_column_tol[R.shape] = want.to(torch.float64)
+        error = torch.where(v > 0, (bound + (0 if rounding is None else rounding)) / v, torch.inf)
+        self.posterior_variance_error = worst = float(error.max()) if error.numel() else 0.0
+        gradient = float((e / b.clamp_min(tiny)).max()) if e.numel() else 0.0
+        self.posterior_gradient_error = gradient
+        if max(worst, gradient) > rtol and not self._gpnys_accuracy_warned[0]:
+            self._gpnys_accuracy_warned[0] = True
+            remedy = ("use float64 (model.double())" if R.dtype != torch.float64 else
+                      "a stronger posterior preconditioner (posterior_options) or BoTorch's exact path "
+                      "(posterior_cholesky_size) would help")
+            warnings.warn(f"PreconditionedSingleTaskGP: the PCG posterior variances are accurate to {worst:.2g} "
+                          f"relative (a bound on the solve's error and an estimate of {R.dtype}'s rounding), their "
+                          f"gradients' solves to {gradient:.2g} (an estimate), against posterior_variance_rtol="
+                          f"{rtol:g}; {remedy}. Said once per model; posterior_variance_error holds each posterior's "
+                          "bound", NumericalWarning, stacklevel=4)
+        return B, R - rho
 
     def _pcg_covariance(self, a: _Columns, b: _Columns) -> torch.Tensor:
         """The posterior covariance ``K(x_a, x_b) − K*_aᵀ K̂⁻¹ K*_b`` of two :meth:`_pcg_columns` (batch shapes
@@ -763,7 +877,11 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         ``SingleTaskGP`` takes, broadcasts its ``(m, n, n)`` cache over the batch of ``x``, e.g. 51 GB for BoTorch's
         128 raw samples at ``n = 5000`` (docs/bo.md, "Multiple outputs")."""
         x = x if x.dim() > 2 else x.unsqueeze(-3)
-        parts = [model(x[..., min(i, x.shape[-3] - 1), :, :]) for i, model in enumerate(self._output_models())]
+        models = self._output_models()
+        parts = [model(x[..., min(i, x.shape[-3] - 1), :, :]) for i, model in enumerate(models)]
+        for name in ("posterior_variance_error", "posterior_gradient_error"):
+            errors = [getattr(model, name) for model in models]
+            setattr(self, name, None if None in errors else max(errors))
         return latent_mvn(torch.stack([p.mean for p in parts], dim=-2),
                           torch.stack([p.covariance_matrix for p in parts], dim=-3))
 
@@ -797,11 +915,13 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 X[i], Y[i, :, None], noise[i, :, None] if known else None, likelihood,
                 batch_element(self.covar_module, i), _OutputMean(self.mean_module, i, m), outcome_transform=None,
                 precond=c["precond"], max_cholesky_size=0, settings=c["settings"], seed=c["seed"],
-                posterior_tolerance=c["posterior_tolerance"], posterior_options=c["posterior_options"],
+                posterior_tolerance=c["posterior_tolerance"], posterior_variance_rtol=c["posterior_variance_rtol"],
+                posterior_options=c["posterior_options"],
                 posterior_cholesky_size=exact, fit_subset=None, **c["options"])
             if not known:
                 model.likelihood.noise = noise[i]
             model._gpnys_seed = None if seeds is None else seeds[i]
+            model._gpnys_accuracy_warned = self._gpnys_accuracy_warned  # one warning for the m outputs
             models.append(model.eval())
         self._gpnys_outputs = ((state, modules, settings), models)
         return models
