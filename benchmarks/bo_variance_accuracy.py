@@ -1,7 +1,8 @@
 """Accuracy and cost of ``PreconditionedSingleTaskGP``'s PCG posterior variances and their gradients, per
-``posterior_variance_rtol`` (docs/bo.md, "Posterior"). A script, not a test:
+``posterior_variance_rtol`` (docs/bo.md, "Posterior").
 
-    python tests/bo/variance_accuracy.py --n 5000 --noise 1e-4 [--float32]
+Run:  python benchmarks/bo_variance_accuracy.py --n 5000 --noise 1e-4 [--float32]
+      python benchmarks/bo_variance_accuracy.py --quick      (n = 300, 3 steps; run by the test suite)
 
 Hartmann-6 (``negate=True``) at ``--n`` scrambled-Sobol points, float64 (``--float32``: the model in float32, and
 float32 ``SingleTaskGP``'s errors for comparison), ``Standardize``, BoTorch's RBF ARD kernel at
@@ -14,8 +15,10 @@ hyperparameters: the largest relative variance error, and the gradient's largest
 """
 
 import argparse
+import json
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from botorch.models import SingleTaskGP
@@ -26,6 +29,7 @@ from torch.quasirandom import SobolEngine
 from gpnys.bo import PreconditionedSingleTaskGP
 
 LENGTHSCALE = (0.286, 0.369, 0.466, 0.342, 0.333, 0.317)
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def variance_and_gradient(model, x):
@@ -40,7 +44,7 @@ def errors(got, ref):
             float((got[1] - ref[1]).abs().max() / ref[1].abs().max()))
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=5000)
     ap.add_argument("--noise", type=float, default=1e-4)
@@ -48,7 +52,11 @@ def main() -> None:
     ap.add_argument("--rtol", default="none,1e-4,1e-3", help="posterior_variance_rtol values ('none': unchecked)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--float32", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="n = 300, 3 steps")
+    ap.add_argument("--out", default=None, help="JSON (default: benchmarks/results/bo_variance_accuracy.json)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.n, args.steps = 300, 3
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     X = SobolEngine(6, scramble=True, seed=0).draw(args.n, dtype=torch.float64)
@@ -78,6 +86,7 @@ def main() -> None:
     print("| posterior_variance_rtol | cold: PCG it. | variance err. | gradient err. | warm: PCG it. (per call) | "
           "s | variance err. | gradient err. | posterior_variance_error |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
     for rtol in args.rtol.split(","):
         model._gpnys_config["posterior_variance_rtol"] = None if rtol == "none" else float(rtol)
         model._gpnys_posterior = None  # no warm blocks from the previous setting (the preconditioner stays)
@@ -92,6 +101,10 @@ def main() -> None:
         bound = "-" if model.posterior_variance_error is None else f"{model.posterior_variance_error:.1e}"
         print(f"| {rtol} | {cold_it} | {cold[0]:.1e} | {cold[1]:.1e} | {sum(its)} ({its[0]}, {its[1]}, ... "
               f"{its[-1]}) | {seconds:.1f} | {warm[0]:.1e} | {warm[1]:.1e} | {bound} |", flush=True)
+        rows.append({"rtol": rtol, "cold_iterations": cold_it, "cold_variance_error": cold[0],
+                     "cold_gradient_error": cold[1], "warm_iterations": sum(its), "warm_s": seconds,
+                     "warm_variance_error": warm[0], "warm_gradient_error": warm[1],
+                     "posterior_variance_error": model.posterior_variance_error})
     if args.float32:
         single = SingleTaskGP(X.float(), Y.float(), outcome_transform=Standardize(m=1))
         single.load_state_dict(model.state_dict())
@@ -100,6 +113,15 @@ def main() -> None:
         warm = errors(variance_and_gradient(single, path[-1]), ref_last)
         print(f"| float32 SingleTaskGP | - | {cold[0]:.1e} | {cold[1]:.1e} | - | - | {warm[0]:.1e} | {warm[1]:.1e} "
               "| - |")
+        rows.append({"rtol": "float32 SingleTaskGP", "cold_variance_error": cold[0], "cold_gradient_error": cold[1],
+                     "warm_variance_error": warm[0], "warm_gradient_error": warm[1]})
+    out = {"n": args.n, "noise": args.noise, "dtype": str(dtype), "threads": args.threads, "steps": args.steps,
+           "preconditioner_s": build, "rows": rows}
+    path = Path(args.out) if args.out else RESULTS / "bo_variance_accuracy.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+    return out
 
 
 if __name__ == "__main__":

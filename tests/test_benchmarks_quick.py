@@ -393,3 +393,15 @@ def test_classify_scale_quick(tmp_path):
         at = res[key]["seconds_to_gpnys_accuracy"]
         assert at is None or at in [r["seconds"] for r in rows if r["accuracy"] >= res["gpnys"]["test_accuracy"]]
     assert (tmp_path / "scale.png").exists()
+
+
+def test_bo_variance_accuracy_quick(tmp_path):
+    """The PCG posterior's variances and their gradients at the default ``posterior_variance_rtol`` meet it against
+    ``SingleTaskGP`` in float64."""
+    out = load("bo_variance_accuracy").main(["--quick", "--threads", "1", "--rtol", "none,1e-4",
+                                            "--out", str(tmp_path / "bo_var.json")])
+    rows = {r["rtol"]: r for r in out["rows"]}
+    assert (tmp_path / "bo_var.json").exists() and set(rows) == {"none", "1e-4"}
+    checked = rows["1e-4"]
+    assert max(checked["cold_variance_error"], checked["warm_variance_error"]) <= 1e-4
+    assert checked["warm_gradient_error"] <= 1e-3
