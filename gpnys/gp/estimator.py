@@ -240,6 +240,10 @@ PROBE_SOLVE_PROBES = 4
 #: ``(K̂⁻¹e)ᵀ∂K̂a`` with ``e ~ u K̂|a|`` in random signs, sized on this many sign draws (:func:`log_prob`)
 ROUNDING_SIGNS = 4
 
+#: ... and only where ``u ‖K̂|a|‖`` exceeds this share of the residual ``‖ρ‖`` of the solve with ``r``: below, its
+#: share is at most about that fraction of the solve's own, already in the error bars
+ROUNDING_SHARE = 0.1
+
 #: :func:`gradient_at_noise`: the mean's entries (no probe term) count as converged once the gain they still offer
 #: is below this share of the loss's standard error
 MEAN_GAIN_SHARE = 0.1
@@ -605,8 +609,12 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 # without it, and float64 ones 30-55 where a preconditioner near K̂ leaves the probes little spread
                 # (docs/accuracy.md)
                 lefts, rights = ([sol.x[:, : 1 + batch]], [a[:, None], B]) if first else ([U], [B])
+                # the products' rounding e ~ u K̂|a| moves a as a residual of that size would: where it is below
+                # ROUNDING_SHARE of the residual ρ, whose share rides along anyway, it is left out (no extra columns)
                 signs = (ROUNDING_SIGNS if first and sol.abs_products is not None
-                         and torch.finfo(r.dtype).eps > ROUNDING_EPS else 0)
+                         and torch.finfo(r.dtype).eps > ROUNDING_EPS
+                         and torch.finfo(r.dtype).eps / 2 * float(sol.abs_products[:, 0].norm())
+                         > ROUNDING_SHARE * float(rho.norm()) else 0)
                 if first:
                     solve_dirs = M(rho[:, None])
                     lefts.append(solve_dirs)
