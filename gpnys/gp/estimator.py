@@ -14,7 +14,9 @@ For ``L = ½ (rᵀK̂⁻¹r + log det K̂ + n log 2π)``, ``r = y - m``, with pr
   2022, eq. 9, when the preconditioner is differentiable).
 
 The ``ℓ_j`` and the ``g_j`` are i.i.d. over ``j``, so the standard errors are their sample deviations over ``√t``
-(the loss adds the CG bound and the Lanczos estimate in quadrature). The per-probe ``g_j`` come from one pass of
+(the ``ℓ_j``'s floored by the largest Ritz value, :func:`_ritz_log_square`; the loss adds the CG bound, the
+Lanczos estimate and the rounding in quadrature, the gradient the solves' shares and the products' rounding).
+The per-probe ``g_j`` come from one pass of
 :meth:`~gpnys.kernels.operator.StationaryKernelOperator.column_derivatives` (any other kernel: one derivative per
 probe) mapped to the raw parameters by a batched vector-Jacobian product. ``aᵀ∂K̂a`` is one more column of the
 first such pass, and the gradient is assembled from these sums: it costs no kernel pass of its own.
@@ -144,6 +146,13 @@ class Estimate:
                 "probes": self.probes, "cg_iterations": self.cg_iterations}
 
 
+def _sign_generator(probe_seed: int | None, device: torch.device) -> torch.Generator:
+    """The rounding term's own random signs (:data:`ROUNDING_SIGNS`): seeded from ``probe_seed`` (a fixed seed
+    without one), so that drawing them, which only some evaluations do, moves neither the probes of later batches
+    nor the caller's random stream."""
+    return torch.Generator(device=device).manual_seed(ROUNDING_SEED + (0 if probe_seed is None else int(probe_seed)))
+
+
 def _tridiagonal_eigh(tridiagonal: tuple[torch.Tensor, torch.Tensor],
                       steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``eigh`` of every column's leading ``steps_j x steps_j`` tridiagonal (``(m, t)`` padded diagonals of
@@ -175,7 +184,7 @@ def slq_terms(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tenso
     return out[0], (out[0] - out[1]).abs()
 
 
-def ritz_log_square(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor) -> float:
+def _ritz_log_square(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor) -> float:
     """The largest ``log² θ`` over the Ritz values ``θ`` of the probes' tridiagonals (:func:`slq_terms`'s
     arguments), at most ``log² λ`` of an extreme eigenvalue ``λ`` of the preconditioned matrix ``M`` (Ritz values
     interlace its spectrum). Each ``ℓ_j = ξ_jᵀ log(M) ξ_j`` has variance ``2 ‖log M‖_F² ≥ 2 log² λ`` for Gaussian
@@ -183,7 +192,8 @@ def ritz_log_square(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch
     coordinates: a floor under the ``ℓ_j``'s sample variance, which collapses when one large eigenvalue makes them
     skewed (a scaled chi-square of one degree)."""
     evals, _ = _tridiagonal_eigh(tridiagonal, steps)
-    return float(evals.log().square().max())
+    kept = evals[evals > torch.finfo(evals.dtype).tiny]  # not the clamped ones (a rounding-broken tridiagonal)
+    return float(kept.log().square().max()) if kept.numel() else 0.0
 
 
 def _quadrature_test(n: int, share: float, tol_r: float, probes: int) -> QuadratureTest:
@@ -243,6 +253,9 @@ ROUNDING_SIGNS = 4
 #: ... and only where ``u ‖K̂|a|‖`` exceeds this share of the residual ``‖ρ‖`` of the solve with ``r``: below, its
 #: share is at most about that fraction of the solve's own, already in the error bars
 ROUNDING_SHARE = 0.1
+
+#: the seed of those signs, offset by ``probe_seed`` (:func:`_sign_generator`)
+ROUNDING_SEED = 7919
 
 #: :func:`gradient_at_noise`: the mean's entries (no probe term) count as converged once the gain they still offer
 #: is below this share of the loss's standard error
@@ -598,7 +611,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             cols = slice(1, 1 + batch) if first else slice(None)
             diag, off = sol.tridiagonal
             l_j, e_j = slq_terms((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
-            ritz_max = max(ritz_max, ritz_log_square((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols]))
+            ritz_max = max(ritz_max, _ritz_log_square((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols]))
             U = sol.x[:, cols]
             B = M(Z)
             J = None
@@ -625,7 +638,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                     # where K̂|a| >> |r| (float32 at a small noise) no solve gets below it, and float32 noise
                     # gradients were 25 standard errors off without it (docs/accuracy.md)
                     e = (torch.finfo(r.dtype).eps / 2) * sol.abs_products[:, :1] * draw(
-                        (n, signs), r.dtype, r.device, generator=generator, distribution="rademacher")
+                        (n, signs), r.dtype, r.device, generator=_sign_generator(settings.probe_seed, r.device),
+                        distribution="rademacher")
                     rounding_dirs = M(e)
                     lefts.append(rounding_dirs)
                     rights.append(a[:, None].expand(-1, signs))
@@ -691,7 +705,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             batches += 1
             t = sum(x.shape[0] for x in ell)
             l_all = torch.cat(ell)
-            # the terms' sample variance, or where larger 2 log²θ_max (ritz_log_square): with one large eigenvalue
+            # the terms' sample variance, or where larger 2 log²θ_max (_ritz_log_square): with one large eigenvalue
             # of log M the ℓ_j are skewed, and 16 of them understated their spread by 2-3x at 3 of 20 probe seeds
             # (2-D RBF, Nyström of rank 13; docs/accuracy.md)
             spread = max(float(l_all.var()) if t > 1 else math.inf, 2 * ritz_max)
@@ -748,7 +762,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     if grad_se is not None and directions is None and solve_dirs is not None and mean.requires_grad:
         # a mean with more than MEAN_DIRECTIONS entries has no second-order correction: its gradient -aᵀ∂m is first
         # order in a's error, δaᵀ∂m with δa ≈ P̂⁻¹ρ (and P̂⁻¹e, the products' rounding): one vector-Jacobian product
-        # each (a linear mean on 10 inputs was 6e-6 off with a standard error of 0)
+        # each (a linear mean on 10 inputs was up to 6e-5 off with a standard error of 0)
         dirs = solve_dirs if rounding_dirs is None else torch.cat([solve_dirs, rounding_dirs], 1)
         shares = torch.stack([
             _flatten(torch.autograd.grad(mean, tensors, grad_outputs=v, retain_graph=True, allow_unused=True), tensors)

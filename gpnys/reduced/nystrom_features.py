@@ -48,8 +48,11 @@ def _shift_invariant(kernel: gpytorch.kernels.Kernel) -> bool:
     and products); an unknown kernel counts as not."""
     if type(kernel) in _STATIONARY:
         return True
-    if type(kernel) in _CONTAINERS:
-        return all(_shift_invariant(k) for k in kernel.children() if isinstance(k, gpytorch.kernels.Kernel))
+    if isinstance(kernel, gpytorch.kernels.ScaleKernel):
+        return _shift_invariant(kernel.base_kernel)
+    if type(kernel) in _CONTAINERS:  # sums and products hold their parts in ``kernels`` (a ModuleList)
+        parts = list(getattr(kernel, "kernels", []))
+        return bool(parts) and all(_shift_invariant(k) for k in parts)
     return False
 
 
@@ -183,7 +186,7 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         precise = torch.promote_types(dtype, torch.float64)
         if not isinstance(X, torch.Tensor):
             try:
-                arr = _validate_data(self, X, reset=reset, dtype=_NUMPY[precise])
+                arr = _validate_data(self, X, reset=reset, dtype=_NUMPY[dtype if center is None else precise])
             except ValueError as exc:
                 raise ValueError(f"X: {exc}") from exc
             # a read-only array (a pandas frame's values, a memory map) is copied: torch shares no read-only memory
@@ -192,7 +195,10 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         if X.is_complex() or X.dtype == torch.bool:
             raise ValueError(f"X: Complex or boolean data not supported, got {X.dtype}")
         X = X.detach().to(device=device if device is not None else X.device)
-        X = X.to(torch.promote_types(X.dtype, precise)) if center is not None else X
+        if center is not None:
+            X = X.to(precise if not X.is_floating_point() else torch.promote_types(X.dtype, precise))
+        elif not X.is_floating_point():  # integers: their values, as numpy's are taken
+            X = X.to(dtype)
         validate_points(X, "X")
         if reset:
             self.n_features_in_ = X.shape[1]

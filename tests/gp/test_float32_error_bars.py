@@ -5,6 +5,7 @@ the reported standard errors cover the error as often as they should."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import gpytorch
@@ -333,3 +334,22 @@ def test_loss_error_bar_holds_a_skewed_log_determinant():
         with gpnys.use_preconditioner(model, settings=EstimatorSettings(solver="iterative", probe_seed=seed)) as hook:
             loss = float(-mll(model(X), y))
         assert abs(loss - exact) <= 3 * hook.last_estimate.std_error / 300, (seed, loss, exact)
+
+
+def test_rounding_signs_leave_the_random_streams_alone(monkeypatch):
+    """The products' rounding term draws its signs from a generator of its own: whether an evaluation draws them
+    (it depends on the data) moves neither the caller's random stream nor the probes."""
+    from gpnys.gp import estimator
+
+    X, y, model, _, _ = _concrete_small_noise("rbf")
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    after = []
+    for share in (estimator.ROUNDING_SHARE, math.inf):  # drawn, then not
+        monkeypatch.setattr(estimator, "ROUNDING_SHARE", share)
+        torch.manual_seed(0)
+        with warnings.catch_warnings(), gpnys.use_preconditioner(model, settings=EstimatorSettings(solver="iterative"),
+                                                                 seed=0) as hook:
+            warnings.simplefilter("ignore", NumericalWarning)
+            loss = float(-mll(model(X), y))
+        after.append((torch.rand(()).item(), loss, hook.last_estimate.std_error))
+    assert after[0][:2] == after[1][:2] and after[0][2] >= after[1][2]
