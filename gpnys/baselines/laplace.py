@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gpnys.checks import NumericalWarning
-from gpnys.classify.laplace import halve_step
+from gpnys.classify.laplace import at_mode, halve_step
 from gpnys.classify.likelihoods import Bernoulli, LaplaceLikelihood
 
 __all__ = ["DenseLaplace", "dense_laplace"]
@@ -94,8 +94,7 @@ def dense_laplace(K: torch.Tensor, y: torch.Tensor, tol: float = 1e-12, max_iter
         t, new = (1.0, objective(a + da, f + df)) if halved is None else halved
         gain, psi = new - psi, new
         a, f = a + t * da, f + t * df
-        if left is None and (step <= tol * max(1.0, float(f.detach().abs().max()))
-                             or (step >= last and gain <= slack)):
+        if left is None and at_mode(step, last, gain, slack, tol, float(f.detach().abs().max())):
             left = extra
         last = step
         if left is not None:

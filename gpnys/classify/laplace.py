@@ -39,7 +39,7 @@ from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import DIAG_PRECONDITIONERS, make_preconditioner
 from gpnys.solvers.pcg import pcg
 
-__all__ = ["LaplaceGP", "LaplaceGPClassifier", "LaplacePredictions", "BernoulliClassifier", "halve_step"]
+__all__ = ["LaplaceGP", "LaplaceGPClassifier", "LaplacePredictions", "BernoulliClassifier", "halve_step", "at_mode"]
 
 #: the floor on ``W = π(1 - π)``: where a probability rounds to 0 or 1, ``W`` underflows and ``W⁻¹`` (the
 #: preconditioner's shift) and ``W^{-½}`` would be infinite; clamping changes the Hessian used by a Newton step
@@ -80,6 +80,14 @@ def halve_step(objective: Callable[[float], float], value: float, slack: float) 
             return step, new
         step /= 2
     return None
+
+
+def at_mode(change: float, last: float, gain: float, slack: float, tol: float, size: float) -> bool:
+    """Newton's stopping rule for the Laplace mode: the step moved ``f`` by ``change <= tol max(1, size)`` (``size =
+    max |f|``), or the steps no longer shrink (``change >= last``) and ``Ψ`` no longer rises (``gain <= slack``): the
+    mode at this precision (rounding in the solves; a flat ``Ψ``, as Student-t noise of small df with far outliers
+    gives, where Fisher scoring would wander at ``Ψ``'s rounding for any number of steps)."""
+    return change <= tol * max(1.0, size) or (change >= last and gain <= slack)
 
 
 class LaplacePredictions(LaplaceEstimator):
@@ -392,13 +400,7 @@ class LaplaceGP(LaplacePredictions):
             psi = new
             change = float((step * df).abs().max())
             a, f = a + step * da, f + step * df
-            if change <= newton_tol * max(1.0, float(f.abs().max())):
-                converged = True
-                break
-            if change >= last and gains[-1] <= slack * (abs(psi) + n):
-                # the steps no longer shrink and Ψ no longer rises: the mode at this precision (rounding in the
-                # solves; a flat Ψ, as Student-t noise of small df with far outliers gives, where Fisher scoring
-                # would wander at Ψ's rounding for any number of steps), as ReducedLaplaceGP stops
+            if at_mode(change, last, gains[-1], slack * (abs(psi) + n), newton_tol, float(f.abs().max())):
                 converged = True
                 break
             last = change

@@ -39,7 +39,7 @@ import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_points, validate_positive
-from gpnys.classify.laplace import BernoulliClassifier, LaplacePredictions, halve_step
+from gpnys.classify.laplace import BernoulliClassifier, LaplacePredictions, at_mode, halve_step
 from gpnys.classify.likelihoods import LaplaceLikelihood
 from gpnys.kernels.blocks import kernel_diag
 from gpnys.landmarks.rules import METHODS, select
@@ -294,10 +294,8 @@ class ReducedLaplaceGP(LaplacePredictions):
                 change = float((step * df).abs().max())
                 w, f = w + step * dw, f + step * df
                 gain, psi = psi_new - psi, psi_new
-                if change <= tol * max(1.0, float(f.abs().max())):
+                if at_mode(change, last, gain, slack * (abs(psi) + n), tol, float(f.abs().max())):
                     break
-                if change >= last and gain <= slack * (abs(psi) + n):
-                    break  # the steps no longer shrink and ψ no longer rises: the mode at this precision
                 last = change
         return w, iterations
 
