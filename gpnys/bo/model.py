@@ -743,7 +743,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             r = self.train_targets - self.mean_module(X)
             # the start: the hook's last training solve (same data; after a fit, at these hyperparameters; a new hook
             # starts with warm_start_from's seed), else P̂⁻¹ r
-            res = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=self.hook().problem.warm_start)
+            # (the hook _posterior_solves has just brought up to date: no second look at the settings)
+            res = post.mean_weights(r, key, self._tolerance(X.dtype, 2), start=self._gpnys_hook.problem.warm_start)
             _check_solve(res, self._tolerance(X.dtype), "mean weights")  # α runs tighter than the covariance needs
             alpha = res.x[:, 0]
         self.alpha_iterations = post.mean_iterations
@@ -806,7 +807,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if rtol is None:
             self.posterior_variance_error = self.posterior_gradient_error = None
             return B, R - rho
-        floor = max(float(self.hook().problem.noise().detach().min()), torch.finfo(R.dtype).tiny)  # λ_min(K̂) >= σ²
+        noise = self._gpnys_hook.problem.noise()  # the hook _posterior_solves brought up to date
+        floor = max(float(noise.detach().min()), torch.finfo(R.dtype).tiny)  # λ_min(K̂) >= σ²
         tiny, u = torch.finfo(R.dtype).tiny, torch.finfo(R.dtype).eps / 2
         norm = torch.linalg.vector_norm(R, dim=0).clamp_min(tiny)
         rounding = reach = None
