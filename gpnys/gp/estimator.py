@@ -173,26 +173,32 @@ def _tridiagonal_eigh(tridiagonal: tuple[torch.Tensor, torch.Tensor],
     return evals.clamp_min(torch.finfo(T.dtype).tiny), evecs
 
 
+def _slq(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor,
+         n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`slq_terms`, and the full quadrature's Ritz values ``(t, m)`` (clamped above 0) for
+    :func:`_ritz_log_square`."""
+    out = []
+    for drop in (0, 1):  # the full quadrature, and the one a step shorter
+        evals, evecs = _tridiagonal_eigh(tridiagonal, steps - drop)
+        out.append((n * (evecs[:, 0, :].square() * evals.log()).sum(-1), evals))
+    return out[0][0], (out[0][0] - out[1][0]).abs(), out[0][1]
+
+
 def slq_terms(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor,
               n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-probe ``ℓ_j = n e₁ᵀ log(T_j) e₁`` and ``|ℓ_j - ℓ_j^{(m_j - 1)}|`` (``(t,)`` each) from the padded
     tridiagonals of :func:`gpnys.solvers.pcg.pcg` and each column's step count ``m_j`` (:func:`_tridiagonal_eigh`)."""
-    out = []
-    for drop in (0, 1):  # the full quadrature, and the one a step shorter
-        evals, evecs = _tridiagonal_eigh(tridiagonal, steps - drop)
-        out.append(n * (evecs[:, 0, :].square() * evals.log()).sum(-1))
-    return out[0], (out[0] - out[1]).abs()
+    return _slq(tridiagonal, steps, n)[:2]
 
 
-def _ritz_log_square(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor) -> float:
-    """The largest ``log² θ`` over the Ritz values ``θ`` of the probes' tridiagonals (:func:`slq_terms`'s
-    arguments), at most ``log² λ`` of an extreme eigenvalue ``λ`` of the preconditioned matrix ``M`` (Ritz values
-    interlace its spectrum). Each ``ℓ_j = ξ_jᵀ log(M) ξ_j`` has variance ``2 ‖log M‖_F² ≥ 2 log² λ`` for Gaussian
-    probes, and about ``2 log² λ`` or more for random signs where that eigenvector of ``log M`` spreads over many
-    coordinates: a floor under the ``ℓ_j``'s sample variance, which collapses when one large eigenvalue makes them
-    skewed (a scaled chi-square of one degree)."""
-    evals, _ = _tridiagonal_eigh(tridiagonal, steps)
-    kept = evals[evals > torch.finfo(evals.dtype).tiny]  # not the clamped ones (a rounding-broken tridiagonal)
+def _ritz_log_square(ritz: torch.Tensor) -> float:
+    """The largest ``log² θ`` over the Ritz values ``θ`` of the probes' tridiagonals (:func:`_slq`), at most
+    ``log² λ`` of an extreme eigenvalue ``λ`` of the preconditioned matrix ``M`` (Ritz values interlace its
+    spectrum). Each ``ℓ_j = ξ_jᵀ log(M) ξ_j`` has variance ``2 ‖log M‖_F² ≥ 2 log² λ`` for Gaussian probes, and
+    about ``2 log² λ`` or more for random signs where that eigenvector of ``log M`` spreads over many coordinates: a
+    floor under the ``ℓ_j``'s sample variance, which collapses when one large eigenvalue makes them skewed (a scaled
+    chi-square of one degree)."""
+    kept = ritz[ritz > torch.finfo(ritz.dtype).tiny]  # not the clamped ones (a rounding-broken tridiagonal)
     return float(kept.log().square().max()) if kept.numel() else 0.0
 
 
@@ -610,8 +616,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 curvature = (D * sol.x[:, 1 + batch :]).sum(0)  # ∂m_cᵀ K̂⁻¹ ∂m_c
             cols = slice(1, 1 + batch) if first else slice(None)
             diag, off = sol.tridiagonal
-            l_j, e_j = slq_terms((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
-            ritz_max = max(ritz_max, _ritz_log_square((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols]))
+            l_j, e_j, ritz = _slq((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
+            ritz_max = max(ritz_max, _ritz_log_square(ritz))
             U = sol.x[:, cols]
             B = M(Z)
             J = None
@@ -745,19 +751,18 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                       NumericalWarning, stacklevel=3)
     t = sum(x.shape[0] for x in ell)
     grad_se = J_all.std(0) / math.sqrt(t) if J_all is not None and t > 1 else None
-    # the loose solve's share δaᵀ∂K̂a and the probes' solves' share ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, each mapped to the
-    # parameters as the surrogate maps its terms and added in quadrature
+    def mapped(rows: list[torch.Tensor | None]) -> torch.Tensor:
+        """Per-representation rows mapped to the parameters as the surrogate maps its terms."""
+        return _flatten(torch.autograd.grad(_RepGradient.apply(rows, a, *reps), tensors, retain_graph=True,
+                                            allow_unused=True), tensors)
+
+    # the loose solve's share δaᵀ∂K̂a and the probes' solves' share ½ mean_j (P̂⁻¹ρ_j)ᵀ∂K̂b_j, added in quadrature
     for rows, weight in ((solve_rows, 1.0), (probe_solve_rows, 0.5)):
         if grad_se is not None and rows is not None:
-            term = _flatten(torch.autograd.grad(_RepGradient.apply(rows, a, *reps), tensors, retain_graph=True,
-                                                allow_unused=True), tensors)
-            grad_se = (grad_se.square() + (weight * term.to(grad_se)).square()).sqrt()
+            grad_se = (grad_se.square() + (weight * mapped(rows).to(grad_se)).square()).sqrt()
     if grad_se is not None and rounding_rows is not None:  # the products' rounding: the draws' root mean square
-        draws = torch.stack([
-            _flatten(torch.autograd.grad(_RepGradient.apply([None if g is None else g[k] for g in rounding_rows], a,
-                                                            *reps), tensors, retain_graph=True, allow_unused=True),
-                     tensors)
-            for k in range(ROUNDING_SIGNS)])
+        draws = torch.stack([mapped([None if g is None else g[k] for g in rounding_rows])
+                             for k in range(ROUNDING_SIGNS)])
         grad_se = (grad_se.square() + draws.to(grad_se).square().mean(0)).sqrt()
     if grad_se is not None and directions is None and solve_dirs is not None and mean.requires_grad:
         # a mean with more than MEAN_DIRECTIONS entries has no second-order correction: its gradient -aᵀ∂m is first
