@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 __all__ = ["NumericalWarning", "HyperparameterError", "validate_points", "validate_training_data", "validate_positive",
-           "validate_mu", "validate_count", "validate_seed", "validate_positive_tensors", "validate_choice"]
+           "validate_mu", "validate_count", "validate_seed", "validate_positive_tensors", "validate_choice",
+           "validate_array"]
 
 
 class NumericalWarning(RuntimeWarning):
@@ -142,3 +143,36 @@ def validate_choice(value: Any, name: str, allowed: Collection[Any], *, also: st
         tail = f" {also}" if also else ""
         raise ValueError(f"{name} must be one of {shown}{tail}, got {value!r}")
     return value
+
+
+def validate_array(est: Any, X: Any, *, reset: bool, **kwargs: Any) -> np.ndarray:
+    """scikit-learn's ``validate_data`` (a function from 1.6 on) on a non-tensor ``X`` for the estimator ``est``
+    (``reset`` sets ``n_features_in_``, otherwise ``X`` must have that many columns), its messages prefixed
+    ``"X: "``. Before 1.6: ``est._validate_data`` where ``est`` is a ``BaseEstimator``, else ``check_array`` and
+    ``n_features_in_`` by hand. scikit-learn is imported here, on first use.
+
+    Example:
+        >>> from sklearn.base import BaseEstimator
+        >>> from gpnys.checks import validate_array
+        >>> est = BaseEstimator()
+        >>> validate_array(est, [[1.0, 2.0], [3.0, 4.0]], reset=True).shape, est.n_features_in_
+        ((2, 2), 2)
+    """
+    from sklearn.utils.validation import check_array
+
+    try:
+        try:
+            from sklearn.utils.validation import validate_data
+        except ImportError:  # scikit-learn < 1.6
+            if hasattr(est, "_validate_data"):
+                return est._validate_data(X, reset=reset, **kwargs)
+            arr = check_array(X, **kwargs)
+            if reset:
+                est.n_features_in_ = arr.shape[1]
+            elif arr.shape[1] != est.n_features_in_:
+                raise ValueError(f"X has {arr.shape[1]} features, but {type(est).__name__} is expecting "
+                                 f"{est.n_features_in_} features as input.") from None
+            return arr
+        return validate_data(est, X, reset=reset, **kwargs)
+    except ValueError as exc:
+        raise ValueError(f"X: {exc}") from exc

@@ -17,30 +17,9 @@ import gpytorch
 import numpy as np
 import torch
 
-from gpnys.checks import validate_points
+from gpnys.checks import validate_array, validate_points
 
-__all__ = ["LaplaceEstimator", "validate_array", "as_output"]
-
-
-def validate_array(est: Any, X: Any, *, reset: bool, **kwargs: Any) -> np.ndarray:
-    """scikit-learn's ``validate_data`` (a function from 1.6 on) on a non-tensor ``X``, its messages prefixed
-    ``"X: "``; before 1.6, ``check_array`` and ``n_features_in_`` by hand."""
-    from sklearn.utils.validation import check_array
-
-    try:
-        try:
-            from sklearn.utils.validation import validate_data
-        except ImportError:  # scikit-learn < 1.6
-            arr = check_array(X, **kwargs)
-            if reset:
-                est.n_features_in_ = arr.shape[1]
-            elif arr.shape[1] != est.n_features_in_:
-                raise ValueError(f"X has {arr.shape[1]} features, but {type(est).__name__} is expecting "
-                                 f"{est.n_features_in_} features as input.") from None
-            return arr
-        return validate_data(est, X, reset=reset, **kwargs)
-    except ValueError as exc:
-        raise ValueError(f"X: {exc}") from exc
+__all__ = ["LaplaceEstimator", "as_output"]
 
 
 def _short(value: Any) -> str:

@@ -25,7 +25,7 @@ from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, Transfo
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
-from gpnys.checks import validate_choice, validate_count, validate_points, validate_positive
+from gpnys.checks import validate_array, validate_choice, validate_count, validate_points, validate_positive
 from gpnys.kernels import KERNEL_NAMES, base_kernel
 from gpnys.landmarks import RULES, select_landmarks
 from gpnys.reduced.lla import NystromFeatureMap
@@ -56,13 +56,6 @@ def _shift_invariant(kernel: gpytorch.kernels.Kernel) -> bool:
     return False
 
 
-def _validate_data(est: BaseEstimator, X: Any, **kwargs: Any) -> np.ndarray:
-    """scikit-learn's ``validate_data`` (a function from 1.6 on, a method before)."""
-    try:
-        from sklearn.utils.validation import validate_data
-    except ImportError:  # scikit-learn < 1.6
-        return est._validate_data(X, **kwargs)
-    return validate_data(est, X, **kwargs)
 MEDIAN_SAMPLE = 1000
 
 
@@ -185,10 +178,7 @@ class NystromFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, BaseEst
         """
         precise = torch.promote_types(dtype, torch.float64)
         if not isinstance(X, torch.Tensor):
-            try:
-                arr = _validate_data(self, X, reset=reset, dtype=_NUMPY[dtype if center is None else precise])
-            except ValueError as exc:
-                raise ValueError(f"X: {exc}") from exc
+            arr = validate_array(self, X, reset=reset, dtype=_NUMPY[dtype if center is None else precise])
             # a read-only array (a pandas frame's values, a memory map) is copied: torch shares no read-only memory
             Xt = torch.from_numpy(np.require(arr, requirements="W")).to(device=device)
             return (Xt if center is None else Xt - center.to(Xt)).to(dtype), False
