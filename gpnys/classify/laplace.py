@@ -101,6 +101,15 @@ class LaplacePredictions(LaplaceEstimator):
 
     kernel: gpytorch.kernels.Kernel
 
+    def _newton_and_training_settings(self) -> None:
+        """The arguments both Laplace models take, checked at :meth:`fit` and kept as numbers: ``max_newton``,
+        ``newton_tol``, ``optimizer_steps``, ``lr`` and ``seed`` (a ``ValueError`` names a bad one)."""
+        self._max_newton = validate_count(self.max_newton, "max_newton", 1)
+        self._newton_tol = validate_positive(self.newton_tol, "newton_tol")
+        self._optimizer_steps = validate_count(self.optimizer_steps, "optimizer_steps", 0)
+        self._lr = validate_positive(self.lr, "lr")
+        self._seed = validate_count(self.seed, "seed", 0)
+
     def _resolve_likelihood(self) -> LaplaceLikelihood:
         return resolve_likelihood(self.likelihood)
 
@@ -262,14 +271,10 @@ class LaplaceGP(LaplacePredictions):
             raise ValueError(f"precond_options must be a dict or None, got {type(self.precond_options).__name__}")
         self._precond_options = dict(self.precond_options or {})
         self._cg_tolerance = validate_positive(self.cg_tolerance, "cg_tolerance")
-        self._newton_tol = validate_positive(self.newton_tol, "newton_tol")
         self._slq_tolerance = validate_positive(self.slq_tolerance, "slq_tolerance")
-        self._max_newton = validate_count(self.max_newton, "max_newton", 1)
         self._num_probes = validate_count(self.num_probes, "num_probes", 2)
         self._max_cg = validate_count(self.max_cg, "max_cg", 1)
-        self._seed = validate_count(self.seed, "seed", 0)
-        self._optimizer_steps = validate_count(self.optimizer_steps, "optimizer_steps", 0)
-        self._lr = validate_positive(self.lr, "lr")
+        self._newton_and_training_settings()
         self._group = None if self.group is None or self.group is False else resolve_group(self.group)
 
     # ---- the pieces of B = I + W^½ K W^½ -------------------------------------------------------------------

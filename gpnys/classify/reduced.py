@@ -38,7 +38,7 @@ from typing import Any
 import gpytorch
 import torch
 
-from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_points, validate_positive
+from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_points
 from gpnys.classify.laplace import BernoulliClassifier, LaplacePredictions, at_mode, halve_step
 from gpnys.classify.likelihoods import LaplaceLikelihood
 from gpnys.kernels.blocks import kernel_diag
@@ -140,12 +140,8 @@ class ReducedLaplaceGP(LaplacePredictions):
                 self._rtol = math.nan
             if not 0 < self._rtol < 1:
                 raise ValueError(f"rtol must be in (0, 1), got {self.rtol!r}")
-        self._max_newton = validate_count(self.max_newton, "max_newton", 1)
-        self._newton_tol = validate_positive(self.newton_tol, "newton_tol")
-        self._optimizer_steps = validate_count(self.optimizer_steps, "optimizer_steps", 0)
-        self._lr = validate_positive(self.lr, "lr")
         self._subsample = None if self.subsample is None else validate_count(self.subsample, "subsample", 1)
-        self._seed = validate_count(self.seed, "seed", 0)
+        self._newton_and_training_settings()
 
     # ---- fit -----------------------------------------------------------------------------------------------
     def fit(self, X: Any, y: Any) -> "ReducedLaplaceGP":
