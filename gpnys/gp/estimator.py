@@ -14,7 +14,7 @@ For ``L = ½ (rᵀK̂⁻¹r + log det K̂ + n log 2π)``, ``r = y - m``, with pr
   2022, eq. 9, when the preconditioner is differentiable).
 
 The ``ℓ_j`` and the ``g_j`` are i.i.d. over ``j``, so the standard errors are their sample deviations over ``√t``
-(the ``ℓ_j``'s floored by the largest Ritz value, :func:`_ritz_log_square`; the loss adds the CG bound, the
+(the ``ℓ_j``'s floored by the largest Ritz value, :func:`slq_variance`; the loss adds the CG bound, the
 Lanczos estimate and the rounding in quadrature, the gradient the solves' shares and the products' rounding).
 The per-probe ``g_j`` come from one pass of
 :meth:`~gpnys.kernels.operator.StationaryKernelOperator.column_derivatives` (any other kernel: one derivative per
@@ -43,8 +43,8 @@ from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import Preconditioner
 from gpnys.solvers.pcg import NonFiniteError, QuadratureTest, pcg
 
-__all__ = ["Estimate", "EstimatorState", "Evaluation", "log_prob", "slq_terms", "gradient_at_noise", "PROXY_ABOVE",
-           "NOISE_LEVEL", "MEAN_GAIN_SHARE"]
+__all__ = ["Estimate", "EstimatorState", "Evaluation", "log_prob", "slq_terms", "slq_quadrature",
+           "ritz_log_square", "slq_variance", "gradient_at_noise", "PROXY_ABOVE", "NOISE_LEVEL", "MEAN_GAIN_SHARE"]
 
 #: :func:`gradient_at_noise`: the gradient is taken as zero when a chi-square test at ``1 - NOISE_LEVEL`` cannot
 #: tell it from its noise
@@ -173,10 +173,10 @@ def _tridiagonal_eigh(tridiagonal: tuple[torch.Tensor, torch.Tensor],
     return evals.clamp_min(torch.finfo(T.dtype).tiny), evecs
 
 
-def _slq(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor,
-         n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def slq_quadrature(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor,
+                   n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`slq_terms`, and the full quadrature's Ritz values ``(t, m)`` (clamped above 0) for
-    :func:`_ritz_log_square`."""
+    :func:`ritz_log_square`."""
     out = []
     for drop in (0, 1):  # the full quadrature, and the one a step shorter
         evals, evecs = _tridiagonal_eigh(tridiagonal, steps - drop)
@@ -188,11 +188,11 @@ def slq_terms(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tenso
               n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-probe ``ℓ_j = n e₁ᵀ log(T_j) e₁`` and ``|ℓ_j - ℓ_j^{(m_j - 1)}|`` (``(t,)`` each) from the padded
     tridiagonals of :func:`gpnys.solvers.pcg.pcg` and each column's step count ``m_j`` (:func:`_tridiagonal_eigh`)."""
-    return _slq(tridiagonal, steps, n)[:2]
+    return slq_quadrature(tridiagonal, steps, n)[:2]
 
 
-def _ritz_log_square(ritz: torch.Tensor) -> float:
-    """The largest ``log² θ`` over the Ritz values ``θ`` of the probes' tridiagonals (:func:`_slq`), at most
+def ritz_log_square(ritz: torch.Tensor) -> float:
+    """The largest ``log² θ`` over the Ritz values ``θ`` of the probes' tridiagonals (:func:`slq_quadrature`), at most
     ``log² λ`` of an extreme eigenvalue ``λ`` of the preconditioned matrix ``M`` (Ritz values interlace its
     spectrum). Each ``ℓ_j = ξ_jᵀ log(M) ξ_j`` has variance ``2 ‖log M‖_F² ≥ 2 log² λ`` for Gaussian probes, and
     about ``2 log² λ`` or more for random signs where that eigenvector of ``log M`` spreads over many coordinates: a
@@ -200,6 +200,24 @@ def _ritz_log_square(ritz: torch.Tensor) -> float:
     chi-square of one degree)."""
     kept = ritz[ritz > torch.finfo(ritz.dtype).tiny]  # not the clamped ones (a rounding-broken tridiagonal)
     return float(kept.log().square().max()) if kept.numel() else 0.0
+
+
+def slq_variance(ell: torch.Tensor, ritz_log_sq: float) -> float:
+    """The variance of one SLQ term ``ℓ_j`` (``ell``, ``(t,)``) that a log-determinant's standard error uses: their
+    sample variance, or where larger ``2 log² θ_max`` (``ritz_log_sq``, :func:`ritz_log_square`). With one large
+    eigenvalue of ``log M`` the ``ℓ_j`` are skewed, and 16 of them understated their spread by 2-3x at 3 of 20 probe
+    seeds (2-D RBF, Nyström of rank 13; a Laplace classifier at outputscale 1e5: 2 of 20 seeds outside 3 standard
+    errors; docs/accuracy.md).
+
+    Example:
+        >>> import torch
+        >>> from gpnys.gp.estimator import slq_variance
+        >>> slq_variance(torch.tensor([1.0, 1.1, 0.9, 1.0]), 0.0) == float(torch.tensor([1.0, 1.1, 0.9, 1.0]).var())
+        True
+        >>> slq_variance(torch.tensor([1.0, 1.1, 0.9, 1.0]), 2.0)  # the floor 2 log² θ_max
+        4.0
+    """
+    return max(float(ell.var()) if ell.numel() > 1 else math.inf, 2 * ritz_log_sq)
 
 
 def _quadrature_test(n: int, share: float, tol_r: float, probes: int) -> QuadratureTest:
@@ -616,8 +634,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                 curvature = (D * sol.x[:, 1 + batch :]).sum(0)  # ∂m_cᵀ K̂⁻¹ ∂m_c
             cols = slice(1, 1 + batch) if first else slice(None)
             diag, off = sol.tridiagonal
-            l_j, e_j, ritz = _slq((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
-            ritz_max = max(ritz_max, _ritz_log_square(ritz))
+            l_j, e_j, ritz = slq_quadrature((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
+            ritz_max = max(ritz_max, ritz_log_square(ritz))
             U = sol.x[:, cols]
             B = M(Z)
             J = None
@@ -711,10 +729,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             batches += 1
             t = sum(x.shape[0] for x in ell)
             l_all = torch.cat(ell)
-            # the terms' sample variance, or where larger 2 log²θ_max (_ritz_log_square): with one large eigenvalue
-            # of log M the ℓ_j are skewed, and 16 of them understated their spread by 2-3x at 3 of 20 probe seeds
-            # (2-D RBF, Nyström of rank 13; docs/accuracy.md)
-            spread = max(float(l_all.var()) if t > 1 else math.inf, 2 * ritz_max)
+            spread = slq_variance(l_all, ritz_max)
             se_ld = math.sqrt(spread / t)
             lanczos = float(torch.cat(lerr).mean())
             se = math.sqrt((0.5 * se_ld) ** 2 + (0.5 * lanczos) ** 2 + (0.5 * bound) ** 2 + rounding**2)
