@@ -30,7 +30,7 @@ from gpnys.classify.estimator import LaplaceEstimator, as_output
 from gpnys.classify.likelihoods import LaplaceLikelihood, check_observations, resolve_likelihood
 from gpnys.collectives import resolve_group
 from gpnys.gp.discover import selected_kernel
-from gpnys.gp.estimator import ritz_log_square, slq_quadrature, slq_variance
+from gpnys.gp.estimator import gradient_spread, ritz_log_square, slq_quadrature, slq_variance
 from gpnys.gp.settings import GP_DEFAULTS
 from gpnys.kernels.blocks import kernel_diag
 from gpnys.kernels.entries import computation_dtype, evaluate, split_outputscale
@@ -471,7 +471,8 @@ class LaplaceGP(LaplacePredictions):
         ell, truncation, ritz = slq_quadrature(res.tridiagonal, res.iterations_per_column, n)
         exact = n * math.log(self._s2) + float(self._W.log().sum()) + float(self._P.logdet())
         # the terms' spread floored by the largest Ritz value (slq_variance), and the quadrature's truncation
-        se = math.sqrt(slq_variance(ell, ritz_log_square(ritz)) / t + float(truncation.mean()) ** 2)
+        self._slq_terms = (ell, ritz_log_square(ritz))  # the gradient's rows share the floor (gradient_spread)
+        se = math.sqrt(slq_variance(*self._slq_terms) / t + float(truncation.mean()) ** 2)
         return exact + float(ell.mean()), se
 
     # ---- the hyperparameters' gradient ---------------------------------------------------------------------
@@ -511,7 +512,7 @@ class LaplaceGP(LaplacePredictions):
         if len(params) > len(kernel_params):
             parts.append(self._likelihood_rows(d, C, params[len(kernel_params):]))
         rows = torch.cat(parts, 1)
-        mean, se = rows.mean(0), rows.std(0) / math.sqrt(t)
+        mean, se = rows.mean(0), gradient_spread(rows, *self._slq_terms).sqrt() / math.sqrt(t)
         grads = []
         offset = 0
         for name, p in named:

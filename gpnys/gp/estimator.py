@@ -44,7 +44,8 @@ from gpnys.precond.base import Preconditioner
 from gpnys.solvers.pcg import NonFiniteError, QuadratureTest, pcg
 
 __all__ = ["Estimate", "EstimatorState", "Evaluation", "log_prob", "slq_terms", "slq_quadrature",
-           "ritz_log_square", "slq_variance", "gradient_at_noise", "PROXY_ABOVE", "NOISE_LEVEL", "MEAN_GAIN_SHARE"]
+           "ritz_log_square", "slq_variance", "gradient_spread", "gradient_at_noise", "PROXY_ABOVE", "NOISE_LEVEL",
+           "MEAN_GAIN_SHARE"]
 
 #: :func:`gradient_at_noise`: the gradient is taken as zero when a chi-square test at ``1 - NOISE_LEVEL`` cannot
 #: tell it from its noise
@@ -220,14 +221,25 @@ def slq_variance(ell: torch.Tensor, ritz_log_sq: float) -> float:
     return max(float(ell.var()) if ell.numel() > 1 else math.inf, 2 * ritz_log_sq)
 
 
-def _gradient_spread(J: torch.Tensor, ell: torch.Tensor, ritz_log_sq: float) -> torch.Tensor:
+def gradient_spread(J: torch.Tensor, ell: torch.Tensor, ritz_log_sq: float) -> torch.Tensor:
     """The per-probe gradient rows' variance ``(p,)`` (``J``: ``(t, p)``, the rows of the probes whose
     log-determinant terms are ``ell``, ``(t,)``): their sample variance, plus, where :func:`slq_variance` floors the
     ``ℓ_j``'s variance above their sample variance, each column's share of that gap through its regression on the
     ``ℓ_j``, ``β² (floor - s²_ℓ)``. One dominant eigenvalue of ``M`` drives both (each nearly a multiple of one
     chi-square of one degree), and 16 probes understated both spreads together: a 2-D ARD RBF's gradient was
     beyond 4 standard errors at 3 of 20 seeds (docs/accuracy.md). Rows unrelated to ``ell`` (``β ≈ 0``) keep their
-    sample variance."""
+    sample variance.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.gp.estimator import gradient_spread
+        >>> ell = torch.tensor([0.1, 0.2, 0.1, 1.6], dtype=torch.float64)  # one large term: skewed
+        >>> J = torch.stack([2 * ell, torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)], 1)
+        >>> gradient_spread(J, ell, 0.0).tolist() == J.var(0).tolist()  # no floor: the sample variances
+        True
+        >>> bool(gradient_spread(J, ell, 2.0)[0] > J.var(0)[0])  # the floor 4 lifts the column that ell drives
+        True
+    """
     var = J.var(0) if J.shape[0] > 1 else torch.full_like(J[0], math.inf)
     floor = slq_variance(ell, ritz_log_sq)
     centred = ell.to(J) - ell.to(J).mean()
@@ -765,7 +777,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                                        mean_correction)
                 g = torch.autograd.grad(surrogate, tensors, retain_graph=True, allow_unused=True)
                 grad = _flatten(g, tensors)
-            g_se = _gradient_spread(J_all, l_all, ritz_max).sqrt() / math.sqrt(t) if J_all is not None else None
+            g_se = gradient_spread(J_all, l_all, ritz_max).sqrt() / math.sqrt(t) if J_all is not None else None
             # the solve's bound and the rounding do not shrink with more probes: past the target they stop the loop
             fixed = math.sqrt((0.5 * bound) ** 2 + rounding**2)
             if fixed >= target * abs(value_est):
@@ -784,7 +796,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                       f"of the loss, which more probes do not reduce (float64, or a better-conditioned K̂)",
                       NumericalWarning, stacklevel=3)
     t = sum(x.shape[0] for x in ell)
-    grad_se = (_gradient_spread(J_all, torch.cat(ell), ritz_max).sqrt() / math.sqrt(t)
+    grad_se = (gradient_spread(J_all, torch.cat(ell), ritz_max).sqrt() / math.sqrt(t)
                if J_all is not None and t > 1 else None)
     def mapped(rows: list[torch.Tensor | None]) -> torch.Tensor:
         """Per-representation rows mapped to the parameters as the surrogate maps its terms."""
