@@ -14,8 +14,9 @@ For ``L = ½ (rᵀK̂⁻¹r + log det K̂ + n log 2π)``, ``r = y - m``, with pr
   2022, eq. 9, when the preconditioner is differentiable).
 
 The ``ℓ_j`` and the ``g_j`` are i.i.d. over ``j``, so the standard errors are their sample deviations over ``√t``
-(the ``ℓ_j``'s floored by the largest Ritz value, :func:`slq_variance`; the loss adds the CG bound, the
-Lanczos estimate and the rounding in quadrature, the gradient the solves' shares and the products' rounding).
+(the ``ℓ_j``'s floored by the largest Ritz value, :func:`slq_variance`, and the ``g_j``'s lifted with them,
+:func:`gradient_spread`; the loss adds the CG bound, the Lanczos estimate and the rounding in quadrature, the
+gradient the solves' shares and the products' rounding).
 The per-probe ``g_j`` come from one pass of
 :meth:`~gpnys.kernels.operator.StationaryKernelOperator.column_derivatives` (any other kernel: one derivative per
 probe) mapped to the raw parameters by a batched vector-Jacobian product. ``aᵀ∂K̂a`` is one more column of the
