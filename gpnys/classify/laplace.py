@@ -81,6 +81,11 @@ NEWTON_FORCING = 1e-2
 TOLERANCE_EPS = 100
 
 
+#: a Newton iteration that ends where ``Ψ`` no longer rises warns above this mode residual, relative to
+#: ``max(1, max|f|)`` (:meth:`LaplaceGP._check_mode`)
+MODE_RESIDUAL = 1e-3
+
+
 def _floored_tolerance(tol: float, dtype: torch.dtype) -> float:
     """``tol``, at least :data:`TOLERANCE_EPS` machine epsilons of ``dtype``."""
     return max(tol, TOLERANCE_EPS * torch.finfo(dtype).eps)
@@ -389,10 +394,11 @@ class LaplaceGP(LaplacePredictions):
         converged = False
         last = math.inf  # the previous step's largest change of f
         gains: list[float] = []  # Ψ's rise at each step
+        strict = False  # the steps solve to cg_tol with a fresh preconditioner (after an inexact step failed)
         for _ in range(self._max_newton):
             # the preconditioner is rebuilt for the new W only when CG has slowed by half since the last build
             # (a build costs about as much as a Newton step's solve)
-            build = fresh is None or rate > REBUILD_GROWTH * fresh
+            build = fresh is None or rate > REBUILD_GROWTH * fresh or strict
             self._state(f, build)
             self.builds_ += build
             grad = self.likelihood_.derivatives(f, self._y)[0]  # ∇ log p(y|f)
@@ -401,7 +407,7 @@ class LaplaceGP(LaplacePredictions):
             rhs = (grad - a) / self._sW
             norm = float(rhs.norm())
             first = norm if first is None else first
-            tol = max(cg_tol, min(NEWTON_FORCING, math.sqrt(norm / first) if first > 0 else 0.0))
+            tol = cg_tol if strict else max(cg_tol, min(NEWTON_FORCING, math.sqrt(norm / first) if first > 0 else 0.0))
             res = self._solve_B(rhs, tol)
             self.cg_iterations_.append(res.iterations)
             rate = res.iterations / -math.log10(tol)
@@ -414,6 +420,12 @@ class LaplaceGP(LaplacePredictions):
             halved = halve_step(lambda t: float(self.likelihood_.log_prob(f + t * df, self._y)
                                                 - 0.5 * ((a + t * da) * (f + t * df)).sum()),
                                 psi, slack * (abs(psi) + n))
+            if halved is None and not strict:
+                # no ascent along an inexact step (a loose solve, a preconditioner built for another W): the rest
+                # solve to cg_tol with a fresh preconditioner (probit at outputscale 1e4 stopped here 2e3 from the
+                # mode, max|f - K∇log p|, where the strict steps reach 1e-11)
+                strict = True
+                continue
             if halved is None:
                 converged = True
                 break  # no ascent left at this precision: the mode
@@ -423,11 +435,15 @@ class LaplaceGP(LaplacePredictions):
             change = float((step * df).abs().max())
             a, f = a + step * da, f + step * df
             if at_mode(change, last, gains[-1], slack * (abs(psi) + n), newton_tol, float(f.abs().max())):
-                converged = True
-                break
+                if strict or change <= newton_tol * max(1.0, float(f.abs().max())):
+                    converged = True
+                    break
+                strict = True  # a flat Ψ after an inexact step: confirm it with strict steps
             last = change
         if not converged:  # not the mode: its Laplace approximation, and with it every figure below, is off
             self._warn_short(f, change, gains, slack * (abs(psi) + n))
+        else:
+            self._check_mode(f)
         # a fresh P at the mode, W clamped where it moves log det B by at most W_FLOOR a point: log det B's and the
         # gradient's probes, and the predictions
         self._state(f, floor=w_floor(float(kernel_diag(self._kernel, self._Xk).max()), dtype))
@@ -435,9 +451,32 @@ class LaplaceGP(LaplacePredictions):
         self.f_hat_, self.a_ = f, a
         self._grad = self.likelihood_.derivatives(f, self._y)[0]
         logdet, se = self._logdet_B()  # keeps its probes and solves for _gradient
-        self.log_marginal_likelihood_ = (float(-0.5 * (a * f).sum() + self.likelihood_.log_prob(f, self._y))
-                                         - 0.5 * logdet)
-        self.mll_std_error_ = 0.5 * se
+        # the sums in at least float64: in float32 the terms of log p (y f, e^f and log y! of counts in the
+        # thousands) cancel to a hundredth of their size, and their rounding put log q 40-54 standard errors off
+        wide = torch.promote_types(dtype, torch.float64)
+        fw, aw = f.to(wide), a.to(wide)
+        quadratic, log_p = float(-0.5 * (aw * fw).sum()), float(self.likelihood_.log_prob(fw, self._y.to(wide)))
+        self.log_marginal_likelihood_ = quadratic + log_p - 0.5 * logdet
+        # and the iterates' drift: the steps update f and a = K⁻¹f side by side, and their rounding moves them
+        # apart (float32 Poisson counts in the thousands: a off by 1e-3 with f good to 6e-7, log q 16-21 standard
+        # errors off without this term); ½ aᵀ(f - K a) sizes what that does to ½ aᵀf (one kernel product), and the
+        # rounding of the inputs of the two sums what it does to them
+        consistency = 0.5 * float((aw * (fw - self._K(a).to(wide))).sum())
+        rounding = torch.finfo(dtype).eps * (abs(quadratic) + abs(log_p))
+        self.mll_std_error_ = math.sqrt((0.5 * se) ** 2 + consistency**2 + rounding**2)
+
+    def _check_mode(self, f: torch.Tensor) -> None:
+        """Where Newton stopped, warn if the mode's residual ``max|f − K∇log p(y|f)|`` (one kernel product) exceeds
+        :data:`MODE_RESIDUAL` of ``max(1, max|f|)``: the solves could not resolve the mode at this precision, and a
+        step that CG cut short looks as small as one at the mode (float32 Poisson counts in the thousands at
+        outputscale 100: 0.36 of it and ``log q`` −6e5 for −1156; a good float32 fit is below 3e-4)."""
+        residual = float((f - self._K(self.likelihood_.derivatives(f, self._y)[0])).abs().max())
+        size = max(1.0, float(f.abs().max()))
+        if residual > MODE_RESIDUAL * size:
+            hint = ": use float64" if f.dtype != torch.float64 else ""
+            warnings.warn(f"{type(self).__name__}: Newton's method stopped, but max|f − K∇log p(y|f)| = "
+                          f"{residual:.3e} ({residual / size:.2g} of max(1, max|f|); 0 at the mode): f is not the "
+                          f"mode, and log q and the predictions are off{hint}", NumericalWarning, stacklevel=4)
 
     def _warn_short(self, f: torch.Tensor, change: float, gains: list[float], rounding: float) -> None:
         """The warning for Newton's method stopped at ``max_newton`` before the mode: the last step's change of
@@ -469,11 +508,16 @@ class LaplaceGP(LaplacePredictions):
         res = self._solve_B(Z, self._slq_tolerance, lanczos=True)
         self._probes = (Z / self._sW[:, None], self._sW[:, None] * res.x)  # z ~ N(0, P̂) and (K + W⁻¹)⁻¹ z
         ell, truncation, ritz = slq_quadrature(res.tridiagonal, res.iterations_per_column, n)
-        exact = n * math.log(self._s2) + float(self._W.log().sum()) + float(self._P.logdet())
-        # the terms' spread floored by the largest Ritz value (slq_variance), and the quadrature's truncation
+        wide = torch.promote_types(self._W.dtype, torch.float64)
+        parts = (n * math.log(self._s2), float(self._W.log().sum(dtype=wide)), float(self._P.logdet()),
+                 float(ell.mean()))
+        # the terms' spread floored by the largest Ritz value (slq_variance), the quadrature's truncation and the
+        # working precision's rounding of the parts (float32: a Poisson fit's log q 4-5 standard errors off, 7e-8
+        # of it, without the last)
         self._slq_terms = (ell, ritz_log_square(ritz))  # the gradient's rows share the floor (gradient_spread)
-        se = math.sqrt(slq_variance(*self._slq_terms) / t + float(truncation.mean()) ** 2)
-        return exact + float(ell.mean()), se
+        rounding = torch.finfo(self._X.dtype).eps * sum(abs(v) for v in parts)
+        se = math.sqrt(slq_variance(*self._slq_terms) / t + float(truncation.mean()) ** 2 + rounding**2)
+        return sum(parts), se
 
     # ---- the hyperparameters' gradient ---------------------------------------------------------------------
     def _gradient(self) -> list[torch.Tensor]:

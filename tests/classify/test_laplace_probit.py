@@ -80,3 +80,20 @@ def test_probit_on_the_cuda_device(cuda_device):
     with torch.no_grad():
         ref = dense_laplace(kernel(X).to_dense(), y, likelihood=BernoulliProbit())
     assert abs(clf.log_marginal_likelihood_ - float(ref.log_q)) <= 4 * clf.mll_std_error_ + 1e-8 * abs(float(ref.log_q))
+
+
+def test_large_outputscale_with_a_low_rank_preconditioner_reaches_the_mode():
+    """Probit at outputscale 1e4 with a rank-40 AFN preconditioner (n = 200): an inexact Newton step stopped ascending
+    and was taken for the mode, 2e3 from it (max|f − K∇log p|) and log q 20 off, with no warning. The steps after
+    such a failure solve to ``cg_tolerance`` with a fresh preconditioner and reach the dense mode."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(200, 2, dtype=torch.float64, generator=g)
+    y = (torch.sin(6 * X[:, 0]) + X[:, 1] > 0.8).double()
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    kernel.base_kernel.lengthscale, kernel.outputscale = 0.3, 1e4
+    clf = LaplaceGPClassifier(kernel, link="probit", precond_options={"k": 40}, num_probes=16).fit(X, y)
+    with torch.no_grad():
+        K = kernel(X).to_dense()
+        ref = dense_laplace(K, y, likelihood=BernoulliProbit())
+    assert float((clf.f_hat_ - ref.f).abs().max()) < 1e-6 * float(ref.f.abs().max())
+    assert abs(clf.log_marginal_likelihood_ - float(ref.log_q)) <= 4 * clf.mll_std_error_
