@@ -112,9 +112,15 @@ class PCGPosterior:
         return res
 
     def quad(self, R: torch.Tensor, tol: float | torch.Tensor, floor: torch.Tensor | float,
-             warm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             warm: bool = False, rounding: Callable[[torch.Tensor], torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(diag(Rᵀ K̂⁻¹ R), bound)``, each ``(t,)``, in the variational form; ``floor``: the smallest noise
-        variance (``λ_min(K̂) ≥ floor``)."""
+        variance (``λ_min(K̂) ≥ floor``); ``rounding``: the weights ``x ≈ K̂⁻¹R`` ``(n, t)`` -> the working
+        precision's share of the error ``(t,)``, added to the bound (the residual, computed in that precision, does
+        not show it)."""
         res = self.solve(R, tol, warm)
         # 2 r'b - b'Ab = r'K̂⁻¹r - ρ'K̂⁻¹ρ, and ρ'K̂⁻¹ρ <= ||ρ||² / λ_min(K̂) <= ||ρ||² / min σ²
-        return (R * res.x).sum(0) + (res.x * res.residual).sum(0), res.residual.square().sum(0) / floor
+        bound = res.residual.square().sum(0) / floor
+        if rounding is not None:
+            bound = bound + rounding(res.x)
+        return (R * res.x).sum(0) + (res.x * res.residual).sum(0), bound

@@ -290,9 +290,12 @@ class HookPrediction:
         """``B -> (diag(B^T K̂^{-1} B), bound)`` by PCG (see :meth:`predict`), each ``(b,)``; an optional per-column
         relative tolerance ``(b,)`` replaces ``settings.variance_tolerance``."""
         post = PCGPosterior(*self.system(X), self.settings.max_cg_iterations)
+        with torch.no_grad():  # the size of K̂'s entries, for the rounding of the weights (rounding_error)
+            scale = self.kernel(X, diag=True).max() + noise.max()
 
         def quad(B: torch.Tensor, tol: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-            out = post.quad(B, self.settings.variance_tolerance if tol is None else tol, noise.min())
+            out = post.quad(B, self.settings.variance_tolerance if tol is None else tol, noise.min(),
+                            rounding=lambda x: rounding_error(scale, x.abs().sum(0)))
             self.variance_iterations = post.iterations
             return out
 
