@@ -212,10 +212,12 @@ class HookPrediction:
             quad, L = _dense_quad(K, noise)
             r = y - model.forward(X).mean
             alpha = torch.cholesky_solve(r[:, None], L)[:, 0]
-            # the weights' error K̂⁻¹ρ for their residual, recomputed in the working precision
+            # the weights' error K̂⁻¹ρ for their residual, recomputed in the working precision, and the products'
+            # rounding, which that residual does not show (_rounding_draws): each mapped through the factor
             rho = r - (K @ alpha[:, None])[:, 0]
+            e = _rounding_draws(K.abs() @ alpha.abs()[:, None] + r.abs()[:, None])
             del K
-            correction = torch.cholesky_solve(rho[:, None], L)[:, 0]
+            correction = torch.cholesky_solve(torch.cat([rho[:, None], e], 1), L)
             means, mean_bounds, out, bounds = [], [], [], []
             for T in test_x.split(max(64, block_rows(n, parts=4, device=X.device))):
                 B, mean, err = _mean_block(model, kernel, X, T, alpha, correction)
@@ -266,11 +268,7 @@ class HookPrediction:
         # and the floor no residual shows: the products' rounding e ~ u (K̂|α| + |r|) moves α by K̂⁻¹e ≈ P̂⁻¹e / λ̂, in
         # MEAN_ROUNDING_SIGNS draws of independent signs (the probabilistic model of rounding; at ℓ = 0.05 and
         # noise 1e-4 float64 means were 1.9e-13 off, 34 times the estimate without it)
-        u = torch.finfo(r.dtype).eps / 2
-        floor = u * (A(alpha.abs()[:, None]) + r.abs()[:, None])
-        gen = torch.Generator(device=r.device).manual_seed(MEAN_ROUNDING_SEED)
-        e = floor * draw((r.shape[0], MEAN_ROUNDING_SIGNS), r.dtype, r.device, generator=gen,
-                         distribution="rademacher")
+        e = _rounding_draws(A(alpha.abs()[:, None]) + r.abs()[:, None])
         correction = torch.cat([delta[:, None], M(ref.residual), M(e)], 1)
         correction[:, 1:] /= min(lam, 1.0)
         return alpha, lam, res.iterations + ref.iterations, correction
@@ -321,6 +319,16 @@ def _dense_quad(K: torch.Tensor, noise: torch.Tensor) -> tuple[Callable, torch.T
         return V.square().sum(0), rounding_error(scale, x.abs().sum(0))
 
     return quad, L
+
+
+def _rounding_draws(size: torch.Tensor) -> torch.Tensor:
+    """``(n, MEAN_ROUNDING_SIGNS)`` draws of the products' rounding ``u · size ∘ s_k`` for ``size = |K̂||α| + |r|``
+    ``(n, 1)``, with independent random signs ``s_k`` (the probabilistic model of rounding) from a generator of its
+    own (:data:`MEAN_ROUNDING_SEED`: the same draws every call, the caller's random stream untouched)."""
+    gen = torch.Generator(device=size.device).manual_seed(MEAN_ROUNDING_SEED)
+    signs = draw((size.shape[0], MEAN_ROUNDING_SIGNS), size.dtype, size.device, generator=gen,
+                 distribution="rademacher")
+    return torch.finfo(size.dtype).eps / 2 * size * signs
 
 
 def mean_bound(B: torch.Tensor, alpha: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 import copy
 
 import gpytorch
+import numpy as np
 import pytest
 import torch
 
@@ -240,6 +241,43 @@ def test_mean_bound_holds_where_the_preconditioned_correction_points_elsewhere(m
     slack = 1e-12 * float(ref.abs().max())  # the reference's own rounding
     assert bool((err <= bound + slack).all()), float((err / bound).max())
     assert float(bound.max()) < 1e3 * float(err.max())
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).eps > 1e-18, reason="needs an extended-precision long double (x86)")
+def test_exact_path_mean_bound_holds_the_rounding():
+    """The exact path at noise 1e-6 (RBF, n = 800, float64): the residual recomputed in float64 is mostly rounding,
+    and its image through the factor was exceeded 14 times by the means' error (about 1e-8) against an
+    extended-precision reference. The products' rounding in random signs, mapped through the factor, holds it."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(800, 2, generator=g, dtype=torch.float64)
+    y = torch.sin(6 * X[:, 0]) + X[:, 1] ** 2 + 0.5 + 0.01 * torch.randn(800, generator=g, dtype=torch.float64)
+    m = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="rbf", ard=False).double()
+    m.likelihood.noise_covar.raw_noise_constraint.lower_bound.fill_(1e-8)
+    m.likelihood.noise = 1e-6
+    m.covar_module.base_kernel.lengthscale = 0.3
+    T = torch.cat([torch.rand(100, 2, generator=g, dtype=torch.float64),
+                   1 + 0.5 * torch.rand(50, 2, generator=g, dtype=torch.float64)])
+    with use_preconditioner(m, "auto", settings=EstimatorSettings(solver="cholesky")) as hook:
+        mean, _ = hook.predict(T, variance=False)
+        bound = hook.mean_bound.double()
+
+    # the reference: kernel entries in long double (differences), weights by iterative refinement of a float64 solve
+    ld = np.longdouble
+    ls, s2, c = (float(v) for v in (m.covar_module.base_kernel.lengthscale, m.covar_module.outputscale,
+                                     m.mean_module.constant))
+
+    def k(A, B):
+        d = (A.numpy().astype(ld)[:, None, :] - B.numpy().astype(ld)[None, :, :]) / ld(ls)
+        return ld(s2) * np.exp(-(d * d).sum(-1) / 2)
+
+    K = k(X, X) + ld(float(m.likelihood.noise)) * np.eye(800, dtype=ld)
+    r = y.numpy().astype(ld) - ld(c)
+    alpha = np.zeros(800, dtype=ld)
+    for _ in range(6):
+        alpha += np.linalg.solve(K.astype(np.float64), (r - K @ alpha).astype(np.float64)).astype(ld)
+    ref = torch.from_numpy((ld(c) + k(X, T).T @ alpha).astype(np.float64))
+    err = (mean - ref).abs()
+    assert bool((err <= bound + torch.finfo(torch.float64).eps * ref.abs()).all()), float((err / bound).max())
 
 
 def test_float32_pcg_variances_within_their_bound():
