@@ -182,10 +182,10 @@ class HookPrediction:
                         need = (tol * var[redo] * noise.min()).sqrt() / Bc.norm(dim=0).clamp_min(1e-300)
                         q, b = solve(Bc, need.clamp_max(self.settings.variance_tolerance))
                         var, bound = var.clone(), bound.clone()
-                        var[redo], bound[redo] = (kxx[redo] - q).clamp_min(0.0), b
+                        var[redo], bound[redo] = _latent_variance(kxx[redo], q), b
                 else:
                     q, bound = solve(Kxt)
-                    var = (kxx - q).clamp_min(0.0)
+                    var = _latent_variance(kxx, q)
                 out.append(var)
                 bounds.append(bound)
                 t_var += time.perf_counter() - t0
@@ -225,12 +225,12 @@ class HookPrediction:
                 mean_bounds.append(err)
                 if variance:
                     q, bound = quad(B)
-                    out.append(kernel(T, diag=True) - q)
+                    out.append(_latent_variance(kernel(T, diag=True), q))
                     bounds.append(bound)
         mean, mean_err = torch.cat(means), torch.cat(mean_bounds)
         if not variance:
             return mean, mean_err, None, None
-        return mean, mean_err, _y_variance(torch.cat(out).clamp_min(0.0), noise), torch.cat(bounds)
+        return mean, mean_err, _y_variance(torch.cat(out), noise), torch.cat(bounds)
 
     def _discovered_inputs(self) -> torch.Tensor | None:
         """The inputs the kernel sees, read from the covariance ``forward`` builds
@@ -347,6 +347,13 @@ def _mean_block(model: gpytorch.models.ExactGP, kernel: gpytorch.kernels.Kernel,
     """``(k(X, T), mean, mean_bound)`` at a block of test points ``T (b, d)``: ``(n, b)``, ``(b,)``, ``(b,)``."""
     B = cross_covariance(kernel, X, T)
     return B, model.forward(T).mean + B.mT @ alpha, mean_bound(B, alpha, correction)
+
+
+def _latent_variance(kxx: torch.Tensor, quad: torch.Tensor) -> torch.Tensor:
+    """``k(x, x) − k_xᵀK̂⁻¹k_x`` from the prior variances ``kxx`` and the quadratic forms ``quad`` (``(b,)`` each),
+    within ``[0, k(x, x)]``, where every latent variance lies: a quadratic form computed below 0 (float32 PCG that
+    broke down at noise 1e-5, with its warning) gave variances 4e4 times the prior's."""
+    return (kxx - quad).clamp_min(0.0).minimum(kxx)
 
 
 def _y_variance(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Cached predictive variances with per-point error bounds (gpnys.gp.variance)."""
 
 import copy
+import warnings
 
 import gpytorch
 import numpy as np
@@ -278,6 +279,26 @@ def test_exact_path_mean_bound_holds_the_rounding():
     ref = torch.from_numpy((ld(c) + k(X, T).T @ alpha).astype(np.float64))
     err = (mean - ref).abs()
     assert bool((err <= bound + torch.finfo(torch.float64).eps * ref.abs()).all()), float((err / bound).max())
+
+
+def test_float32_variances_stay_within_the_prior():
+    """Float32 at noise 1e-5 (RBF, n = 800): PCG breaks down after a few iterations (with its warning), and the
+    quadratic forms it gave made latent variances 4e4 times the prior's. A latent variance lies in ``[0, k(x, x)]``."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(800, 2, generator=g, dtype=torch.float64)
+    y = torch.sin(6 * X[:, 0]) + X[:, 1] ** 2 + 0.5 + 0.003 * torch.randn(800, generator=g, dtype=torch.float64)
+    m = ExactGPModel(X.float(), y.float(), gpytorch.likelihoods.GaussianLikelihood(), kernel="rbf", ard=False).float()
+    m.likelihood.noise_covar.raw_noise_constraint.lower_bound.fill_(1e-8)
+    m.likelihood.noise = 1e-5
+    m.covar_module.base_kernel.lengthscale = 0.3
+    T = torch.rand(100, 2, generator=g, dtype=torch.float64).float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PCG's own, which say it broke down
+        with use_preconditioner(m, "auto", settings=EstimatorSettings(solver="iterative", variance_method="pcg")) as hook:
+            _, var = hook.predict(T)
+    latent = var - m.likelihood.noise.detach()
+    prior = m.covar_module(T, diag=True).detach()
+    assert bool((latent >= -1e-6).all()) and bool((latent <= prior * (1 + 1e-6) + 1e-6).all())
 
 
 def test_float32_pcg_variances_within_their_bound():
