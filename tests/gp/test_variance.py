@@ -292,9 +292,10 @@ def test_float32_variances_stay_within_the_prior():
     m.likelihood.noise = 1e-5
     m.covar_module.base_kernel.lengthscale = 0.3
     T = torch.rand(100, 2, generator=g, dtype=torch.float64).float()
+    settings = EstimatorSettings(solver="iterative", variance_method="pcg")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PCG's own, which say it broke down
-        with use_preconditioner(m, "auto", settings=EstimatorSettings(solver="iterative", variance_method="pcg")) as hook:
+        with use_preconditioner(m, "auto", settings=settings) as hook:
             _, var = hook.predict(T)
     latent = var - m.likelihood.noise.detach()
     prior = m.covar_module(T, diag=True).detach()
