@@ -387,8 +387,19 @@ class LaplaceGP(LaplacePredictions):
         # a warm start a0 (the previous hyperparameters' K⁻¹ f̂) gives f = K a0 and Ψ = log p(y|f) - ½ a0ᵀ f
         a = self._X.new_zeros(n) if a0 is None else a0.to(self._X.dtype)
         f = self._X.new_zeros(n) if a0 is None else self._K(a)
-        psi = float(self.likelihood_.log_prob(f, self._y) - 0.5 * (a * f).sum())
-        slack = 64 * torch.finfo(dtype).eps
+        # Ψ in at least float64 from the iterates, and the iterates' own rounding as the slack of its comparisons,
+        # 64 eps (½|a|ᵀ|f| + |∇log p|ᵀ|f|): 64 eps (|Ψ| + n) exceeded all the gain left where separable labels leave Ψ
+        # near 0 (float32 at outputscale 1e6: f 9 % from the mode)
+        wide = torch.promote_types(dtype, torch.float64)
+        y_wide = self._y.to(wide)
+
+        def psi_at(a_t: torch.Tensor, f_t: torch.Tensor) -> float:
+            f_t = f_t.to(wide)
+            return float(self.likelihood_.log_prob(f_t, y_wide) - 0.5 * (a_t.to(wide) * f_t).sum())
+
+        psi = psi_at(a, f)
+        eps = torch.finfo(dtype).eps
+        slack = 0.0
         cg_tol, newton_tol = (_floored_tolerance(t, dtype) for t in (self._cg_tolerance, self._newton_tol))
         self.cg_iterations_: list[int] = []
         self.newton_iterations_ = 0
@@ -406,6 +417,7 @@ class LaplaceGP(LaplacePredictions):
             self._state(f, build)
             self.builds_ += build
             grad = self.likelihood_.derivatives(f, self._y)[0]  # ∇ log p(y|f)
+            slack = 64 * eps * float((0.5 * a.abs() + grad.abs()) @ f.abs())
             # R&W Algorithm 3.1 lines 5-7, a_new = b - W^½ B⁻¹ W^½ K b with b = W f + ∇, started at the previous
             # a: the step is da = W^½ B⁻¹ W^{-½} (∇ - a), solved inexactly (NEWTON_FORCING)
             rhs = (grad - a) / self._sW
@@ -421,9 +433,7 @@ class LaplaceGP(LaplacePredictions):
             self.newton_iterations_ += 1
             # step halving while the objective Ψ = log p(y|f) - ½ aᵀf (Algorithm 3.1 line 8) decreases (a
             # safeguard; a and f = K a are linear in the step, so halving costs no product)
-            halved = halve_step(lambda t: float(self.likelihood_.log_prob(f + t * df, self._y)
-                                                - 0.5 * ((a + t * da) * (f + t * df)).sum()),
-                                psi, slack * (abs(psi) + n))
+            halved = halve_step(lambda t: psi_at(a + t * da, f + t * df), psi, slack)
             if halved is None and not strict:
                 # no ascent along an inexact step (a loose solve, a preconditioner built for another W): the rest
                 # solve to cg_tol with a fresh preconditioner (probit at outputscale 1e4 stopped here 2e3 from the
@@ -438,14 +448,14 @@ class LaplaceGP(LaplacePredictions):
             psi = new
             change = float((step * df).abs().max())
             a, f = a + step * da, f + step * df
-            if at_mode(change, last, gains[-1], slack * (abs(psi) + n), newton_tol, float(f.abs().max())):
+            if at_mode(change, last, gains[-1], slack, newton_tol, float(f.abs().max())):
                 if strict or change <= newton_tol * max(1.0, float(f.abs().max())):
                     converged = True
                     break
                 strict = True  # a flat Ψ after an inexact step: confirm it with strict steps
             last = change
         if not converged:  # not the mode: its Laplace approximation, and with it every figure below, is off
-            self._warn_short(f, change, gains, slack * (abs(psi) + n))
+            self._warn_short(f, change, gains, slack)
         else:
             self._check_mode(f)
         # a fresh P at the mode, W clamped where it moves log det B by at most W_FLOOR a point: log det B's and the
