@@ -337,8 +337,9 @@ class LaplaceGP(LaplacePredictions):
         sW = self._sW[:, None] if R.dim() == 2 else self._sW
         return self._P.solve(R / sW) / (sW * self._s2)
 
-    def _solve_B(self, R: torch.Tensor, tol: float, lanczos: bool = False):
-        return pcg(self._B, R, self._M_inv, tol=tol, maxiter=self._max_cg, lanczos=lanczos)
+    def _solve_B(self, R: torch.Tensor, tol: float | torch.Tensor, lanczos: bool = False,
+                 x0: torch.Tensor | None = None):
+        return pcg(self._B, R, self._M_inv, tol=tol, maxiter=self._max_cg, lanczos=lanczos, x0=x0)
 
     # ---- fit -----------------------------------------------------------------------------------------------
     def fit(self, X: Any, y: Any) -> "LaplaceGP":
@@ -470,26 +471,29 @@ class LaplaceGP(LaplacePredictions):
         self.f_hat_, self.a_ = f, a
         self._grad = self.likelihood_.derivatives(f, self._y)[0]
         logdet, se = self._logdet_B()  # keeps its probes and solves for _gradient
-        # the sums in at least float64: in float32 the terms of log p (y f, e^f and log y! of counts in the
+        # the sums in the wide dtype (as Ψ's): in float32 the terms of log p (y f, e^f and log y! of counts in the
         # thousands) cancel to a hundredth of their size, and their rounding put log q 40-54 standard errors off
-        wide = torch.promote_types(dtype, torch.float64)
         fw, aw = f.to(wide), a.to(wide)
-        quadratic, log_p = float(-0.5 * (aw * fw).sum()), float(self.likelihood_.log_prob(fw, self._y.to(wide)))
+        quadratic, log_p = float(-0.5 * (aw * fw).sum()), float(self.likelihood_.log_prob(fw, y_wide))
         self.log_marginal_likelihood_ = quadratic + log_p - 0.5 * logdet
         # and the iterates' drift: the steps update f and a = K⁻¹f side by side, and their rounding moves them
         # apart (float32 Poisson counts in the thousands: a off by 1e-3 with f good to 6e-7, log q 16-21 standard
         # errors off without this term); ½ aᵀ(f - K a) sizes what that does to ½ aᵀf (one kernel product), and the
         # rounding of the inputs of the two sums what it does to them
         consistency = 0.5 * float((aw * (fw - self._K(a).to(wide))).sum())
-        rounding = torch.finfo(dtype).eps * (abs(quadratic) + abs(log_p))
+        rounding = eps * (abs(quadratic) + abs(log_p))
         self.mll_std_error_ = math.sqrt((0.5 * se) ** 2 + consistency**2 + rounding**2)
 
+    def _mode_residual(self, f: torch.Tensor) -> float:
+        """``max|f − K∇log p(y|f)|``, 0 at the mode (one kernel product)."""
+        return float((f - self._K(self.likelihood_.derivatives(f, self._y)[0])).abs().max())
+
     def _check_mode(self, f: torch.Tensor) -> None:
-        """Where Newton stopped, warn if the mode's residual ``max|f − K∇log p(y|f)|`` (one kernel product) exceeds
+        """Where Newton stopped, warn if the mode's residual (:meth:`_mode_residual`) exceeds
         :data:`MODE_RESIDUAL` of ``max(1, max|f|)``: the solves could not resolve the mode at this precision, and a
         step that CG cut short looks as small as one at the mode (float32 Poisson counts in the thousands at
         outputscale 100: 0.36 of it and ``log q`` −6e5 for −1156; a good float32 fit is below 3e-4)."""
-        residual = float((f - self._K(self.likelihood_.derivatives(f, self._y)[0])).abs().max())
+        residual = self._mode_residual(f)
         size = max(1.0, float(f.abs().max()))
         if residual > MODE_RESIDUAL * size:
             hint = ": use float64" if f.dtype != torch.float64 else ""
@@ -501,7 +505,7 @@ class LaplaceGP(LaplacePredictions):
         """The warning for Newton's method stopped at ``max_newton`` before the mode: the last step's change of
         ``f``, the mode's residual ``max|f − K∇log p(y|f)|`` (0 at the mode; one kernel product) and Ψ's rise over
         the last steps; raising ``max_newton`` is advised only while Ψ still rises above its ``rounding``."""
-        residual = float((f - self._K(self.likelihood_.derivatives(f, self._y)[0])).abs().max())
+        residual = self._mode_residual(f)
         recent = gains[-5:]
         rise = sum(recent)
         advice = ("Ψ still rises: raise max_newton" if rise > len(recent) * rounding else
@@ -661,15 +665,15 @@ class LaplaceGP(LaplacePredictions):
             # ρᵀB⁻¹ρ ≤ |ρ|² (B ≥ I): second order in the solve's error. kss - vᵀv can cancel to 1e-9 of kss
             # (Poisson counts in the thousands at outputscale 1e4, n = 800: variances up to 215 % off at the
             # default tolerance), so each column solves on from x until |ρ|² ≤ VARIANCE_RTOL of its variance
-            var = kss - ((R * res.x).sum(0) + (res.x * res.residual).sum(0))
-            bound = res.residual.square().sum(0)
+            def variance(res: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                return kss - ((R * res.x).sum(0) + (res.x * res.residual).sum(0)), res.residual.square().sum(0)
+
+            var, bound = variance(res)
             if bool((bound > VARIANCE_RTOL * var.clamp_min(0)).any()):
                 norms = R.norm(dim=0).clamp_min(torch.finfo(R.dtype).tiny)
                 reach = TOLERANCE_EPS * torch.finfo(R.dtype).eps  # the working precision's, not cg_tolerance
                 tols = ((VARIANCE_RTOL * var.clamp_min(0)).sqrt() / norms).clamp(min=reach, max=floor)
-                res = pcg(self._B, R, self._M_inv, tol=tols.to(torch.float64), maxiter=self._max_cg, x0=res.x)
-                var = kss - ((R * res.x).sum(0) + (res.x * res.residual).sum(0))
-                bound = res.residual.square().sum(0)
+                var, bound = variance(self._solve_B(R, tols.to(torch.float64), x0=res.x))
                 short = bound > math.sqrt(VARIANCE_RTOL) * var.clamp_min(0)  # a bound that loose: worth a word
                 if bool(short.any()):
                     worst = float((bound / var.clamp_min(torch.finfo(var.dtype).tiny))[short].max())

@@ -797,8 +797,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                       f"of the loss, which more probes do not reduce (float64, or a better-conditioned K̂)",
                       NumericalWarning, stacklevel=3)
     t = sum(x.shape[0] for x in ell)
-    grad_se = (gradient_spread(J_all, torch.cat(ell), ritz_max).sqrt() / math.sqrt(t)
-               if J_all is not None and t > 1 else None)
+    grad_se = gradient_spread(J_all, l_all, ritz_max).sqrt() / math.sqrt(t) if J_all is not None and t > 1 else None
     def mapped(rows: list[torch.Tensor | None]) -> torch.Tensor:
         """Per-representation rows mapped to the parameters as the surrogate maps its terms."""
         return _flatten(torch.autograd.grad(_RepGradient.apply(rows, a, *reps), tensors, retain_graph=True,
