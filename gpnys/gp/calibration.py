@@ -2,8 +2,10 @@
 
 A synthetic problem (4-D, ARD Matérn-3/2, noise 0.01) is evaluated (value + gradient) under the hook with the path
 forced, at two sizes per path, and :class:`~gpnys.gp.path.PathCosts` is fitted through the medians. About 4 s on 2
-CPU cores. It drives the hook, which decides by the cost model, so it sits above both and installs itself into
-:mod:`gpnys.gp.path` on import (:func:`gpnys.gp.path.install_calibration`).
+CPU cores. Near the switch, Cholesky is measured at the size in question on the same problem
+(:func:`measure_cholesky`). It drives the hook, which decides by the cost model, so it sits above both and installs
+itself into :mod:`gpnys.gp.path` on import (:func:`gpnys.gp.path.install_calibration`,
+:func:`gpnys.gp.path.install_measurer`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import gpytorch
 import torch
 
 from gpnys.gp.hook import use_preconditioner
-from gpnys.gp.path import PathCosts, costs_key, fit_costs, install_calibration
+from gpnys.gp.path import PathCosts, costs_key, fit_costs, install_calibration, install_measurer
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.gp.training import ExactGPModel
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "measure_cholesky"]
 
 
 def _problem(n: int, device: torch.device, dtype: torch.dtype) -> tuple[gpytorch.models.ExactGP, torch.Tensor,
@@ -35,15 +37,18 @@ def _problem(n: int, device: torch.device, dtype: torch.dtype) -> tuple[gpytorch
     return model, X, y
 
 
-def _time_path(n: int, device: torch.device, dtype: torch.dtype, solver: str, reps: int = 2) -> float:
-    """Median seconds of a value + gradient on the synthetic problem; each repetition moves the length-scale (a
-    training step: the preconditioner is rebuilt)."""
+def _time_path(n: int, device: torch.device, dtype: torch.dtype, solver: str, reps: int = 2,
+               warm_up: bool = True) -> float:
+    """Median seconds of a value + gradient on the synthetic problem over ``reps`` repetitions (after one untimed
+    one, with ``warm_up``); each repetition moves the length-scale (a training step: the preconditioner is
+    rebuilt)."""
     model, X, y = _problem(n, device, dtype)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
     times = []
-    with warnings.catch_warnings(), use_preconditioner(model, settings=EstimatorSettings(solver=solver, probe_seed=0)):
+    with (warnings.catch_warnings(), torch.enable_grad(),
+          use_preconditioner(model, settings=EstimatorSettings(solver=solver, probe_seed=0))):
         warnings.simplefilter("ignore")
-        for rep in range(reps + 1):  # the first is a warm-up
+        for rep in range(reps + warm_up):
             model.covar_module.base_kernel.lengthscale = 0.4 * (1 + 0.05 * rep)
             model.zero_grad()
             if device.type == "cuda":
@@ -53,7 +58,8 @@ def _time_path(n: int, device: torch.device, dtype: torch.dtype, solver: str, re
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    kept = times[1:] if warm_up else times
+    return sorted(kept)[len(kept) // 2]
 
 
 def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> PathCosts:
@@ -75,4 +81,20 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     return PathCosts(exact=exact, iterative=iterative, sizes=(exact_sizes, iter_sizes), key=costs_key(device, dtype))
 
 
+def measure_cholesky(n: int, device: torch.device | str, dtype: torch.dtype) -> float:
+    """Seconds of one Cholesky value + gradient at ``n`` on the calibration's problem, after a warm-up at a small
+    size (the measurement :func:`gpnys.gp.path.choose_path` takes near the switch).
+
+    Example:
+        >>> import torch
+        >>> from gpnys.gp.calibration import measure_cholesky
+        >>> 0 < measure_cholesky(200, "cpu", torch.float64) < 10
+        True
+    """
+    device = torch.device(device)
+    _time_path(64, device, dtype, "cholesky", reps=1)  # the dense solvers' set-up (a GPU's handles), untimed
+    return _time_path(n, device, dtype, "cholesky", reps=1, warm_up=False)
+
+
 install_calibration(calibrate)
+install_measurer(measure_cholesky)

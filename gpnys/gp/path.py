@@ -12,13 +12,20 @@ and thread count, and cached in memory and on disk (``$GPNYS_CACHE_DIR/costs.jso
 ``~/.cache/gpnys``). :func:`choose_path` compares the predictions (the preconditioned one scaled by what the caller
 measured of its own evaluations) and keeps Cholesky only where its matrices fit the memory budget
 (:func:`gpnys.budget.dense_limit_bytes`). ``EstimatorSettings.solver`` (or ``GPNYS_SOLVER``) forces either path.
+
+The cubic is extrapolated from small sizes, where a GPU is bound by latency rather than throughput: on one GPU in
+float64 it predicted 0.93 s for a value + gradient at n = 10 000 that took about a tenth of that. So wherever the two
+predictions lie within :data:`PROBE_FACTOR` of each other, Cholesky is measured once at that size (the calibration's
+problem, one value + gradient) and the measurement scales the cubic within a factor :data:`MEASURED_SPAN` of it
+(:attr:`PathCosts.measured`, cached with the costs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -27,8 +34,8 @@ import torch
 from gpnys.budget import dense_limit_bytes
 from gpnys.cache import cache_dir, entry_key, read_entry, write_entry
 
-__all__ = ["PathCosts", "calibrate", "install_calibration", "path_costs", "choose_path", "cholesky_fits", "uses_costs",
-           "cache_file", "fit_costs", "costs_key", "PathChooser"]
+__all__ = ["PathCosts", "calibrate", "install_calibration", "install_measurer", "measure_exact", "path_costs",
+           "choose_path", "cholesky_fits", "uses_costs", "cache_file", "fit_costs", "costs_key", "PathChooser"]
 
 #: the cost model's file in the cache folder (:mod:`gpnys.cache`)
 COSTS_FILE = "costs.json"
@@ -37,8 +44,14 @@ COSTS_FILE = "costs.json"
 DENSE_MATRICES = 4
 #: a path is left for the other only when the other is predicted this much faster (no flip-flopping near the switch)
 HYSTERESIS = 1.25
+#: Cholesky is measured at the size in question where the two predictions lie within this factor of each other
+PROBE_FACTOR = 4.0
+#: a measurement at size m scales the predictions at sizes within this factor of m
+MEASURED_SPAN = 2.0
 _memo: dict[str, "PathCosts"] = {}
 _calibrator: Callable[[torch.device, torch.dtype], "PathCosts"] | None = None
+#: times one Cholesky value + gradient at ``n`` (:mod:`gpnys.gp.calibration` installs it; ``None``: never measure)
+_measurer: Callable[[int, torch.device, torch.dtype], float] | None = None
 
 
 @dataclass
@@ -46,9 +59,11 @@ class PathCosts:
     """Seconds of one MLL value + gradient on one device, dtype and thread count.
 
     Attributes:
-        exact: ``(a, b)``: Cholesky path ``a n³ + b n²``.
+        exact: ``(a, b)``: Cholesky path ``a n³ + b n²``, scaled near a measured size (``measured``).
         iterative: ``(c, e)``: preconditioned path ``c n² + e n`` (a training step: preconditioner built anew).
         sizes: the calibration sizes ``(n1, n2)`` of each path; key: device, dtype and threads.
+        measured: ``{m: seconds}`` of Cholesky measured at sizes ``m``; each scales ``exact_s`` within a factor
+            :data:`MEASURED_SPAN` of ``m`` (the nearest one).
 
     Example:
         >>> from gpnys.gp.path import PathCosts
@@ -57,16 +72,30 @@ class PathCosts:
         (1.0, 1.0)
         >>> costs.exact_s(500) < costs.iterative_s(500)  # below it Cholesky is cheaper
         True
+        >>> costs.measured[2000] = 2.0  # measured at n = 2 000: a quarter of the cubic's 8 s
+        >>> round(costs.exact_s(3000), 6), round(costs.exact_s(5000), 6)  # scaled within a factor 2 of 2 000 only
+        (6.75, 125.0)
     """
 
     exact: tuple[float, float]
     iterative: tuple[float, float]
     sizes: tuple[tuple[int, int], tuple[int, int]]
     key: str
+    measured: dict[int, float] = field(default_factory=dict)
 
-    def exact_s(self, n: int) -> float:
+    def _cubic(self, n: int) -> float:
         a, b = self.exact
         return a * n**3 + b * n**2
+
+    def near_measured(self, n: int) -> int | None:
+        """The measured size nearest ``n`` (in ratio) within :data:`MEASURED_SPAN`, or ``None``."""
+        near = min(self.measured, key=lambda m: abs(math.log(m / n)), default=None)
+        return near if near is not None and max(near / n, n / near) <= MEASURED_SPAN else None
+
+    def exact_s(self, n: int) -> float:
+        m = self.near_measured(n)
+        scale = 1.0 if m is None else self.measured[m] / max(self._cubic(m), 1e-12)
+        return self._cubic(n) * scale
 
     def iterative_s(self, n: int) -> float:
         c, e = self.iterative
@@ -129,12 +158,31 @@ def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
     entry = read_entry(COSTS_FILE, key)
     try:
         costs = PathCosts(exact=tuple(entry["exact"]), iterative=tuple(entry["iterative"]),
-                          sizes=tuple(tuple(s) for s in entry["sizes"]), key=key)
-    except (TypeError, KeyError, ValueError):
+                          sizes=tuple(tuple(s) for s in entry["sizes"]), key=key,
+                          measured={int(m): float(t) for m, t in entry.get("measured", {}).items()})
+    except (TypeError, KeyError, ValueError, AttributeError):
         costs = calibrate(device, dtype)
         write_entry(COSTS_FILE, key, asdict(costs), "the path costs")
     _memo[key] = costs
     return costs
+
+
+def install_measurer(fn: Callable[[int, torch.device, torch.dtype], float] | None) -> None:
+    """Make ``fn(n, device, dtype)`` (seconds of one Cholesky value + gradient at ``n``) the measurement
+    :func:`choose_path` takes near the switch; ``None`` never measures (:mod:`gpnys.gp.calibration` installs its
+    own)."""
+    global _measurer
+    _measurer = fn
+
+
+def measure_exact(costs: PathCosts, n: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Measure Cholesky at ``n`` into ``costs.measured`` (and the cache file), unless a measurement within
+    :data:`MEASURED_SPAN` exists or no measurer is installed; returns whether it measured."""
+    if _measurer is None or costs.near_measured(n) is not None:
+        return False
+    costs.measured[n] = float(_measurer(n, device, dtype))
+    write_entry(COSTS_FILE, costs.key, asdict(costs), "the path costs")
+    return True
 
 
 def uses_costs(solver: str, method: object) -> bool:
@@ -170,7 +218,9 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
     ``method="auto"`` (a named preconditioner asks for the preconditioned path) where Cholesky's
     :data:`DENSE_MATRICES` ``n x n`` matrices fit :func:`~gpnys.budget.dense_limit_bytes`. ``current``: the path of
     the previous evaluation, left only for one predicted :data:`HYSTERESIS` times faster; ``iterative_scale``: the
-    caller's measured over predicted time of its own preconditioned evaluations. ``partitioned``: a process group
+    caller's measured over predicted time of its own preconditioned evaluations. Where the two predictions lie
+    within :data:`PROBE_FACTOR` of each other and no measurement near ``n`` exists, Cholesky is measured at ``n``
+    first (:func:`measure_exact`; once per size span, device, dtype and thread count). ``partitioned``: a process group
     splits the kernel by rows; ``"auto"`` then takes the preconditioned path on every rank, since ranks deciding by
     their own cost caches and timings could take different paths and wait for each other's collectives.
 
@@ -193,13 +243,21 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
     if not fits:
         return "iterative", why
     costs = path_costs(device, dtype)
-    exact, iterative = batch * costs.exact_s(n), batch * costs.iterative_s(n) * iterative_scale
+
+    def predicted() -> tuple[float, float]:
+        return batch * costs.exact_s(n), batch * costs.iterative_s(n) * iterative_scale
+
+    exact, iterative = predicted()
+    if max(exact, iterative) <= PROBE_FACTOR * min(exact, iterative) and measure_exact(costs, n, device, dtype):
+        exact, iterative = predicted()  # the cubic extrapolated; measured near the switch (module docstring)
     path = "cholesky" if exact <= iterative else "iterative"
     if current is not None and path != current:
         faster, slower = sorted((exact, iterative))
         if faster * HYSTERESIS > slower:
             path = current
-    return path, f"predicted {exact:.3g} s Cholesky, {iterative:.3g} s preconditioned ({costs.key})"
+    measured = costs.near_measured(n)
+    at = "" if measured is None else f", Cholesky measured at n = {measured}"
+    return path, f"predicted {exact:.3g} s Cholesky, {iterative:.3g} s preconditioned ({costs.key}{at})"
 
 
 #: ``(n, batch, device, dtype)`` of an evaluation, as :func:`choose_path` sees it

@@ -23,9 +23,11 @@ COSTS = PathCosts(exact=(1e-9, 0.0), iterative=(1e-6, 0.0), sizes=((300, 600), (
 
 @pytest.fixture
 def costs(monkeypatch):
-    """``auto`` left to the cost model (the suite forces the preconditioned path), with :data:`COSTS`."""
+    """``auto`` left to the cost model (the suite forces the preconditioned path), with :data:`COSTS` and no
+    measurement near the switch (:func:`gpnys.gp.path.measure_exact`)."""
     monkeypatch.delenv("GPNYS_SOLVER", raising=False)
     monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: COSTS)
+    monkeypatch.setattr(gpath, "_measurer", None)
 
 
 def _model(n=200, dtype=torch.float64, seed=0):
@@ -276,3 +278,76 @@ def test_bo_model_above_gpytorchs_threshold_asks_the_cost_model(costs):
                     a, b = model.posterior(Xt), ref.posterior(Xt)
                 torch.testing.assert_close(a.mean, b.mean, rtol=1e-9, atol=1e-9)
                 torch.testing.assert_close(a.variance, b.variance, rtol=1e-9, atol=1e-9)
+
+
+def _overestimating_costs():
+    """Cholesky predicted 0.5e-6 n^3 s (32 s at n = 400; a latency-bound GPU's extrapolation), the preconditioned
+    path 1e-4 n^2 s (16 s): within PROBE_FACTOR of each other, so ``auto`` measures Cholesky there."""
+    return PathCosts(exact=(5e-7, 0.0), iterative=(1e-4, 0.0), sizes=((1, 2), (1, 2)), key="test-measured")
+
+
+def test_cholesky_is_measured_near_the_switch_once_per_span(monkeypatch, tmp_path):
+    """Where the predictions lie within PROBE_FACTOR, Cholesky is measured at that size; the measurement scales the
+    cubic within MEASURED_SPAN of it (no second measurement there), is cached on disk with the costs, and moves
+    the decision; far from the switch nothing is measured."""
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPNYS_SOLVER", raising=False)
+    costs = _overestimating_costs()
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
+    calls = []
+    monkeypatch.setattr(gpath, "_measurer", lambda n, device, dtype: calls.append(n) or 0.01)
+    cpu, f64 = torch.device("cpu"), torch.float64
+    path, reason = choose_path(400, 1, cpu, f64, "auto", "auto")
+    assert calls == [400] and path == "cholesky" and "measured at n = 400" in reason
+    assert costs.exact_s(400) == pytest.approx(0.01) and costs.exact_s(700) == pytest.approx(0.01 * (700 / 400) ** 3)
+    assert choose_path(700, 1, cpu, f64, "auto", "auto")[0] == "cholesky" and calls == [400]  # within the span
+    assert choose_path(20, 1, cpu, f64, "auto", "auto")[0] == "cholesky" and calls == [400]  # 1e-4 s vs 4e-2 s
+    stored = json.loads(gpath.cache_file().read_text())["test-measured"]
+    assert stored["measured"] == {"400": 0.01}
+    monkeypatch.setattr(gpath, "_memo", {})
+    monkeypatch.undo()  # path_costs reads the cache file back, with the measurement
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gpath, "costs_key", lambda device, dtype: "test-measured")
+    monkeypatch.setattr(gpath, "_memo", {})
+    again = gpath.path_costs("cpu", torch.float64)
+    assert again.measured == {400: 0.01} and again.exact_s(400) == pytest.approx(0.01)
+
+
+def test_a_measured_cholesky_takes_the_exact_path_where_the_cubic_overestimated(monkeypatch, tmp_path, dtype):
+    """The real measurement (one Cholesky value + gradient on the calibration's problem) at n = 400 takes well under
+    the 32 s predicted: the hook and PreconditionedSingleTaskGP(max_cholesky_size=None) take Cholesky, exactly."""
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPNYS_SOLVER", raising=False)
+    costs = _overestimating_costs()
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
+    model, X, y = _model(n=400, dtype=dtype)
+    exact, g_exact, _ = _value_and_grads(model, X, y)
+    loss, grads, hook = _value_and_grads(model, X, y, "auto")
+    est = hook.last_estimate
+    assert est.path == "cholesky" and "measured at n = 400" in est.path_reason, est.path_reason
+    assert 0 < costs.measured[400] < 16
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert loss == pytest.approx(exact, abs=tol)
+    for k in g_exact:
+        torch.testing.assert_close(grads[k], g_exact[k], rtol=tol, atol=tol)
+    pytest.importorskip("botorch")
+    from gpnys.bo import PreconditionedSingleTaskGP
+
+    Y = X[:, :1].sin()
+    with gpytorch.settings.max_cholesky_size(100):
+        bo = PreconditionedSingleTaskGP(X.double(), Y.double())
+        assert not bo.uses_preconditioner() and "measured at n = 400" in bo.path_reason
+
+
+@pytest.mark.cuda
+def test_measured_cholesky_on_device(cuda_device, monkeypatch, tmp_path):
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPNYS_SOLVER", raising=False)
+    costs = _overestimating_costs()
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
+    model, X, y = _model(n=400)
+    exact, _, _ = _value_and_grads(model, X, y)
+    model, X, y = model.to(cuda_device), X.to(cuda_device), y.to(cuda_device)
+    loss, _, hook = _value_and_grads(model, X, y, "auto")
+    assert hook.last_estimate.path == "cholesky" and 0 < costs.measured[400] < 16
+    assert loss == pytest.approx(exact, abs=1e-10)
