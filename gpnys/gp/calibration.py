@@ -42,22 +42,23 @@ def _time_path(n: int, device: torch.device, dtype: torch.dtype, solver: str, re
     """Median seconds of a value + gradient on the synthetic problem over ``reps`` repetitions (after one untimed
     one, with ``warm_up``); each repetition moves the length-scale (a training step: the preconditioner is
     rebuilt)."""
-    model, X, y = _problem(n, device, dtype)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
     times = []
-    with (warnings.catch_warnings(), torch.enable_grad(),
-          use_preconditioner(model, settings=EstimatorSettings(solver=solver, probe_seed=0))):
+    # a gradient, also where the caller decides under no_grad or inference_mode (a BoTorch posterior's path)
+    with warnings.catch_warnings(), torch.inference_mode(False), torch.enable_grad():
         warnings.simplefilter("ignore")
-        for rep in range(reps + warm_up):
-            model.covar_module.base_kernel.lengthscale = 0.4 * (1 + 0.05 * rep)
-            model.zero_grad()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            (-mll(model(X), y)).backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+        model, X, y = _problem(n, device, dtype)
+        mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+        with use_preconditioner(model, settings=EstimatorSettings(solver=solver, probe_seed=0)):
+            for rep in range(reps + warm_up):
+                model.covar_module.base_kernel.lengthscale = 0.4 * (1 + 0.05 * rep)
+                model.zero_grad()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                (-mll(model(X), y)).backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t0)
     kept = times[1:] if warm_up else times
     return sorted(kept)[len(kept) // 2]
 

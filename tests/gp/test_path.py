@@ -330,6 +330,9 @@ def test_a_measured_cholesky_takes_the_exact_path_where_the_cubic_overestimated(
     assert loss == pytest.approx(exact, abs=tol)
     for k in g_exact:
         torch.testing.assert_close(grads[k], g_exact[k], rtol=tol, atol=tol)
+    costs.measured.clear()
+    with torch.inference_mode():  # a caller deciding without gradients (a posterior) still measures one
+        assert choose_path(400, 1, X.device, dtype, "auto", "auto")[0] == "cholesky" and 0 < costs.measured[400] < 16
     pytest.importorskip("botorch")
     from gpnys.bo import PreconditionedSingleTaskGP
 
