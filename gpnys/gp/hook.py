@@ -180,7 +180,7 @@ class PreconditionerHook:
             self._pass_through(reason)
         if reason is not None or not problem.hyperparameters_usable(cov._linear_op.kernel):
             return CallerSettingsMVN(out.mean, cov, callers)
-        if problem.model.training and problem.paths.choose()[0] == "cholesky":
+        if problem.model.training and problem.paths.choose(training=torch.is_grad_enabled())[0] == "cholesky":
             out = CholeskyMVN(out.mean, cov)
         elif problem.elements is not None:  # batch mode: one preconditioner and estimate per element
             if not problem.model.training:

@@ -14,10 +14,13 @@ measured of its own evaluations) and keeps Cholesky only where its matrices fit 
 (:func:`gpnys.budget.dense_limit_bytes`). ``EstimatorSettings.solver`` (or ``GPNYS_SOLVER``) forces either path.
 
 The cubic is extrapolated from small sizes, where a GPU is bound by latency rather than throughput: on one GPU in
-float64 it predicted 0.93 s for a value + gradient at n = 10 000 that took about a tenth of that. So wherever the two
-predictions lie within :data:`PROBE_FACTOR` of each other, Cholesky is measured once at that size (the calibration's
-problem, one value + gradient) and the measurement scales the cubic within a factor :data:`MEASURED_SPAN` of it
-(:attr:`PathCosts.measured`, cached with the costs).
+float64 it predicted 0.93 s for a value + gradient at n = 10 000 that took about a tenth of that. A Cholesky
+evaluation's cost hardly depends on the problem, a preconditioned one's does (its CG iterations), so a caller that
+has timed its own preconditioned evaluations (a hook, :class:`PathChooser`) asks, wherever the two predictions then
+lie within :data:`PROBE_FACTOR` of each other, for Cholesky to be measured once at that size (the calibration's
+problem, one value + gradient); the measurement scales the cubic within a factor :data:`MEASURED_SPAN` of it
+(:attr:`PathCosts.measured`, cached with the costs). Conversely, where Cholesky is predicted faster by less than
+:data:`ITERATIVE_PROBE_FACTOR`, a training caller times the preconditioned path once on its own problem first.
 """
 
 from __future__ import annotations
@@ -44,10 +47,14 @@ COSTS_FILE = "costs.json"
 DENSE_MATRICES = 4
 #: a path is left for the other only when the other is predicted this much faster (no flip-flopping near the switch)
 HYSTERESIS = 1.25
-#: Cholesky is measured at the size in question where the two predictions lie within this factor of each other
-PROBE_FACTOR = 4.0
+#: Cholesky is measured at the size in question where the two predictions lie within this factor of each other (a
+#: measurement is cached on disk for its size span, so it is paid once per machine, dtype and span)
+PROBE_FACTOR = 10.0
 #: a measurement at size m scales the predictions at sizes within this factor of m
 MEASURED_SPAN = 2.0
+#: a training caller that has not timed its preconditioned path takes it once where Cholesky is predicted faster by
+#: less than this factor (the preconditioned path's cost depends on the problem; the calibration's may be far harder)
+ITERATIVE_PROBE_FACTOR = 2.0
 _memo: dict[str, "PathCosts"] = {}
 _calibrator: Callable[[torch.device, torch.dtype], "PathCosts"] | None = None
 #: times one Cholesky value + gradient at ``n`` (:mod:`gpnys.gp.calibration` installs it; ``None``: never measure)
@@ -210,17 +217,18 @@ def cholesky_fits(n: int, batch: int, device: torch.device, dtype: torch.dtype) 
 
 
 def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, solver: str, method: object,
-                current: str | None = None, iterative_scale: float = 1.0, partitioned: bool = False
-                ) -> tuple[str, str]:
+                current: str | None = None, iterative_scale: float = 1.0, partitioned: bool = False,
+                measure: bool = False) -> tuple[str, str]:
     """``("cholesky" | "iterative", reason)`` for an evaluation of ``batch`` marginals of ``n`` points.
 
     ``solver`` ``"cholesky"`` / ``"iterative"`` force a path; ``"auto"`` decides by :class:`PathCosts` for
     ``method="auto"`` (a named preconditioner asks for the preconditioned path) where Cholesky's
     :data:`DENSE_MATRICES` ``n x n`` matrices fit :func:`~gpnys.budget.dense_limit_bytes`. ``current``: the path of
     the previous evaluation, left only for one predicted :data:`HYSTERESIS` times faster; ``iterative_scale``: the
-    caller's measured over predicted time of its own preconditioned evaluations. Where the two predictions lie
-    within :data:`PROBE_FACTOR` of each other and no measurement near ``n`` exists, Cholesky is measured at ``n``
-    first (:func:`measure_exact`; once per size span, device, dtype and thread count). ``partitioned``: a process group
+    caller's measured over predicted time of its own preconditioned evaluations. ``measure`` (a caller whose
+    ``iterative_scale`` is measured): where the two predictions lie within :data:`PROBE_FACTOR` of each other and no
+    measurement near ``n`` exists, Cholesky is measured at ``n`` first (:func:`measure_exact`; once per size span,
+    device, dtype and thread count). ``partitioned``: a process group
     splits the kernel by rows; ``"auto"`` then takes the preconditioned path on every rank, since ranks deciding by
     their own cost caches and timings could take different paths and wait for each other's collectives.
 
@@ -248,7 +256,8 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
         return batch * costs.exact_s(n), batch * costs.iterative_s(n) * iterative_scale
 
     exact, iterative = predicted()
-    if max(exact, iterative) <= PROBE_FACTOR * min(exact, iterative) and measure_exact(costs, n, device, dtype):
+    if (measure and max(exact, iterative) <= PROBE_FACTOR * min(exact, iterative)
+            and measure_exact(costs, n, device, dtype)):
         exact, iterative = predicted()  # the cubic extrapolated; measured near the switch (module docstring)
     path = "cholesky" if exact <= iterative else "iterative"
     if current is not None and path != current:
@@ -267,7 +276,10 @@ Problem = tuple[int, int, torch.device, torch.dtype]
 class PathChooser:
     """The path of one caller's evaluations (a hook's): :func:`choose_path` with the previous choice as
     ``current``, and the caller's own measured over predicted seconds of its preconditioned evaluations as
-    ``iterative_scale`` (a running average, :meth:`timed`).
+    ``iterative_scale`` (its first measurement, then a running average, :meth:`timed`); once that is measured,
+    :func:`choose_path` may measure Cholesky near the switch (``measure``). Before it is, a training evaluation
+    takes the preconditioned path where Cholesky is predicted faster by less than :data:`ITERATIVE_PROBE_FACTOR`
+    (the calibration's problem may be far harder than the caller's).
 
     Args:
         solver: ``EstimatorSettings.solver``; method: the preconditioner's name or class;
@@ -276,7 +288,8 @@ class PathChooser:
 
     Attributes:
         path: ``"cholesky"`` / ``"iterative"`` of the latest choice (``None`` before); reason: why;
-        iterative_scale: measured / predicted seconds of the preconditioned evaluations so far.
+        iterative_scale: measured / predicted seconds of the preconditioned evaluations so far; timed_iterative:
+        whether it holds a measurement.
 
     Example:
         >>> import torch
@@ -291,22 +304,37 @@ class PathChooser:
         self.path: str | None = None
         self.reason = ""
         self.iterative_scale = 1.0
+        self.timed_iterative = False  # whether iterative_scale holds a measurement
 
-    def choose(self) -> tuple[str, str]:
-        """``(path, reason)`` of the next evaluation, kept in :attr:`path` and :attr:`reason`."""
-        self.path, self.reason = choose_path(*self.problem(), self.solver, self.method, current=self.path,
-                                             iterative_scale=self.iterative_scale, partitioned=self.partitioned)
-        return self.path, self.reason
+    def choose(self, training: bool = False) -> tuple[str, str]:
+        """``(path, reason)`` of the next evaluation, kept in :attr:`path` and :attr:`reason`. ``training``: an
+        evaluation that may time the preconditioned path (class docstring); a prediction never does."""
+        path, reason = choose_path(*self.problem(), self.solver, self.method, current=self.path,
+                                   iterative_scale=self.iterative_scale, partitioned=self.partitioned,
+                                   measure=self.timed_iterative)
+        if training and path == "cholesky" and not self.timed_iterative and self._decides() and \
+                reason.startswith("predicted"):
+            n, batch, device, dtype = self.problem()
+            costs = path_costs(device, dtype)
+            if costs.iterative_s(n) <= ITERATIVE_PROBE_FACTOR * costs.exact_s(n):
+                path, reason = "iterative", f"timing the preconditioned path once on this problem: {reason}"
+        self.path, self.reason = path, reason
+        return path, reason
+
+    def _decides(self) -> bool:
+        """Whether the cost model and this caller's timings decide (``auto`` on one process)."""
+        return uses_costs(self.solver, self.method) and not self.partitioned
 
     @contextlib.contextmanager
     def timed(self):
         """Time a preconditioned evaluation; its ratio to the cost model's prediction, averaged into
         :attr:`iterative_scale`, scales the model's later predictions for this caller."""
-        if not uses_costs(self.solver, self.method) or self.partitioned:
+        if not self._decides():
             yield
             return
         t0 = time.perf_counter()
         yield
         n, batch, device, dtype = self.problem()
         ratio = (time.perf_counter() - t0) / max(batch * path_costs(device, dtype).iterative_s(n), 1e-9)
-        self.iterative_scale = 0.5 * (self.iterative_scale + ratio)
+        self.iterative_scale = 0.5 * (self.iterative_scale + ratio) if self.timed_iterative else ratio
+        self.timed_iterative = True

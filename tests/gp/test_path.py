@@ -281,15 +281,17 @@ def test_bo_model_above_gpytorchs_threshold_asks_the_cost_model(costs):
 
 
 def _overestimating_costs():
-    """Cholesky predicted 0.5e-6 n^3 s (32 s at n = 400; a latency-bound GPU's extrapolation), the preconditioned
-    path 1e-4 n^2 s (16 s): within PROBE_FACTOR of each other, so ``auto`` measures Cholesky there."""
-    return PathCosts(exact=(5e-7, 0.0), iterative=(1e-4, 0.0), sizes=((1, 2), (1, 2)), key="test-measured")
+    """Cholesky predicted 4.6875e-9 n^3 s (0.3 s at n = 400, where it takes milliseconds: a latency-bound GPU's
+    extrapolation), the preconditioned path 6.25e-9 n^2 s (1 ms, so that a hook's first evaluation takes it; it
+    takes tenths of a second, within PROBE_FACTOR of Cholesky's prediction, so the hook has Cholesky measured)."""
+    return PathCosts(exact=(4.6875e-9, 0.0), iterative=(6.25e-9, 0.0), sizes=((1, 2), (1, 2)), key="test-probe")
 
 
 def test_cholesky_is_measured_near_the_switch_once_per_span(monkeypatch, tmp_path):
-    """Where the predictions lie within PROBE_FACTOR, Cholesky is measured at that size; the measurement scales the
-    cubic within MEASURED_SPAN of it (no second measurement there), is cached on disk with the costs, and moves
-    the decision; far from the switch nothing is measured."""
+    """Where the predictions lie within PROBE_FACTOR and the caller measured its own preconditioned cost, Cholesky
+    is measured at that size; the measurement scales the cubic within MEASURED_SPAN of it (no second measurement
+    there), is cached on disk with the costs, and moves the decision; far from the switch, or for a caller that
+    measured nothing, nothing is measured."""
     monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPNYS_SOLVER", raising=False)
     costs = _overestimating_costs()
@@ -297,49 +299,91 @@ def test_cholesky_is_measured_near_the_switch_once_per_span(monkeypatch, tmp_pat
     calls = []
     monkeypatch.setattr(gpath, "_measurer", lambda n, device, dtype: calls.append(n) or 0.01)
     cpu, f64 = torch.device("cpu"), torch.float64
-    path, reason = choose_path(400, 1, cpu, f64, "auto", "auto")
+    timed = {"iterative_scale": 100.0}  # the caller's preconditioned evaluations took 0.1 s at n = 400
+    assert choose_path(400, 1, cpu, f64, "auto", "auto", **timed)[0] == "iterative" and calls == []
+    path, reason = choose_path(400, 1, cpu, f64, "auto", "auto", measure=True, **timed)
     assert calls == [400] and path == "cholesky" and "measured at n = 400" in reason
     assert costs.exact_s(400) == pytest.approx(0.01) and costs.exact_s(700) == pytest.approx(0.01 * (700 / 400) ** 3)
-    assert choose_path(700, 1, cpu, f64, "auto", "auto")[0] == "cholesky" and calls == [400]  # within the span
-    assert choose_path(20, 1, cpu, f64, "auto", "auto")[0] == "cholesky" and calls == [400]  # 1e-4 s vs 4e-2 s
-    stored = json.loads(gpath.cache_file().read_text())["test-measured"]
+    assert choose_path(700, 1, cpu, f64, "auto", "auto", measure=True, **timed)[0] == "cholesky" and calls == [400]
+    assert choose_path(2, 1, cpu, f64, "auto", "auto", measure=True, **timed)[0] == "cholesky" and calls == [400]
+    stored = json.loads(gpath.cache_file().read_text())["test-probe"]
     assert stored["measured"] == {"400": 0.01}
     monkeypatch.setattr(gpath, "_memo", {})
     monkeypatch.undo()  # path_costs reads the cache file back, with the measurement
     monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gpath, "costs_key", lambda device, dtype: "test-measured")
+    monkeypatch.setattr(gpath, "costs_key", lambda device, dtype: "test-probe")
     monkeypatch.setattr(gpath, "_memo", {})
     again = gpath.path_costs("cpu", torch.float64)
     assert again.measured == {400: 0.01} and again.exact_s(400) == pytest.approx(0.01)
 
 
+def _two_evaluations(model, X, y, device=None):
+    """Two value + gradient evaluations in one ``auto`` hook: their paths and reasons, and the second's loss and
+    gradients."""
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    model.train()
+    paths = []
+    with gpnys.use_preconditioner(model, "auto", settings=EstimatorSettings(probe_seed=0)) as hook:
+        for _ in range(2):
+            model.zero_grad()
+            loss = -mll(model(X), y)
+            loss.backward()
+            paths.append((hook.last_estimate.path, hook.last_estimate.path_reason))
+    return paths, float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}, hook
+
+
 def test_a_measured_cholesky_takes_the_exact_path_where_the_cubic_overestimated(monkeypatch, tmp_path, dtype):
-    """The real measurement (one Cholesky value + gradient on the calibration's problem) at n = 400 takes well under
-    the 32 s predicted: the hook and PreconditionedSingleTaskGP(max_cholesky_size=None) take Cholesky, exactly."""
+    """The hook's first evaluation is preconditioned and timed; Cholesky, measured then at n = 400 (one value +
+    gradient on the calibration's problem), takes well under its predicted 0.3 s, and the second
+    evaluation is Cholesky's, exactly. A BoTorch model, which decides before any evaluation, measures nothing."""
     monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPNYS_SOLVER", raising=False)
     costs = _overestimating_costs()
     monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
     model, X, y = _model(n=400, dtype=dtype)
     exact, g_exact, _ = _value_and_grads(model, X, y)
-    loss, grads, hook = _value_and_grads(model, X, y, "auto")
-    est = hook.last_estimate
-    assert est.path == "cholesky" and "measured at n = 400" in est.path_reason, est.path_reason
-    assert 0 < costs.measured[400] < 16
+    paths, loss, grads, hook = _two_evaluations(model, X, y)
+    assert paths[0][0] == "iterative" and hook.paths.timed_iterative
+    assert paths[1][0] == "cholesky" and "measured at n = 400" in paths[1][1], paths
+    assert 0 < costs.measured[400] < 0.3
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert loss == pytest.approx(exact, abs=tol)
     for k in g_exact:
         torch.testing.assert_close(grads[k], g_exact[k], rtol=tol, atol=tol)
     costs.measured.clear()
-    with torch.inference_mode():  # a caller deciding without gradients (a posterior) still measures one
-        assert choose_path(400, 1, X.device, dtype, "auto", "auto")[0] == "cholesky" and 0 < costs.measured[400] < 16
+    with torch.inference_mode():  # a caller deciding without gradients still measures with one
+        path = choose_path(400, 1, X.device, dtype, "auto", "auto", iterative_scale=100.0, measure=True)[0]
+    assert path == "cholesky" and 0 < costs.measured[400] < 0.3
+    costs.measured.clear()
     pytest.importorskip("botorch")
     from gpnys.bo import PreconditionedSingleTaskGP
 
-    Y = X[:, :1].sin()
     with gpytorch.settings.max_cholesky_size(100):
-        bo = PreconditionedSingleTaskGP(X.double(), Y.double())
-        assert not bo.uses_preconditioner() and "measured at n = 400" in bo.path_reason
+        bo = PreconditionedSingleTaskGP(X.double(), X[:, :1].sin().double())
+        assert bo.uses_preconditioner() and "Cholesky measured" not in bo.path_reason and not costs.measured
+
+
+def test_the_preconditioned_path_is_timed_once_where_cholesky_is_predicted_a_little_faster(monkeypatch, tmp_path):
+    """Cholesky predicted 1 s and the preconditioned path 1.5 s at n = 400 (the calibration's problem far harder than
+    this one): the hook's first training evaluation times the preconditioned path (tenths of a second), Cholesky is
+    then measured (5 s, injected) and the preconditioned path kept, within its error bars of the exact loss. A
+    prediction, or Cholesky predicted more than twice as fast, times nothing."""
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPNYS_SOLVER", raising=False)
+    costs = PathCosts(exact=(1 / 400**3, 0.0), iterative=(1.5 / 400**2, 0.0), sizes=((1, 2), (1, 2)), key="probe")
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
+    monkeypatch.setattr(gpath, "_measurer", lambda n, device, dtype: 5.0)
+    model, X, y = _model(n=400)
+    exact, _, _ = _value_and_grads(model, X, y)
+    paths, loss, _, hook = _two_evaluations(model, X, y)
+    assert paths[0][0] == "iterative" and paths[0][1].startswith("timing the preconditioned path"), paths
+    assert paths[1][0] == "iterative" and "measured at n = 400" in paths[1][1], paths
+    assert abs(loss - exact) <= 4 * hook.last_estimate.std_error / 400
+    costs.measured.clear()
+    chooser = gpath.PathChooser("auto", "auto", lambda: (400, 1, torch.device("cpu"), torch.float64))
+    assert chooser.choose()[0] == "cholesky"  # a prediction's choice
+    costs.iterative = (2.5 / 400**2, 0.0)
+    assert chooser.choose(training=True)[0] == "cholesky"  # 2.5x: beyond ITERATIVE_PROBE_FACTOR
 
 
 @pytest.mark.cuda
@@ -351,6 +395,6 @@ def test_measured_cholesky_on_device(cuda_device, monkeypatch, tmp_path):
     model, X, y = _model(n=400)
     exact, _, _ = _value_and_grads(model, X, y)
     model, X, y = model.to(cuda_device), X.to(cuda_device), y.to(cuda_device)
-    loss, _, hook = _value_and_grads(model, X, y, "auto")
-    assert hook.last_estimate.path == "cholesky" and 0 < costs.measured[400] < 16
+    paths, loss, _, _ = _two_evaluations(model, X, y)
+    assert [p for p, _ in paths] == ["iterative", "cholesky"] and 0 < costs.measured[400] < 0.3
     assert loss == pytest.approx(exact, abs=1e-10)
