@@ -58,6 +58,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import time
 import warnings
 from typing import Any, Iterator, Mapping, NamedTuple
 
@@ -80,7 +81,7 @@ from gpnys.bo.fantasy import condition_blocks, condition_joint, latent_mvn
 from gpnys.checks import HyperparameterError, NumericalWarning, validate_choice, validate_count, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
-from gpnys.gp.path import cholesky_fits, choose_path
+from gpnys.gp.path import cholesky_fits, choose_path, measured_scale, near_switch
 from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.entries import batch_element
@@ -278,6 +279,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         self.path_reason = ""
         #: the cost model's choice for ``max_cholesky_size=None``: ``((n, m, device, dtype, solver), path, reason)``
         self._gpnys_path: tuple[tuple, str, str] | None = None
+        #: the key of ``_gpnys_path`` whose preconditioned choice a timed evaluation re-examined (:meth:`custom_fit`)
+        self._gpnys_timed: tuple | None = None
         #: why the latest preconditioned-path posterior took BoTorch's exact path or PCG (:meth:`posterior_exact`)
         self.posterior_path_reason = ""
         #: the memory budget's choice for ``posterior_cholesky_size=None``: ``((n, m, device, dtype), exact, reason)``
@@ -541,6 +544,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if kwargs.get("closure") is None and not self._gpnys_warm_fit:
             self._fit_on_subset(mll, kwargs)
         self._gpnys_warm_fit = False
+        if kwargs.get("closure") is None and self._cholesky_after_timing(mll):
+            return _fit_fallback(mll, **kwargs)
         if kwargs.get("optimizer", fit_gpytorch_mll_scipy) is not fit_gpytorch_mll_scipy:
             # another optimizer (fit_gpytorch_mll_torch) runs once as the caller set it up (its step_limit, its
             # stopping criterion): the stop and restarts below answer L-BFGS-B's stop on the estimate's ripples
@@ -644,6 +649,45 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         with torch.no_grad():
             n = self.train_targets.shape[-1]  # the gradient is of the loss per point (each output's, for m)
             p.sub_(torch.where(H > 0, p.grad * n / H.clamp_min(torch.finfo(H.dtype).tiny), 0.0))
+
+    def _cholesky_after_timing(self, mll: gpytorch.mlls.MarginalLogLikelihood) -> bool:
+        """Whether the fit turns to Cholesky after one timed evaluation of this model's loss on the preconditioned
+        path. With ``max_cholesky_size=None`` under ``auto`` the cost model chose that path before any evaluation,
+        from its calibration alone: its preconditioned cost can be far from this model's, and a GPU's latency
+        inflates its Cholesky cubic. Near the switch (within ``PROBE_FACTOR``), once per size, it decides again
+        with this evaluation's time and Cholesky measured at this size (:func:`gpnys.gp.path.choose_path`,
+        ``measure``; docs/bo.md)."""
+        c = self._gpnys_config
+        if c["max_cholesky_size"] is not None or c["solver"] != "auto" or self._gpnys_path is None:
+            return False
+        key, path, _ = self._gpnys_path
+        if (path != "iterative" or getattr(self, "_gpnys_timed", None) == key
+                or type(mll) is not gpytorch.mlls.ExactMarginalLogLikelihood):
+            return False
+        self._gpnys_timed = key
+        n, outputs, device, dtype, _ = key
+        if not near_switch(n, device, dtype):
+            return False  # far from the switch: no evaluation spent on it
+        params = [p for p in mll.parameters() if p.requires_grad]
+        mll.train()  # as BoTorch's fit: the training marginal, not the posterior
+        with self.preconditioned(), torch.enable_grad():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            try:
+                loss = get_loss_closure(mll)().sum()
+            except HyperparameterError:  # start values where the loss is undefined: the fit's own recovery decides
+                return False
+            torch.autograd.grad(loss, params, allow_unused=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+        batch = max(outputs, 1)
+        path, reason = choose_path(n, batch, device, dtype, "auto", "auto", current="iterative",
+                                   iterative_scale=measured_scale(seconds, n, batch, device, dtype), measure=True)
+        self._gpnys_path = (key, path, f"{reason}; after one preconditioned evaluation of {seconds:.3g} s")
+        self.path_reason = self._gpnys_path[2]
+        return path == "cholesky"
 
     def _fit_on_subset(self, mll: gpytorch.mlls.MarginalLogLikelihood, kwargs: dict[str, Any]) -> None:
         """Start values for the full-data fit: ``_fit_fallback`` on ``fit_subset`` seeded random training points

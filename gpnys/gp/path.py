@@ -38,7 +38,8 @@ from gpnys.budget import dense_limit_bytes
 from gpnys.cache import cache_dir, entry_key, read_entry, write_entry
 
 __all__ = ["PathCosts", "calibrate", "install_calibration", "install_measurer", "measure_exact", "path_costs",
-           "choose_path", "cholesky_fits", "uses_costs", "cache_file", "fit_costs", "costs_key", "PathChooser"]
+           "choose_path", "cholesky_fits", "uses_costs", "cache_file", "fit_costs", "costs_key", "PathChooser",
+           "measured_scale", "near_switch"]
 
 #: the cost model's file in the cache folder (:mod:`gpnys.cache`)
 COSTS_FILE = "costs.json"
@@ -192,6 +193,19 @@ def measure_exact(costs: PathCosts, n: int, device: torch.device, dtype: torch.d
     return True
 
 
+def measured_scale(seconds: float, n: int, batch: int, device: torch.device, dtype: torch.dtype) -> float:
+    """A caller's measured ``seconds`` of one preconditioned evaluation over :class:`PathCosts`' prediction: its
+    ``iterative_scale`` (:func:`choose_path`)."""
+    return seconds / max(batch * path_costs(device, dtype).iterative_s(n), 1e-12)
+
+
+def near_switch(n: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Cholesky's prediction at ``n`` is at most :data:`PROBE_FACTOR` times the preconditioned path's, where
+    a measurement could change the choice."""
+    costs = path_costs(device, dtype)
+    return costs.exact_s(n) <= PROBE_FACTOR * costs.iterative_s(n)
+
+
 def uses_costs(solver: str, method: object) -> bool:
     """Whether :func:`choose_path` decides by :class:`PathCosts` (``solver="auto"`` with the ``"auto"``
     preconditioner), so that a caller's timings of its preconditioned evaluations inform it."""
@@ -334,7 +348,6 @@ class PathChooser:
             return
         t0 = time.perf_counter()
         yield
-        n, batch, device, dtype = self.problem()
-        ratio = (time.perf_counter() - t0) / max(batch * path_costs(device, dtype).iterative_s(n), 1e-9)
+        ratio = measured_scale(time.perf_counter() - t0, *self.problem())
         self.iterative_scale = 0.5 * (self.iterative_scale + ratio) if self.timed_iterative else ratio
         self.timed_iterative = True

@@ -363,6 +363,44 @@ def test_a_measured_cholesky_takes_the_exact_path_where_the_cubic_overestimated(
         assert bo.uses_preconditioner() and "Cholesky measured" not in bo.path_reason and not costs.measured
 
 
+def test_a_bo_fit_decides_again_after_one_timed_evaluation(monkeypatch, tmp_path):
+    """PreconditionedSingleTaskGP(max_cholesky_size=None) decides before any evaluation, from the calibration alone
+    (here the preconditioned path); its fit times one preconditioned evaluation, has Cholesky measured at n = 400,
+    turns to Cholesky and fits as SingleTaskGP does, to the same hyperparameters. Far from the switch it spends no
+    evaluation on it."""
+    botorch = pytest.importorskip("botorch")
+    from botorch.fit import fit_gpytorch_mll
+
+    from gpnys.bo import PreconditionedSingleTaskGP
+
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GPNYS_SOLVER", raising=False)
+    # Cholesky predicted 0.3 s, the preconditioned path 0.1 s (it takes about a second with its build here)
+    costs = PathCosts(exact=(4.6875e-9, 0.0), iterative=(6.25e-7, 0.0), sizes=((1, 2), (1, 2)), key="test-bo")
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
+    g = torch.Generator().manual_seed(1)
+    X = torch.rand(400, 2, generator=g, dtype=torch.float64)
+    Y = (3 * X).sin().sum(-1, keepdim=True)
+    with gpytorch.settings.max_cholesky_size(100):
+        model = PreconditionedSingleTaskGP(X, Y)
+        assert model.uses_preconditioner()
+        torch.manual_seed(0)  # BoTorch's fit draws its retries' start values from the global generator
+        fit_gpytorch_mll(gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model))
+        assert not model.uses_preconditioner(), model.path_reason
+        reason = model.path_reason
+        assert "Cholesky measured at n = 400" in reason and "one preconditioned evaluation" in reason
+        ref = botorch.models.SingleTaskGP(X, Y)
+        torch.manual_seed(0)
+        fit_gpytorch_mll(gpytorch.mlls.ExactMarginalLogLikelihood(ref.likelihood, ref))
+        torch.testing.assert_close(model.covar_module.lengthscale, ref.covar_module.lengthscale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(model.likelihood.noise, ref.likelihood.noise, rtol=1e-6, atol=0)
+        costs.exact, costs.measured = (1.0, 0.0), {}  # Cholesky 6.4e7 s: far from the switch
+        far = PreconditionedSingleTaskGP(X, Y)
+        assert far.uses_preconditioner()
+        assert not far._cholesky_after_timing(gpytorch.mlls.ExactMarginalLogLikelihood(far.likelihood, far))
+        assert not costs.measured and "one preconditioned evaluation" not in far.path_reason
+
+
 def test_the_preconditioned_path_is_timed_once_where_cholesky_is_predicted_a_little_faster(monkeypatch, tmp_path):
     """Cholesky predicted 1 s and the preconditioned path 1.5 s at n = 400 (the calibration's problem far harder than
     this one): the hook's first training evaluation times the preconditioned path (tenths of a second), Cholesky is
