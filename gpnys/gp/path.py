@@ -242,9 +242,9 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
     caller's measured over predicted time of its own preconditioned evaluations. ``measure`` (a caller whose
     ``iterative_scale`` is measured): where the two predictions lie within :data:`PROBE_FACTOR` of each other and no
     measurement near ``n`` exists, Cholesky is measured at ``n`` first (:func:`measure_exact`; once per size span,
-    device, dtype and thread count). ``partitioned``: a process group
-    splits the kernel by rows; ``"auto"`` then takes the preconditioned path on every rank, since ranks deciding by
-    their own cost caches and timings could take different paths and wait for each other's collectives.
+    device, dtype and thread count). ``partitioned``: a process group splits the kernel by rows; ``"auto"`` then
+    takes the preconditioned path on every rank, since ranks deciding by their own cost caches and timings could
+    take different paths and wait for each other's collectives.
 
     Example:
         >>> import torch
