@@ -651,12 +651,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             p.sub_(torch.where(H > 0, p.grad * n / H.clamp_min(torch.finfo(H.dtype).tiny), 0.0))
 
     def _cholesky_after_timing(self, mll: gpytorch.mlls.MarginalLogLikelihood) -> bool:
-        """Whether the fit turns to Cholesky after one timed evaluation of this model's loss on the preconditioned
-        path. With ``max_cholesky_size=None`` under ``auto`` the cost model chose that path before any evaluation,
-        from its calibration alone: its preconditioned cost can be far from this model's, and a GPU's latency
-        inflates its Cholesky cubic. Near the switch (within ``PROBE_FACTOR``), once per size, it decides again
-        with this evaluation's time and Cholesky measured at this size (:func:`gpnys.gp.path.choose_path`,
-        ``measure``; docs/bo.md)."""
+        """Whether the fit turns to Cholesky after timing this model's loss on the preconditioned path. With
+        ``max_cholesky_size=None`` under ``auto`` the cost model chose that path before any evaluation, from its
+        calibration alone: its preconditioned cost can be far from this model's, and a GPU's latency inflates its
+        Cholesky cubic. Near the switch (:func:`gpnys.gp.path.near_switch`), once per size and on one process, it
+        decides again with this model's time (the faster of two evaluations: the first holds one-off costs) and
+        Cholesky measured at this size (:func:`gpnys.gp.path.choose_path`, ``measure``; docs/bo.md)."""
         c = self._gpnys_config
         if c["max_cholesky_size"] is not None or c["solver"] != "auto" or self._gpnys_path is None:
             return False
@@ -664,28 +664,30 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         if (path != "iterative" or getattr(self, "_gpnys_timed", None) == key
                 or type(mll) is not gpytorch.mlls.ExactMarginalLogLikelihood):
             return False
-        self._gpnys_timed = key
         n, outputs, device, dtype, _ = key
-        if not near_switch(n, device, dtype):
-            return False  # far from the switch: no evaluation spent on it
+        if self.hook().paths.partitioned or not near_switch(n, device, dtype):
+            return False  # ranks must not decide apart; far from the switch no evaluation is spent on it
         params = [p for p in mll.parameters() if p.requires_grad]
         mll.train()  # as BoTorch's fit: the training marginal, not the posterior
+        times = []
         with self.preconditioned(), torch.enable_grad():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            try:
-                loss = get_loss_closure(mll)().sum()
-            except HyperparameterError:  # start values where the loss is undefined: the fit's own recovery decides
-                return False
-            torch.autograd.grad(loss, params, allow_unused=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - t0
-        batch = max(outputs, 1)
+            for _ in range(2):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                try:
+                    loss = get_loss_closure(mll)().sum()
+                except HyperparameterError:  # start values where the loss is undefined: the fit's recovery decides
+                    return False
+                torch.autograd.grad(loss, params, allow_unused=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t0)
+        self._gpnys_timed = key
+        seconds, batch = min(times), max(outputs, 1)
         path, reason = choose_path(n, batch, device, dtype, "auto", "auto", current="iterative",
                                    iterative_scale=measured_scale(seconds, n, batch, device, dtype), measure=True)
-        self._gpnys_path = (key, path, f"{reason}; after one preconditioned evaluation of {seconds:.3g} s")
+        self._gpnys_path = (key, path, f"{reason}; after timing the preconditioned path at {seconds:.3g} s")
         self.path_reason = self._gpnys_path[2]
         return path == "cholesky"
 

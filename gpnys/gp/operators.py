@@ -78,11 +78,16 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
             return self._log_prob(value, problem)
 
     def _log_prob(self, value: torch.Tensor, problem: "TrainingProblem | None") -> torch.Tensor:
-        if problem is not None:
-            problem.last_probes = None
+        if problem is None:
+            return self._gpytorch_log_prob(value, None)
+        problem.last_probes = None
+        with problem.paths.timed():  # either form times the preconditioned path for the cost model
             if problem.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
-                with problem.paths.timed():
-                    return problem.evaluate(self, value)  # per-probe terms: error bars, requested accuracy
+                return problem.evaluate(self, value)  # per-probe terms: error bars, requested accuracy
+            return self._gpytorch_log_prob(value, problem)
+
+    def _gpytorch_log_prob(self, value: torch.Tensor, problem: "TrainingProblem | None") -> torch.Tensor:
+        """GPyTorch's ``log_prob`` under the hook's settings, with the probe seed and the control variate."""
         seed = None if problem is None else problem.settings.probe_seed
         if seed is None:
             res = super().log_prob(value)

@@ -83,6 +83,8 @@ class PathCosts:
         >>> costs.measured[2000] = 2.0  # measured at n = 2 000: a quarter of the cubic's 8 s
         >>> round(costs.exact_s(3000), 6), round(costs.exact_s(5000), 6)  # scaled within a factor 2 of 2 000 only
         (6.75, 125.0)
+        >>> costs.exact_s(3000, measured=False)  # the cubic alone
+        27.0
     """
 
     exact: tuple[float, float]
@@ -97,11 +99,12 @@ class PathCosts:
 
     def near_measured(self, n: int) -> int | None:
         """The measured size nearest ``n`` (in ratio) within :data:`MEASURED_SPAN`, or ``None``."""
-        near = min(self.measured, key=lambda m: abs(math.log(m / n)), default=None)
+        near = min(self.measured, key=lambda m: abs(math.log(m / max(n, 1))), default=None)
         return near if near is not None and max(near / n, n / near) <= MEASURED_SPAN else None
 
-    def exact_s(self, n: int) -> float:
-        m = self.near_measured(n)
+    def exact_s(self, n: int, measured: bool = True) -> float:
+        """Cholesky's seconds at ``n``: the cubic, scaled by the nearest measurement (``measured``)."""
+        m = self.near_measured(n) if measured else None
         scale = 1.0 if m is None else self.measured[m] / max(self._cubic(m), 1e-12)
         return self._cubic(n) * scale
 
@@ -167,12 +170,26 @@ def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
     try:
         costs = PathCosts(exact=tuple(entry["exact"]), iterative=tuple(entry["iterative"]),
                           sizes=tuple(tuple(s) for s in entry["sizes"]), key=key,
-                          measured={int(m): float(t) for m, t in entry.get("measured", {}).items()})
+                          measured=_measurements(entry.get("measured")))
     except (TypeError, KeyError, ValueError, AttributeError):
         costs = calibrate(device, dtype)
         write_entry(COSTS_FILE, key, asdict(costs), "the path costs")
     _memo[key] = costs
     return costs
+
+
+def _measurements(raw: object) -> dict[int, float]:
+    """The cache file's Cholesky measurements ``{size: seconds}``: positive sizes and finite positive seconds only
+    (anything else in a hand-edited or damaged file is dropped, not trusted)."""
+    out: dict[int, float] = {}
+    for m, t in (raw.items() if isinstance(raw, dict) else ()):
+        try:
+            m, t = int(m), float(t)
+        except (TypeError, ValueError):
+            continue
+        if m > 0 and math.isfinite(t) and t > 0:
+            out[m] = t
+    return out
 
 
 def install_measurer(fn: Callable[[int, torch.device, torch.dtype], float] | None) -> None:
@@ -203,7 +220,7 @@ def near_switch(n: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether Cholesky's prediction at ``n`` is at most :data:`PROBE_FACTOR` times the preconditioned path's, where
     a measurement could change the choice."""
     costs = path_costs(device, dtype)
-    return costs.exact_s(n) <= PROBE_FACTOR * costs.iterative_s(n)
+    return costs.exact_s(n, measured=False) <= PROBE_FACTOR * costs.iterative_s(n)
 
 
 def uses_costs(solver: str, method: object) -> bool:
@@ -240,9 +257,11 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
     :data:`DENSE_MATRICES` ``n x n`` matrices fit :func:`~gpnys.budget.dense_limit_bytes`. ``current``: the path of
     the previous evaluation, left only for one predicted :data:`HYSTERESIS` times faster; ``iterative_scale``: the
     caller's measured over predicted time of its own preconditioned evaluations. ``measure`` (a caller whose
-    ``iterative_scale`` is measured): where the two predictions lie within :data:`PROBE_FACTOR` of each other and no
-    measurement near ``n`` exists, Cholesky is measured at ``n`` first (:func:`measure_exact`; once per size span,
-    device, dtype and thread count). ``partitioned``: a process group splits the kernel by rows; ``"auto"`` then
+    ``iterative_scale`` is measured): Cholesky's prediction takes a measurement near ``n``, and where the two
+    predictions lie within :data:`PROBE_FACTOR` of each other and none exists, Cholesky is measured at ``n`` first
+    (:func:`measure_exact`; once per size span, device, dtype and thread count). Without ``measure`` the cubic alone
+    decides, as a measured Cholesky set against an unmeasured (often pessimistic) preconditioned prediction would
+    lean to Cholesky. ``partitioned``: a process group splits the kernel by rows; ``"auto"`` then
     takes the preconditioned path on every rank, since ranks deciding by their own cost caches and timings could
     take different paths and wait for each other's collectives.
 
@@ -266,8 +285,8 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
         return "iterative", why
     costs = path_costs(device, dtype)
 
-    def predicted() -> tuple[float, float]:
-        return batch * costs.exact_s(n), batch * costs.iterative_s(n) * iterative_scale
+    def predicted() -> tuple[float, float]:  # a measurement near n only for a caller that timed its own path
+        return batch * costs.exact_s(n, measured=measure), batch * costs.iterative_s(n) * iterative_scale
 
     exact, iterative = predicted()
     if (measure and max(exact, iterative) <= PROBE_FACTOR * min(exact, iterative)
@@ -278,7 +297,7 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
         faster, slower = sorted((exact, iterative))
         if faster * HYSTERESIS > slower:
             path = current
-    measured = costs.near_measured(n)
+    measured = costs.near_measured(n) if measure else None
     at = "" if measured is None else f", Cholesky measured at n = {measured}"
     return path, f"predicted {exact:.3g} s Cholesky, {iterative:.3g} s preconditioned ({costs.key}{at})"
 
@@ -290,10 +309,11 @@ Problem = tuple[int, int, torch.device, torch.dtype]
 class PathChooser:
     """The path of one caller's evaluations (a hook's): :func:`choose_path` with the previous choice as
     ``current``, and the caller's own measured over predicted seconds of its preconditioned evaluations as
-    ``iterative_scale`` (its first measurement, then a running average, :meth:`timed`); once that is measured,
-    :func:`choose_path` may measure Cholesky near the switch (``measure``). Before it is, a training evaluation
-    takes the preconditioned path where Cholesky is predicted faster by less than :data:`ITERATIVE_PROBE_FACTOR`
-    (the calibration's problem may be far harder than the caller's).
+    ``iterative_scale`` (from its second timing, then a running average, :meth:`timed`); once that is measured,
+    :func:`choose_path` may measure Cholesky near the switch (``measure``, in training). Until then, up to two
+    training evaluations take the preconditioned path where Cholesky is predicted faster by less than
+    :data:`ITERATIVE_PROBE_FACTOR` (the calibration's problem may be far harder than the caller's); the first
+    timing holds one-off costs (first uses in the process), so the second replaces it.
 
     Args:
         solver: ``EstimatorSettings.solver``; method: the preconditioner's name or class;
@@ -302,8 +322,8 @@ class PathChooser:
 
     Attributes:
         path: ``"cholesky"`` / ``"iterative"`` of the latest choice (``None`` before); reason: why;
-        iterative_scale: measured / predicted seconds of the preconditioned evaluations so far; timed_iterative:
-        whether it holds a measurement.
+        iterative_scale: measured / predicted seconds of the preconditioned evaluations so far; timings: how many
+        were timed; timed_iterative: whether a warm one was (the second on).
 
     Example:
         >>> import torch
@@ -318,20 +338,29 @@ class PathChooser:
         self.path: str | None = None
         self.reason = ""
         self.iterative_scale = 1.0
-        self.timed_iterative = False  # whether iterative_scale holds a measurement
+        self.timings = 0  # preconditioned evaluations timed; the first holds one-off costs (imports, first uses)
+        self.probes = 0  # evaluations that took the preconditioned path to be timed
+
+    @property
+    def timed_iterative(self) -> bool:
+        """Whether :attr:`iterative_scale` holds a warm measurement (from the second timed evaluation on)."""
+        return self.timings >= 2
 
     def choose(self, training: bool = False) -> tuple[str, str]:
         """``(path, reason)`` of the next evaluation, kept in :attr:`path` and :attr:`reason`. ``training``: an
-        evaluation that may time the preconditioned path (class docstring); a prediction never does."""
+        evaluation that may time the preconditioned path or measure Cholesky (class docstring); a prediction does
+        neither."""
+        measure = training and self.timed_iterative
         path, reason = choose_path(*self.problem(), self.solver, self.method, current=self.path,
                                    iterative_scale=self.iterative_scale, partitioned=self.partitioned,
-                                   measure=self.timed_iterative)
-        if training and path == "cholesky" and not self.timed_iterative and self._decides() and \
-                reason.startswith("predicted"):
+                                   measure=measure)
+        if (training and path == "cholesky" and not measure and self.probes < 2 and self._decides()
+                and reason.startswith("predicted")):
             n, batch, device, dtype = self.problem()
             costs = path_costs(device, dtype)
-            if costs.iterative_s(n) <= ITERATIVE_PROBE_FACTOR * costs.exact_s(n):
-                path, reason = "iterative", f"timing the preconditioned path once on this problem: {reason}"
+            if costs.iterative_s(n) <= ITERATIVE_PROBE_FACTOR * costs.exact_s(n, measured=False):
+                self.probes += 1
+                path, reason = "iterative", f"timing the preconditioned path on this problem: {reason}"
         self.path, self.reason = path, reason
         return path, reason
 
@@ -349,5 +378,6 @@ class PathChooser:
         t0 = time.perf_counter()
         yield
         ratio = measured_scale(time.perf_counter() - t0, *self.problem())
-        self.iterative_scale = 0.5 * (self.iterative_scale + ratio) if self.timed_iterative else ratio
-        self.timed_iterative = True
+        # the first timing holds one-off costs: the second replaces it, later ones average in
+        self.iterative_scale = 0.5 * (self.iterative_scale + ratio) if self.timings >= 2 else ratio
+        self.timings += 1

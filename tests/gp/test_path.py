@@ -315,36 +315,61 @@ def test_cholesky_is_measured_near_the_switch_once_per_span(monkeypatch, tmp_pat
     monkeypatch.setattr(gpath, "_memo", {})
     again = gpath.path_costs("cpu", torch.float64)
     assert again.measured == {400: 0.01} and again.exact_s(400) == pytest.approx(0.01)
+    real = gpath.path_costs
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: again)
+    # a caller that measured nothing of its own decides by the cubic alone: a measured Cholesky set against an
+    # unmeasured preconditioned prediction would lean to Cholesky
+    path, reason = choose_path(400, 1, cpu, f64, "auto", "auto", **timed)
+    assert path == "iterative" and "measured" not in reason
+    # damaged measurements in the cache file are dropped, not trusted (a size 0 made every choice raise)
+    stored = json.loads(gpath.cache_file().read_text())
+    stored["test-probe"]["measured"] = {"0": 1.0, "-3": 1.0, "500": "nan", "600": -1, "x": 2, "700": 0.5}
+    gpath.cache_file().write_text(json.dumps(stored))
+    monkeypatch.setattr(gpath, "_memo", {})
+    monkeypatch.setattr(gpath, "path_costs", real)
+    assert gpath.path_costs("cpu", torch.float64).measured == {700: 0.5}
 
 
-def _two_evaluations(model, X, y, device=None):
-    """Two value + gradient evaluations in one ``auto`` hook: their paths and reasons, and the second's loss and
-    gradients."""
+def _timed_at(monkeypatch, scale):
+    """Every timing of the preconditioned path reads as ``scale`` times the cost model's prediction (the hook's and
+    the BoTorch model's), so that no decision rests on this machine's speed."""
+    monkeypatch.setattr(gpath, "measured_scale", lambda seconds, n, batch, device, dtype: scale)
+    try:
+        import gpnys.bo.model as bo_model
+    except ImportError:  # no BoTorch
+        return
+    monkeypatch.setattr(bo_model, "measured_scale", lambda seconds, n, batch, device, dtype: scale)
+
+
+def _evaluations(model, X, y, count=3, **settings):
+    """``count`` value + gradient evaluations in one ``auto`` hook: their paths and reasons, and the last one's loss
+    and gradients."""
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
     model.train()
     paths = []
-    with gpnys.use_preconditioner(model, "auto", settings=EstimatorSettings(probe_seed=0)) as hook:
-        for _ in range(2):
+    with gpnys.use_preconditioner(model, "auto", settings=EstimatorSettings(probe_seed=0, **settings)) as hook:
+        for _ in range(count):
             model.zero_grad()
             loss = -mll(model(X), y)
             loss.backward()
-            paths.append((hook.last_estimate.path, hook.last_estimate.path_reason))
+            paths.append((hook.path, hook.path_reason))
     return paths, float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}, hook
 
 
 def test_a_measured_cholesky_takes_the_exact_path_where_the_cubic_overestimated(monkeypatch, tmp_path, dtype):
-    """The hook's first evaluation is preconditioned and timed; Cholesky, measured then at n = 400 (one value +
-    gradient on the calibration's problem), takes well under its predicted 0.3 s, and the second
-    evaluation is Cholesky's, exactly. A BoTorch model, which decides before any evaluation, measures nothing."""
+    """The hook's first two evaluations are preconditioned and timed (the first holds one-off costs); Cholesky,
+    measured then at n = 400 (one value + gradient on the calibration's problem), takes well under its predicted
+    0.3 s, and the third evaluation is Cholesky's, exactly. A BoTorch model's one-off decision measures nothing."""
     monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPNYS_SOLVER", raising=False)
     costs = _overestimating_costs()
     monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
+    _timed_at(monkeypatch, 100.0)  # the preconditioned path takes 0.1 s: Cholesky's 0.3 s is within PROBE_FACTOR
     model, X, y = _model(n=400, dtype=dtype)
     exact, g_exact, _ = _value_and_grads(model, X, y)
-    paths, loss, grads, hook = _two_evaluations(model, X, y)
-    assert paths[0][0] == "iterative" and hook.paths.timed_iterative
-    assert paths[1][0] == "cholesky" and "measured at n = 400" in paths[1][1], paths
+    paths, loss, grads, hook = _evaluations(model, X, y)
+    assert [p for p, _ in paths[:2]] == ["iterative", "iterative"] and hook.paths.timings == 2
+    assert paths[2][0] == "cholesky" and "measured at n = 400" in paths[2][1], paths
     assert 0 < costs.measured[400] < 0.3
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert loss == pytest.approx(exact, abs=tol)
@@ -365,7 +390,7 @@ def test_a_measured_cholesky_takes_the_exact_path_where_the_cubic_overestimated(
 
 def test_a_bo_fit_decides_again_after_one_timed_evaluation(monkeypatch, tmp_path):
     """PreconditionedSingleTaskGP(max_cholesky_size=None) decides before any evaluation, from the calibration alone
-    (here the preconditioned path); its fit times one preconditioned evaluation, has Cholesky measured at n = 400,
+    (here the preconditioned path); its fit times the preconditioned path, has Cholesky measured at n = 400,
     turns to Cholesky and fits as SingleTaskGP does, to the same hyperparameters. Far from the switch it spends no
     evaluation on it."""
     botorch = pytest.importorskip("botorch")
@@ -375,9 +400,10 @@ def test_a_bo_fit_decides_again_after_one_timed_evaluation(monkeypatch, tmp_path
 
     monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPNYS_SOLVER", raising=False)
-    # Cholesky predicted 0.3 s, the preconditioned path 0.1 s (it takes about a second with its build here)
+    # Cholesky predicted 0.3 s, the preconditioned path 0.1 s; timed at 0.3 s
     costs = PathCosts(exact=(4.6875e-9, 0.0), iterative=(6.25e-7, 0.0), sizes=((1, 2), (1, 2)), key="test-bo")
     monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
+    _timed_at(monkeypatch, 3.0)
     g = torch.Generator().manual_seed(1)
     X = torch.rand(400, 2, generator=g, dtype=torch.float64)
     Y = (3 * X).sin().sum(-1, keepdim=True)
@@ -388,7 +414,7 @@ def test_a_bo_fit_decides_again_after_one_timed_evaluation(monkeypatch, tmp_path
         fit_gpytorch_mll(gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model))
         assert not model.uses_preconditioner(), model.path_reason
         reason = model.path_reason
-        assert "Cholesky measured at n = 400" in reason and "one preconditioned evaluation" in reason
+        assert "Cholesky measured at n = 400" in reason and "after timing the preconditioned path" in reason
         ref = botorch.models.SingleTaskGP(X, Y)
         torch.manual_seed(0)
         fit_gpytorch_mll(gpytorch.mlls.ExactMarginalLogLikelihood(ref.likelihood, ref))
@@ -398,25 +424,30 @@ def test_a_bo_fit_decides_again_after_one_timed_evaluation(monkeypatch, tmp_path
         far = PreconditionedSingleTaskGP(X, Y)
         assert far.uses_preconditioner()
         assert not far._cholesky_after_timing(gpytorch.mlls.ExactMarginalLogLikelihood(far.likelihood, far))
-        assert not costs.measured and "one preconditioned evaluation" not in far.path_reason
+        assert not costs.measured and "after timing" not in far.path_reason
 
 
 def test_the_preconditioned_path_is_timed_once_where_cholesky_is_predicted_a_little_faster(monkeypatch, tmp_path):
-    """Cholesky predicted 1 s and the preconditioned path 1.5 s at n = 400 (the calibration's problem far harder than
-    this one): the hook's first training evaluation times the preconditioned path (tenths of a second), Cholesky is
-    then measured (5 s, injected) and the preconditioned path kept, within its error bars of the exact loss. A
-    prediction, or Cholesky predicted more than twice as fast, times nothing."""
+    """Cholesky predicted 0.5 s and the preconditioned path 0.75 s at n = 400 (the calibration's problem far harder than
+    this one): the hook's first two training evaluations time the preconditioned path (tenths of a second), also
+    without error bars; Cholesky is then measured (5 s, injected) and the preconditioned path kept, within its error
+    bars of the exact loss. A prediction, or Cholesky predicted more than twice as fast, times nothing."""
     monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("GPNYS_SOLVER", raising=False)
-    costs = PathCosts(exact=(1 / 400**3, 0.0), iterative=(1.5 / 400**2, 0.0), sizes=((1, 2), (1, 2)), key="probe")
+    costs = PathCosts(exact=(0.5 / 400**3, 0.0), iterative=(0.75 / 400**2, 0.0), sizes=((1, 2), (1, 2)), key="probe")
     monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
     monkeypatch.setattr(gpath, "_measurer", lambda n, device, dtype: 5.0)
+    _timed_at(monkeypatch, 0.2)  # the preconditioned path takes 0.15 s
     model, X, y = _model(n=400)
     exact, _, _ = _value_and_grads(model, X, y)
-    paths, loss, _, hook = _two_evaluations(model, X, y)
+    paths, loss, _, hook = _evaluations(model, X, y)
     assert paths[0][0] == "iterative" and paths[0][1].startswith("timing the preconditioned path"), paths
-    assert paths[1][0] == "iterative" and "measured at n = 400" in paths[1][1], paths
+    assert paths[1][0] == "iterative" and "0.15 s preconditioned" in paths[1][1], paths  # now predicted faster
+    assert paths[2][0] == "iterative" and "measured at n = 400" in paths[2][1], paths
     assert abs(loss - exact) <= 4 * hook.last_estimate.std_error / 400
+    costs.measured.clear()
+    paths, _, _, hook = _evaluations(model, X, y, error_bars=False)  # GPyTorch's own CG under the hook: timed too
+    assert hook.paths.timings == 3 and "measured at n = 400" in paths[2][1], paths
     costs.measured.clear()
     chooser = gpath.PathChooser("auto", "auto", lambda: (400, 1, torch.device("cpu"), torch.float64))
     assert chooser.choose()[0] == "cholesky"  # a prediction's choice
@@ -430,9 +461,10 @@ def test_measured_cholesky_on_device(cuda_device, monkeypatch, tmp_path):
     monkeypatch.delenv("GPNYS_SOLVER", raising=False)
     costs = _overestimating_costs()
     monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
+    _timed_at(monkeypatch, 100.0)
     model, X, y = _model(n=400)
     exact, _, _ = _value_and_grads(model, X, y)
     model, X, y = model.to(cuda_device), X.to(cuda_device), y.to(cuda_device)
-    paths, loss, _, _ = _two_evaluations(model, X, y)
-    assert [p for p, _ in paths] == ["iterative", "cholesky"] and 0 < costs.measured[400] < 0.3
+    paths, loss, _, _ = _evaluations(model, X, y)
+    assert [p for p, _ in paths] == ["iterative", "iterative", "cholesky"] and 0 < costs.measured[400] < 0.3
     assert loss == pytest.approx(exact, abs=1e-10)
