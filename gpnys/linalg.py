@@ -37,14 +37,28 @@ import torch
 from gpnys.cache import entry_key, read_entry, write_entry
 from gpnys.checks import NumericalWarning, validate_choice
 
-__all__ = ["thin_matmul", "THIN_FORMS", "TORCH_FORMS", "thin_form", "machine_thin_form", "time_thin_forms",
-           "settle_thin_forms", "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag", "shift_at", "draw"]
+__all__ = ["synchronize", "thin_matmul", "THIN_FORMS", "TORCH_FORMS", "thin_form", "machine_thin_form",
+           "time_thin_forms", "settle_thin_forms", "small_dense", "SINGLE_THREAD_MAX", "safe_cholesky", "add_diag",
+           "shift_at", "draw"]
 
 #: the thin-product choices' file in the cache folder (:mod:`gpnys.cache`)
 THIN_PRODUCTS_FILE = "thin_products.json"
 
 #: factorisations of ``m x m`` with ``m`` at most this run on one CPU thread (module docstring)
 SINGLE_THREAD_MAX = 512
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for ``device``'s queued work (a GPU's; a no-op elsewhere), so that a wall-clock timing around it times
+    the work and not its queue.
+
+    Example:
+        >>> from gpnys.linalg import synchronize
+        >>> synchronize("cpu")  # nothing is queued on a CPU
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -257,12 +271,10 @@ def time_thin_forms(dtype: torch.dtype, device: torch.device | str) -> str:
     def best(form: str) -> float:
         times = []
         for _ in range(4):
-            if A.is_cuda:
-                torch.cuda.synchronize(A.device)
+            synchronize(A.device)
             t0 = time.perf_counter()
             _apply_form(form, A, B, symmetric=True)
-            if A.is_cuda:
-                torch.cuda.synchronize(A.device)
+            synchronize(A.device)
             times.append(time.perf_counter() - t0)
         return min(times[1:])
 

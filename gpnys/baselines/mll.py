@@ -23,6 +23,7 @@ from gpnys.checks import validate_choice
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.gp.training import ExactGPModel
+from gpnys.linalg import synchronize
 from gpnys.precond.strategy import PRECONDITIONERS
 
 __all__ = ["evaluate", "grad_errors", "validate_inputs", "METHODS"]
@@ -129,8 +130,7 @@ def evaluate(
         # the named method's preconditioned path, whatever "auto" would choose at this n (gpnys.gp.path)
         settings = dataclasses.replace(settings or EstimatorSettings(), solver="iterative")
         ctx = use_preconditioner(model, method, settings=settings, seed=seed, **options)
-    if X.is_cuda:  # time the GPU's work, not its queue
-        torch.cuda.synchronize(X.device)
+    synchronize(X.device)  # time the GPU's work, not its queue
     # no method pays for collecting an earlier one's garbage: GPyTorch's left reference cycles holding n x n buffers,
     # and a gpnys evaluation right after one took 0.4-0.7 s longer at n = 8 000 than after a collection
     gc.collect()
@@ -138,8 +138,7 @@ def evaluate(
     with ctx as hook:
         loss = -mll(model(X), y)
         loss.backward()
-    if X.is_cuda:
-        torch.cuda.synchronize(X.device)
+    synchronize(X.device)
     elapsed = time.perf_counter() - t0
     if method not in ("exact", "gpytorch"):
         rec = hook.history[-1]

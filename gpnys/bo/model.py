@@ -85,6 +85,7 @@ from gpnys.gp.path import cholesky_fits, choose_path, measured_scale, near_switc
 from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.entries import batch_element
+from gpnys.linalg import synchronize
 from gpnys.precond.strategy import PRECONDITIONERS
 from gpnys.solvers.pcg import ConvergenceWarning, PCGResult
 
@@ -672,16 +673,14 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         times = []
         with self.preconditioned(), torch.enable_grad():
             for _ in range(2):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 try:
                     loss = get_loss_closure(mll)().sum()
                 except HyperparameterError:  # start values where the loss is undefined: the fit's recovery decides
                     return False
                 torch.autograd.grad(loss, params, allow_unused=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                synchronize(device)
                 times.append(time.perf_counter() - t0)
         self._gpnys_timed = key
         seconds, batch = min(times), max(outputs, 1)

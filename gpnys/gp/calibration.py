@@ -20,6 +20,7 @@ from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.path import PathCosts, costs_key, fit_costs, install_calibration, install_measurer
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.gp.training import ExactGPModel
+from gpnys.linalg import synchronize
 
 __all__ = ["calibrate", "measure_cholesky"]
 
@@ -52,12 +53,10 @@ def _time_path(n: int, device: torch.device, dtype: torch.dtype, solver: str, re
             for rep in range(reps + warm_up):
                 model.covar_module.base_kernel.lengthscale = 0.4 * (1 + 0.05 * rep)
                 model.zero_grad()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 (-mll(model(X), y)).backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                synchronize(device)
                 times.append(time.perf_counter() - t0)
     kept = times[1:] if warm_up else times
     return sorted(kept)[len(kept) // 2]

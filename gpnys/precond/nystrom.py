@@ -56,7 +56,7 @@ from gpnys import landmarks as _landmarks
 from gpnys.checks import validate_choice, validate_count, validate_seed
 from gpnys.collectives import RowGroup
 from gpnys.kernels.entries import KernelEntries, evaluate
-from gpnys.linalg import safe_cholesky, small_dense, thin_matmul
+from gpnys.linalg import safe_cholesky, small_dense, synchronize, thin_matmul
 from gpnys.precond.base import Preconditioner
 
 __all__ = ["NystromPreconditioner", "SAMPLINGS", "SCALINGS", "LANDMARKS"]
@@ -69,11 +69,6 @@ FAMILY_NU_SHARE = 1e-3
 SAMPLINGS = ("column", "sketch")
 SCALINGS = ("stable", "ran")
 LANDMARKS = ("fps", "uniform")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class NystromPreconditioner(Preconditioner):
@@ -172,7 +167,7 @@ class NystromPreconditioner(Preconditioner):
         #: the ranks splitting the build's rows (``None``: one process, or a group of one)
         self._ranks = ranks if ranks is not None and ranks.size > 1 else None
 
-        _sync(self.device)
+        synchronize(self.device)
         t0 = time.perf_counter()
         self.X = X
         entries = KernelEntries(X, kernel)
@@ -206,7 +201,7 @@ class NystromPreconditioner(Preconditioner):
         else:  # RAN: P = U (Lam + mu)/(lam_k + mu) U^T + (I - U U^T)
             self.range_eigs = (lam + self.mu) / (self.lam_min + self.mu)
             self.complement_eig = 1.0
-        _sync(self.device)
+        synchronize(self.device)
         self.setup_s = time.perf_counter() - t0
 
     def differentiable_terms(
