@@ -16,6 +16,7 @@ import warnings
 import gpytorch
 import torch
 
+from gpnys.checks import validate_count
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.path import PathCosts, costs_key, fit_costs, install_calibration, install_measurer
 from gpnys.gp.settings import EstimatorSettings
@@ -91,6 +92,9 @@ def measure_cholesky(n: int, device: torch.device | str, dtype: torch.dtype) -> 
         >>> 0 < measure_cholesky(200, "cpu", torch.float64) < 10
         True
     """
+    n = validate_count(n, "n")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     device = torch.device(device)
     _time_path(64, device, dtype, "cholesky", reps=1)  # the dense solvers' set-up (a GPU's handles), untimed
     return _time_path(n, device, dtype, "cholesky", reps=1, warm_up=False)

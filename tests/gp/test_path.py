@@ -237,6 +237,14 @@ def test_calibration_fits_this_machine(monkeypatch, tmp_path):
     assert costs.exact_s(300) < costs.iterative_s(300) and costs.exact_s(20_000) > costs.iterative_s(20_000)
 
 
+def test_the_cholesky_measurement_refuses_bad_arguments():
+    for n in (0, -5, 2.5, "400"):
+        with pytest.raises(ValueError, match="n must"):
+            calibration.measure_cholesky(n, "cpu", torch.float64)
+    with pytest.raises(ValueError, match="dtype"):
+        calibration.measure_cholesky(100, "cpu", torch.int64)
+
+
 def test_one_real_timing_runs():
     t = calibration._time_path(60, torch.device("cpu"), torch.float64, "cholesky", reps=1)
     assert 0 < t < 60
