@@ -395,7 +395,8 @@ def gpnys_settings(args, prune0: bool, floor10: bool = False) -> EstimatorSettin
     """The gpnys rows' settings: ``prune0`` computes every pair (no cutoff); ``floor10`` keeps the fixed floor of 10
     Lanczos steps (``lanczos_share=None``: the estimator before commit 16cf2ec, a same-run baseline)."""
     return EstimatorSettings(kernel_backend=args.gpnys_backend, kernel_prune_tol=0.0 if prune0 else None,
-                             lanczos_share=None if floor10 else EstimatorSettings.lanczos_share)
+                             lanczos_share=None if floor10 else EstimatorSettings.lanczos_share,
+                             grow_landmarks=args.grow_landmarks or None)
 
 
 def mll_eval(X, y, method: str, hypers: dict, seed: int, settings: EstimatorSettings | None = None,
@@ -984,6 +985,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gpnys-backend", default=None, choices=["torch", "triton", "keops"],
                     help="gpnys's kernel backend (default: its own choice, Triton on CUDA)")
     ap.add_argument("--keops", action="store_true", help="also KeOps rows, each in a child process")
+    ap.add_argument("--grow-landmarks", type=int, default=EstimatorSettings.grow_landmarks,
+                    help="gpnys rows: CG iterations at which AFN's landmarks double (0: never; docs/training.md)")
     ap.add_argument("--fit-steps", type=int, default=None, help="Adam steps (default 20; quick 3)")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--fit-1e6", action="store_true", help="also the gpnys fit on synthetic3d n = 1e6")
@@ -1039,7 +1042,8 @@ def main(argv: list[str] | None = None) -> dict:
             "dtype": args.dtype, "product_dtype": args.product_dtype, "threads": torch.get_num_threads(),
             "hyperparameters": args.hypers, "seed": args.seed, "repeats": args.repeats, "warmup_n": args.warmup_n,
             "fit_steps": args.fit_steps, "paths_n": args.paths_n, "paths_test": args.paths_test,
-            "lr": args.lr, "gpnys_backend": args.gpnys_backend, "keops": args.keops,
+            "lr": args.lr, "gpnys_backend": args.gpnys_backend, "grow_landmarks": args.grow_landmarks,
+            "keops": args.keops,
             "triton_available": triton_available(), "triton_interpret": os.environ.get("TRITON_INTERPRET"),
             "max_seconds": args.max_seconds, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     with contextlib.suppress(Exception):

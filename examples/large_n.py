@@ -4,7 +4,9 @@ The model is plain GPyTorch (ScaleKernel(Matérn-3/2), constant mean, GaussianLi
 with unit density. ``gpnys.use_preconditioner`` makes GPyTorch's CG + SLQ estimator use the ``auto``
 preconditioner and gpnys's kernel operator; ``gpnys.memory_budget`` bounds its temporary blocks and the dense
 cache. With ``dense_bytes=0`` the kernel is recomputed on every product, skipping the blocks whose entries are all
-below machine epsilon (docs/scaling.md); the script prints the share of entries computed per product.
+below machine epsilon (docs/scaling.md); the script prints the share of entries computed per product. Where a
+step needs ``--grow-landmarks`` CG iterations or more (default 15), AFN's landmarks double for the next steps
+(docs/training.md, "Landmarks that grow"): the rank column shows it.
 
 Run:  python examples/large_n.py                    (n = 50 000, 3 Adam steps, float32: a few minutes)
       python examples/large_n.py --n 4000 --steps 2 (seconds)
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--block-mib", type=int, default=32)
+    ap.add_argument("--grow-landmarks", type=int, default=gpnys.EstimatorSettings.grow_landmarks,
+                    help="CG iterations at which AFN's landmarks double (0: never)")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     # unit density (no input standardisation), standardised targets
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     rows = []
     with gpnys.memory_budget(block_bytes=args.block_mib << 20, dense_bytes=0):
-        with gpnys.use_preconditioner(model, "auto", seed=0) as hook:
+        settings = gpnys.EstimatorSettings(grow_landmarks=args.grow_landmarks or None)
+        with gpnys.use_preconditioner(model, "auto", seed=0, settings=settings) as hook:
             for step in range(args.steps):
                 t0 = time.perf_counter()
                 opt.zero_grad()

@@ -32,6 +32,7 @@ from typing import Iterator
 import torch
 
 __all__ = ["memory_budget", "block_elems", "block_rows", "fill_rows", "block_bytes", "dense_limit_bytes",
+           "default_dense_bytes",
            "DEFAULT_BLOCK_BYTES", "DEFAULT_DENSE_BYTES", "CUDA_BLOCK_SHARE", "CUDA_MAX_BLOCK_BYTES", "CUDA_DENSE_SHARE",
            "CPU_FILL_BLOCK_BYTES"]
 
@@ -119,6 +120,13 @@ def dense_limit_bytes(device: torch.device | str | None = None) -> int:
     """Largest dense kernel cache in bytes, for data on ``device`` (``None``: the CPU default)."""
     if _state["dense_bytes"] is not None:
         return _state["dense_bytes"]
+    return default_dense_bytes(device)
+
+
+def default_dense_bytes(device: torch.device | str | None = None) -> int:
+    """The device's own dense limit, whatever :func:`memory_budget` set: :data:`DEFAULT_DENSE_BYTES` on a CPU,
+    :data:`CUDA_DENSE_SHARE` of the free memory on CUDA. It bounds long-lived factors such as AFN's landmark columns,
+    which ``dense_bytes=0`` (asked for to keep the kernel on the fly) should not forbid."""
     free = _cuda_free(device)
     return DEFAULT_DENSE_BYTES if free is None else int(free * CUDA_DENSE_SHARE)
 

@@ -210,6 +210,15 @@ class RowGroup:
                 raise ValueError(f"gpnys row partition: the ranks hold different {what}: {detail}; every rank must "
                                  "pass the same data, settings and options")
 
+    def minimum(self, what: str, value: int) -> int:
+        """The smallest of every rank's ``value``: a choice each rank makes from its own device (its free memory)
+        that all of them must then make alike. One all-gather of plain integers."""
+        if self.size == 1:
+            return int(value)
+        values: list[Any] = [None] * self.size
+        self._collective(what, dist.all_gather_object, values, int(value))
+        return min(values)
+
     def gather(self, what: str, local: torch.Tensor, inputs: list[torch.Tensor],
                failure: BaseException | None = None) -> list[torch.Tensor]:
         """All ranks' ``local`` blocks (equal shapes), after checking that every rank used the same ``inputs`` and

@@ -91,6 +91,34 @@ def mll(group, **options):
             "probes": None if est is None else est.probes}
 
 
+def grow(group):
+    """Three training evaluations with AFN's landmarks growing after each (the kernel on the fly, a default ``k``
+    of 20): every rank grows alike, to the one process's ranks and losses."""
+    from gpnys.gp import settings as gp_settings
+
+    gp_settings.GP_DEFAULTS["afn"] = {"k": 20, "w": 10}
+    X, y, _ = data()
+    torch.manual_seed(0)
+    gpytorch = __import__("gpytorch")
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    model = ExactGPModel(X, y, lik, kernel="matern32").double().to(X.device)
+    options = {"num_probes": 8, "dense_limit_bytes": 0, "grow_landmarks": 1, "probe_seed": 0}
+    settings = gd.settings(group, **options) if group else __import__("gpnys").EstimatorSettings(**options)
+    mll_fn = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
+    losses = []
+    with use_preconditioner(model, "afn", settings=settings, seed=0) as hook:
+        for _ in range(3):
+            model.zero_grad()
+            loss = -mll_fn(model(X), y)
+            loss.backward()
+            losses.append(loss.detach())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+    return {"losses": torch.stack(losses), "ranks": [r.rank for r in hook.history],
+            "growths": list(hook.preconditioners.growths)}
+
+
 def mll_cv(group):
     """The control variate's diag and frozen families with their non-landmark rows split across processes: the diag
     family with its error-bar rows from the frozen closed form (the proxy, forced here at n = 300), once with a
@@ -368,6 +396,8 @@ def main():
         res = mll(group)
     elif mode == "laplace":
         res = laplace(group)
+    elif mode == "grow":
+        res = grow(group)
     elif mode == "mll_cv":
         res = mll_cv(group)
     elif mode == "precond":

@@ -153,6 +153,16 @@ def test_two_gloo_ranks_give_one_process_mll_value_and_gradient(tmp_path):
     assert ref["std_error"] is not None and _close(got["std_error"], ref["std_error"], 1e-8)
 
 
+def test_two_gloo_ranks_grow_afns_landmarks_alike(tmp_path):
+    """Landmark growth under a row partition: the ranks agree on every grown ``k`` (their memory bounds by one
+    all-gather), and the losses are the one process's."""
+    ref = reference("grow", tmp_path / "ref.pt")
+    assert run_ranks("grow", tmp_path / "dist.pt") == [0, 0]
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert ref["ranks"] == got["ranks"] == [20, 40, 80] and ref["growths"] == got["growths"] == [40, 80]
+    assert _close(got["losses"], ref["losses"])
+
+
 def test_two_gloo_ranks_give_the_one_process_laplace_classifier(tmp_path):
     ref = reference("laplace", tmp_path / "ref.pt")
     assert run_ranks("laplace", tmp_path / "dist.pt") == [0, 0]

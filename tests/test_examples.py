@@ -46,8 +46,11 @@ def test_large_n_example_matches_cholesky_at_the_first_step():
     """The example trains on the fly (dense cache off); its first loss equals GPyTorch's Cholesky loss at the same
     initial hyperparameters (stochastic estimate: 1 % tolerance), and the kernel share is reported."""
     mod = load("large_n")
-    rows = mod.main(["--n", "3000", "--steps", "2", "--dtype", "float64", "--block-mib", "4"])
+    # growth after any step (--grow-landmarks 1): AFN's 500 landmarks become 1 000 at the second step
+    rows = mod.main(["--n", "3000", "--steps", "2", "--dtype", "float64", "--block-mib", "4", "--grow-landmarks", "1"])
     assert len(rows) == 2 and all(0 < r["kernel_fraction"] <= 1 for r in rows)
+    if rows[0]["path"] == "iterative":  # the suite's default (tests/conftest.py)
+        assert [(r["precond"], r["rank"]) for r in rows] == [("afn", 500), ("afn", 1000)], rows
     exact = initial_cholesky_loss(mod, 3000)
     assert abs(rows[0]["loss"] - exact) <= 1e-2 * abs(exact)
 

@@ -121,6 +121,9 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-tolerance", type=float, default=None, metavar="REL",
                    help="reuse the preconditioner across steps while the length-scales and noise/outputscale move "
                         "less than REL (relative) from those it was built for (e.g. 0.1); default: rebuild")
+    p.add_argument("--grow-landmarks", type=int, default=EstimatorSettings.grow_landmarks, metavar="ITERS",
+                   help="with the kernel recomputed on the fly, double AFN's default landmarks after an evaluation "
+                        "of at least ITERS CG iterations (up to 4x; 0: never)")
     p.add_argument("--prune-tol", type=float, default=None,
                    help="skip kernel blocks whose entries are all below this (times the outputscale) when the kernel "
                         "is recomputed on the fly (default: machine epsilon; 0: compute every entry)")
@@ -140,6 +143,7 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
                                  kernel_prune_tol=args.prune_tol,
                                  kernel_backend=None if args.kernel_backend == "auto" else args.kernel_backend,
                                  kernel_tf32=args.tf32, solver=args.solver, reuse_tolerance=args.reuse_tolerance,
+                                 grow_landmarks=args.grow_landmarks or None,
                                  kernel_group=True if rank_and_size()[1] > 1 else None)  # under torchrun
     return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
 
@@ -237,6 +241,7 @@ SHARED_FLAGS: dict[str, Range] = {
     "block_mib": count(1, BUDGET_BYTES_MAX >> 20), "dense_gib": Range(0.0, BUDGET_BYTES_MAX / 2**30, high_open=True),
     "k": count(1), "w": count(1), "cg_tol": POSITIVE, "probes": count(2), "lanczos_steps": count(1),
     "lanczos_share": Range(0.0, 1.0, high_open=True), "prune_tol": NONNEGATIVE, "reuse_tolerance": NONNEGATIVE,
+    "grow_landmarks": count(0),
     "accuracy": Range(0.0, 1.0, low_open=True, high_open=True), "max_probes": count(2),
 }
 

@@ -13,6 +13,16 @@ stored ``P`` with the current outputscale (``P̂ = s² P``). Such a ``P`` is :at
 differentiable family at the current hyperparameters is no longer the distribution the probes come from, so the
 estimator drops the control variate for that evaluation (the plain estimator stays unbiased; its standard errors
 say what the variance costs).
+
+Landmarks that grow (``grow_landmarks``). Where the kernel is recomputed on the fly, a CG iteration costs a pass over
+the kernel's entries, while AFN's ``k`` landmarks (Zhao et al. 2024, §3) cost ``O(n k)`` entries once per build. An
+evaluation that needs ``grow_landmarks`` or more CG iterations with AFN at its default ``k`` therefore doubles ``k``
+for the following builds, up to :data:`MAX_GROWTH` times the default, half of ``n`` (AFN's FSAI part keeps
+the other half) and what the memory budget holds
+(:func:`gpnys.budget.default_dense_bytes`: ``2 n k`` entries of 8 bytes). ``k`` never shrinks within a fit; it starts
+again from the default on new data. The count of iterations is the same on every rank of a process group, so the
+ranks grow alike; the memory bound is the smallest of the ranks'. A stored kernel makes an iteration cheap against a
+build, so it never grows ``k``.
 """
 
 from __future__ import annotations
@@ -25,8 +35,9 @@ from typing import Any
 import gpytorch
 import torch
 
+from gpnys.budget import default_dense_bytes
 from gpnys.checks import NumericalWarning
-from gpnys.collectives import CollectiveError
+from gpnys.collectives import CollectiveError, RowGroup, partitioned
 from gpnys.kernels.entries import split_outputscale
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import Preconditioner
@@ -35,7 +46,10 @@ from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
 from gpnys.precond.strategy import HOOK_DIAG_PRECONDITIONERS, AutoPreconditioner, make_preconditioner
 
-__all__ = ["PreconditionerCache", "StepRecord"]
+__all__ = ["PreconditionerCache", "StepRecord", "MAX_GROWTH"]
+
+#: the most landmarks growth gives AFN, as a multiple of its default ``k``: 4 x 500 = 2 000, the AFN paper's ``k``
+MAX_GROWTH = 4
 
 
 @dataclass
@@ -79,6 +93,9 @@ class PreconditionerCache:
             change of those it was built for (module docstring); ``None``: rebuild on every change.
         refresh_growth: rebuild once an evaluation's CG iterations exceed this multiple of those of the
             preconditioner's first evaluation (:meth:`observe`).
+        grow_landmarks: double AFN's ``k`` (``options["k"]``, a default the caller did not set) after an evaluation
+            with the kernel recomputed on the fly that needed at least this many CG iterations (module docstring);
+            ``None``: never.
 
     Example:
         >>> import gpytorch, torch
@@ -95,8 +112,13 @@ class PreconditionerCache:
 
     def __init__(self, method: str | type[Preconditioner], options: dict[str, Any], seed: int = 0,
                  group: Any = None, history: list[StepRecord] | None = None, reuse_tolerance: float | None = None,
-                 refresh_growth: float = 1.5) -> None:
-        self.method, self.options, self.seed, self.group = method, options, seed, group
+                 refresh_growth: float = 1.5, grow_landmarks: int | None = None) -> None:
+        self.method, self.options, self.seed, self.group = method, dict(options), seed, group
+        self.grow_landmarks = grow_landmarks
+        #: the landmark counts ``k`` grows to, in order (:meth:`observe`)
+        self.growths: list[int] = []
+        self._start_k = self.options.get("k")
+        self._points: PointCache | None = None
         self.history: list[StepRecord] = [] if history is None else history
         self.reuse_tolerance, self.refresh_growth = reuse_tolerance, float(refresh_growth)
         #: the training preconditioner was built for other hyperparameters than the last request's
@@ -123,6 +145,7 @@ class PreconditionerCache:
         opts = self.options if not options else {**self.options, **options}
         slot = None if opts == self.options else tuple(sorted(opts.items()))
         X = points.X
+        self._points = points
         with torch.no_grad():
             _, s2f = split_outputscale(kernel)
             level = noise if noise.dim() == 0 else noise.mean()
@@ -147,13 +170,40 @@ class PreconditionerCache:
                                                time.perf_counter() - t0, fallback))
         return cached[1]
 
-    def observe(self, iterations: int) -> None:
+    def observe(self, iterations: int, recomputed: bool = False) -> None:
         """Record the CG iterations of an evaluation with the training preconditioner: the first one after a build
-        sets the reference; one above ``refresh_growth`` times it asks the next request to rebuild."""
+        sets the reference; one above ``refresh_growth`` times it asks the next request to rebuild. With the kernel
+        ``recomputed`` on the fly, ``grow_landmarks`` or more iterations double AFN's ``k`` (module docstring)."""
         if self._first_iterations is None:
             self._first_iterations = int(iterations)
         elif iterations > self.refresh_growth * max(self._first_iterations, 1):
             self._refresh = True
+        if recomputed and self.grow_landmarks is not None and iterations >= self.grow_landmarks:
+            self._grow()
+
+    def _grow(self) -> None:
+        """Double AFN's landmarks within their bounds when the training preconditioner is AFN with all of them: the
+        option ``k`` of ``afn``, ``afn_k`` of ``auto`` (whose ``k`` stays the Nyström / AFN switch of Algorithm 5,
+        so that more landmarks never turn AFN into a Nyström factor of the estimated rank); the next request builds
+        with them."""
+        current, key = self.current, "afn_k" if self.method == "auto" else "k"
+        k = self.options.get(key, self._start_k)
+        if current is None or k is None or self._start_k is None or self._points is None:
+            return
+        P = current[0]
+        if P.summary().get("choice", P.kind) != "afn" or int(P.rank) != int(k):
+            return
+        X = self._points.X
+        group = RowGroup.of(self.group) if partitioned(self.group) and isinstance(self.method, str) else None
+        rows = P.n if group is None else -(-P.n // group.size)
+        fits = default_dense_bytes(X.device) // (2 * 8 * max(rows, 1))  # 2 n k entries of 8 bytes (module docstring)
+        grown = min(2 * int(k), MAX_GROWTH * int(self._start_k), P.n // 2, int(fits))
+        if group is not None:
+            grown = group.minimum("landmark growth", grown)
+        if grown > k:
+            self.options = {**self.options, key: grown}
+            self.growths.append(grown)
+            self._slots.pop(None, None)
 
     def _reusable(self, built: tuple, key: tuple) -> bool:
         """Whether a preconditioner built for the hyperparameter key ``built`` may serve ``key``."""

@@ -173,8 +173,11 @@ class TrainingProblem(HookPrediction):
         self.cache = PointCache(self.train_x)
         group = self.settings.kernel_group if isinstance(self.method, str) else None
         #: the preconditioners of these points (:class:`~gpnys.gp.preconditioners.PreconditionerCache`)
+        grows = (isinstance(self.method, str) and self.method in ("afn", "auto")
+                 and not {"k", "afn_k"} & set(self._user_options))
         self.preconditioners = PreconditionerCache(self.method, self.options, self.seed, group, self.history,
-                                                   self.settings.reuse_tolerance, self.settings.refresh_growth)
+                                                   self.settings.reuse_tolerance, self.settings.refresh_growth,
+                                                   self.settings.grow_landmarks if grows else None)
         self.seen = None
         self.warm_start = None
 
@@ -360,7 +363,7 @@ class TrainingProblem(HookPrediction):
         self.applications += result.applications
         self.samples += result.samples
         self.warm_start = result.warm_start
-        self.preconditioners.observe(result.estimate.cg_iterations)
+        self.preconditioners.observe(result.estimate.cg_iterations, recomputed=self.kernels.fraction is not None)
         self.last_estimate = result.estimate
         self.estimates += 1
         return result.log_prob

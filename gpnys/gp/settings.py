@@ -144,6 +144,11 @@ class EstimatorOptions:
             variate on those steps (:mod:`gpnys.gp.preconditioners`; docs/training.md, "Warm starts"); ``None``:
             rebuild whenever a hyperparameter changes. refresh_growth: rebuild anyway once the CG iterations exceed
             this multiple of those of the preconditioner's first evaluation.
+        grow_landmarks: where the kernel is recomputed on the fly (too large to store), an evaluation that needs at
+            least this many CG iterations with AFN at its default landmark count ``k`` doubles ``k`` for the next
+            builds, up to :data:`~gpnys.gp.preconditioners.MAX_GROWTH` times the default and the memory budget
+            (:meth:`~gpnys.gp.preconditioners.PreconditionerCache.observe`; docs/training.md, "Landmarks that
+            grow"). ``None``: ``k`` stays fixed.
         warm_start: the solve with ``y - m`` starts from the previous evaluation's solution (same data); the
             probes' solves start at 0, as their quadrature needs (docs/training.md, "Warm starts").
         target_rel_error: keep adding batches of ``num_probes`` probes (reusing the preconditioner and the solve
@@ -168,9 +173,12 @@ class EstimatorOptions:
     warm_start: bool = True
     reuse_tolerance: float | None = None
     refresh_growth: float = 1.5
+    grow_landmarks: int | None = 15
 
     def __post_init__(self) -> None:
         validate_positive(self.cg_tolerance, "cg_tolerance")
+        if self.grow_landmarks is not None:
+            validate_count(self.grow_landmarks, "grow_landmarks", 1)
         validate_count(self.max_cg_iterations, "max_cg_iterations", 1)
         validate_count(self.lanczos_steps, "lanczos_steps", 1)
         if self.reuse_tolerance is not None and not float(self.reuse_tolerance) >= 0:

@@ -67,6 +67,9 @@ class AutoPreconditioner(Preconditioner):
         kernel: GPyTorch kernel (a ``ScaleKernel`` is unwrapped).
         mu: shift ``> 0``.
         max_k: the switch threshold and AFN landmark cap (paper: 2000).
+        afn_k: landmarks of the AFN branch when it is taken (default ``max_k``): more landmarks for a kernel whose
+            rank is far above the threshold, without moving the switch (:mod:`gpnys.gp.preconditioners`, "Landmarks
+            that grow").
         w: FSAI nonzeros per row inside AFN (paper: 100).
         m: rank-estimation subsample size (Algorithm 4).
         reps: rank-estimation repetitions (the authors' code uses 3).
@@ -114,10 +117,12 @@ class AutoPreconditioner(Preconditioner):
         diag: torch.Tensor | None = None,
         group: Any = None,
         previous_rank: int | None = None,
+        afn_k: int | None = None,
     ) -> None:
         super().__init__()
         t0 = self._start(X, mu, diag)
         max_k = validate_count(max_k, "max_k", 1)
+        afn_k = max_k if afn_k is None else validate_count(afn_k, "afn_k", 1)
         cache = cache if cache is not None else PointCache(X)
         t_rank = time.perf_counter()
         self.estimate: RankEstimate = estimate_rank(X, kernel, self.mu, m=m, reps=reps, max_k=max_k, seed=seed,
@@ -132,8 +137,8 @@ class AutoPreconditioner(Preconditioner):
             )
         else:
             self.choice = "afn"
-            self.inner = AFNPreconditioner(X, kernel, self.mu, k=min(max_k, self.n), w=w, seed=seed, cache=cache,
-                                           diag=self.diag, group=group)
+            self.inner = AFNPreconditioner(X, kernel, self.mu, k=min(afn_k, self.n), w=w, seed=seed,
+                                           cache=cache, diag=self.diag, group=group)
         self.rank = self.inner.rank
         self.shifts = self.inner.shifts
         self.setup_s = time.perf_counter() - t0
@@ -189,6 +194,7 @@ def make_preconditioner(
     diag: torch.Tensor | None = None,
     group: Any = None,
     previous_rank: int | None = None,
+    afn_k: int | None = None,
 ) -> Preconditioner | None:
     """Build a preconditioner of ``K + mu I`` by name (of ``K + diag(mu_i)`` with per-point shifts ``diag (n,)``, for
     the names in :data:`DIAG_PRECONDITIONERS`; ``mu`` is then their mean).
@@ -198,7 +204,8 @@ def make_preconditioner(
     ``ran`` -> the paper's RAN baseline (uniform landmarks, RAN scaling, ``rank`` default 3000, capped at n);
     ``sketch`` -> Gaussian-sketch randomized Nyström (Frangella-Tropp-Udell), RAN scaling, same rank rule;
     ``fsai`` -> FSAI of K + mu I (``w`` default 400); ``afn`` -> AFN (``k`` landmarks, ``w`` default 100);
-    ``auto`` -> :class:`AutoPreconditioner` (switch threshold ``k``, ``w`` default 100).
+    ``auto`` -> :class:`AutoPreconditioner` (switch threshold ``k``, AFN branch ``afn_k`` landmarks (default ``k``),
+    ``w`` default 100).
 
     ``group`` (a ``torch.distributed`` group, ``True`` for the default one) splits the FSAI, AFN and Nyström builds
     (``nystrom``, ``ran``, ``sketch``, ``auto``) by rows over its ranks; ``pivchol`` is computed on every rank.
@@ -232,6 +239,8 @@ def make_preconditioner(
     validate_choice(name, "preconditioner", PRECONDITIONERS)
     if diag is not None and name not in DIAG_PRECONDITIONERS:
         raise ValueError(f"diag (per-point shifts) is taken by {DIAG_PRECONDITIONERS}, not by {name!r}")
+    if afn_k is not None and name != "auto":
+        raise ValueError(f"afn_k (the AFN branch's landmarks) is taken by 'auto' only, not by {name!r}; pass k")
     n = X.shape[0]
     if name == "none":
         return None
@@ -254,4 +263,4 @@ def make_preconditioner(
     if name == "afn":
         return AFNPreconditioner(X, kernel, mu, k=min(k, n), w=wd, seed=seed, cache=cache, diag=diag, group=group)
     return AutoPreconditioner(X, kernel, mu, max_k=k, w=wd, seed=seed, cache=cache, diag=diag, group=group,
-                              previous_rank=previous_rank)
+                              previous_rank=previous_rank, afn_k=afn_k)

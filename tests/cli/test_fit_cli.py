@@ -146,6 +146,7 @@ def test_cli_mll_cutoff_reports_the_share_of_entries_and_matches_the_full_kernel
     [
         (["mll", "--prune-tol", "-1", "--method", "auto"], "prune-tol"),
         (["fit", "--reuse-tolerance", "-0.5"], "reuse-tolerance"),
+        (["fit", "--grow-landmarks", "-1"], "grow-landmarks"),
         (["mll", "--noise", "-1"], "noise"),
         (["mll", "--noise", "nan"], "noise"),
         (["mll", "--lengthscale", "0"], "lengthscale"),
@@ -232,3 +233,15 @@ def test_argument_errors_are_one_line_naming_the_flag(argv, flag, capsys):
     lines = err.strip().splitlines()
     prefix = f"gpnys {argv[0]}: error:" if argv[0] in ("fit", "mll", "reduce") else "gpnys: error:"
     assert len(lines) == 1 and flag in lines[0] and lines[0].startswith(prefix), err
+
+
+def test_grow_landmarks_flag_reaches_the_settings():
+    """``--grow-landmarks N`` sets ``EstimatorSettings.grow_landmarks`` (0: never grow; default 15)."""
+    import argparse
+
+    from gpnys.cli.common import add_estimator_args, estimator_from_args
+
+    p = argparse.ArgumentParser()
+    add_estimator_args(p)
+    assert [estimator_from_args(p.parse_args(argv))[0].grow_landmarks
+            for argv in ([], ["--grow-landmarks", "0"], ["--grow-landmarks", "7"])] == [15, None, 7]

@@ -1,0 +1,166 @@
+"""AFN's landmarks grow with the CG iterations where the kernel is recomputed on the fly
+(``EstimatorSettings.grow_landmarks``): ``k`` doubles after an evaluation that needed that many iterations, up to
+``MAX_GROWTH`` times the default, half of ``n`` and the memory budget; a stored kernel, Nyström's choice and a
+``k`` the caller set never grow; every grown step stays within its error bars of Cholesky."""
+
+from __future__ import annotations
+
+import copy
+
+import gpytorch
+import pytest
+import torch
+
+import gpnys
+import gpnys.gp.preconditioners as preconditioners
+from gpnys.gp import ExactGPModel
+from gpnys.gp import settings as gp_settings
+from gpnys.gp.preconditioners import MAX_GROWTH, PreconditionerCache
+from gpnys.gp.settings import EstimatorSettings
+from gpnys.precond.cache import PointCache
+
+N = 400
+
+
+@pytest.fixture
+def small_defaults(monkeypatch):
+    """AFN's default landmark count 20 instead of 500, so that growth fits in a few hundred points."""
+    for name in ("afn", "auto"):
+        monkeypatch.setitem(gp_settings.GP_DEFAULTS, name, {"k": 20, "w": 10})
+
+
+def _points(n, seed=1):
+    X = 4 * torch.rand(n, 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
+    return PointCache(X), kernel, torch.tensor(1e-3, dtype=torch.float64)
+
+
+def test_the_cache_doubles_k_until_its_bounds():
+    points, kernel, noise = _points(400)
+    cache = PreconditionerCache("afn", {"k": 20, "w": 10}, grow_landmarks=10)
+    assert cache.get(points, kernel, noise)[0].rank == 20
+    cache.observe(9, recomputed=True)  # too few iterations
+    cache.observe(30, recomputed=False)  # a stored kernel: an iteration is cheap against a build
+    assert cache.growths == [] and cache.get(points, kernel, noise)[0].rank == 20 and len(cache.history) == 1
+    ranks = []
+    for _ in range(4):
+        cache.observe(10, recomputed=True)
+        ranks.append(int(cache.get(points, kernel, noise)[0].rank))  # rebuilt at the same hyperparameters
+    assert ranks == [40, 80, 80, 80] and cache.growths == [40, 80] and MAX_GROWTH * 20 == 80
+    assert [r.rank for r in cache.history] == [20, 40, 80]
+
+
+def test_growth_stops_at_half_of_n_and_at_the_memory_budget(monkeypatch):
+    points, kernel, noise = _points(100)
+    cache = PreconditionerCache("afn", {"k": 20, "w": 10}, grow_landmarks=1)
+    for _ in range(3):
+        cache.get(points, kernel, noise)
+        cache.observe(5, recomputed=True)
+    assert cache.growths == [40, 50]  # half of n = 100
+    monkeypatch.setattr(preconditioners, "default_dense_bytes", lambda device: 2 * 8 * 100 * 30)  # k <= 30 fits
+    cache = PreconditionerCache("afn", {"k": 20, "w": 10}, grow_landmarks=1)
+    for _ in range(3):
+        cache.get(points, kernel, noise)
+        cache.observe(5, recomputed=True)
+    assert cache.growths == [30]
+
+
+def test_nystrom_and_other_preconditioners_do_not_grow():
+    points, kernel, _ = _points(1000)
+    kernel.base_kernel.lengthscale = 3.0  # a smooth kernel at noise 0.1: Algorithm 5 picks Nyström below k = 100
+    noise = torch.tensor(0.1, dtype=torch.float64)
+    for method, options, kind in (("auto", {"k": 100, "w": 10}, "nystrom"), ("fsai", {"w": 10}, "fsai")):
+        cache = PreconditionerCache(method, options, grow_landmarks=1)
+        P = cache.get(points, kernel, noise)[0]
+        cache.observe(50, recomputed=True)
+        assert cache.history[0].kind == kind and P.rank < 100, (method, P.rank)
+        assert cache.growths == [] and cache.get(points, kernel, noise)[0] is P, method
+
+
+def _model(dtype, n=N):
+    g = torch.Generator().manual_seed(0)
+    X = 3 * torch.rand(n, 2, generator=g, dtype=torch.float64)
+    y = torch.sin(2 * X[:, 0]) + X[:, 1] + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
+    model = ExactGPModel(X.to(dtype), y.to(dtype), gpytorch.likelihoods.GaussianLikelihood(),
+                         kernel="matern32").to(dtype)
+    model.likelihood.noise = 1e-3
+    return model, X.to(dtype), y.to(dtype)
+
+
+def _fit(model, X, y, steps, explicit=None, dense_bytes=0, method="afn", **settings):
+    """Adam steps under the hook with the kernel on the fly (``dense_bytes=0``); per step the loss, its standard
+    error, the preconditioner's rank, and Cholesky's loss in float64 at the same hyperparameters."""
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    settings = EstimatorSettings(solver="iterative", probe_seed=0, **settings)
+    rows, states = [], []
+    options = {} if explicit is None else {"k": explicit}
+    with gpnys.memory_budget(dense_bytes=dense_bytes), \
+            gpnys.use_preconditioner(model, method, settings=settings, **options) as hook:
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = -mll(model(X), y)
+            loss.backward()
+            est = hook.last_estimate
+            rows.append((float(loss.detach()), est.std_error / est.n, hook.history[-1].rank, hook.history[-1].kind))
+            states.append({k: v.clone() for k, v in model.state_dict().items()})
+            opt.step()
+    exact = copy.deepcopy(model).double()
+    exact_mll = gpytorch.mlls.ExactMarginalLogLikelihood(exact.likelihood, exact)
+    out = []
+    for row, state in zip(rows, states):
+        exact.load_state_dict({k: v.double() for k, v in state.items()})
+        with torch.no_grad(), gpytorch.settings.max_cholesky_size(10**6), \
+                gpytorch.settings.fast_computations(log_prob=False):
+            out.append((*row, float(-exact_mll(exact(X.double()), y.double()))))
+    return out, hook
+
+
+def test_a_fit_on_the_fly_grows_k_and_every_step_stays_within_its_error_bars(small_defaults, dtype):
+    model, X, y = _model(dtype)
+    rows, hook = _fit(model, X, y, steps=4, grow_landmarks=2)
+    assert [r[2] for r in rows] == [20, 40, 80, 80], rows
+    assert hook.preconditioners.growths == [40, 80]
+    rounding = 0.0 if dtype == torch.float64 else 1e-4
+    for loss, se, _, _, exact in rows:
+        assert abs(loss - exact) <= 4 * se + rounding, (loss, exact, se)
+
+
+def test_auto_grows_its_afn_branch_and_keeps_its_switch(small_defaults):
+    """``auto``'s ``k`` is also Algorithm 5's Nyström / AFN switch: growth gives its AFN branch more landmarks
+    (``afn_k``) and leaves the switch, so the grown builds stay AFN."""
+    model, X, y = _model(torch.float64)
+    rows, hook = _fit(model, X, y, steps=3, method="auto", grow_landmarks=2)
+    assert [(r[2], r[3]) for r in rows] == [(20, "afn"), (40, "afn"), (80, "afn")], rows
+    assert hook.preconditioners.options["k"] == 20 and hook.preconditioners.options["afn_k"] == 80
+    for loss, se, _, _, exact in rows:
+        assert abs(loss - exact) <= 4 * se, (loss, exact, se)
+
+
+def test_a_stored_kernel_an_explicit_k_or_growth_off_keep_k(small_defaults):
+    for kwargs in ({"dense_bytes": None, "grow_landmarks": 2}, {"explicit": 20, "grow_landmarks": 2},
+                   {"explicit": 20, "method": "auto", "grow_landmarks": 2}, {"grow_landmarks": None}):
+        model, X, y = _model(torch.float64)
+        rows, hook = _fit(model, X, y, steps=2, **kwargs)
+        assert [r[2] for r in rows] == [20, 20] and hook.preconditioners.growths == [], kwargs
+
+
+def test_growth_is_reproducible(small_defaults):
+    runs = [_fit(*_model(torch.float64), steps=3, grow_landmarks=2)[0] for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0][-1][2] == 80
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "15"])
+def test_bad_grow_landmarks_is_a_value_error(bad):
+    with pytest.raises(ValueError, match="grow_landmarks"):
+        EstimatorSettings(grow_landmarks=bad)
+
+
+@pytest.mark.cuda
+def test_growth_on_device(small_defaults, cuda_device):
+    model, X, y = _model(torch.float64)
+    model, X, y = model.to(cuda_device), X.to(cuda_device), y.to(cuda_device)
+    rows, hook = _fit(model, X, y, steps=3, grow_landmarks=2)
+    assert [r[2] for r in rows] == [20, 40, 80] and hook.preconditioners.growths == [40, 80]
+    for loss, se, _, _, exact in rows:
+        assert abs(loss - exact) <= 4 * se, (loss, exact, se)
