@@ -533,7 +533,9 @@ def part_mll(args, bench) -> None:
             row: dict[str, Any] = {"data": data, "n": n, "d": X.shape[1], "method": method,
                                    "dtype": "float64" if method in REFERENCES else args.dtype}
             cutoff = method.startswith("gpnys") and not method.startswith("gpnys_prune0")
-            options = {"k": int(method.split("_k")[1])} if method.startswith("gpnys_k") else None
+            # auto's AFN branch with k landmarks, Algorithm 5's switch left at its default (what growth does): k as
+            # the switch would hand a kernel of estimated rank below k to a Nystrom factor of that rank
+            options = {"afn_k": int(method.split("_k")[1])} if method.startswith("gpnys_k") else None
             exponent = 1 if cutoff and data == "synthetic3d" else 2
             skip = memory_skip(method, n, X.element_size(), device) or bench.projected_skip(
                 "mll", data, method, n, exponent, 1) or (keops_missing() if method == "gpytorch_keops" else None)
@@ -976,8 +978,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--synthetic-sizes", default=None, help="MLL synthetic3d sizes (default 200000,1000000; quick 500)")
     ap.add_argument("--mll-methods", default="", help="mll part: only these methods (comma-separated: gpnys, "
                     "gpnys_prune0, gpnys_prune0_floor10, gpytorch_cholesky, cholesky_closed, gpytorch_cg); default all")
-    ap.add_argument("--afn-ks", default="", help="mll part: one gpnys row per landmark count k (e.g. 500,1000,2000: "
-                    "rows gpnys_k500, ...) instead of the hook's default")
+    ap.add_argument("--afn-ks", default="", help="mll part: one gpnys row per landmark count k of auto's AFN branch "
+                    "(afn_k; e.g. 500,1000,2000: rows gpnys_k500, ...) instead of the hook's default")
     ap.add_argument("--fit-synthetic-sizes", default=None, help="fit synthetic3d sizes (default 200000; quick none)")
     ap.add_argument("--lengthscale", type=float, default=1.0)
     ap.add_argument("--outputscale", type=float, default=1.0)

@@ -16,11 +16,13 @@ say what the variance costs).
 
 Landmarks that grow (``grow_landmarks``). Where the kernel is recomputed on the fly, a CG iteration costs a pass over
 the kernel's entries, while AFN's ``k`` landmarks (Zhao et al. 2024, §3) cost ``O(n k)`` entries once per build. An
-evaluation that needs ``grow_landmarks`` or more CG iterations with AFN at its default ``k`` therefore doubles ``k``
+evaluation that needs ``grow_landmarks`` or more CG iterations with AFN holding all its ``k`` landmarks doubles ``k``
 for the following builds, up to :data:`MAX_GROWTH` times the default, half of ``n`` (AFN's FSAI part keeps
 the other half) and what the memory budget holds
-(:func:`gpnys.budget.default_dense_bytes`: ``2 n k`` entries of 8 bytes). ``k`` never shrinks within a fit; it starts
-again from the default on new data. The count of iterations is the same on every rank of a process group, so the
+(:func:`gpnys.budget.default_dense_bytes`: ``2 n k`` entries of 8 bytes). The first evaluation with the grown ``k``
+is its trial: where it needs as many iterations as the evaluation that asked for it, the growth is undone and ``k``
+stays there for the rest of the fit (more landmarks do not always help AFN's sparse part). ``k`` starts again from
+the default on new data. The count of iterations is the same on every rank of a process group, so the
 ranks grow alike; the memory bound is the smallest of the ranks'. A stored kernel makes an iteration cheap against a
 build, so it never grows ``k``.
 """
@@ -115,8 +117,12 @@ class PreconditionerCache:
                  refresh_growth: float = 1.5, grow_landmarks: int | None = None) -> None:
         self.method, self.options, self.seed, self.group = method, dict(options), seed, group
         self.grow_landmarks = grow_landmarks
-        #: the landmark counts ``k`` grows to, in order (:meth:`observe`)
+        #: the landmark counts ``k`` took after the first, in order (:meth:`observe`; an undone growth adds the
+        #: count it went back to)
         self.growths: list[int] = []
+        #: a growth that did not lower the CG iterations was undone, and ``k`` stays as it is
+        self.growth_stopped = False
+        self._trial: tuple[int, int] | None = None  # (k before, iterations that asked) of a growth on trial
         self._start_k = self.options.get("k")
         self._points: PointCache | None = None
         self.history: list[StepRecord] = [] if history is None else history
@@ -173,15 +179,29 @@ class PreconditionerCache:
     def observe(self, iterations: int, recomputed: bool = False) -> None:
         """Record the CG iterations of an evaluation with the training preconditioner: the first one after a build
         sets the reference; one above ``refresh_growth`` times it asks the next request to rebuild. With the kernel
-        ``recomputed`` on the fly, ``grow_landmarks`` or more iterations double AFN's ``k`` (module docstring)."""
-        if self._first_iterations is None:
+        ``recomputed`` on the fly, ``grow_landmarks`` or more iterations double AFN's ``k``; the first evaluation
+        after a growth that needs as many iterations as the one before undoes it and stops growth (module
+        docstring)."""
+        first = self._first_iterations is None
+        if first:
             self._first_iterations = int(iterations)
         elif iterations > self.refresh_growth * max(self._first_iterations, 1):
             self._refresh = True
-        if recomputed and self.grow_landmarks is not None and iterations >= self.grow_landmarks:
-            self._grow()
+        trial, self._trial = (self._trial, None) if first else (None, self._trial)
+        if trial is not None and iterations >= trial[1]:
+            self._set_landmarks(trial[0])
+            self.growth_stopped = True
+        elif (recomputed and self.grow_landmarks is not None and not self.growth_stopped
+              and iterations >= self.grow_landmarks):
+            self._grow(int(iterations))
 
-    def _grow(self) -> None:
+    def _set_landmarks(self, k: int) -> None:
+        """AFN's landmarks for the next builds (``k`` of ``afn``, ``afn_k`` of ``auto``): the next request builds."""
+        self.options = {**self.options, "afn_k" if self.method == "auto" else "k": int(k)}
+        self.growths.append(int(k))
+        self._slots.pop(None, None)
+
+    def _grow(self, iterations: int) -> None:
         """Double AFN's landmarks within their bounds when the training preconditioner is AFN with all of them: the
         option ``k`` of ``afn``, ``afn_k`` of ``auto`` (whose ``k`` stays the Nyström / AFN switch of Algorithm 5,
         so that more landmarks never turn AFN into a Nyström factor of the estimated rank); the next request builds
@@ -201,9 +221,8 @@ class PreconditionerCache:
         if group is not None:
             grown = group.minimum("landmark growth", grown)
         if grown > k:
-            self.options = {**self.options, key: grown}
-            self.growths.append(grown)
-            self._slots.pop(None, None)
+            self._set_landmarks(grown)
+            self._trial = (int(k), iterations)
 
     def _reusable(self, built: tuple, key: tuple) -> bool:
         """Whether a preconditioner built for the hyperparameter key ``built`` may serve ``key``."""
