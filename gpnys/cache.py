@@ -1,21 +1,30 @@
 """The on-disk cache of what gpnys measures once per machine: ``$GPNYS_CACHE_DIR`` (default ``~/.cache/gpnys``),
 one JSON file per kind of measurement, each a dict of entries keyed by device, dtype and thread count.
 
-Two kinds use it: the path cost model (``costs.json``, :mod:`gpnys.gp.path`) and the faster form of the thin
-products (``thin_products.json``, :func:`gpnys.linalg.thin_form`). Reading them back makes every later
-process on the machine decide as the first did, where a timing of its own, beside other jobs, could decide
-otherwise. A missing or corrupt file reads as empty; an unwritable one warns and the value is kept in memory only.
+Three kinds use it: the path cost model (``costs.json``, :mod:`gpnys.gp.path`), the faster form of the thin
+products (``thin_products.json``, :func:`gpnys.linalg.thin_form`) and Triton's installation hash
+(``triton_key.json``, :func:`gpnys.launch.reuse_triton_key`). Reading them back makes every later process on the
+machine decide as the first did, where a timing of its own, beside other jobs, could decide otherwise. A missing or
+corrupt file reads as empty; an unwritable one warns and the value is kept in memory only. Writers of one file take
+turns (an advisory ``fcntl`` lock, where the platform has it), so that processes writing at once keep each other's
+entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
+
+try:  # POSIX; elsewhere writers do not take turns
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 __all__ = ["cache_dir", "entry_key", "read_entry", "write_entry"]
 
@@ -50,18 +59,37 @@ def read_entry(name: str, key: str) -> Any:
     return _read(name).get(key)
 
 
-def write_entry(name: str, key: str, value: Any, what: str) -> None:
-    """Set the entry ``key`` of the cache file ``name`` to ``value`` (JSON), written whole to a temporary file and
-    renamed over the old one, so that a concurrent reader sees either file; where the folder is unwritable, a
+def write_entry(name: str, key: str, value: Any, what: str,
+                merge: Callable[[Any, Any], Any] | None = None) -> None:
+    """Set the entry ``key`` of the cache file ``name`` to ``value`` (JSON), or to ``merge(stored, value)`` where
+    an entry is stored (e.g. to keep another process's measurements in it). The file is read, changed and written
+    whole to a temporary file renamed over the old one while this process holds the file's lock, so that a
+    concurrent reader sees either file and a concurrent writer's entry is kept; where the folder is unwritable, a
     ``RuntimeWarning`` naming ``what`` (e.g. ``"the path costs"``)."""
     path = cache_dir() / name
-    stored = _read(name)
-    stored[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(stored, indent=1))
-        tmp.replace(path)
+        with _locked(path):
+            stored = _read(name)
+            old = stored.get(key)
+            stored[key] = value if merge is None or old is None else merge(old, value)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(stored, indent=1))
+            tmp.replace(path)
     except OSError as err:
         warnings.warn(f"gpnys: could not cache {what} in {path} ({err}); they are kept for this process",
                       RuntimeWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold the advisory lock of the cache file ``path`` (``path.lock``); without ``fcntl``, nothing."""
+    if fcntl is None:  # pragma: no cover - Windows
+        yield
+        return
+    with open(path.with_suffix(path.suffix + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -30,7 +30,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -206,8 +206,16 @@ def measure_exact(costs: PathCosts, n: int, device: torch.device, dtype: torch.d
     if _measurer is None or costs.near_measured(n) is not None:
         return False
     costs.measured[n] = float(_measurer(n, device, dtype))
-    write_entry(COSTS_FILE, costs.key, asdict(costs), "the path costs")
+    write_entry(COSTS_FILE, costs.key, asdict(costs), "the path costs", merge=_with_stored_measurements)
     return True
+
+
+def _with_stored_measurements(stored: Any, new: dict) -> dict:
+    """``new`` (a :class:`PathCosts` as a dict) with the measurements of the ``stored`` entry it lacks: another
+    process may have measured at other sizes since this one read the file."""
+    if not isinstance(stored, dict):
+        return new
+    return {**new, "measured": {**_measurements(stored.get("measured")), **_measurements(new.get("measured"))}}
 
 
 def measured_scale(seconds: float, n: int, batch: int, device: torch.device, dtype: torch.dtype) -> float:

@@ -338,6 +338,19 @@ def test_cholesky_is_measured_near_the_switch_once_per_span(monkeypatch, tmp_pat
     assert gpath.path_costs("cpu", torch.float64).measured == {700: 0.5}
 
 
+def test_two_processes_measuring_at_once_keep_both_measurements(monkeypatch, tmp_path):
+    """Two processes read the same cost entry, then each measures Cholesky at its own size: the second write keeps
+    the first's measurement (it was lost when each wrote its whole entry)."""
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gpath, "_measurer", lambda n, device, dtype: n * 1e-5)
+    first, second = _overestimating_costs(), _overestimating_costs()  # both as read before either measured
+    assert gpath.measure_exact(first, 400, torch.device("cpu"), torch.float64)
+    assert gpath.measure_exact(second, 2000, torch.device("cpu"), torch.float64)
+    stored = json.loads(gpath.cache_file().read_text())["test-probe"]
+    assert stored["measured"] == {"400": 0.004, "2000": 0.02}
+    assert second.measured == {2000: 0.02}  # this process's own copy is its own until it reads the file again
+
+
 def _timed_at(monkeypatch, scale):
     """Every timing of the preconditioned path reads as ``scale`` times the cost model's prediction (the hook's and
     the BoTorch model's), so that no decision rests on this machine's speed."""

@@ -1,0 +1,32 @@
+"""The on-disk cache (:mod:`gpnys.cache`): entries written by processes at once are all kept."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from gpnys.cache import cache_dir, read_entry, write_entry
+
+WRITER = """
+import sys
+from gpnys.cache import write_entry
+for i in range(150):
+    write_entry("race.json", f"{sys.argv[1]}-{i}", i, "a test entry")
+"""
+
+
+def test_processes_writing_at_once_keep_every_entry(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, name]) for name in ("a", "b", "c")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    stored = json.loads((cache_dir() / "race.json").read_text())
+    assert stored == {f"{name}-{i}": i for name in "abc" for i in range(150)}
+
+
+def test_merge_combines_the_stored_entry_with_the_new_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    write_entry("m.json", "k", {"a": 1}, "a test entry")
+    write_entry("m.json", "k", {"b": 2}, "a test entry", merge=lambda old, new: {**old, **new})
+    write_entry("m.json", "other", 3, "a test entry", merge=lambda old, new: 1 / 0)  # nothing stored: no merge
+    assert read_entry("m.json", "k") == {"a": 1, "b": 2} and read_entry("m.json", "other") == 3
