@@ -155,7 +155,8 @@ def test_auto_grows_its_afn_branch_and_keeps_its_switch(small_defaults):
     rows, hook = _fit(model, X, y, steps=3, method="auto", grow_landmarks=2)
     _grew(rows, hook.preconditioners)
     assert {r[3] for r in rows} == {"afn"}, rows
-    assert hook.preconditioners.options["k"] == 20 and hook.preconditioners.options["afn_k"] == hook.preconditioners.growths[-1]
+    cache = hook.preconditioners
+    assert cache.options["k"] == 20 and cache.options["afn_k"] == cache.growths[-1]
     for loss, se, _, _, exact in rows:
         assert abs(loss - exact) <= 4 * se, (loss, exact, se)
 
