@@ -99,7 +99,7 @@ from typing import Any, Callable  # noqa: E402
 
 import gpytorch  # noqa: E402
 
-from gpnys import datasets  # noqa: E402
+from gpnys import datasets, memory_budget  # noqa: E402
 from gpnys.baselines.exact import cholesky_loss  # noqa: E402
 from gpnys.baselines.mll import grad_errors  # noqa: E402
 from gpnys.gp.hook import use_preconditioner  # noqa: E402
@@ -987,6 +987,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gpnys-backend", default=None, choices=["torch", "triton", "keops"],
                     help="gpnys's kernel backend (default: its own choice, Triton on CUDA)")
     ap.add_argument("--keops", action="store_true", help="also KeOps rows, each in a child process")
+    ap.add_argument("--dense-gib", type=float, default=None,
+                    help="the dense kernel cache's budget in GiB for every row (0: every kernel recomputed on the fly; "
+                         "default: the device's, gpnys.budget)")
     ap.add_argument("--grow-landmarks", type=int, default=EstimatorSettings.grow_landmarks,
                     help="gpnys rows: CG iterations at which AFN's landmarks double (0: never; docs/training.md)")
     ap.add_argument("--fit-steps", type=int, default=None, help="Adam steps (default 20; quick 3)")
@@ -1045,6 +1048,7 @@ def main(argv: list[str] | None = None) -> dict:
             "hyperparameters": args.hypers, "seed": args.seed, "repeats": args.repeats, "warmup_n": args.warmup_n,
             "fit_steps": args.fit_steps, "paths_n": args.paths_n, "paths_test": args.paths_test,
             "lr": args.lr, "gpnys_backend": args.gpnys_backend, "grow_landmarks": args.grow_landmarks,
+            "dense_gib": args.dense_gib,
             "keops": args.keops,
             "triton_available": triton_available(), "triton_interpret": os.environ.get("TRITON_INTERPRET"),
             "max_seconds": args.max_seconds, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -1058,10 +1062,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"device {dev} ({meta['device_name']}), torch {meta['versions']['torch']}, triton "
           f"{meta['versions']['triton']}, gpytorch {meta['versions']['gpytorch']}, {meta['threads']} threads")
     t0 = time.perf_counter()
+    budget = (memory_budget(dense_bytes=int(args.dense_gib * 2**30)) if args.dense_gib is not None
+              else contextlib.nullcontext())
     try:
-        for part, fn in (("product", part_products), ("mll", part_mll), ("fit", part_fit), ("paths", part_paths)):
-            if part in parts:
-                fn(args, bench)
+        with budget:
+            for part, fn in (("product", part_products), ("mll", part_mll), ("fit", part_fit), ("paths", part_paths)):
+                if part in parts:
+                    fn(args, bench)
     finally:
         torch.set_num_threads(threads)  # (main is also called in-process by the tests)
         from gpnys import launch

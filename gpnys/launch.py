@@ -14,9 +14,9 @@ afresh. ``GPNYS_TRITON_KEY_CACHE=0`` turns it off. Written by hand because Trito
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
+import uuid
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -80,10 +80,17 @@ def installation_fingerprint(root: Path, version: str) -> str:
     """A fingerprint of the files under ``root`` (a Triton installation's folder) that its hash reads: the path,
     size, modification time (ns) and inode of each file of :data:`_HASHED` (``__pycache__`` left out, which
     imports rewrite) and of ``runtime/cache.py``, and ``version``. A few hundred ``stat`` calls, some milliseconds."""
-    h = hashlib.sha256(f"{version}|{root}".encode())
+    lines = [f"{version}|{root}"]
     files = [root / "runtime" / "cache.py"]
+    seen: set[str] = set()
     for sub in _HASHED:
-        for folder, dirs, names in os.walk(root / sub):
+        # linked folders followed, as Triton's own walk does (an editable install links its backends), once each
+        for folder, dirs, names in os.walk(root / sub, followlinks=True):
+            real = os.path.realpath(folder)
+            if real in seen:
+                dirs[:] = []
+                continue
+            seen.add(real)
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             files += [Path(folder) / name for name in sorted(names)]
     for f in files:
@@ -91,8 +98,8 @@ def installation_fingerprint(root: Path, version: str) -> str:
             st = f.stat()
         except OSError:
             continue
-        h.update(f"{f.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}\n".encode())
-    return h.hexdigest()
+        lines.append(f"{f.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}")  # stat follows links
+    return uuid.uuid5(uuid.NAMESPACE_OID, "\n".join(lines)).hex  # a SHA-1 name of the listing
 
 
 def reuse_triton_key(cache: ModuleType | None = None, root: Path | None = None, version: str | None = None) -> bool:

@@ -88,3 +88,15 @@ def test_the_installed_triton_gets_its_own_hash_back(fresh, monkeypatch):
     monkeypatch.setattr(cache, "triton_key", functools.lru_cache()(real.__wrapped__))
     assert launch.reuse_triton_key(cache, Path(triton.__file__).parent, triton.__version__)
     assert cache.triton_key() == real.__wrapped__()
+
+
+def test_linked_folders_are_fingerprinted(fresh, tmp_path):
+    """An editable Triton links its backends into the package: files behind the link count, as in Triton's hash."""
+    target = tmp_path / "third_party" / "amd"
+    target.mkdir(parents=True)
+    (target / "compiler.py").write_bytes(b"a" * 10)
+    (fresh / "backends" / "amd").symlink_to(target, target_is_directory=True)
+    (target / "loop").symlink_to(target, target_is_directory=True)  # a cycle is walked once
+    before = launch.installation_fingerprint(fresh, "3.6.0")
+    (target / "compiler.py").write_bytes(b"b" * 11)
+    assert launch.installation_fingerprint(fresh, "3.6.0") != before

@@ -173,7 +173,7 @@ def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
                           measured=_measurements(entry.get("measured")))
     except (TypeError, KeyError, ValueError, AttributeError):
         costs = calibrate(device, dtype)
-        write_entry(COSTS_FILE, key, asdict(costs), "the path costs")
+        write_entry(COSTS_FILE, key, asdict(costs), "the path costs", merge=_with_stored_measurements)
     _memo[key] = costs
     return costs
 

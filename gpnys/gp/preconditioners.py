@@ -124,6 +124,7 @@ class PreconditionerCache:
         self.growth_stopped = False
         self._trial: tuple[int, int] | None = None  # (k before, iterations that asked) of a growth on trial
         self._start_k = self.options.get("k")
+        self._grown: dict[str, int] = {}  # the training slot's grown landmarks ({"k": ...} or {"afn_k": ...})
         self._points: PointCache | None = None
         self.history: list[StepRecord] = [] if history is None else history
         self.reuse_tolerance, self.refresh_growth = reuse_tolerance, float(refresh_growth)
@@ -133,8 +134,15 @@ class PreconditionerCache:
         self.reuses = 0
         self._first_iterations: int | None = None  # CG iterations of the fresh preconditioner's first evaluation
         self._refresh = False
+        self._rebuild = False  # the training slot is rebuilt at the next request, whatever its key
         #: (key, (P, s²)) of the training options, and of other option sets by their sorted items
         self._slots: dict[tuple | None, tuple[tuple, tuple[Preconditioner, torch.Tensor]]] = {}
+
+    @property
+    def training_options(self) -> dict[str, Any]:
+        """The training slot's options: ``options`` with the landmarks grown so far (an override of :meth:`get`
+        starts from ``options`` alone)."""
+        return {**self.options, **self._grown}
 
     @property
     def current(self) -> tuple[Preconditioner, torch.Tensor] | None:
@@ -148,8 +156,9 @@ class PreconditionerCache:
         (0-dim, or ``(n,)`` per point: ``P`` then takes ``diag = noise / s²`` where it can, else their mean);
         rebuilt only when a hyperparameter changed. ``options`` override the training options, in a slot of their
         own."""
-        opts = self.options if not options else {**self.options, **options}
-        slot = None if opts == self.options else tuple(sorted(opts.items()))
+        training = self.training_options
+        opts = training if not options else {**self.options, **options}
+        slot = None if opts == training else tuple(sorted(opts.items()))
         X = points.X
         self._points = points
         with torch.no_grad():
@@ -164,9 +173,9 @@ class PreconditionerCache:
                     self.reuses += 1
                     P = cached[1][0]
                     return P, torch.as_tensor(s2f, dtype=X.dtype, device=X.device)
-            if cached is None or key != cached[0]:
+            if cached is None or key != cached[0] or (slot is None and self._rebuild):
                 if slot is None:
-                    self._first_iterations, self._refresh = None, False
+                    self._first_iterations, self._refresh, self._rebuild = None, False, False
                 t0 = time.perf_counter()
                 previous = None if cached is None else cached[1][0]
                 P, fallback = self._build(points, kernel, mu, opts, self._diag(noise.detach(), s2f), previous)
@@ -191,23 +200,23 @@ class PreconditionerCache:
         if trial is not None and iterations >= trial[1]:
             self._set_landmarks(trial[0])
             self.growth_stopped = True
-        elif (recomputed and self.grow_landmarks is not None and not self.growth_stopped
-              and iterations >= self.grow_landmarks):
+        elif (recomputed and self.grow_landmarks is not None and not self.growth_stopped and not self.stale
+              and iterations >= self.grow_landmarks):  # (a stale preconditioner's count rises with its age)
             self._grow(int(iterations))
 
     def _set_landmarks(self, k: int) -> None:
         """AFN's landmarks for the next builds (``k`` of ``afn``, ``afn_k`` of ``auto``): the next request builds."""
-        self.options = {**self.options, "afn_k" if self.method == "auto" else "k": int(k)}
+        self._grown = {"afn_k" if self.method == "auto" else "k": int(k)}
         self.growths.append(int(k))
-        self._slots.pop(None, None)
+        self._rebuild = True  # (the built one stays the previous build: auto's rank hint, held_rank)
 
     def _grow(self, iterations: int) -> None:
         """Double AFN's landmarks within their bounds when the training preconditioner is AFN with all of them: the
         option ``k`` of ``afn``, ``afn_k`` of ``auto`` (whose ``k`` stays the Nyström / AFN switch of Algorithm 5,
         so that more landmarks never turn AFN into a Nyström factor of the estimated rank); the next request builds
         with them."""
-        current, key = self.current, "afn_k" if self.method == "auto" else "k"
-        k = self.options.get(key, self._start_k)
+        current = self.current
+        k = self.training_options.get("afn_k" if self.method == "auto" else "k", self._start_k)
         if current is None or k is None or self._start_k is None or self._points is None:
             return
         P = current[0]
@@ -215,8 +224,8 @@ class PreconditionerCache:
             return
         X = self._points.X
         group = RowGroup.of(self.group) if partitioned(self.group) and isinstance(self.method, str) else None
-        rows = P.n if group is None else -(-P.n // group.size)
-        fits = default_dense_bytes(X.device) // (2 * 8 * max(rows, 1))  # 2 n k entries of 8 bytes (module docstring)
+        # 2 n k entries of 8 bytes (module docstring); every rank of a group holds the whole gathered V
+        fits = default_dense_bytes(X.device) // (2 * 8 * max(P.n, 1))
         grown = min(2 * int(k), MAX_GROWTH * int(self._start_k), P.n // 2, int(fits))
         if group is not None:
             grown = group.minimum("landmark growth", grown)
@@ -227,7 +236,7 @@ class PreconditionerCache:
     def _reusable(self, built: tuple, key: tuple) -> bool:
         """Whether a preconditioner built for the hyperparameter key ``built`` may serve ``key``."""
         tol = self.reuse_tolerance
-        if tol is None or self._refresh or built[3:] != key[3:] or len(built[0]) != len(key[0]):
+        if tol is None or self._refresh or self._rebuild or built[3:] != key[3:] or len(built[0]) != len(key[0]):
             return False
         pairs = list(zip(built[0], key[0])) + [(built[1], key[1])]
         return all(abs(new - old) <= tol * abs(old) for old, new in pairs)

@@ -363,7 +363,7 @@ class TrainingProblem(HookPrediction):
         self.applications += result.applications
         self.samples += result.samples
         self.warm_start = result.warm_start
-        self.preconditioners.observe(result.estimate.cg_iterations, recomputed=self.kernels.fraction is not None)
+        self.preconditioners.observe(result.estimate.cg_iterations, recomputed=self.kernels.recomputed)
         self.last_estimate = result.estimate
         self.estimates += 1
         return result.log_prob

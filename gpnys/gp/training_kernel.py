@@ -50,11 +50,18 @@ class TrainingKernel:
     @property
     def fraction(self) -> float | None:
         """Share of the ``n^2`` kernel entries the operator computes per product: ``1.0`` without a cutoff plan,
-        ``None`` before the operator's first on-the-fly product (or with a stored kernel)."""
-        if "plan_key" not in self.cache:
+        ``None`` before the operator's first on-the-fly product, and while it reads a stored kernel."""
+        if "plan_key" not in self.cache or self.cache.get("stored"):
             return None
         plan = self.cache["plan"]
         return 1.0 if plan is None else plan.fraction
+
+    @property
+    def recomputed(self) -> bool:
+        """Whether the operator's last pass recomputed the kernel's entries (no stored ``K``): each CG iteration
+        then costs a pass over them (:class:`~gpnys.gp.preconditioners.PreconditionerCache`'s landmark growth).
+        ``False`` before any pass, with a stored kernel, and for kernels without the closed-form operator."""
+        return self.cache.get("stored") is False
 
     def closed_form(self, kernel: gpytorch.kernels.Kernel, inputs_carry_gradients: bool = False) -> bool:
         """Whether ``kernel`` (a ``ScaleKernel`` over RBF/Matérn, or a bare one) takes the closed-form operator:

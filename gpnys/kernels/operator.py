@@ -232,6 +232,7 @@ class StationaryKernelOperator(LinearOperator):
         where :func:`~gpnys.kernels.product.choose_product` keeps it dense, else the recomputing backend with the
         working order ``perm`` (``None``: identity), the scaled points ``Z`` in it and the cutoff plan."""
         dense = self._dense()
+        self.cache["stored"] = dense is not None  # what the last pass read (TrainingKernel.recomputed)
         if dense is not None:
             return None, self._scaled(), None, DenseBackend(self.formula, *dense, self.cache.get("D"),
                                                             self._block_rows(), self.cache["last_product"])

@@ -75,6 +75,34 @@ def test_growth_stops_at_half_of_n_and_at_the_memory_budget(monkeypatch):
         assert cache.growths == growths and not cache.growth_stopped
 
 
+def test_an_override_after_growth_gets_the_landmarks_it_asks_for():
+    """A stronger preconditioner for posterior solves (``options={"k": ...}``) after growth: its own ``k``, not the
+    training slot's grown count."""
+    points, kernel, noise = _points(400)
+    cache = PreconditionerCache("auto", {"k": 20, "w": 10}, grow_landmarks=1)
+    assert cache.get(points, kernel, noise)[0].choice == "afn"
+    cache.observe(9, recomputed=True)
+    assert cache.get(points, kernel, noise)[0].rank == 40
+    P = cache.get(points, kernel, noise, options={"k": 100})[0]
+    assert P.choice == "afn" and P.rank == 100 and cache.get(points, kernel, noise)[0].rank == 40
+
+
+def test_a_reused_preconditioner_does_not_grow():
+    """A stale preconditioner (``reuse_tolerance``) needs more iterations as the hyperparameters move away from its
+    build: that is a reason to rebuild it, not to grow it."""
+    points, kernel, noise = _points(400)
+    cache = PreconditionerCache("afn", {"k": 20, "w": 10}, grow_landmarks=10, reuse_tolerance=0.2)
+    P = cache.get(points, kernel, noise)[0]
+    cache.observe(12, recomputed=True)  # a fresh build's evaluation: grows
+    assert cache.growths == [40]
+    Q = cache.get(points, kernel, noise)[0]
+    cache.observe(8, recomputed=True)  # the trial: fewer iterations, kept
+    kernel.base_kernel.lengthscale = 1.05 * kernel.base_kernel.lengthscale.detach()
+    assert cache.get(points, kernel, noise)[0] is Q and cache.stale and Q is not P
+    cache.observe(30, recomputed=True)
+    assert cache.growths == [40] and cache.get(points, kernel, noise)[0].rank == 40
+
+
 def test_nystrom_and_other_preconditioners_do_not_grow():
     points, kernel, _ = _points(1000)
     kernel.base_kernel.lengthscale = 3.0  # a smooth kernel at noise 0.1: Algorithm 5 picks Nyström below k = 100
@@ -156,13 +184,17 @@ def test_auto_grows_its_afn_branch_and_keeps_its_switch(small_defaults):
     _grew(rows, hook.preconditioners)
     assert {r[3] for r in rows} == {"afn"}, rows
     cache = hook.preconditioners
-    assert cache.options["k"] == 20 and cache.options["afn_k"] == cache.growths[-1]
+    assert cache.training_options["k"] == 20 and cache.training_options["afn_k"] == cache.growths[-1]
+    assert "afn_k" not in cache.options  # an override of the options starts from the caller's
     for loss, se, _, _, exact in rows:
         assert abs(loss - exact) <= 4 * se, (loss, exact, se)
 
 
 def test_a_stored_kernel_an_explicit_k_or_growth_off_keep_k(small_defaults):
-    for kwargs in ({"dense_bytes": None, "grow_landmarks": 2}, {"explicit": 20, "grow_landmarks": 2},
+    # a stored kernel with either backend (Triton's computes a cutoff plan to weigh against the stored kernel)
+    for kwargs in ({"dense_bytes": None, "grow_landmarks": 2},
+                   {"dense_bytes": None, "grow_landmarks": 2, "kernel_backend": "triton"},
+                   {"explicit": 20, "grow_landmarks": 2},
                    {"explicit": 20, "method": "auto", "grow_landmarks": 2}, {"grow_landmarks": None}):
         model, X, y = _model(torch.float64)
         rows, hook = _fit(model, X, y, steps=2, **kwargs)
