@@ -64,10 +64,14 @@ def guarded_launch(kernels: str, device: torch.device, dtype: torch.dtype, tf32:
     """``launch()``, or ``fallback()`` once a Triton launch of ``kernels`` failed for this key: the first failure is
     recorded and warned about (``RuntimeWarning``), so an answer is never silently from another path."""
     key = _failure_key(kernels, device, dtype, tf32)
+    if not _key_state["done"]:
+        try:
+            reuse_triton_key()
+        except Exception as err:  # noqa: BLE001 - a cache's trouble must not cost the kernels; Triton hashes itself
+            warnings.warn(f"gpnys: Triton's installation hash was not reused ({type(err).__name__}: {err})",
+                          RuntimeWarning, stacklevel=5)
     if key not in _FAILED:
         try:
-            if not _key_state["done"]:
-                reuse_triton_key()
             return launch()
         except Exception as err:  # noqa: BLE001 - compile / launch errors surface as many types (CompilationError, ...)
             _FAILED.add(key)

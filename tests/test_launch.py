@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import gpnys.launch as launch
 
@@ -100,3 +101,13 @@ def test_linked_folders_are_fingerprinted(fresh, tmp_path):
     before = launch.installation_fingerprint(fresh, "3.6.0")
     (target / "compiler.py").write_bytes(b"b" * 11)
     assert launch.installation_fingerprint(fresh, "3.6.0") != before
+
+
+def test_a_failing_cache_warns_and_the_kernel_still_launches(fresh, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(launch, "reuse_triton_key", broken)
+    with pytest.warns(RuntimeWarning, match="not reused"):
+        out = launch.guarded_launch("kernel", torch.device("cpu"), torch.float32, False, lambda: 7, lambda: 0, "x")
+    assert out == 7 and not launch.failed("kernel", torch.device("cpu"), torch.float32)
