@@ -308,8 +308,9 @@ class AFNPreconditioner(Preconditioner):
         The same landmarks and FSAI pattern as this preconditioner, rebuilt with autograd from ``kernel`` (a
         unit-variance kernel) and the tensor ``mu``. Uses ``P^{-1} = R^{-T} R^{-1}`` with
         ``R^{-1} z = [L^{-1} z1; G (z2 - V L^{-1} z1)]``, so only products with G (no sparse triangular solves)
-        and ``log det P = 2 sum log L_ii - 2 sum log G_ii`` are needed. The FSAI rows are recomputed in
-        checkpointed batches, so memory stays O(nk + nw) instead of O(n w k). Used as the control variate of
+        and ``log det P = 2 sum log L_ii - 2 sum log G_ii`` are needed. The FSAI rows' graph (``O(n w k)``) is kept
+        where it fits the dense budget, else recomputed in checkpointed batches, so memory stays O(nk + nw). Used as
+        the control variate of
         the log-determinant gradient (Wenger et al. 2022): ``tr(K^{-1} dK) = d log det P + tr(K^{-1} dK - P^{-1} dP)``.
         Diagonal shifts recorded during the build are not replayed (they only occur in degenerate cases).
 
@@ -386,11 +387,15 @@ class AFNPreconditioner(Preconditioner):
             return g[:, -1].log().sum(), Gx.square().sum(0)
 
         batch = block_rows(w * (w + self.k), parts=2, device=X.device)
+        # the rows' autograd graph (their gathered V rows and Schur blocks, about 2 w k + 4 w^2 entries a row) kept
+        # where it fits the dense budget, else recomputed per batch in the backward (torch's checkpoint, whose
+        # first call in a process also imports torch._dynamo: 1.6 s on a 2-core CPU)
+        keep = idx.shape[0] * (2 * w * self.k + 4 * w * w) * 8 <= dense_limit_bytes(X.device)
         logg = X.new_zeros(())
         quad = w1.square().sum(0)
         for a in range(0, idx.shape[0], batch):
-            lg, q = checkpoint(rows, idx[a : a + batch], valid[a : a + batch], V, x, shift_at(mu, rest),
-                               use_reentrant=False)
+            args = (idx[a : a + batch], valid[a : a + batch], V, x, shift_at(mu, rest))
+            lg, q = rows(*args) if keep else checkpoint(rows, *args, use_reentrant=False)
             logg = logg + lg
             quad = quad + q
         return 2.0 * L.diagonal().log().sum() - 2.0 * logg, quad

@@ -317,11 +317,13 @@ def test_control_family_auto_is_full_then_frozen(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("schur,per_point", [("diag", False), ("frozen", False), ("diag", True)])
+@pytest.mark.parametrize("schur,per_point", [("diag", False), ("frozen", False), ("diag", True), ("full", False),
+                                             ("full", True)])
 def test_control_variate_rows_checkpointed_in_batches(schur, per_point, dtype):
-    """Above the dense budget the diag / frozen families' non-landmark rows run in checkpointed batches (their
-    (rows, k) arrays recomputed in the backward): the same log det, quads, gradient and per-probe Jacobian as in
-    one piece, and the built preconditioner's values (a dense reference through P.solve)."""
+    """Above the dense budget the non-landmark rows of every family run in checkpointed batches (their (rows, k)
+    arrays, or the full family's FSAI blocks, recomputed in the backward), and within it in one graph without
+    torch's checkpoint (whose first call imports torch._dynamo): the same log det, quads, gradient and per-probe
+    Jacobian either way, and the built preconditioner's values (a dense reference through P.solve)."""
     from helpers import cv_rows_checkpointed, make_kernel, points
 
     n = 400
@@ -343,7 +345,9 @@ def test_control_variate_rows_checkpointed_in_batches(schur, per_point, dtype):
     whole, calls = run(False)
     assert not calls
     batched, calls = run(True)
-    assert len(calls) == -(-(n - 40) // 25)  # one checkpoint per batch: 25 rows of 8 x 40 entries in 64 KiB
+    # one checkpoint per batch in 64 KiB blocks: 25 rows of 8 x 40 entries, or the full family's 8 rows of
+    # 2 x 10 x (10 + 40) entries
+    assert len(calls) == -(-(n - 40) // (8 if schur == "full" else 25)), len(calls)
     tol = 1e-10 if dtype == torch.float64 else 2e-5
     for a, b in zip(batched, whole):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
