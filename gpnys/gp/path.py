@@ -43,6 +43,9 @@ __all__ = ["PathCosts", "calibrate", "install_calibration", "install_measurer", 
 
 #: the cost model's file in the cache folder (:mod:`gpnys.cache`)
 COSTS_FILE = "costs.json"
+#: the paths' costs as measured by this version of gpnys: raised when either path's cost changes, so that a cache
+#: calibrated by an older version is not read (2: AFN's full control variate keeps its graph, 706b21d)
+COSTS_VERSION = 2
 
 #: Cholesky's working set, in ``n x n`` matrices: the kernel, its factor and autograd's saved inverse
 DENSE_MATRICES = 4
@@ -120,8 +123,8 @@ def cache_file() -> Path:
 
 def costs_key(device: torch.device, dtype: torch.dtype) -> str:
     """The cache key of :class:`PathCosts`: device (and GPU name), dtype and thread count
-    (:func:`gpnys.cache.entry_key`)."""
-    return entry_key(device, dtype)
+    (:func:`gpnys.cache.entry_key`), and :data:`COSTS_VERSION`."""
+    return f"{entry_key(device, dtype)}:costs={COSTS_VERSION}"
 
 
 def fit_costs(sizes: tuple[int, int], seconds: tuple[float, float], powers: tuple[int, int]) -> tuple[float, float]:

@@ -212,6 +212,15 @@ def test_path_costs_are_cached_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(gpath, "_memo", {})
     gpath.path_costs("cpu", torch.float64)
     assert calls == [1, 1] and json.loads(gpath.cache_file().read_text())
+    # costs an older gpnys calibrated (stored under its key, without COSTS_VERSION) are not read
+    from gpnys.cache import entry_key
+
+    old = {entry_key(torch.device("cpu"), torch.float64): {"exact": [1.0, 0.0], "iterative": [1.0, 0.0],
+                                                             "sizes": [[1, 2], [3, 4]]}}
+    gpath.cache_file().write_text(json.dumps(old))
+    monkeypatch.setattr(gpath, "_memo", {})
+    assert gpath.path_costs("cpu", torch.float64).exact == (1e-9, 0.0) and calls == [1, 1, 1]
+    assert gpath.costs_key(torch.device("cpu"), torch.float64).endswith(f":costs={gpath.COSTS_VERSION}")
 
 
 def test_unwritable_cache_warns_once_and_keeps_the_costs(monkeypatch, tmp_path):
