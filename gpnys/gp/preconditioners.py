@@ -95,9 +95,9 @@ class PreconditionerCache:
             change of those it was built for (module docstring); ``None``: rebuild on every change.
         refresh_growth: rebuild once an evaluation's CG iterations exceed this multiple of those of the
             preconditioner's first evaluation (:meth:`observe`).
-        grow_landmarks: double AFN's ``k`` (``options["k"]``, a default the caller did not set) after an evaluation
-            with the kernel recomputed on the fly that needed at least this many CG iterations (module docstring);
-            ``None``: never.
+        grow_landmarks: double AFN's landmarks (``options["k"]`` of ``afn``, ``afn_k`` of ``auto``; a default the
+            caller did not set) after an evaluation with the kernel recomputed on the fly that needed at least this
+            many CG iterations, on trial (module docstring); ``None``: never.
 
     Example:
         >>> import gpytorch, torch
@@ -125,7 +125,6 @@ class PreconditionerCache:
         self._trial: tuple[int, int] | None = None  # (k before, iterations that asked) of a growth on trial
         self._start_k = self.options.get("k")
         self._grown: dict[str, int] = {}  # the training slot's grown landmarks ({"k": ...} or {"afn_k": ...})
-        self._points: PointCache | None = None
         self.history: list[StepRecord] = [] if history is None else history
         self.reuse_tolerance, self.refresh_growth = reuse_tolerance, float(refresh_growth)
         #: the training preconditioner was built for other hyperparameters than the last request's
@@ -160,7 +159,6 @@ class PreconditionerCache:
         opts = training if not options else {**self.options, **options}
         slot = None if opts == training else tuple(sorted(opts.items()))
         X = points.X
-        self._points = points
         with torch.no_grad():
             _, s2f = split_outputscale(kernel)
             level = noise if noise.dim() == 0 else noise.mean()
@@ -204,28 +202,32 @@ class PreconditionerCache:
               and iterations >= self.grow_landmarks):  # (a stale preconditioner's count rises with its age)
             self._grow(int(iterations))
 
+    @property
+    def _landmark_key(self) -> str:
+        """The option that holds AFN's landmarks: ``afn_k`` of ``auto`` (whose ``k`` stays the Nyström / AFN switch
+        of Algorithm 5, so that more landmarks never turn AFN into a Nyström factor of the estimated rank), ``k``
+        of ``afn``."""
+        return "afn_k" if self.method == "auto" else "k"
+
     def _set_landmarks(self, k: int) -> None:
-        """AFN's landmarks for the next builds (``k`` of ``afn``, ``afn_k`` of ``auto``): the next request builds."""
-        self._grown = {"afn_k" if self.method == "auto" else "k": int(k)}
+        """AFN's landmarks for the next builds (:attr:`_landmark_key`): the next request builds."""
+        self._grown = {self._landmark_key: int(k)}
         self.growths.append(int(k))
         self._rebuild = True  # (the built one stays the previous build: auto's rank hint, held_rank)
 
     def _grow(self, iterations: int) -> None:
-        """Double AFN's landmarks within their bounds when the training preconditioner is AFN with all of them: the
-        option ``k`` of ``afn``, ``afn_k`` of ``auto`` (whose ``k`` stays the Nyström / AFN switch of Algorithm 5,
-        so that more landmarks never turn AFN into a Nyström factor of the estimated rank); the next request builds
-        with them."""
+        """Double AFN's landmarks (:attr:`_landmark_key`) within their bounds when the training preconditioner is AFN
+        with all of them; the next request builds with them."""
         current = self.current
-        k = self.training_options.get("afn_k" if self.method == "auto" else "k", self._start_k)
-        if current is None or k is None or self._start_k is None or self._points is None:
+        k = self.training_options.get(self._landmark_key, self._start_k)
+        if current is None or k is None or self._start_k is None:
             return
         P = current[0]
         if P.summary().get("choice", P.kind) != "afn" or int(P.rank) != int(k):
             return
-        X = self._points.X
         group = RowGroup.of(self.group) if partitioned(self.group) and isinstance(self.method, str) else None
         # 2 n k entries of 8 bytes (module docstring); every rank of a group holds the whole gathered V
-        fits = default_dense_bytes(X.device) // (2 * 8 * max(P.n, 1))
+        fits = default_dense_bytes(P.device) // (2 * 8 * max(P.n, 1))
         grown = min(2 * int(k), MAX_GROWTH * int(self._start_k), P.n // 2, int(fits))
         if group is not None:
             grown = group.minimum("landmark growth", grown)

@@ -145,8 +145,9 @@ class EstimatorOptions:
             rebuild whenever a hyperparameter changes. refresh_growth: rebuild anyway once the CG iterations exceed
             this multiple of those of the preconditioner's first evaluation.
         grow_landmarks: where the kernel is recomputed on the fly (too large to store), an evaluation that needs at
-            least this many CG iterations with AFN at its default landmark count ``k`` doubles ``k`` for the next
-            builds, up to :data:`~gpnys.gp.preconditioners.MAX_GROWTH` times the default and the memory budget
+            least this many CG iterations with AFN holding all its ``k`` landmarks (a default ``k``) doubles ``k``
+            for the next builds, up to :data:`~gpnys.gp.preconditioners.MAX_GROWTH` times the default, half of
+            ``n`` and the device's memory; a growth whose first evaluation needs no fewer iterations is undone
             (:meth:`~gpnys.gp.preconditioners.PreconditionerCache.observe`; docs/training.md, "Landmarks that
             grow"). ``None``: ``k`` stays fixed.
         warm_start: the solve with ``y - m`` starts from the previous evaluation's solution (same data); the

@@ -310,8 +310,8 @@ class AFNPreconditioner(Preconditioner):
         ``R^{-1} z = [L^{-1} z1; G (z2 - V L^{-1} z1)]``, so only products with G (no sparse triangular solves)
         and ``log det P = 2 sum log L_ii - 2 sum log G_ii`` are needed. The FSAI rows' graph (``O(n w k)``) is kept
         where it fits the dense budget, else recomputed in checkpointed batches, so memory stays O(nk + nw). Used as
-        the control variate of
-        the log-determinant gradient (Wenger et al. 2022): ``tr(K^{-1} dK) = d log det P + tr(K^{-1} dK - P^{-1} dP)``.
+        the control variate of the log-determinant gradient (Wenger et al. 2022):
+        ``tr(K^{-1} dK) = d log det P + tr(K^{-1} dK - P^{-1} dP)``.
         Diagonal shifts recorded during the build are not replayed (they only occur in degenerate cases).
 
         With ``schur="diag"`` only ``L`` and ``V`` are rebuilt and the FSAI part follows the Schur complement's
