@@ -179,18 +179,19 @@ class StationaryKernelOperator(LinearOperator):
             sq = squared_norms(Z)
             zmax = float(Z.abs().max()) if Z.numel() else 0.0
             scratch = Z.new_empty(min(bs, n) * n)
+            padded = self.tiles.padded(Z, sq)
             for a in range(0, n, bs):
                 rows = slice(a, min(a + bs, n))
                 m = rows.stop - a
                 self.tiles.fill(Z[rows], Z, sq, rows, slice(None), (K[rows], None if H is None else H[rows]),
-                                scratch[: m * n].view(m, n), zmax, None if D is None else D[rows])
+                                scratch[: m * n].view(m, n), zmax, None if D is None else D[rows], padded)
             self.cache.setdefault("last_product", LastProduct()).clear()  # a product of the old K answers nothing
             self.cache.update(X=self.X, key=key, K=K, H=H, D=D)
         return self.cache["K"], self.cache["H"]
 
     def _caches_derivative(self) -> bool:
-        """Whether the dense cache also holds ``D = A o R²`` (``A = -K`` for RBF, ``H`` for Matérn; self-pairs 0),
-        the isotropic length-scale derivative's matrix, filled in the same tiles as ``K``: an isotropic float64
+        """Whether the dense cache also holds ``D = A o R² / 2`` (``A = -K`` for RBF, ``H`` for Matérn; self-pairs
+        0), half the isotropic length-scale derivative's matrix, filled in the same tiles as ``K``: an isotropic float64
         kernel whose ``K`` (and ``H``) and ``D`` fit the dense budget together. The derivative pass is then two
         products instead of recomputing every tile's distances."""
         n, matern = self.X.shape[0], self.nu is not None

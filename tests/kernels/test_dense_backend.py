@@ -26,6 +26,15 @@ def test_dense_backend_matches_the_recomputing_tiles(nu, dtype):
                float(Z.abs().max()), None)
     be = DenseBackend(f, K, H, None, block=64)
     tol = 1e-10 if dtype == torch.float64 else 1e-4
+    # the distances from the padded coordinates' one product (the operator's dense fill) give the same tiles
+    sq = squared_norms(Z)
+    for rows in (slice(0, 70), slice(70, n)):
+        m = rows.stop - rows.start
+        Kp, Hp = torch.empty(m, n, dtype=dtype), None if H is None else torch.empty(m, n, dtype=dtype)
+        tiles.fill(Z[rows], Z, sq, rows, slice(None), (Kp, Hp), Z.new_empty(m, n), float(Z.abs().max()),
+                   padded=tiles.padded(Z, sq))
+        assert torch.allclose(Kp, K[rows], rtol=tol, atol=tol)
+        assert H is None or torch.allclose(Hp, H[rows], rtol=tol, atol=tol * float(H.abs().max()))
     ref = tiles.matmul(Z, V, None)
     assert torch.allclose(be.matmul(Z, V, None), ref, rtol=tol, atol=tol * float(ref.abs().max()))
     for got, want in zip(be.derivative_sums(Z, U, V, None), tiles.derivative_sums(Z, U, V, None)):
@@ -35,11 +44,17 @@ def test_dense_backend_matches_the_recomputing_tiles(nu, dtype):
                              tiles.column_derivative_sums(Z, U, V, None, iso)):
             assert got.shape == want.shape
             assert torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max()))
-    # an isotropic float64 kernel with D = A o R² stored: the derivative's sum over dimensions by two products
+    # an isotropic float64 kernel with D = A o R² / 2 stored (the fill writes it with K): the derivative's sum over
+    # dimensions by two products
     if dtype == torch.float64:
         R2 = torch.cdist(Z, Z).square()
         A = -K if H is None else H
-        D = (A * R2).fill_diagonal_(0.0)
+        D = (A * R2 / 2).fill_diagonal_(0.0)
+        filled = [torch.empty(n, n, dtype=dtype) for _ in range(3)]
+        tiles.fill(Z, Z, squared_norms(Z), slice(0, n), slice(None), (filled[0], None if H is None else filled[1]),
+                   Z.new_empty(n * n).view(n, n), float(Z.abs().max()), filled[2])
+        assert torch.allclose(filled[2], D, rtol=1e-10, atol=1e-12 * float(D.abs().max()))
+        assert torch.allclose(filled[0], K, rtol=1e-12, atol=1e-14)
         fast = DenseBackend(f, K, H, D, block=64)
         s, g_iso = fast.derivative_sums(Z, U, V, None)
         s_ref, g_ref = tiles.derivative_sums(Z, U, V, None)

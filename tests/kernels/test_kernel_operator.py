@@ -322,9 +322,9 @@ def test_cache_is_reused_and_refreshed_on_a_new_lengthscale(monkeypatch):
     computed_rows = []
     original_fill = TorchTiles.fill
 
-    def counting_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax, derivative=None):
+    def counting_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax, derivative=None, padded=None):
         computed_rows.append(rows.stop - rows.start)
-        return original_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax, derivative)
+        return original_fill(self, Zr, Zc, sq, rows, cols, out, scratch, zmax, derivative, padded)
 
     monkeypatch.setattr(TorchTiles, "fill", counting_fill)
     cache = {}

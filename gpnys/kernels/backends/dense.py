@@ -2,7 +2,7 @@
 
 When :func:`~gpnys.kernels.product.choose_product` says ``"dense"``,
 :class:`~gpnys.kernels.operator.StationaryKernelOperator` keeps ``K`` (and, for Matérn, ``H = k'/r``; for an
-isotropic float64 kernel also ``D = A o R²``, the length-scale derivative's matrix) and answers through this
+isotropic float64 kernel also ``D = A o R² / 2``, half the length-scale derivative's matrix) and answers through this
 backend, with the interface every backend has (:class:`~gpnys.kernels.backends.base.KernelBackend`). Storage:
 the ``n x n`` matrices themselves (filled once per length-scale by the operator); a product is one GEMM, a
 derivative sum two (with ``D``; one when the last product already took ``U``, :class:`LastProduct`) or one pass over
@@ -61,7 +61,7 @@ class DenseBackend(KernelBackend):
     Args:
         formula: the kernel's row of :data:`gpnys.kernels.formulas.FORMULAS`.
         K: ``(n, n)`` unit kernel; H: ``(n, n)`` ``k'/r`` (``None`` for RBF, whose ``H = -K``).
-        D: ``(n, n)`` ``A o R²`` of an isotropic kernel, or ``None``.
+        D: ``(n, n)`` ``A o R² / 2`` of an isotropic kernel (:meth:`TorchTiles.fill`), or ``None``.
         block: rows per stored tile of a pass.
         last: where full products are recorded and derivative passes look them up (:class:`LastProduct`); the
             owner of ``K`` clears it when ``K`` changes. ``None``: none kept.
@@ -110,7 +110,7 @@ class DenseBackend(KernelBackend):
         check_rows(Z.shape[0], rows)
         if self.D is not None:
             return ((U * thin_matmul(self.K, V, symmetric=True)).sum(),
-                    (U * thin_matmul(self.D, V, symmetric=True)).sum().reshape(1))
+                    2.0 * (U * thin_matmul(self.D, V, symmetric=True)).sum().reshape(1))
         return TorchTiles.weighted_sums(Z, self.tiles(Z), lambda r, c: U[r] @ V[c].mT)
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
@@ -119,5 +119,5 @@ class DenseBackend(KernelBackend):
         if isotropic and self.D is not None:
             KU = None if self.last is None else self.last.lookup(U)
             s = (U * thin_matmul(self.K, V, symmetric=True)).sum(0) if KU is None else (V * KU).sum(0)
-            return s, (U * thin_matmul(self.D, V, symmetric=True)).sum(0)[:, None]
+            return s, 2.0 * (U * thin_matmul(self.D, V, symmetric=True)).sum(0)[:, None]
         return TorchTiles.column_sums(Z, self.tiles(Z), U, V, isotropic)

@@ -86,37 +86,46 @@ class TorchTiles(KernelBackend):
     # -- tiles --------------------------------------------------------------------------------------------
     def fill(self, Zr: torch.Tensor, Zc: torch.Tensor, sq: torch.Tensor, rows: slice, cols: slice | torch.Tensor,
              out: tuple[torch.Tensor, torch.Tensor | None], scratch: torch.Tensor,
-             zmax: float, derivative: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             zmax: float, derivative: torch.Tensor | None = None,
+             padded: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write ``(k, h)`` of the tile ``rows`` x ``cols`` with coordinates ``(Zr, Zc)`` (:meth:`coords`;
         ``sq = |z|^2`` per point and ``zmax = max |z|``, used on full-width tiles) into ``out``, two
         ``(|rows|, |cols|)`` blocks (``h`` is ``None`` for RBF); ``scratch`` (same shape) holds the distances.
         Reusing the caller's buffers keeps a pass free of ``(b, n)`` allocations (glibc keeps and re-faults freed
         blocks: slower, and the peak RSS grows by the retained blocks). ``derivative`` (a full-width tile's block
-        of the same shape): also write ``A o R²`` there (``A = -k`` for RBF, ``h`` otherwise; the point's pair with
-        itself 0), the isotropic length-scale derivative's matrix."""
+        of the same shape): also write ``A o R² / 2`` there (``A = -k`` for RBF, ``h`` otherwise; the point's pair
+        with itself 0), half the isotropic length-scale derivative's matrix. ``padded``: :meth:`padded` of the
+        whole pass's points, which a full-width tile's distances come from in one product."""
         with torch.no_grad():
             full = isinstance(cols, slice)
             singular = self.formula.singular
             acc = sq.dtype  # float64 for float32 and below (:func:`squared_norms`)
-            if full:
-                sr, sc = sq[rows], sq[cols]
+            # c r² (c = -1/2 for RBF, whose k = exp(-r²/2) and A o R² / 2 = k (-r²/2) then take one pass each)
+            c = -0.5 if self.formula.rbf else 1.0
+            if full and padded is not None:
+                R = padded[0][rows] @ padded[1][cols].mT if acc != Zr.dtype else \
+                    torch.mm(padded[0][rows], padded[1][cols].mT, out=scratch)
             else:
-                sr, sc = squared_norms(Zr), squared_norms(Zc)
-                zmax = float(sc.max().sqrt()) if singular else 0.0
-            if acc == Zr.dtype:
-                R = torch.addmm(sc[None, :], Zr, Zc.mT, alpha=-2.0, out=scratch).add_(sr[:, None])
-            else:  # the expanded form cancels to u |z|^2: in float32 that is the kernel's largest error (duplicate
+                if full:
+                    sr, sc = sq[rows], sq[cols]
+                else:
+                    sr, sc = squared_norms(Zr), squared_norms(Zc)
+                    zmax = float(sc.max().sqrt()) if singular else 0.0
+                # the expanded form cancels to u |z|^2: in float32 that is the kernel's largest error (duplicate
                 # points at a short length-scale), so its sums run in float64 and are rounded once
-                R = scratch.copy_(torch.addmm(sc[None, :], Zr.to(acc), Zc.to(acc).mT, alpha=-2.0).add_(sr[:, None]))
-            R.clamp_(min=0.0)
+                R = torch.addmm(sc[None, :], Zr.to(acc), Zc.to(acc).mT, beta=c, alpha=-2.0 * c,
+                                out=scratch if acc == Zr.dtype else None).add_(sr[:, None], alpha=c)
+            if R is not scratch:
+                R = scratch.copy_(R)
+            R.clamp_(**({"max": 0.0} if c < 0 else {"min": 0.0}))
             _zero_self_pairs(R, rows, cols)  # the expanded (matmul) form leaves ~eps |z|² there
-            if self.formula.rbf:  # k = exp(-r²/2) and -k r² from r² itself: no square root and square
-                k = torch.mul(R, -0.5, out=out[0]).exp_()
+            if self.formula.rbf:  # k = exp(-r²/2) and k (-r²/2) from -r²/2 itself: no square root and square
+                k = torch.exp(R, out=out[0])
                 if derivative is not None:
-                    torch.mul(R, k, out=derivative).neg_()
+                    torch.mul(R, k, out=derivative)
                 return out
             if derivative is not None:
-                derivative.copy_(R)
+                torch.mul(R, 0.5, out=derivative)
             R.sqrt_()
             if singular:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
                 R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * zmax, 0.0)
@@ -124,6 +133,14 @@ class TorchTiles(KernelBackend):
             if derivative is not None:
                 derivative.mul_(out[1])
             return out
+
+    def padded(self, Z: torch.Tensor, sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(P, Q)``, ``(n, d + 2)`` each in ``sq``'s dtype, with ``P Qᵀ = c r²`` of the points ``Z``: ``P = [z,
+        c |z|², 1]``, ``Q = [-2c z, 1, c |z|²]`` (the expanded form of :meth:`fill`, ``c = -1/2`` for RBF, else 1),
+        so that a full-width tile's distances are one product, with no pass to add the norms."""
+        c = -0.5 if self.formula.rbf else 1.0
+        Za, one = Z.to(sq.dtype), sq.new_ones(sq.shape[0], 1)
+        return torch.cat([Za, c * sq[:, None], one], 1), torch.cat([(-2.0 * c) * Za, one, c * sq[:, None]], 1)
 
     @staticmethod
     def coords(Z: torch.Tensor, rows: slice, cols: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,13 +238,16 @@ class TorchTiles(KernelBackend):
         sq = squared_norms(Z)
         zmax = float(Z.abs().max()) if Z.numel() else 0.0
         buffers = [Z.new_empty(size) for _ in range(2 if self.formula.rbf else 3)]
+        padded = None
         for tag, rows, cols in shapes:
             m = rows.stop - rows.start
             w = (len(range(*cols.indices(n))) if isinstance(cols, slice) else cols.shape[0])
             scratch, Kt, *Ht = (b[: m * w].view(m, w) for b in buffers)
             Zr, Zc = self.coords(Z, rows, cols)  # once per tile: the derivative reuses them
-            yield tag, (rows, cols, *self.fill(Zr, Zc, sq, rows, cols, (Kt, Ht[0] if Ht else None), scratch, zmax),
-                        Zr, Zc)
+            if padded is None and isinstance(cols, slice):
+                padded = self.padded(Z, sq)
+            yield tag, (rows, cols, *self.fill(Zr, Zc, sq, rows, cols, (Kt, Ht[0] if Ht else None), scratch, zmax,
+                                               padded=padded), Zr, Zc)
 
     # -- the two passes -----------------------------------------------------------------------------------
     def matmul(self, Z: torch.Tensor, R: torch.Tensor, plan: LeafPlan | None,
