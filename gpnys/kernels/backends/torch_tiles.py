@@ -63,6 +63,14 @@ def squared_norms(Z: torch.Tensor) -> torch.Tensor:
     return Z.to(acc).square().sum(1)
 
 
+def padded_coordinates(Z: torch.Tensor, sq: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P, Q)``, ``(n, d + 2)`` each in ``sq``'s dtype (:func:`squared_norms`), with ``P Qᵀ = c r²`` for the points
+    ``Z``: ``P = [z, c |z|², 1]``, ``Q = [-2c z, 1, c |z|²]``, the expanded form, so that the distances of a tile of
+    whole rows against a range of points are one product, with no pass to add the norms."""
+    Za, one = Z.to(sq.dtype), sq.new_ones(sq.shape[0], 1)
+    return torch.cat([Za, c * sq[:, None], one], 1), torch.cat([(-2.0 * c) * Za, one, c * sq[:, None]], 1)
+
+
 def _zero_self_pairs(R: torch.Tensor, rows: slice, cols: slice | torch.Tensor) -> None:
     """Set each point's (squared) distance to itself to 0 in the tile ``rows`` x ``cols``; a leaf's own positions
     form one ascending run of ``cols``."""
@@ -135,12 +143,8 @@ class TorchTiles(KernelBackend):
             return out
 
     def padded(self, Z: torch.Tensor, sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(P, Q)``, ``(n, d + 2)`` each in ``sq``'s dtype, with ``P Qᵀ = c r²`` of the points ``Z``: ``P = [z,
-        c |z|², 1]``, ``Q = [-2c z, 1, c |z|²]`` (the expanded form of :meth:`fill`, ``c = -1/2`` for RBF, else 1),
-        so that a full-width tile's distances are one product, with no pass to add the norms."""
-        c = -0.5 if self.formula.rbf else 1.0
-        Za, one = Z.to(sq.dtype), sq.new_ones(sq.shape[0], 1)
-        return torch.cat([Za, c * sq[:, None], one], 1), torch.cat([(-2.0 * c) * Za, one, c * sq[:, None]], 1)
+        """:func:`padded_coordinates` with :meth:`fill`'s scale (``c = -1/2`` for RBF, else 1)."""
+        return padded_coordinates(Z, sq, -0.5 if self.formula.rbf else 1.0)
 
     @staticmethod
     def coords(Z: torch.Tensor, rows: slice, cols: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,14 +341,21 @@ class TorchTiles(KernelBackend):
         t, d = U.shape[1], Z.shape[1]
         s = Z.new_zeros(t, dtype=acc)
         g = Z.new_zeros(t, 1 if isotropic else d, dtype=acc)
+        padded = None  # Z's padded coordinates, for the tiles of whole rows (slices of Z)
         for item in tiles:
             skip, (rows, cols, Kt, Ht, Zr, Zc) = item if mirrored else (0, item)
             Kt = Kt.to(acc)
             A = -Kt if Ht is None else Ht.to(acc)  # RBF: H = -K
             A = _without_self_pairs(A, rows, cols) if same_points else A
+            whole = isotropic and _views_of(Z, Zr, rows) and _views_of(Z, Zc, cols)
             Zr, Zc = Zr.to(acc), Zc.to(acc)
             if isotropic:  # A o R^2, R^2 in the expanded form (accumulated in float64, as above)
-                R2 = torch.addmm(Zc.square().sum(1)[None, :], Zr, Zc.mT, alpha=-2.0).add_(Zr.square().sum(1)[:, None])
+                if whole:
+                    padded = padded_coordinates(Z, squared_norms(Z), 1.0) if padded is None else padded
+                    R2 = padded[0][rows] @ padded[1][cols].mT
+                else:
+                    R2 = torch.addmm(Zc.square().sum(1)[None, :], Zr, Zc.mT, alpha=-2.0).add_(
+                        Zr.square().sum(1)[:, None])
                 A = A * R2.clamp_(min=0.0)
             terms = [(U[rows], V[cols], Kt, A, Zc)]
             if mirrored and Kt.shape[1] > skip:  # K[J, I] = K[I, J]^T: u_J^T K[J, I] v_I = v_I^T K[I, J] u_J
@@ -359,6 +370,15 @@ class TorchTiles(KernelBackend):
                 g += ((Ur * (Ap @ Vc)).mT @ Zr.square() + (Vc * (Ap.mT @ Ur)).mT @ Zp.square()
                       - 2.0 * torch.einsum("it,id,idt->td", Ur, Zr, AZV))
         return s, g
+
+
+def _views_of(Z: torch.Tensor, Zt: torch.Tensor, sel: Any) -> bool:
+    """Whether a tile's coordinates ``Zt`` are ``Z[sel]`` itself (a slice's view of ``Z``, not a gathered or centred
+    copy), so that rows of ``Z``'s padded coordinates stand for them."""
+    if not isinstance(sel, slice):
+        return False
+    view = Z[sel]
+    return Zt.shape == view.shape and Zt.data_ptr() == view.data_ptr() and Zt.stride() == view.stride()
 
 
 def _without_self_pairs(A: torch.Tensor, rows: Any, cols: Any) -> torch.Tensor:
