@@ -65,10 +65,15 @@ def squared_norms(Z: torch.Tensor) -> torch.Tensor:
 
 def padded_coordinates(Z: torch.Tensor, sq: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P, Q)``, ``(n, d + 2)`` each in ``sq``'s dtype (:func:`squared_norms`), with ``P Qᵀ = c r²`` for the points
-    ``Z``: ``P = [z, c |z|², 1]``, ``Q = [-2c z, 1, c |z|²]``, the expanded form, so that the distances of a tile of
-    whole rows against a range of points are one product, with no pass to add the norms."""
-    Za, one = Z.to(sq.dtype), sq.new_ones(sq.shape[0], 1)
-    return torch.cat([Za, c * sq[:, None], one], 1), torch.cat([(-2.0 * c) * Za, one, c * sq[:, None]], 1)
+    ``Z``: ``P = [z, c |z|², 1]``, ``Q = [-2c z, 1, c |z|²]``, the expanded form, so that a tile's distances are one
+    product, with no pass to add the norms."""
+    return _padded(Z, sq, c, True), _padded(Z, sq, c, False)
+
+
+def _padded(Z: torch.Tensor, sq: torch.Tensor, c: float, left: bool) -> torch.Tensor:
+    """``P`` (``left``) or ``Q`` of :func:`padded_coordinates`."""
+    Za, one, norms = Z.to(sq.dtype), sq.new_ones(sq.shape[0], 1), c * sq[:, None]
+    return torch.cat([Za, norms, one] if left else [(-2.0 * c) * Za, one, norms], 1)
 
 
 def _zero_self_pairs(R: torch.Tensor, rows: slice, cols: slice | torch.Tensor) -> None:
@@ -111,20 +116,17 @@ class TorchTiles(KernelBackend):
             # c r² (c = -1/2 for RBF, whose k = exp(-r²/2) and A o R² / 2 = k (-r²/2) then take one pass each)
             c = -0.5 if self.formula.rbf else 1.0
             if full and padded is not None:
-                R = padded[0][rows] @ padded[1][cols].mT if acc != Zr.dtype else \
-                    torch.mm(padded[0][rows], padded[1][cols].mT, out=scratch)
+                P, Q = padded[0][rows], padded[1][cols]
             else:
                 if full:
                     sr, sc = sq[rows], sq[cols]
                 else:
                     sr, sc = squared_norms(Zr), squared_norms(Zc)
                     zmax = float(sc.max().sqrt()) if singular else 0.0
-                # the expanded form cancels to u |z|^2: in float32 that is the kernel's largest error (duplicate
-                # points at a short length-scale), so its sums run in float64 and are rounded once
-                R = torch.addmm(sc[None, :], Zr.to(acc), Zc.to(acc).mT, beta=c, alpha=-2.0 * c,
-                                out=scratch if acc == Zr.dtype else None).add_(sr[:, None], alpha=c)
-            if R is not scratch:
-                R = scratch.copy_(R)
+                P, Q = _padded(Zr, sr, c, True), _padded(Zc, sc, c, False)
+            # the expanded form cancels to u |z|^2: in float32 that is the kernel's largest error (duplicate points
+            # at a short length-scale), so its sums run in float64 and are rounded once
+            R = torch.mm(P, Q.mT, out=scratch) if acc == Zr.dtype else scratch.copy_(P @ Q.mT)
             R.clamp_(**({"max": 0.0} if c < 0 else {"min": 0.0}))
             _zero_self_pairs(R, rows, cols)  # the expanded (matmul) form leaves ~eps |z|² there
             if self.formula.rbf:  # k = exp(-r²/2) and k (-r²/2) from -r²/2 itself: no square root and square
