@@ -14,6 +14,7 @@ leaf-to-leaf box lists a blocked kernel product needs, and they live on the CPU 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -21,7 +22,10 @@ import torch
 
 from gpnys.kernels.formulas import unit_kernel
 
-__all__ = ["cutoff_radius", "spatial_order", "LeafPlan", "leaf_plan"]
+__all__ = ["cutoff_radius", "normal_range", "spatial_order", "LeafPlan", "leaf_plan", "SUBNORMAL_MARGIN"]
+
+#: the smallest kernel value a tile holds, in units of its dtype's smallest normal number (:func:`normal_range`)
+SUBNORMAL_MARGIN = 2.0**20
 
 
 def cutoff_radius(nu: float | None, tol: float) -> float:
@@ -38,6 +42,24 @@ def cutoff_radius(nu: float | None, tol: float) -> float:
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if unit_kernel(mid, nu) > tol else (lo, mid)
     return hi
+
+
+@functools.lru_cache(maxsize=None)
+def normal_range(nu: float | None, dtype: torch.dtype) -> float:
+    """The squared distance (in length-scales) up to which the unit kernel stays at least ``SUBNORMAL_MARGIN``
+    times ``dtype``'s smallest normal number: a tile's distances are clamped there (the kernel beyond is set to its
+    value at this distance, at most ``2^20 tiny``: 1.2e-32 in float32, 2.3e-302 in float64). Subnormal entries
+    (below ``tiny``) take the CPU's slow path in every product that reads them: 0.2 % of a float64 kernel's entries
+    made its products 1.4x slower (docs/scaling.md). The margin keeps Matérn's ``k'/r``, about ``k / r`` there,
+    normal too.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.kernels.cutoff import normal_range
+        >>> round(normal_range(None, torch.float32) ** 0.5, 2)  # RBF: exp(-r²/2) = 2^20 tiny at r = 12.12
+        12.12
+    """
+    return cutoff_radius(nu, SUBNORMAL_MARGIN * torch.finfo(dtype).tiny) ** 2
 
 
 @torch.no_grad()

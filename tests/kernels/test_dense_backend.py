@@ -97,3 +97,32 @@ def test_last_product_answers_only_for_its_own_columns(dtype):
     last.clear()
     assert last.lookup(U) is None
 
+
+
+@pytest.mark.parametrize("nu", [None, 0.5, 1.5, 2.5])
+def test_fill_keeps_kernel_entries_normal(nu, dtype):
+    """Points many length-scales apart: the tiles hold no subnormal numbers (each would take the CPU's slow path in
+    every product), the kernel beyond :func:`normal_range` is its value there, and every entry is within
+    ``2^20 tiny`` of the exact kernel."""
+    from gpnys.kernels.cutoff import SUBNORMAL_MARGIN, normal_range
+    from gpnys.kernels.formulas import k_and_h
+
+    g = torch.Generator().manual_seed(3)
+    n = 120
+    Z = (torch.rand(n, 2, generator=g, dtype=torch.float64) * 4 * normal_range(nu, dtype) ** 0.5).to(dtype)
+    tiles = TorchTiles(formula(nu))
+    K, H = torch.empty(n, n, dtype=dtype), None if nu is None else torch.empty(n, n, dtype=dtype)
+    sq = squared_norms(Z)
+    tiles.fill(Z, Z, sq, slice(0, n), slice(None), (K, H), Z.new_empty(n, n), float(Z.abs().max()),
+               padded=tiles.padded(Z, sq))
+    tiny = torch.finfo(dtype).tiny
+    for M in (K, H):
+        if M is not None:
+            assert not bool(((M != 0) & (M.abs() < tiny)).any())
+    r2 = torch.cdist(Z.double(), Z.double()).square()
+    assert bool((r2 > normal_range(nu, dtype)).float().mean() > 0.3)  # most pairs beyond the range
+    exact, _ = k_and_h(r2, nu)
+    far = r2 > 1.01 * normal_range(nu, dtype)  # clear of the expanded form's rounding of r² (|z| is large here)
+    floor = SUBNORMAL_MARGIN * tiny
+    assert float((K.double() - exact)[far].abs().max()) <= 1.01 * floor
+    assert float(K.double()[far].min()) >= 0.99 * floor and bool((K.diagonal() == 1).all())

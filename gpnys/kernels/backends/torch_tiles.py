@@ -19,7 +19,7 @@ import torch
 from gpnys.budget import block_elems, block_rows
 from gpnys.collectives import LEAF
 from gpnys.kernels.backends.base import KernelBackend, check_rows
-from gpnys.kernels.cutoff import LeafPlan
+from gpnys.kernels.cutoff import LeafPlan, normal_range
 from gpnys.kernels.formulas import Formula
 
 __all__ = ["TorchTiles", "k_and_h_inplace", "Tile"]
@@ -127,7 +127,10 @@ class TorchTiles(KernelBackend):
             # the expanded form cancels to u |z|^2: in float32 that is the kernel's largest error (duplicate points
             # at a short length-scale), so its sums run in float64 and are rounded once
             R = torch.mm(P, Q.mT, out=scratch) if acc == Zr.dtype else scratch.copy_(P @ Q.mT)
-            R.clamp_(**({"max": 0.0} if c < 0 else {"min": 0.0}))
+            # r² >= 0 (the expanded form's rounding), and at most where the kernel is still a normal number
+            # (:func:`~gpnys.kernels.cutoff.normal_range`): subnormal entries would slow every product that reads them
+            far = c * normal_range(self.formula.nu, R.dtype)
+            R.clamp_(*((far, 0.0) if c < 0 else (0.0, far)))
             _zero_self_pairs(R, rows, cols)  # the expanded (matmul) form leaves ~eps |z|² there
             if self.formula.rbf:  # k = exp(-r²/2) and k (-r²/2) from -r²/2 itself: no square root and square
                 k = torch.exp(R, out=out[0])
