@@ -51,7 +51,8 @@ def normal_range(nu: float | None, dtype: torch.dtype) -> float:
     value at this distance, at most ``2^20 tiny``: 1.2e-32 in float32, 2.3e-302 in float64). Subnormal entries
     (below ``tiny``) take the CPU's slow path in every product that reads them: 0.2 % of a float64 kernel's entries
     made its products 1.4x slower (docs/scaling.md). The margin keeps Matérn's ``k'/r``, about ``k / r`` there,
-    normal too.
+    normal too. A dtype whose floor, summed over 2^40 entries, would exceed its machine epsilon (float16) is never
+    clamped (``inf``).
 
     Example:
         >>> import torch
@@ -59,7 +60,11 @@ def normal_range(nu: float | None, dtype: torch.dtype) -> float:
         >>> round(normal_range(None, torch.float32) ** 0.5, 2)  # RBF: exp(-r²/2) = 2^20 tiny at r = 12.12
         12.12
     """
-    return cutoff_radius(nu, SUBNORMAL_MARGIN * torch.finfo(dtype).tiny) ** 2
+    info = torch.finfo(dtype)
+    floor = SUBNORMAL_MARGIN * info.tiny
+    if floor * 2.0**40 > info.eps:  # float16: the floor summed over a row's far entries would exceed the rounding
+        return math.inf
+    return cutoff_radius(nu, floor) ** 2
 
 
 @torch.no_grad()

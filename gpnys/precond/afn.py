@@ -82,11 +82,12 @@ def _landmark_part(Vs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def schur_operand(V: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``V`` (or rows of it) in the Schur product's ``dtype``, with the entries below ``sqrt(tiny)`` of that dtype set
-    to 0. Their products are subnormal numbers, which take the CPU's slow path: at a short length-scale most of
-    ``V`` is (elevators n = 8 000, RBF, ℓ = 0.3: 87 % of the entries below float32's ``sqrt(tiny)``, and AFN's batched
-    Schur products took 2.4 s instead of 0.2 s). A row of ``V`` has norm at most 1 (``V_i V_iᵀ <= k(x_i, x_i)``), so
-    a block entry loses at most ``k sqrt(tiny)``: 5e-17 in float32 at k = 500, far below the product's rounding.
+    """Rows of ``V`` (a gathered batch: batch-sized copies only) in the Schur product's ``dtype``, with the entries
+    below ``sqrt(tiny)`` of that dtype set to 0 on a CPU. Their products are subnormal numbers, which take a CPU's
+    slow path: at a short length-scale most of ``V`` is (elevators n = 8 000, RBF, ℓ = 0.3: 87 % of the entries below
+    float32's ``sqrt(tiny)``, and AFN's batched Schur products took 2.4 s instead of 0.2 s). A row of ``V`` has norm
+    at most 1 (``V_i V_iᵀ <= k(x_i, x_i)``), so a block entry loses at most ``k sqrt(tiny)``: 5e-17 in float32 at
+    k = 500, far below the product's rounding. GPUs take subnormals at full speed: there ``V`` is left as it is.
 
     Example:
         >>> import torch
@@ -95,6 +96,8 @@ def schur_operand(V: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         [0.5, 0.0, 0.0]
     """
     low = V.to(dtype)
+    if low.device.type != "cpu":
+        return low
     return low.masked_fill(low.abs() < math.sqrt(torch.finfo(dtype).tiny), 0.0)
 
 
@@ -234,10 +237,10 @@ class AFNPreconditioner(Preconditioner):
         self.schur_dtype = schur_product_dtype(X.dtype, mu_min, self.k, self.w,
                                                float(self.V.square().sum(1).max()) if self.V.numel() else 0.0,
                                                n - self.k)
-        V = schur_operand(self.V, self.schur_dtype)  # gathered at that precision: half the bytes in float32
+        V = self.V.to(self.schur_dtype)  # gathered at that precision: half the bytes in float32
 
         def schur_blocks(I: torch.Tensor) -> torch.Tensor:  # S[s, s] for I: (b, w) -> (b, w, w)
-            Vs = _gather_rows(V, I)
+            Vs = schur_operand(_gather_rows(V, I), V.dtype)
             Kb = add_diag(ke.batched(rest[I]), shift_at(mu_r, I))
             if Vs.dtype == Kb.dtype:
                 return torch.baddbmm(Kb, Vs, Vs.mT, alpha=-1.0)

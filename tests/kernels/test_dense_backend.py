@@ -76,7 +76,7 @@ def test_last_product_answers_only_for_its_own_columns(dtype):
     U = torch.randn(n, t, generator=g, dtype=torch.float64).to(dtype)
     V = torch.randn(n, t, generator=g, dtype=torch.float64).to(dtype)
     K = torch.exp(-0.5 * torch.cdist(Z, Z).square())
-    D = (-K * torch.cdist(Z, Z).square()).fill_diagonal_(0.0)
+    D = (-K * torch.cdist(Z, Z).square() / 2).fill_diagonal_(0.0)  # A o R² / 2, as the fill stores it
     f = formula(None)
     plain = DenseBackend(f, K, None, D, block=64)
     want = plain.column_derivative_sums(Z, U, V, None, True)
@@ -126,3 +126,18 @@ def test_fill_keeps_kernel_entries_normal(nu, dtype):
     floor = SUBNORMAL_MARGIN * tiny
     assert float((K.double() - exact)[far].abs().max()) <= 1.01 * floor
     assert float(K.double()[far].min()) >= 0.99 * floor and bool((K.diagonal() == 1).all())
+
+
+def test_half_precision_tiles_are_not_clamped():
+    """float16's smallest normal number is 6e-5: a floor of 2^20 of them would be above the kernel itself, so its
+    tiles keep their distances (the kernel of points 3 apart is exp(-4.5), not 1); bfloat16 shares float32's range."""
+    from gpnys.kernels.cutoff import normal_range
+
+    assert normal_range(None, torch.float16) == float("inf")
+    assert normal_range(None, torch.bfloat16) == normal_range(None, torch.float32)
+    Z = torch.tensor([[0.0], [3.0]], dtype=torch.float16)
+    tiles = TorchTiles(formula(None))
+    K = torch.empty(2, 2, dtype=torch.float16)
+    sq = squared_norms(Z)
+    tiles.fill(Z, Z, sq, slice(0, 2), slice(None), (K, None), Z.new_empty(2, 2), 3.0, padded=tiles.padded(Z, sq))
+    torch.testing.assert_close(K[0, 1].float(), torch.tensor(4.5).neg().exp(), rtol=2e-3, atol=0)

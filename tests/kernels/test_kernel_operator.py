@@ -183,8 +183,8 @@ def test_float32_distances_of_far_out_duplicates(name):
 # -- 2. derivative -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_isotropic_derivative_from_the_cached_matrix(name):
-    """An isotropic float64 kernel whose K (and H) and D = A o R² fit the dense budget caches D with K; its per-column
-    derivatives equal those of the tile pass (budget without room for D) and autograd's."""
+    """An isotropic float64 kernel whose K (and H) and D = A o R² / 2 fit the dense budget caches D with K; its
+    per-column derivatives equal those of the tile pass (budget without room for D) and autograd's."""
     dtype = torch.float64
     X = inputs(dtype)
     kern = kernel_at(name, False, dtype)
@@ -265,7 +265,7 @@ def test_on_the_fly_equals_cached(name, ard, dtype):
         assert fly._dense() is None and cached._dense() is not None
         assert_same_products(fly, cached, V, dtype)
     g_fly, g_cached = closed_form_grads(kern, fly, U, V), closed_form_grads(kern, cached, U, V)
-    for key in g_cached:  # (an isotropic float64 cache sums through D = A o R²: another order of a cancelling sum)
+    for key in g_cached:  # (an isotropic float64 cache sums through D = A o R² / 2: another order of a cancelling sum)
         torch.testing.assert_close(g_fly[key], g_cached[key], rtol=1000 * EPS[dtype], atol=0)
 
 
