@@ -350,10 +350,9 @@ class TorchTiles(KernelBackend):
         for item in tiles:
             skip, (rows, cols, Kt, Ht, Zr, Zc) = item if mirrored else (0, item)
             Kt = Kt.to(acc)
-            A = -Kt if Ht is None else Ht.to(acc)  # RBF: H = -K
-            A = _without_self_pairs(A, rows, cols) if same_points else A
             whole = isotropic and _views_of(Z, Zr, rows) and _views_of(Z, Zc, cols)
             Zr, Zc = Zr.to(acc), Zc.to(acc)
+            sign = 1.0
             if isotropic:  # A o R^2, R^2 in the expanded form (accumulated in float64, as above)
                 if whole:
                     padded = padded_coordinates(Z, squared_norms(Z), 1.0) if padded is None else padded
@@ -361,7 +360,12 @@ class TorchTiles(KernelBackend):
                 else:
                     R2 = torch.addmm(Zc.square().sum(1)[None, :], Zr, Zc.mT, alpha=-2.0).add_(
                         Zr.square().sum(1)[:, None])
-                A = A * R2.clamp_(min=0.0)
+                R2 = _without_self_pairs(R2.clamp_(min=0.0), rows, cols) if same_points else R2.clamp_(min=0.0)
+                # in R²'s own buffer; RBF's A = -K as a sign on its sums (no negated copy of the tile)
+                A, sign = (R2.mul_(Kt), -1.0) if Ht is None else (R2.mul_(Ht), 1.0)
+            else:
+                A = -Kt if Ht is None else Ht.to(acc)  # RBF: H = -K
+                A = _without_self_pairs(A, rows, cols) if same_points else A
             terms = [(U[rows], V[cols], Kt, A, Zc)]
             if mirrored and Kt.shape[1] > skip:  # K[J, I] = K[I, J]^T: u_J^T K[J, I] v_I = v_I^T K[I, J] u_J
                 terms.append((V[rows], U[_tail(cols, skip)], Kt[:, skip:], A[:, skip:], Zc[skip:]))
@@ -369,7 +373,7 @@ class TorchTiles(KernelBackend):
                 Ur, Vc = Ur.to(acc), Vc.to(acc)
                 s += (Ur * (Kp @ Vc)).sum(0)
                 if isotropic:
-                    g[:, 0] += (Ur * (Ap @ Vc)).sum(0)
+                    g[:, 0] += sign * (Ur * (Ap @ Vc)).sum(0)
                     continue
                 AZV = (Ap @ (Zp[:, :, None] * Vc[:, None, :]).reshape(Zp.shape[0], d * t)).view(-1, d, t)
                 g += ((Ur * (Ap @ Vc)).mT @ Zr.square() + (Vc * (Ap.mT @ Ur)).mT @ Zp.square()
@@ -400,6 +404,9 @@ def _without_self_pairs(A: torch.Tensor, rows: Any, cols: Any) -> torch.Tensor:
         return A
     (r0, r1), (c0, c1) = span(rows, A.shape[0]), span(cols, A.shape[1])
     if r1 < c0 or c1 < r0:  # most tiles: no point in both (no index tensors built)
+        return A
+    if isinstance(rows, slice) and isinstance(cols, slice):  # the pairs (r0 + i, c0 + i - (r0 - c0)): one diagonal
+        A.diagonal(offset=r0 - c0).zero_()
         return A
     r = torch.arange(r0, r1 + 1, device=A.device) if isinstance(rows, slice) else rows.to(A.device)
     c = torch.arange(c0, c1 + 1, device=A.device) if isinstance(cols, slice) else cols.to(A.device)
