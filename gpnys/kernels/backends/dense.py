@@ -109,8 +109,7 @@ class DenseBackend(KernelBackend):
         """``(s, g)`` over all rows; with ``D`` stored, ``g`` is ``(1,)``, the isotropic sum (two products)."""
         check_rows(Z.shape[0], rows)
         if self.D is not None:
-            return ((U * thin_matmul(self.K, V, symmetric=True)).sum(),
-                    2.0 * (U * thin_matmul(self.D, V, symmetric=True)).sum().reshape(1))
+            return (U * thin_matmul(self.K, V, symmetric=True)).sum(), (U * self._derivative(V)).sum().reshape(1)
         return TorchTiles.weighted_sums(Z, self.tiles(Z), lambda r, c: U[r] @ V[c].mT)
 
     def column_derivative_sums(self, Z: torch.Tensor, U: torch.Tensor, V: torch.Tensor, plan: LeafPlan | None,
@@ -119,5 +118,9 @@ class DenseBackend(KernelBackend):
         if isotropic and self.D is not None:
             KU = None if self.last is None else self.last.lookup(U)
             s = (U * thin_matmul(self.K, V, symmetric=True)).sum(0) if KU is None else (V * KU).sum(0)
-            return s, 2.0 * (U * thin_matmul(self.D, V, symmetric=True)).sum(0)[:, None]
+            return s, (U * self._derivative(V)).sum(0)[:, None]
         return TorchTiles.column_sums(Z, self.tiles(Z), U, V, isotropic)
+
+    def _derivative(self, V: torch.Tensor) -> torch.Tensor:
+        """``(A o R²) V``: twice the product with the stored ``D = A o R² / 2``."""
+        return 2.0 * thin_matmul(self.D, V, symmetric=True)

@@ -80,7 +80,7 @@ def _zero_self_pairs(R: torch.Tensor, rows: slice, cols: slice | torch.Tensor) -
     """Set each point's (squared) distance to itself to 0 in the tile ``rows`` x ``cols``; a leaf's own positions
     form one ascending run of ``cols``."""
     if isinstance(cols, slice):
-        R.diagonal(offset=rows.start - (cols.start or 0)).zero_()
+        R.diagonal(offset=(rows.start or 0) - (cols.start or 0)).zero_()
     else:
         q0, q1 = (int(q) for q in torch.searchsorted(cols, cols.new_tensor([rows.start, rows.stop])))
         R[cols[q0:q1] - rows.start, torch.arange(q0, q1, device=R.device)] = 0.0
@@ -356,10 +356,10 @@ class TorchTiles(KernelBackend):
             if isotropic:  # A o R^2, R^2 in the expanded form (accumulated in float64, as above)
                 if whole:
                     padded = padded_coordinates(Z, squared_norms(Z), 1.0) if padded is None else padded
-                    R2 = padded[0][rows] @ padded[1][cols].mT
+                    P, Q = padded[0][rows], padded[1][cols]
                 else:
-                    R2 = torch.addmm(Zc.square().sum(1)[None, :], Zr, Zc.mT, alpha=-2.0).add_(
-                        Zr.square().sum(1)[:, None])
+                    P, Q = _padded(Zr, Zr.square().sum(1), 1.0, True), _padded(Zc, Zc.square().sum(1), 1.0, False)
+                R2 = P @ Q.mT
                 R2 = _without_self_pairs(R2.clamp_(min=0.0), rows, cols) if same_points else R2.clamp_(min=0.0)
                 # in R²'s own buffer; RBF's A = -K as a sign on its sums (no negated copy of the tile)
                 A, sign = (R2.mul_(Kt), -1.0) if Ht is None else (R2.mul_(Ht), 1.0)
@@ -405,8 +405,8 @@ def _without_self_pairs(A: torch.Tensor, rows: Any, cols: Any) -> torch.Tensor:
     (r0, r1), (c0, c1) = span(rows, A.shape[0]), span(cols, A.shape[1])
     if r1 < c0 or c1 < r0:  # most tiles: no point in both (no index tensors built)
         return A
-    if isinstance(rows, slice) and isinstance(cols, slice):  # the pairs (r0 + i, c0 + i - (r0 - c0)): one diagonal
-        A.diagonal(offset=r0 - c0).zero_()
+    if isinstance(rows, slice) and isinstance(cols, slice):  # one diagonal of the tile
+        _zero_self_pairs(A, rows, cols)
         return A
     r = torch.arange(r0, r1 + 1, device=A.device) if isinstance(rows, slice) else rows.to(A.device)
     c = torch.arange(c0, c1 + 1, device=A.device) if isinstance(cols, slice) else cols.to(A.device)
