@@ -202,9 +202,11 @@ def main(argv=None) -> dict | None:
               f"{row['loss_rel_diff']:9.1e} {row['grad_rel_diff']:9.1e}")
     out = Path(args.out) if args.out else RESULTS / ("ab_quick.json" if args.quick else "ab.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    from gpnys.baselines.provenance import provenance  # not at the top: a child imports the revision it times
+
     result = {"before": label, "rounds": args.rounds, "repeats": args.repeats, "threads": args.threads,
               "dtype": args.dtype, "dense": args.dense, "error_bars": not args.no_error_bars, "rows": rows,
-              "runs": runs}
+              "runs": runs, "provenance": provenance(__file__, argv)}
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     return result

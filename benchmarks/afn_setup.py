@@ -19,6 +19,7 @@ import gpytorch
 import torch
 
 from gpnys import datasets
+from gpnys.baselines.provenance import provenance
 from gpnys.precond import AFNPreconditioner, PointCache
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -58,7 +59,8 @@ def main(argv=None) -> list[dict]:
         print(f"  lengthscale {ls:8g}: setup {setup:6.1f} s  (nnz(G) {s['nnz']}, cache hits {s['cache_hits']})")
     RESULTS.mkdir(exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / ("afn_setup_quick.json" if args.quick else "afn_setup.json")
-    out.write_text(json.dumps({"n": X.shape[0], "d": X.shape[1], "mu": mu, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"n": X.shape[0], "d": X.shape[1], "mu": mu, "rows": rows,
+                               "provenance": provenance(__file__, argv)}, indent=1))
     print(f"wrote {out}")
     return rows
 

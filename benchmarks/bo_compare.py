@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 import warnings
 from pathlib import Path
@@ -48,6 +47,7 @@ from botorch.utils.multi_objective.box_decompositions.non_dominated import FastN
 from gpytorch.mlls import ExactMarginalLogLikelihood
 from torch.quasirandom import SobolEngine
 
+from gpnys.baselines.provenance import provenance
 from gpnys.bo import PreconditionedSingleTaskGP
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -108,16 +108,17 @@ def posterior_iterations(model: PreconditionedSingleTaskGP) -> int:
     return max([model.posterior_iterations] + [m.posterior_iterations for m in model.output_models])
 
 
-def warm_iterations(args) -> dict:
+def warm_iterations(args, argv: list[str] | None = None) -> dict:
     """``--warm-from``: one warm iteration per model and seed from the loop's checkpoints (module docstring)."""
     res: dict = {"n_init": args.n, "num_restarts": args.num_restarts, "raw_samples": args.raw_samples,
-                 "threads": torch.get_num_threads(), "machine": platform.platform(), "warm_from": args.warm_from,
-                 "seeds": {}}
+                 "threads": torch.get_num_threads(), "warm_from": args.warm_from, "seeds": {}}
+    device = torch.device("cpu")
     for seed in [int(v) for v in args.seeds.split(",") if v]:
         per = {}
         for name in args.methods.split(","):
             saved = torch.load(Path(args.warm_from) / f"{name}_n{args.n}_q1_seed{seed}.pt", weights_only=False)
             X, Y = saved["X"], saved["Y"]
+            device = X.device
             torch.manual_seed(seed)
             model = (SingleTaskGP(X, Y) if name == "singletask" else
                      PreconditionedSingleTaskGP(X, Y, max_cholesky_size=args.max_cholesky_size, fit_subset=None))
@@ -135,6 +136,7 @@ def warm_iterations(args) -> dict:
         res["time_ratio_mean_iteration"] = (sum(v["gpnys"]["total_s"] for v in both)
                                             / sum(v["singletask"]["total_s"] for v in both))
         print(f"mean warm iteration, gpnys / SingleTaskGP: {res['time_ratio_mean_iteration']:.3f}")
+    res["provenance"] = provenance(__file__, argv, device)
     path = Path(args.out) if args.out else RESULTS / f"bo_compare_warm_n{args.n}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     Xw = torch.rand(64, 6, dtype=torch.float64)
     fit_gpytorch_mll(ExactMarginalLogLikelihood(*(lambda m: (m.likelihood, m))(SingleTaskGP(Xw, objectives(Xw, 1)))))
     if args.warm_from:
-        res = warm_iterations(args)
+        res = warm_iterations(args, argv)
         torch.set_num_threads(threads)
         return res
     X = SobolEngine(6, scramble=True, seed=args.seed).draw(args.n, dtype=torch.float64)
@@ -237,10 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     models = {"singletask": lambda: SingleTaskGP(X, Y),
               "gpnys": lambda **kw: PreconditionedSingleTaskGP(X, Y, max_cholesky_size=args.max_cholesky_size, **kw)}
     res: dict = {"n": args.n, "d": 6, "outputs": args.outputs, "seed": args.seed, "device": str(X.device),
-                 "device_name": (torch.cuda.get_device_name(X.device) if X.device.type == "cuda"
-                                 else platform.processor()), "num_restarts": args.num_restarts,
-                 "raw_samples": args.raw_samples, "threads": torch.get_num_threads(), "machine": platform.platform(),
-                 "methods": {}}
+                 "num_restarts": args.num_restarts, "raw_samples": args.raw_samples,
+                 "threads": torch.get_num_threads(), "methods": {}, "provenance": provenance(__file__, argv, X.device)}
     fitted = {}
     for name in args.methods.split(","):
         need = singletask_posterior_bytes(args) if name == "singletask" else 0

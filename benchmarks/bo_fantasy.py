@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -140,7 +139,8 @@ def plot(res: dict, path: Path) -> None:
         ax.set_xlabel("training points n")
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle(f"one-shot qKG, {res['fantasies']} fantasies x {res['restarts']} points, {res['device_name']}")
+    fig.suptitle(f"one-shot qKG, {res['fantasies']} fantasies x {res['restarts']} points, "
+                 f"{res['provenance']['device_name']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -176,16 +176,11 @@ def main(argv: list[str] | None = None) -> dict:
         if m not in METHODS:
             raise SystemExit(f"--methods: {m!r} is not one of {', '.join(METHODS)}")
     sizes = [int(s) for s in (args.sizes or "1000,2000,5000,20000").split(",")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    res: dict = {"fantasies": args.fantasies, "restarts": args.restarts, "repeats": args.repeats, "seed": args.seed,
-                 "threads": args.threads, "device": args.device, "commit": commit,
-                 "date": time.strftime("%Y-%m-%d"), "machine": platform.platform(),
-                 "device_name": platform.processor() or platform.machine(), "methods": methods, "rows": []}
-    if args.device.startswith("cuda"):
-        import torch
+    from gpnys.baselines.provenance import provenance  # here: a case's process measures its own peak memory
 
-        res["device_name"] = torch.cuda.get_device_name(torch.device(args.device))
+    res: dict = {"fantasies": args.fantasies, "restarts": args.restarts, "repeats": args.repeats, "seed": args.seed,
+                 "threads": args.threads, "device": args.device, "methods": methods, "rows": [],
+                 "provenance": provenance(__file__, argv, args.device)}
     print(f"{'n':>7} {'method':>10} {'first s':>9} {'warm s':>9} {'peak GiB':>9} {'value err':>10} {'grad err':>10}")
     for n in sizes:
         row: dict = {"n": n}

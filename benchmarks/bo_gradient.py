@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from botorch.test_functions import Hartmann
 from gpytorch.mlls import ExactMarginalLogLikelihood
 from torch.quasirandom import SobolEngine
 
+from gpnys.baselines.provenance import provenance
 from gpnys.bo import PreconditionedSingleTaskGP
 from gpnys.gp.settings import EstimatorSettings
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
              for i in range(p.numel())]
     i_noise = names.index("likelihood.noise_covar.raw_noise")
     res: dict = {"n": args.n, "probes": args.probes, "lengthscale": ls.tolist(), "parameters": names,
-                 "threads": torch.get_num_threads(), "machine": platform.platform(), "rows": []}
+                 "threads": torch.get_num_threads(), "rows": [], "provenance": provenance(__file__, argv)}
     print(f"Hartmann-6, n = {args.n}, {args.probes} probes; error columns: loss rel. error, worst gradient "
           f"component, noise component (|g - g*| / max(|g*|, 0.1 |g*|))")
     for noise in (float(v) for v in args.noise.split(",")):
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"  {cv:>6} seed {seed}: {t:5.2f} s, loss {row['loss_rel_err']:.1e}, worst "
                       f"{max(err):7.1%}, noise {err[i_noise]:7.1%}")
     torch.set_num_threads(threads)
-    path = Path(args.out) if args.out else RESULTS / ("bo_gradient_quick.json" if args.quick else f"bo_gradient_n{args.n}.json")
+    path = Path(args.out) if args.out else RESULTS / ("bo_gradient_quick.json" if args.quick
+                                                      else f"bo_gradient_n{args.n}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")

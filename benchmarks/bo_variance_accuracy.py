@@ -26,6 +26,7 @@ from botorch.models.transforms.outcome import Standardize
 from botorch.test_functions import Hartmann
 from torch.quasirandom import SobolEngine
 
+from gpnys.baselines.provenance import provenance
 from gpnys.bo import PreconditionedSingleTaskGP
 
 LENGTHSCALE = (0.286, 0.369, 0.466, 0.342, 0.333, 0.317)
@@ -116,7 +117,7 @@ def main(argv=None) -> dict:
         rows.append({"rtol": "float32 SingleTaskGP", "cold_variance_error": cold[0], "cold_gradient_error": cold[1],
                      "warm_variance_error": warm[0], "warm_gradient_error": warm[1]})
     out = {"n": args.n, "noise": args.noise, "dtype": str(dtype), "threads": args.threads, "steps": args.steps,
-           "preconditioner_s": build, "rows": rows}
+           "preconditioner_s": build, "rows": rows, "provenance": provenance(__file__, argv)}
     path = Path(args.out) if args.out else RESULTS / "bo_variance_accuracy.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 from laplace import make_kernel, svgp  # noqa: E402
 from nsl_svm import load  # noqa: E402
 
+from gpnys.baselines.provenance import provenance  # noqa: E402
 from gpnys.classify import ReducedLaplaceClassifier  # noqa: E402
 from gpnys.reduced.nystrom_features import median_lengthscale  # noqa: E402
 
@@ -88,18 +87,16 @@ def main(argv: list[str] | None = None) -> dict:
                 lr=args.svgp_lr)
     full = svgp(Xtr, ytr, Xte, yte, ell, args.m, args.full_iters, max(1, args.full_iters // 10), args.seed) \
         if args.full_iters else []
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     out = {"data": desc, "n": Xtr.shape[0], "test": Xte.shape[0], "m": args.m, "steps": args.steps, "lr": args.lr,
            "subsample": args.subsample, "threads": torch.get_num_threads(),
-           "device": platform.processor() or platform.machine(), "commit": commit, "date": time.strftime("%Y-%m-%d"),
            "gpnys": {"seconds": t_gpnys, "test_accuracy": acc, "log_q": clf.log_marginal_likelihood_,
                      "rank": clf.rank_, "newton_iterations": clf.newton_iterations_, "history": clf.history_,
                      "hyperparameters": {"lengthscale": float(clf.kernel_.base_kernel.lengthscale.detach()),
                                          "outputscale": float(clf.kernel_.outputscale.detach())}},
            "svgp_minibatch": {"batch": args.batch, "lr": args.svgp_lr, "rows": mini,
                               "seconds_to_gpnys_accuracy": reached(mini, acc)},
-           "svgp_full_batch": {"rows": full, "seconds_to_gpnys_accuracy": reached(full, acc)}}
+           "svgp_full_batch": {"rows": full, "seconds_to_gpnys_accuracy": reached(full, acc)},
+           "provenance": provenance(__file__, argv)}
     print(f"{desc}: n = {Xtr.shape[0]}, {Xte.shape[0]} test rows, Matérn-3/2, m = {args.m}")
     print(f"{'method':<34}{'seconds':>10}{'test acc':>10}{'to gpnys acc (s)':>18}{'gpnys / it':>12}")
     print(f"{'gpnys reduced Laplace':<34}{t_gpnys:10.2f}{acc:10.4f}")

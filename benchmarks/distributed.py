@@ -28,11 +28,11 @@ the log det's relative difference from the plain build.
 Memory, in separate runs (one untimed evaluation each, no builds, at n and at ``--mem-n`` points): each rank's
 peak above what it held before the evaluation (CPU: the resident set's high-water mark, reset through
 ``/proc/self/clear_refs`` after ``malloc_trim``, Linux only; CUDA: ``max_memory_allocated``); the difference gives
-bytes per point per rank (:func:`memory_model`: replicated ``a`` and split ``b / P``, from P = 1 and 2). ``--dense-gib 0``
-runs the workers under ``gpnys.memory_budget(dense_bytes=0)``, as a rank at 10^7 / 8 GPUs would run by default
-(its rows' arrays exceed half the free memory): the control variate's rows in checkpointed batches. ``--block-mib``
-sets their temporary blocks: a GPU's default (1 GiB) holds whole passes at 2 x 10^5 points, which a rank at 10^7
-runs in blocks, so ``--block-mib 32`` measures that rank's bytes per point.
+bytes per point per rank (:func:`memory_model`: replicated ``a`` and split ``b / P``, from P = 1 and 2).
+``--dense-gib 0`` runs the workers under ``gpnys.memory_budget(dense_bytes=0)``, as a rank at 10^7 / 8 GPUs would
+run by default (its rows' arrays exceed half the free memory): the control variate's rows in checkpointed batches.
+``--block-mib`` sets their temporary blocks: a GPU's default (1 GiB) holds whole passes at 2 x 10^5 points, which a
+rank at 10^7 runs in blocks, so ``--block-mib 32`` measures that rank's bytes per point.
 
 Then a cost model for 1-8 GPUs at n = 10^6 .. 10^7: per evaluation, the single-GPU time measured by
 ``benchmarks/gpu.py --parts mll`` (``--gpu-mll-1e6-s``: one value + gradient at 10^6 on an H200, float32;
@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from gpnys.baselines.provenance import provenance
 from gpnys.cli.common import add_budget_args
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -290,7 +291,8 @@ def main(argv=None) -> int:
     add_budget_args(ap)  # the workers' gpnys.memory_budget (module docstring)
     ap.add_argument("--mem-n", type=int, default=None,
                     help="a second, memory-only evaluation per P at this n, for bytes per point (default n / 5)")
-    ap.add_argument("--gpu-gib", type=float, default=139.8, help="memory per GPU in the model (H200: 139.8; H100: 79.2)")
+    ap.add_argument("--gpu-gib", type=float, default=139.8,
+                    help="memory per GPU in the model (H200: 139.8; H100: 79.2)")
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--gpu-mll-1e6-s", type=float, default=17.06,
                     help="seconds per value + gradient at 10^6 on one GPU, every pair, float32 (default: an H200's)")
@@ -300,8 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--columns", type=int, default=17, help="columns per product in the model (probes + 1)")
     ap.add_argument("--link-gbs", type=float, default=100.0, help="all-gather bandwidth per GPU in the model")
     ap.add_argument("--model-from", default=None, metavar="JSON",
-                    help="no runs: the cost model from this earlier run's JSON (its runs' memory) with this call's model "
-                         "flags")
+                    help="no runs: the cost model from this earlier run's JSON (its runs' memory) with this call's "
+                         "model flags")
     ap.add_argument("--memory-from", default=None, metavar="A.json,B.json",
                     help="with --model-from: the memory per point from two memory-only worker records (one process, "
                          "two sizes) instead")
@@ -375,18 +377,11 @@ def main(argv=None) -> int:
         print(f"  model: {memory['replicated_bytes_per_point']:.0f} bytes per point replicated + "
               f"{memory['split_bytes_per_point']:.0f} / P split + {memory['intercept_mib']:.0f} MiB ({memory['from']})")
     model = print_model(args, memory)
-    out.write_text(json.dumps({"meta": _meta(argv), "runs": rows, "memory_model": memory, "cost_model": model},
-                              indent=1))
+    out.write_text(json.dumps({"runs": rows, "memory_model": memory, "cost_model": model,
+                               "provenance": provenance(__file__, argv, args.device)}, indent=1))
     plot_model(model, out)
     print(f"wrote {out}")
     return 0
-
-
-def _meta(argv) -> dict:
-    return {"command": "python " + " ".join([Path(sys.argv[0]).name if argv is None else "benchmarks/distributed.py",
-                                             *(sys.argv[1:] if argv is None else argv)]),
-            "torch": torch.__version__, "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                                       time.gmtime())}
 
 
 def print_model(args, memory: dict | None) -> list[dict]:
@@ -417,8 +412,9 @@ def model_only(args, out: Path, argv) -> int:
         print(f"memory: {memory['replicated_bytes_per_point']:.0f} bytes per point replicated + "
               f"{memory['split_bytes_per_point']:.0f} / P split + {memory['intercept_mib']:.0f} MiB ({memory['from']})")
     model = print_model(args, memory)
-    out.write_text(json.dumps({"meta": {**_meta(argv), "model_from": args.model_from, "memory_from": args.memory_from},
-                               "memory_model": memory, "cost_model": model}, indent=1))
+    out.write_text(json.dumps({"meta": {"model_from": args.model_from, "memory_from": args.memory_from},
+                               "memory_model": memory, "cost_model": model,
+                               "provenance": provenance(__file__, argv)}, indent=1))  # nothing ran on --device
     plot_model(model, out)
     print(f"wrote {out}")
     return 0

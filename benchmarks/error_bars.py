@@ -27,6 +27,7 @@ import torch
 
 from gpnys import datasets
 from gpnys.baselines.mll import evaluate
+from gpnys.baselines.provenance import provenance
 from gpnys.gp.settings import EstimatorSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -70,7 +71,7 @@ def main(argv=None) -> dict:
              for i in range(len(v) if isinstance(v, list) else 1)]
     out: dict = {"data": args.data, "n": n, "kernel": args.kernel, "lengthscale": args.lengthscale,
                  "noise": args.noise, "seeds": seeds, "exact_time_s": ref["time_s"], "device": str(X.device),
-                 "torch_threads": torch.get_num_threads()}
+                 "torch_threads": torch.get_num_threads(), "provenance": provenance(__file__, argv, X.device)}
 
     # -- coverage ---------------------------------------------------------------------------------------------
     z_loss, z_grad, times = [], [], []

@@ -87,13 +87,16 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if args.calls < 2:
         ap.error("--calls must be at least 2 (a first call and a warm one)")
-    import torch  # (after the child branch: the parent needs it only for the device name)
+    import torch  # (after the child branch: the parent needs it only for the device and its record)
+
+    from gpnys.baselines.provenance import provenance
 
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     n = args.n or (600 if args.quick else 25_000)
     processes = args.processes or (2 if args.quick else 3)
     spec = {"device": device, "dtype": args.dtype, "data": args.data, "n": n, "calls": args.calls,
             "lengthscale": args.lengthscale, "noise": args.noise}
+    record = provenance(__file__, argv, device)
     env = dict(os.environ)
     tmp = None
     if not args.keep_caches:
@@ -116,13 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{first - warm:>8.3f}  {','.join(rec['paths'])}", flush=True)
     if tmp is not None:
         tmp.cleanup()
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    res = {"meta": {"command": "python benchmarks/first_call.py " + " ".join(argv or sys.argv[1:]),
-                    "device": device, "device_name": name, "torch": torch.__version__, "git_commit": commit,
-                    "date": time.strftime("%Y-%m-%d"), **spec},
-           "rows": rows}
+    res = {"meta": dict(spec), "rows": rows, "provenance": record}
     out_path = Path(args.out) if args.out else RESULTS / ("first_call_quick.json" if args.quick else "first_call.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(res, indent=1))

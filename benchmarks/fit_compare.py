@@ -11,14 +11,14 @@ outputscale = softplus(0) = 0.693, noise 0.693 + 1e-4), standardised data. exact
 form, the same loss and gradient as GPyTorch's Cholesky path to ~1e-14, 4-5x faster than it at n = 15k; predictions by
 GPyTorch's Cholesky path). GPyTorch's own Cholesky training (autograd through the factorisation) is also timed,
 on ``--gpytorch-cholesky-steps`` steps only (about 4 min and 18 GB per step at the full split), and its training
-time reported as the median step time x the step budget. gpytorch: the same model under ``max_cholesky_size(0)``, else GPyTorch's defaults (CG tolerance
-1, 10 probes, rank-15 pivoted Cholesky); prediction by its recommended large-n path, ``fast_pred_var()`` (LOVE) with
-``max_cholesky_size(0)``. auto: the same model under ``gpnys.use_preconditioner(model, "auto")``, trained as
-``gpnys fit`` does; ``hook.predict``. higp: ``higp.gprproblem.setup`` + ``higp.GPRModel`` + ``torch.optim.Adam``
-stepped as ``higp.gpr_torch_minimize`` does; isotropic (HiGP has no ARD), zero mean, HiGP's default estimator (rank
-50 Nyström, 10 Lanczos steps, 10 probes seeded from the wall clock); Adam acts on HiGP's raw parameters softplus^-1
-of (lengthscale, sqrt(outputscale), noise); ``higp.gpr_prediction`` with ``higp.ezgpr_torch``'s settings (its
-``prediction_stddev`` is that of y, noise included: checked against Cholesky in HiGP's exact mode).
+time reported as the median step time x the step budget. gpytorch: the same model under ``max_cholesky_size(0)``, else
+GPyTorch's defaults (CG tolerance 1, 10 probes, rank-15 pivoted Cholesky); prediction by its recommended large-n path,
+``fast_pred_var()`` (LOVE) with ``max_cholesky_size(0)``. auto: the same model under ``gpnys.use_preconditioner(model,
+"auto")``, trained as ``gpnys fit`` does; ``hook.predict``. higp: ``higp.gprproblem.setup`` + ``higp.GPRModel`` +
+``torch.optim.Adam`` stepped as ``higp.gpr_torch_minimize`` does; isotropic (HiGP has no ARD), zero mean, HiGP's default
+estimator (rank 50 Nyström, 10 Lanczos steps, 10 probes seeded from the wall clock); Adam acts on HiGP's raw parameters
+softplus^-1 of (lengthscale, sqrt(outputscale), noise); ``higp.gpr_prediction`` with ``higp.ezgpr_torch``'s settings
+(its ``prediction_stddev`` is that of y, noise included: checked against Cholesky in HiGP's exact mode).
 
 Loss = -MLL / n before each step (HiGP: total / n). Training time counts the steps only: test-RMSE checkpoints (steps
 1, iters/4, ..., iters = final prediction) are timed apart. RMSE / NLL in original units of y.
@@ -34,7 +34,6 @@ import contextlib
 import importlib.util
 import json
 import math
-import platform
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +45,7 @@ import torch
 from gpnys import datasets
 from gpnys.baselines.exact import cholesky_loss
 from gpnys.baselines.higp_adapter import _inv_softplus, _quiet_stdout, _softplus
+from gpnys.baselines.provenance import provenance
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.training import (
     ExactGPModel,
@@ -237,6 +237,7 @@ def main(argv=None) -> dict:
         checks = {round(1 + i * (args.iters - 1) / (k - 1)) for i in range(k)}
     threads, results = torch.get_num_threads(), {}
     torch.set_num_threads(args.threads)
+    record = provenance(__file__, argv)  # with the run's threads (main restores the caller's at the end)
     ds = datasets.load(args.data, split=0, n=args.n, seed=args.seed, standardize=not args.no_standardize)
     fit(_model(datasets.load("elevators", n=64)), iters=1, progress=False)  # untimed warm-up: torch's first call ~1 s
     print(f"{ds.describe()}; Matern-3/2, Adam lr {args.lr}, {args.iters} steps, {args.threads} threads")
@@ -260,13 +261,14 @@ def main(argv=None) -> dict:
     for name, r in ((k, v) for k, v in results.items() if "skipped" not in v):
         h, ls = r["hyperparameters"], np.atleast_1d(r["hyperparameters"]["lengthscale"])
         rel = " ".join(f"{r[k]:7.2%}" if k in r else f"{'-':>7}" for k in ("rmse_rel_diff", "nll_rel_diff"))
-        rel += "".join(f" {r[k]:7.3f}" if k in r else f" {'-':>7}" for k in ("time_ratio", "time_ratio_gpytorch_cholesky"))
+        rel += "".join(f" {r[k]:7.3f}" if k in r else f" {'-':>7}"
+                       for k in ("time_ratio", "time_ratio_gpytorch_cholesky"))
         print(f"{name:>9} {min(ls):6.3g}/{np.median(ls):6.3g}/{max(ls):6.3g} {h['outputscale']:7.3g} "
               f"{h['noise']:8.3g} {r.get('test_rmse', math.nan):8.5f} {r.get('test_nll', math.nan):8.4f} "
               f"{r['train_time_s']:8.2f} {r.get('predict_time_s', math.nan):7.2f} {rel}")
     out = {"data": ds.name, "split": ds.split, "n_train": ds.n, "n_test": int(ds.test_x.shape[0]), "kernel": "matern32",
-           **{k: getattr(args, k) for k in ("iters", "lr", "seed", "threads")}, "machine": platform.platform(),
-           "gpytorch_cholesky": gpy_chol, "results": results}
+           **{k: getattr(args, k) for k in ("iters", "lr", "seed", "threads")}, "gpytorch_cholesky": gpy_chol,
+           "results": results, "provenance": record}
     path = Path(args.out) if args.out else RESULTS / ("fit_compare_quick.json" if args.quick else "fit_compare.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

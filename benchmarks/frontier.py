@@ -46,6 +46,7 @@ import torch
 from gpnys import datasets
 from gpnys.baselines.higp_adapter import evaluate_higp
 from gpnys.baselines.mll import evaluate, grad_errors
+from gpnys.baselines.provenance import provenance
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.gp.training import ExactGPModel, fit, hyperparameters
 
@@ -181,8 +182,9 @@ def main(argv=None) -> dict:
         methods.remove("higp")
     runners = {"gpnys": _gpnys, "gpytorch": _gpytorch, "higp": _higp}
     out = Path(args.out) if args.out else RESULTS / ("frontier_quick.json" if args.quick else "frontier.json")
-    meta = {"command": "python benchmarks/frontier.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "fit_n": fit_n, "fit_iters": fit_iters}
+    record = provenance(__file__, argv)
+    command = record["command"]  # each row and case records the run that measured it (--refresh keeps older ones)
+    meta = {"threads": torch.get_num_threads(), "fit_n": fit_n, "fit_iters": fit_iters}
     # --resume: keep the cases already in the JSON (a checkpoint per case; the whole grid takes about an hour)
     refresh = [m for m in args.refresh.split(",") if m]
     cases = json.loads(out.read_text())["cases"] if (args.resume or refresh) and out.exists() else []
@@ -224,7 +226,7 @@ def main(argv=None) -> dict:
                     continue
                 before = [r["time_s"] for r in (old or {}).get("rows", []) if r["method"] == method and
                           r["settings"] == s and not args.beyond]
-                rows.append(_measure(runners[method], X, y, common, s, seeds, ref, method, meta["command"], max_time,
+                rows.append(_measure(runners[method], X, y, common, s, seeds, ref, method, command, max_time,
                                      before[0] if before else None))
         ok = [r for r in rows if "error" not in r and "over_max_time" not in r]
         print("| method | settings | time s | loss error | worst gradient error |")
@@ -243,17 +245,17 @@ def main(argv=None) -> dict:
         case = {"data": name, "kernel": kernel, "n": X.shape[0], "n_requested": n, "hyperparameters": hyper,
                 "reference": {"loss": ref["loss"], "time_s": ref["time_s"]}, "rows": rows, "checks": checks,
                 "seeds": sorted({v for r in rows for v in r.get("seeds", [args.seed])}),
-                "max_time_s": None if args.max_time is None else max_time, "command": meta["command"]}
+                "max_time_s": None if args.max_time is None else max_time, "command": command}
         if old is not None:
             cases[cases.index(old)] = case
         else:
             cases.append(case)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"meta": meta, "cases": cases}, indent=1))
+        out.write_text(json.dumps({"meta": meta, "cases": cases, "provenance": record}, indent=1))
         sys.stdout.flush()
     _plot(cases, Path(args.png) if args.png else out.with_suffix(".png"))
     print(f"\nwrote {out}")
-    return {"meta": meta, "cases": cases}
+    return {"meta": meta, "cases": cases, "provenance": record}
 
 
 def _plot(cases: list[dict], path: Path) -> None:

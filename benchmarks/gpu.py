@@ -13,25 +13,25 @@ Four parts (``--parts``: default ``product,mll,fit``; ``paths`` on request), eve
 reset (``None`` on the CPU):
 
 1. product: one unit Matérn-3/2 product ``K V`` (``V``: 32 columns or ``--product-columns``, ``--product-dtype``
-   float32) on ``synthetic3d`` (unit density, l = 1) with no cutoff (``prune_tol=0``, ``dense_limit_bytes=0``: every entry recomputed), for
-   each backend of :class:`~gpnys.kernels.operator.StationaryKernelOperator`: ``torch`` tiles, ``triton`` (when
-   ``select_backend(device, "triton")`` accepts it), ``triton_tf32`` and, with ``--keops``, ``keops`` in a child
-   process (pykeops segfaults on CUDA 13: a crash is recorded as ``crashed``). Median of ``--repeats`` after one
-   warm-up; entries/s = n^2 / time; relative error (Frobenius) against the torch tiles at the smallest n. A
+   float32) on ``synthetic3d`` (unit density, l = 1) with no cutoff (``prune_tol=0``, ``dense_limit_bytes=0``: every
+   entry recomputed), for each backend of :class:`~gpnys.kernels.operator.StationaryKernelOperator`: ``torch`` tiles,
+   ``triton`` (when ``select_backend(device, "triton")`` accepts it), ``triton_tf32`` and, with ``--keops``, ``keops``
+   in a child process (pykeops segfaults on CUDA 13: a crash is recorded as ``crashed``). Median of ``--repeats`` after
+   one warm-up; entries/s = n^2 / time; relative error (Frobenius) against the torch tiles at the smallest n. A
    ``triton`` row whose kernels failed and fell back to the torch tiles is marked ``fallback``.
 2. mll: ``-MLL/n`` and its raw-parameter gradient at fixed hyperparameters (ScaleKernel(Matérn-3/2), Gaussian
    likelihood, zero mean; ``--lengthscale``, ``--outputscale``, ``--noise``) by
    ``gpnys`` (``use_preconditioner(model, "auto")``, default backend; at the synthetic sizes also ``gpnys_prune0``,
    ``EstimatorSettings(kernel_prune_tol=0)``: every pair, and ``gpnys_prune0_floor10``, the same with the fixed
    floor of 10 Lanczos steps, ``lanczos_share=None``: the estimator before commit 16cf2ec), ``gpytorch_cholesky``
-   (GPyTorch's exact path, float64, only where 3 n^2 x 8 bytes fit in the free memory, else ``skipped (memory)``), ``cholesky_closed`` (the same exact loss by
-   :func:`gpnys.baselines.exact.cholesky_loss`, float64, closed-form gradient, where 4 n^2 x 8 bytes fit), ``gpytorch_cg``
-   (``max_cholesky_size(0)``, GPyTorch's defaults; an OOM is recorded as ``OOM``) and, with ``--keops``,
-   ``gpytorch_keops`` (``gpytorch.kernels.keops.MaternKernel`` under ``max_cholesky_size(0)``, in a child process).
-   Errors are against ``gpytorch_cholesky`` where it ran, else ``cholesky_closed``: |loss - ref| and the largest
-   gradient error |g - g*| / max(|g*|, 0.1 ||g*||) (:func:`gpnys.baselines.mll.grad_errors`). Data: kin40k (``--real-data``,
-   standardised, 8-D) at 10k, 25k and its whole training split (36 000), and ``synthetic3d`` (not standardised) at
-   200k and 1e6.
+   (GPyTorch's exact path, float64, only where 3 n^2 x 8 bytes fit in the free memory, else ``skipped (memory)``),
+   ``cholesky_closed`` (the same exact loss by :func:`gpnys.baselines.exact.cholesky_loss`, float64, closed-form
+   gradient, where 4 n^2 x 8 bytes fit), ``gpytorch_cg`` (``max_cholesky_size(0)``, GPyTorch's defaults; an OOM is
+   recorded as ``OOM``) and, with ``--keops``, ``gpytorch_keops`` (``gpytorch.kernels.keops.MaternKernel`` under
+   ``max_cholesky_size(0)``, in a child process). Errors are against ``gpytorch_cholesky`` where it ran, else
+   ``cholesky_closed``: |loss - ref| and the largest gradient error |g - g*| / max(|g*|, 0.1 ||g*||)
+   (:func:`gpnys.baselines.mll.grad_errors`). Data: kin40k (``--real-data``, standardised, 8-D) at 10k, 25k and its
+   whole training split (36 000), and ``synthetic3d`` (not standardised) at 200k and 1e6.
 3. fit: ``--fit-steps`` Adam steps (lr ``--lr``) from GPyTorch's initialisation (constant mean) by ``gpnys``,
    ``gpytorch_cg`` and ``cholesky`` (closed-form gradient, float64, where it fits) at the real sizes and synthetic
    200k; ``--fit-1e6`` adds synthetic 1e6 with gpnys and ``--fit-1e6-steps`` (50) steps (the aim: a 50-step Adam
@@ -44,13 +44,13 @@ reset (``None`` on the CPU):
    ``make_preconditioner`` (rank, finite log det), one PCG solve ``K̂ x = y`` with the hook's system (iterations,
    true relative residual), one -MLL + gradient under the hook, ``hook.predict`` with variances at
    ``--paths-test`` (2000) test points after one training evaluation, a ``ReducedGP`` (LLA, 1000 FPS landmarks)
-   with the exact model's hyperparameters, ``PreconditionedSingleTaskGP(max_cholesky_size=0, posterior_cholesky_size=0).posterior`` at 256
-   test points (hyperparameters loaded, no fit) and the CLI (``python -m gpnys.cli.main mll --method auto
-   --device ...`` in a child process: exit code, last line). One row per path: status, seconds (``time_s`` the
-   path's own call, ``wall_s`` with its setup, e.g. the preconditioner before PCG or the training evaluation
-   before a prediction), peak memory, ``finite`` (and ``positive_variance`` for predictions; ``not finite`` is a
-   failed row). Quick: 600 points, 50 test points (10 for BoTorch). Importing BoTorch rewrites GPyTorch's global
-   defaults, so this part runs last.
+   with the exact model's hyperparameters, ``PreconditionedSingleTaskGP(max_cholesky_size=0,
+   posterior_cholesky_size=0).posterior`` at 256 test points (hyperparameters loaded, no fit) and the CLI (``python -m
+   gpnys.cli.main mll --method auto --device ...`` in a child process: exit code, last line). One row per path: status,
+   seconds (``time_s`` the path's own call, ``wall_s`` with its setup, e.g. the preconditioner before PCG or the
+   training evaluation before a prediction), peak memory, ``finite`` (and ``positive_variance`` for predictions; ``not
+   finite`` is a failed row). Quick: 600 points, 50 test points (10 for BoTorch). Importing BoTorch rewrites GPyTorch's
+   global defaults, so this part runs last.
 
 Every size that raises (OOM, ...) is recorded with its error text and the run goes on. A measurement whose time,
 projected from the previous size of the same method (x n^2, x n for gpnys with its cutoff), exceeds
@@ -82,14 +82,12 @@ if _wants_interpreter(sys.argv[1:]):
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
-import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -102,9 +100,9 @@ import gpytorch  # noqa: E402
 from gpnys import datasets, memory_budget  # noqa: E402
 from gpnys.baselines.exact import cholesky_loss  # noqa: E402
 from gpnys.baselines.mll import grad_errors  # noqa: E402
+from gpnys.baselines.provenance import provenance  # noqa: E402
 from gpnys.gp.hook import use_preconditioner  # noqa: E402
-from gpnys.gp.settings import GP_DEFAULTS  # noqa: E402
-from gpnys.gp.settings import EstimatorSettings  # noqa: E402
+from gpnys.gp.settings import GP_DEFAULTS, EstimatorSettings  # noqa: E402
 from gpnys.gp.training import ExactGPModel, fit, hyperparameters, read_checkpoint  # noqa: E402
 from gpnys.kernels.backends import select_backend, triton_available  # noqa: E402
 from gpnys.kernels.operator import StationaryKernelOperator  # noqa: E402
@@ -158,31 +156,6 @@ def free_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return 8 << 30  # unknown: assume a small machine
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": platform.python_version(), "torch_cuda": torch.version.cuda}
-    for pkg in ("torch", "triton", "gpytorch", "linear_operator", "pykeops", "gpnys"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    import gpnys
-
-    out["gpnys_path"] = str(Path(gpnys.__file__).resolve().parent)  # the tree timed (a baseline's on PYTHONPATH)
-    return out
 
 
 def classify(err: BaseException) -> str:
@@ -326,8 +299,8 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def part_products(args, bench) -> None:
     device, dtype = args.device, DTYPES[args.product_dtype]
     variants = [("torch", "torch", False), ("triton", "triton", False), ("triton_tf32", "triton", True)]
-    bench.header("product", f"K V, unit Matern-3/2, l = 1, {args.product_columns} columns, {args.product_dtype}, no cutoff, "
-                 f"median of {args.repeats} after a warm-up",
+    bench.header("product", f"K V, unit Matern-3/2, l = 1, {args.product_columns} columns, {args.product_dtype}, "
+                 f"no cutoff, median of {args.repeats} after a warm-up",
                  f"{'backend':>12} {'n':>8} {'status':>16} {'time s':>9} {'entries/s':>10} {'rel err':>9} "
                  f"{'peak MiB':>9}")
     outs: dict[str, torch.Tensor] = {}
@@ -548,7 +521,7 @@ def part_mll(args, bench) -> None:
                                      timeout=3 * args.max_seconds + 600))
             else:
                 warm(data, X, y, method, settings)
-                row.update(guarded(lambda: mll_eval(X, y, method, h, args.seed, settings, options), device))
+                row.update(guarded(functools.partial(mll_eval, X, y, method, h, args.seed, settings, options), device))
             if row["status"] == "ok" and ref is None and method in REFERENCES:
                 ref = row
             if ref is not None and row["status"] == "ok" and row is not ref:
@@ -877,9 +850,10 @@ def note(row: dict) -> str:
 class Bench:
     """Rows of every part, the JSON written after each row, and the projected-time guard."""
 
-    def __init__(self, args, meta: dict):
+    def __init__(self, args, meta: dict, record: dict):
         self.args, self.out = args, args.out
-        self.res: dict[str, Any] = {"meta": meta, "products": [], "mll": [], "fit": [], "paths": []}
+        self.res: dict[str, Any] = {"meta": meta, "provenance": record, "products": [], "mll": [], "fit": [],
+                                    "paths": []}
         self.times: dict[tuple, tuple[int, float]] = {}
         self.start = time.perf_counter()
 
@@ -941,7 +915,7 @@ def plot(res: dict, path: Path) -> None:
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.suptitle(res["meta"]["device_name"], fontsize=9)
+    fig.suptitle(res["provenance"]["device_name"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1042,8 +1016,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = args.device
-    meta = {"device": str(dev), "device_name": device_name(dev), "versions": versions(),
-            "command": "python benchmarks/gpu.py " + shlex.join(argv), "quick": q, "parts": parts,
+    record = provenance(__file__, argv, dev)
+    meta = {"device": str(dev), "quick": q, "parts": parts,
             "dtype": args.dtype, "product_dtype": args.product_dtype, "threads": torch.get_num_threads(),
             "hyperparameters": args.hypers, "seed": args.seed, "repeats": args.repeats, "warmup_n": args.warmup_n,
             "fit_steps": args.fit_steps, "paths_n": args.paths_n, "paths_test": args.paths_test,
@@ -1051,16 +1025,14 @@ def main(argv: list[str] | None = None) -> dict:
             "dense_gib": args.dense_gib,
             "keops": args.keops,
             "triton_available": triton_available(), "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-            "max_seconds": args.max_seconds, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    with contextlib.suppress(Exception):
-        meta["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+            "max_seconds": args.max_seconds}
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         meta.update(cuda_capability=f"{props.major}.{props.minor}", cuda_total_mib=props.total_memory / 2**20)
-    bench = Bench(args, meta)
-    print(f"device {dev} ({meta['device_name']}), torch {meta['versions']['torch']}, triton "
-          f"{meta['versions']['triton']}, gpytorch {meta['versions']['gpytorch']}, {meta['threads']} threads")
+    bench = Bench(args, meta, record)
+    ver = record["versions"]
+    print(f"device {dev} ({record['device_name']}), torch {ver['torch']}, triton {ver['triton']}, gpytorch "
+          f"{ver['gpytorch']}, {meta['threads']} threads")
     t0 = time.perf_counter()
     budget = (memory_budget(dense_bytes=int(args.dense_gib * 2**30)) if args.dense_gib is not None
               else contextlib.nullcontext())

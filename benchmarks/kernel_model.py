@@ -48,6 +48,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from gpnys.baselines.provenance import provenance  # noqa: E402
 from gpnys.kernels.backends.triton_fused import BLOCK, TritonBackend, _pow2  # noqa: E402
 from gpnys.kernels.formulas import formula  # noqa: E402
 
@@ -55,7 +56,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 KERNELS = "gpnys/kernels/backends/triton_kernels.py"
 MEASURED = {"kv_t32_entries_per_s": 3.41e11, "kv_t32_tf32_entries_per_s": 5.80e11, "mll_1e6_s": 48.6,
             "setup_1e6_s": 1.51, "cg_iterations_1e6": 11}
-SPEC = dict(MEASURED=MEASURED, source="benchmarks/RESULTS.md: H100 runs of the product (commit 62efdbb) and the MLL at 10^6 (000f71c)")
+SPEC = dict(MEASURED=MEASURED,
+            source="benchmarks/RESULTS.md: H100 runs of the product (commit 62efdbb) and the MLL at 10^6 (000f71c)")
 
 
 def load_kernels(rev: str | None):
@@ -185,8 +187,7 @@ def model(args) -> dict:
                 r[f"{tag}_entries_per_s"] = MEASURED["kv_t32_entries_per_s"] * ref / r[f"{tag}_instructions"]
         if args.before:
             r["ratio"] = r["after_instructions"] / r["before_instructions"]
-    out = {"meta": {"command": "python benchmarks/kernel_model.py " + " ".join(sys.argv[1:]), "arch": "sm_90",
-                    "triton": triton.__version__, "before": args.before, "d": args.d, **SPEC}, "kernels": rows}
+    out = {"meta": {"arch": "sm_90", "before": args.before, "d": args.d, **SPEC}, "kernels": rows}
     if ref:
         out["mll"] = mll_model(rows, args)
     return out
@@ -227,7 +228,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.d < 1 or args.cg_iterations < 1:
         raise SystemExit("--d and --cg-iterations must be positive")
-    out = model(args)
+    record = provenance(__file__, argv)
+    out = {**model(args), "provenance": record}
     print(f"instructions per 64 x 64 tile and thread, sm_90, Matérn-3/2, d = {args.d}, float32")
     print(f"{'case':40s} {'before':>8s} {'after':>8s} {'ratio':>6s} {'entries/s before':>17s} {'after':>9s} "
           f"{'spills':>7s}")

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -41,6 +39,7 @@ import torch
 
 from gpnys import datasets
 from gpnys.baselines.laplace import dense_laplace as dense_laplace_mode
+from gpnys.baselines.provenance import provenance
 from gpnys.classify import LaplaceGPClassifier
 from gpnys.reduced.nystrom_features import median_lengthscale
 
@@ -191,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
             40, 20
     if args.threads:
         torch.set_num_threads(args.threads)
+    record = provenance(__file__, argv)
     Xtr, ytr, Xte, yte = load(args.n, args.test, args.seed)
     ell = median_lengthscale(Xtr)
 
@@ -213,11 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = svgp(Xtr, ytr, Xte, yte, ell, args.inducing, args.svgp_iters, args.svgp_every, args.seed)
     reached = next((r["seconds"] for r in rows if r["accuracy"] >= acc), None)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     out = {"n": args.n, "test": args.test, "steps": args.steps, "k": args.k, "probes": args.probes,
-           "threads": torch.get_num_threads(), "device": platform.processor() or platform.machine(), "commit": commit,
-           "date": time.strftime("%Y-%m-%d"),
+           "threads": torch.get_num_threads(), "provenance": record,
            "gpnys": {"seconds": t_gpnys, "test_accuracy": acc, "log_q": clf.log_marginal_likelihood_,
                      "log_q_std_error": clf.mll_std_error_, "one_log_q_and_gradient_s": t_one,
                      "history": clf.history_,

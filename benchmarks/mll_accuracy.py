@@ -26,6 +26,7 @@ import torch
 from gpnys import datasets
 from gpnys.baselines.higp_adapter import evaluate_higp
 from gpnys.baselines.mll import evaluate, grad_errors
+from gpnys.baselines.provenance import provenance
 from gpnys.gp.settings import EstimatorSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,7 +60,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     n, seeds = (500, 2) if args.quick else (args.n, args.seeds)
     ds = datasets.load("elevators", n=n, seed=0)
-    out: dict = {"n": n, "kernel": args.kernel, "noise": args.noise, "rows": []}
+    out: dict = {"n": n, "kernel": args.kernel, "noise": args.noise, "rows": [],
+                 "provenance": provenance(__file__, argv, ds.train_x.device)}
     print(f"elevators n = {n}, {args.kernel}, noise {args.noise}, outputscale 1, {seeds} seeds (medians)")
     print(f"{'ls':>5} {'method':>9} {'time s':>8} {'loss err':>9} {'ls err':>8} {'os err':>8} {'noise err':>9} "
           f"{'/ gpytorch':>9}")

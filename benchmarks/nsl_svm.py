@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -52,6 +50,7 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.svm import SVC, LinearSVC
 
 from gpnys import datasets
+from gpnys.baselines.provenance import provenance
 from gpnys.reduced import GSAPosterior, LLAPosterior, NystromFeatures
 from gpnys.reduced.nystrom_features import median_lengthscale
 
@@ -233,14 +232,6 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes: m = 20,50, 2000-row large sets, one seed")
@@ -262,6 +253,7 @@ def main(argv=None) -> dict:
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    prov = provenance(__file__, argv, "cpu")
     results = {}
     t0 = time.perf_counter()
     try:
@@ -273,9 +265,7 @@ def main(argv=None) -> dict:
     finally:
         torch.set_num_threads(threads)
     path = Path(args.out) if args.out else RESULTS / ("nsl_svm_quick.json" if args.quick else "nsl_svm.json")
-    meta = {"args": vars(args), "commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "device": f"CPU ({platform.machine()}), {args.threads or threads} torch threads",
-            "total_s": time.perf_counter() - t0}
+    meta = {"args": vars(args), "provenance": prov, "total_s": time.perf_counter() - t0}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**meta, "results": results}, indent=1))
     plot(results, path.with_suffix(".png"))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 import warnings
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from gpnys import datasets
+from gpnys.baselines.provenance import provenance
 from gpnys.kernels import base_kernel
 from gpnys.kernels.system import kernel_system
 from gpnys.precond.cache import PointCache
@@ -128,7 +128,8 @@ def run_column(X, kname, ls, mu, methods, cache, tol, maxiter, seed, ran_rank, b
             warnings.simplefilter("ignore", ConvergenceWarning)
             res = pcg(matmul, b, precond=P, tol=tol, maxiter=cap)
         solve = time.perf_counter() - t0
-        print(f"    [{m}: {int(res.iterations)} it, setup {setup:.1f}s, solve {solve:.1f}s]", file=sys.stderr, flush=True)
+        print(f"    [{m}: {int(res.iterations)} it, setup {setup:.1f}s, solve {solve:.1f}s]", file=sys.stderr,
+              flush=True)
         rank = 0 if P is None else int(P.rank)
         if m == "auto":
             auto_rank = min(rank, X.shape[0] // 2) if rank else None
@@ -140,7 +141,8 @@ def run_column(X, kname, ls, mu, methods, cache, tol, maxiter, seed, ran_rank, b
             "setup_s": setup,
             "solve_s": solve,
             "rank": rank,
-            "summary": {} if P is None else {k: v for k, v in P.summary().items() if isinstance(v, (int, float, str, bool))},
+            "summary": {} if P is None else {k: v for k, v in P.summary().items()
+                                             if isinstance(v, (int, float, str, bool))},
         }
     return {m: out[m] for m in methods}
 
@@ -174,8 +176,9 @@ def main(argv=None) -> dict:
     tables = [t for t in args.tables.split(",") if t]
     methods = [m for m in args.methods.split(",") if m]
     results: dict = {"meta": {"quick": args.quick, "n3d": args.n, "tol": args.tol, "maxiter": args.maxiter,
-                              "baseline_maxiter": args.baseline_maxiter, "matched_cap": args.matched_cap, "argv": sys.argv[1:] if argv is None else argv,
-                              "machine": platform.platform(), "threads": torch.get_num_threads()}, "tables": {}}
+                              "baseline_maxiter": args.baseline_maxiter, "matched_cap": args.matched_cap,
+                              "threads": torch.get_num_threads()},
+                     "provenance": provenance(__file__, argv, "cpu"), "tables": {}}
     for table in tables:
         X, kname, cols = table_settings(table, 600 if args.quick else args.n)
         if args.quick:
@@ -188,7 +191,8 @@ def main(argv=None) -> dict:
         cache = PointCache(X)
         rows = []
         print(f"\n{TITLES[table]}  (n = {X.shape[0]}, d = {X.shape[1]})")
-        print(f"{'column':>8} {'ell':>8} {'mu':>8} " + " ".join(f"{m:>17}" for m in methods) + "   paper: none/afn/ran/fsai")
+        print(f"{'column':>8} {'ell':>8} {'mu':>8} " + " ".join(f"{m:>17}" for m in methods)
+              + "   paper: none/afn/ran/fsai")
         for label, ls, mu in cols:
             out = run_column(X, kname, ls, mu, methods, cache, args.tol, args.maxiter, args.seed, ran_rank,
                              args.baseline_maxiter, args.matched_cap)

@@ -34,6 +34,7 @@ import gpytorch
 import torch
 
 from gpnys import datasets
+from gpnys.baselines.provenance import provenance
 from gpnys.checks import NumericalWarning
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.training import ExactGPModel, fit, hyperparameters
@@ -107,8 +108,8 @@ def run_dataset(name: str, args) -> dict:
         for s in range(args.seeds):
             pair = {meth: evaluate_method(meth, k, X, y, Xt, yt, m=m, landmarks="uniform", seed=args.seed + s,
                                           **common) for meth in ("lla", "rff")}
-            out["rff"].append({"m": m, "seed": args.seed + s, **{f"{a}_{b}": pair[a][b] for a in pair
-                                                                  for b in ("test_rmse", "test_nll", "mean_rmse_vs_exact", "fit_s")}})
+            keys = ("test_rmse", "test_nll", "mean_rmse_vs_exact", "fit_s")
+            out["rff"].append({"m": m, "seed": args.seed + s, **{f"{a}_{b}": pair[a][b] for a in pair for b in keys}})
             r = out["rff"][-1]
             print(f"{m:>5} {s:>4} {r['lla_test_rmse']:12.4f} {r['rff_test_rmse']:9.4f} "
                   f"{r['lla_mean_rmse_vs_exact']:11.4f} {r['rff_mean_rmse_vs_exact']:11.4f}")
@@ -133,7 +134,8 @@ def nytro_path(k, ds, mean: float, args) -> dict:
     alphas = nystrom_krr(k, X[tr], y[tr], C, lam)
     t_krr = time.perf_counter() - t0
     krr_rmse = [float((nytro_predict(k, C, a, Xt) - yt).square().mean().sqrt()) * sd for a in alphas]
-    best_krr = min(range(len(ts)), key=lambda i: float((nytro_predict(k, C, alphas[i], X[val]) - y[val]).square().mean()))
+    best_krr = min(range(len(ts)),
+                   key=lambda i: float((nytro_predict(k, C, alphas[i], X[val]) - y[val]).square().mean()))
     res = {"m": C.shape[0], "gamma": path.gamma, "t_max": args.nytro_t, "t_stop": path.t_stop,
            "nytro_s": t_nytro, "nytro_s_per_step": t_nytro / args.nytro_t, "test_rmse_path": rmse_path,
            "test_rmse_at_stop": rmse_path[path.t_stop - 1], "krr_t": ts, "krr_lambda": lam.tolist(),
@@ -208,11 +210,14 @@ def main(argv=None) -> dict:
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    prov = provenance(__file__, argv, "cpu")
     results = {name: run_dataset(name, args) for name in args.data.split(",")}
     torch.set_num_threads(threads)
     RESULTS.mkdir(exist_ok=True)
-    path = Path(args.out) if args.out else RESULTS / ("reduced_compare_quick.json" if args.quick else "reduced_compare.json")
-    path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "results": results}, indent=1))
+    path = Path(args.out) if args.out else RESULTS / (
+        "reduced_compare_quick.json" if args.quick else "reduced_compare.json")
+    path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "provenance": prov, "results": results},
+                               indent=1))
     plot(results, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return results

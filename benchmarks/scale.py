@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from gpnys import datasets, memory_budget
+from gpnys.baselines.provenance import provenance
 from gpnys.cli.common import DTYPES
 from gpnys.kernels import make_kernel
 from gpnys.kernels.operator import StationaryKernelOperator
@@ -132,7 +133,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--reference", action="store_true", help="also run the tighter reference per point")
     ap.add_argument("--reference-dtype", default="float64", help="dtype of the reference runs")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--knn", default="", help="also time the causal kNN, e.g. '20000:3,50000:3,200000:3,20000:18' (n:d)")
+    ap.add_argument("--knn", default="",
+                    help="also time the causal kNN, e.g. '20000:3,50000:3,200000:3,20000:18' (n:d)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     sizes = [3000, 6000] if args.quick else [int(v) for v in args.sizes.split(",") if v]
@@ -164,8 +166,10 @@ def main(argv=None) -> dict:
                   f"{row['costs']['derivative_s']:7.2f} {rec['loss']:11.6f} {diff}", flush=True)
     specs = ["1500:3"] if args.quick else [v for v in args.knn.split(",") if v]
     knn = [r for spec in specs for r in knn_costs([int(spec.split(":")[0])], int(spec.split(":")[1]), 30, args.threads)]
-    res = {"knn": knn, "kernel": args.kernel, "lengthscale": args.lengthscale, "noise": args.noise, "threads": args.threads,
-           "reference_settings": " ".join(["--dtype", args.reference_dtype, *REFERENCE]) if args.reference else None, "rows": rows}
+    res = {"knn": knn, "kernel": args.kernel, "lengthscale": args.lengthscale, "noise": args.noise,
+           "threads": args.threads,
+           "reference_settings": " ".join(["--dtype", args.reference_dtype, *REFERENCE]) if args.reference else None,
+           "provenance": provenance(__file__, argv, "cpu"), "rows": rows}
     out = Path(args.out) if args.out else RESULTS / ("scale_quick.json" if args.quick else "scale.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))

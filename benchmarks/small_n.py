@@ -86,6 +86,8 @@ def fit_run(n: int, iters: int, precond: str, solver: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from gpnys.baselines.provenance import provenance
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--n", type=int, default=600)
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
             "print(json.dumps({'exact': c.exact, 'iterative': c.iterative, 'key': c.key}))")
     costs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
-    out: dict = {"n": n, "iters": iters, "costs": json.loads(costs), "factorisations": {}, "fits": {}}
+    out: dict = {"n": n, "iters": iters, "costs": json.loads(costs), "provenance": provenance(__file__, argv, "cpu"),
+                 "factorisations": {}, "fits": {}}
     for busy in (False, True):
         label = "busy" if busy else "idle"
         with load(busy):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -75,6 +74,7 @@ def plot(out: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
+    from gpnys.baselines.provenance import provenance
     from gpnys.linalg import time_thin_forms
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -94,9 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = {"float64": torch.float64, "float32": torch.float32}
-    out: dict = {"n": n, "repeats": repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                 "machine": platform.processor() or platform.machine(),
-                 "date": time.strftime("%Y-%m-%d"), "dtypes": {}, "chosen": {}}
+    out: dict = {"n": n, "repeats": repeats, "threads": torch.get_num_threads(),
+                 "provenance": provenance(__file__, argv, "cpu"), "dtypes": {}, "chosen": {}}
     for name, dtype in dtypes.items():
         out["chosen"][name] = time_thin_forms(dtype, "cpu")
         out["dtypes"][name] = sweep(n, columns, dtype, repeats)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import gpytorch
 import torch
 
 from gpnys import datasets
+from gpnys.baselines.provenance import provenance
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.gp.training import ExactGPModel, fit, gaussian_nll
@@ -143,16 +143,17 @@ def main(argv=None) -> dict:
               f"{r['time_s'] / base:.3f} | "
               f"{r['rel_err_median']:.2e} | {r['rel_err_max']:.2e} | {r['nll']:.4f} | {r['nll_diff']:+.1e} | "
               f"{cov} | {bnd} |")
-    meta = {"command": "python benchmarks/variances.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "data": args.data, "n": X.shape[0], "m": T.shape[0], "kernel": args.kernel, "noise": noise,
-            "fit_n": fit_n, "fit_iters": fit_iters, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    meta = {"data": args.data, "n": X.shape[0], "m": T.shape[0], "kernel": args.kernel, "noise": noise,
+            "fit_n": fit_n, "fit_iters": fit_iters, "threads": torch.get_num_threads()}
+    prov = provenance(__file__, argv, "cpu")
     out = Path(args.out) if args.out else RESULTS / ("variances_quick.json" if args.quick else "variances.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if not k.startswith("_")}
-                                                      for r in rows]}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "provenance": prov,
+                               "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]},
+                              indent=1))
     _plot(rows, Path(args.png) if args.png else out.with_suffix(".png"))
     print(f"\nwrote {out}")
-    return {"meta": meta, "rows": rows}
+    return {"meta": meta, "provenance": prov, "rows": rows}
 
 
 def _plot(rows, path: Path) -> None:

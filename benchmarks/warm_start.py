@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     import gpnys
     import gpnys.gp.estimator as estimator
     from gpnys import datasets
+    from gpnys.baselines.provenance import provenance
     from gpnys.gp import ExactGPModel
     from gpnys.gp.settings import EstimatorSettings
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
         stack.callback(setattr, estimator, "pcg", real)
         _steps(runs, steps, X, y, iterations)
     out = {"data": args.data, "n": n, "steps": steps, "reuse_tolerance": args.reuse_tolerance,
-           **{name: run["rows"] for name, run in runs.items()}}
+           "provenance": provenance(__file__, argv, "cpu"), **{name: run["rows"] for name, run in runs.items()}}
     print(f"{args.data} n = {n}, Matérn-3/2, {steps} Adam steps (y-solve / probes' largest CG iterations; builds so "
           f"far)")
     print(f"{'step':>4} {'warm s':>8} {'its':>7} {'cold s':>8} {'its':>7} {'reuse s':>8} {'its':>7} {'builds':>6} "

@@ -14,6 +14,26 @@ def load(name):
     return load_script("benchmarks", name)
 
 
+#: JSON beside the results that is not one: a cache of fitted hyperparameters, a distributed worker's record
+NOT_RESULTS = ("reduced_hyper", "worker_")
+
+
+@pytest.fixture(autouse=True)
+def results_carry_provenance(tmp_path):
+    """Every result JSON a benchmark wrote names its command, date, commit, device and versions
+    (:func:`gpnys.baselines.provenance.provenance`)."""
+    yield
+    for path in tmp_path.rglob("*.json"):
+        if path.stem.startswith(NOT_RESULTS):
+            continue
+        data = json.loads(path.read_text())
+        rec = data.get("provenance", data.get("meta", {}).get("provenance")) if isinstance(data, dict) else None
+        assert isinstance(rec, dict), f"{path.name} has no provenance"
+        assert rec["command"].startswith("python benchmarks/") and rec["date"].endswith("UTC"), path.name
+        assert rec["device_name"] and rec["versions"]["torch"] and rec["threads"] >= 1, path.name
+        assert "commit" in rec and "dirty" in rec, path.name
+
+
 def test_pcg_tables_quick(tmp_path):
     out = tmp_path / "pcg.json"
     res = load("pcg_tables").main(["--quick", "--out", str(out)])
@@ -95,7 +115,8 @@ def test_reduced_compare_quick(tmp_path):
 def test_scale_quick(tmp_path):
     """Two on-the-fly MLL runs in child processes: time, peak RSS and the cutoff share are recorded."""
     out = tmp_path / "scale.json"
-    res = load("scale").main(["--quick", "--threads", "1", "--dtypes", "float64", "--lengthscale", "0.3", "--out", str(out)])
+    res = load("scale").main(["--quick", "--threads", "1", "--dtypes", "float64", "--lengthscale", "0.3",
+                              "--out", str(out)])
     rows = res["rows"]
     assert [r["n"] for r in rows] == [3000, 6000]
     for r in rows:
@@ -116,7 +137,8 @@ def test_gpu_quick(tmp_path):
     load("gpu").main(["--quick", "--out", str(out)])
     assert out.exists() and out.with_suffix(".png").exists()
     data = json.loads(out.read_text())
-    assert data["meta"]["device_name"] and data["meta"]["versions"]["torch"] and "--quick" in data["meta"]["command"]
+    rec = data["provenance"]
+    assert rec["device_name"] and rec["versions"]["torch"] and "--quick" in rec["command"]
     products = data["products"]
     for backend in ("torch", "triton"):
         rows = [r for r in products if r["backend"] == backend]
@@ -277,7 +299,7 @@ def test_distributed_quick(tmp_path):
     assert again["memory_model"] == mem
     row = next(m for m in again["cost_model"] if (m["n"], m["gpus"]) == (10_000_000, 8))
     assert row["no_cutoff_s"] == pytest.approx(17 * 100 / 8 + row["allgather_s"])
-    recs = [tmp_path / "a.json", tmp_path / "b.json"]
+    recs = [tmp_path / "worker_a.json", tmp_path / "worker_b.json"]
     for path, n, mib in zip(recs, (200_000, 40_000), (2731.5, 1103.0)):
         path.write_text(json.dumps({"procs": 1, "plain": True, "n": n, "eval_mib": mib}))
     bench.main(["--model-from", str(out), "--memory-from", ",".join(map(str, recs)), "--out", str(model)])
@@ -405,3 +427,16 @@ def test_bo_variance_accuracy_quick(tmp_path):
     checked = rows["1e-4"]
     assert max(checked["cold_variance_error"], checked["warm_variance_error"]) <= 1e-4
     assert checked["warm_gradient_error"] <= 1e-3
+
+
+def test_first_call_quick(tmp_path):
+    """A fresh process's first evaluation and its warm ones, on the CPU: every time recorded, the record's
+    difference its first minus its warm time."""
+    out = tmp_path / "first_call.json"
+    res = load("first_call").main(["--quick", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(res))
+    assert [r["caches"] for r in data["rows"]] == ["empty", "filled"]  # the second process finds them on disk
+    for row in data["rows"]:
+        assert row["first_s"] > 0 and row["warm_s"] > 0
+        assert row["extra_s"] == pytest.approx(row["first_s"] - row["warm_s"])

@@ -95,9 +95,9 @@ def git_commit(folder: Path | str | None = None) -> tuple[str | None, bool | Non
 def provenance(script: str | Path, argv: Sequence[str] | None = None,
                device: torch.device | str = "cpu") -> dict[str, Any]:
     """The record of one benchmark run: its command (``python benchmarks/<script> <argv>``; ``argv`` defaults to
-    ``sys.argv[1:]``), the UTC time it started, the commit of the gpnys timed (and whether the checkout had
-    uncommitted changes), the device's name, the CPU count and torch's thread count, the platform and the
-    :func:`versions`.
+    ``sys.argv[1:]``), the UTC time of this call (a benchmark calls it once its results are in), the commit of the
+    gpnys timed (and whether the checkout had uncommitted changes), the device's name, the CPU count and torch's
+    thread count, the platform and the :func:`versions`.
 
     Example:
         >>> from gpnys.baselines.provenance import provenance
