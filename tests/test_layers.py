@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "gpnys"
 
 #: lowest first; a module belongs to the longest prefix that names it
 LAYERS: list[tuple[str, ...]] = [
-    ("gpnys.checks", "gpnys.cache", "gpnys.linalg", "gpnys.budget", "gpnys.collectives", "gpnys.launch"),
+    ("gpnys.checks", "gpnys.cache", "gpnys.keys", "gpnys.linalg", "gpnys.budget", "gpnys.collectives", "gpnys.launch"),
     ("gpnys.datasets",),
     ("gpnys.kernels",),
     ("gpnys.landmarks",),

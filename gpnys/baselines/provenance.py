@@ -74,9 +74,7 @@ def git_commit(folder: Path | str | None = None) -> tuple[str | None, bool | Non
         True
     """
     if folder is None:
-        import gpnys
-
-        folder = Path(gpnys.__file__).resolve().parent
+        folder = Path(__file__).resolve().parents[1]  # the gpnys package this module belongs to
 
     def git(*args: str) -> str | None:
         try:

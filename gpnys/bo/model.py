@@ -81,10 +81,11 @@ from gpnys.bo.fantasy import condition_blocks, condition_joint, latent_mvn
 from gpnys.checks import HyperparameterError, NumericalWarning, validate_choice, validate_count, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
-from gpnys.gp.path import cholesky_fits, choose_path, measured_scale, near_switch
+from gpnys.gp.path import POSTERIOR_MATRICES, cholesky_fits, choose_path, measured_scale, near_switch
 from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.entries import batch_element
+from gpnys.keys import TensorKey, same_objects
 from gpnys.linalg import synchronize
 from gpnys.precond.strategy import PRECONDITIONERS
 from gpnys.solvers.pcg import ConvergenceWarning, PCGResult
@@ -184,7 +185,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             built once per data and hyperparameters.
         posterior_cholesky_size: above ``max_cholesky_size``, the posterior still takes BoTorch's exact Cholesky
             path (one factorisation per data and hyperparameters, module docstring): ``None`` (default) wherever
-            its :data:`~gpnys.gp.path.DENSE_MATRICES` ``n x n`` matrices fit the memory budget
+            its :data:`~gpnys.gp.path.POSTERIOR_MATRICES` ``n x n`` matrices fit the memory budget
             (:func:`gpnys.budget.dense_limit_bytes`: 4 GiB on a CPU, half the free memory of a GPU), decided once
             per size, device and dtype; an int: up to this many training points; ``0``: always PCG.
         fit_subset: ``fit_gpytorch_mll`` on the preconditioned path first fits the hyperparameters on this many
@@ -492,7 +493,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         rebuilds the preconditioner itself when the hyperparameters change)."""
         X, h, kernel, settings = self._kernel_inputs(), self._gpnys_hook, self._kernel_modules(), self._settings()
         if (h is None or not _same_state((self._gpnys_hook_x,), (X,))
-                or not _same_modules(self._gpnys_hook_kernel, kernel) or self._gpnys_hook_settings != settings):
+                or not same_objects(self._gpnys_hook_kernel, kernel) or self._gpnys_hook_settings != settings):
             c = self._gpnys_config
             h = PreconditionerHook(self, c["precond"], c["settings"], c["seed"], train_x=X,
                                    **self._options("train", X.shape[-2]))
@@ -733,7 +734,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         warning), where its factor fits the memory budget; else :class:`PosteriorSolveError`."""
         X = self.train_inputs[0]
         n = X.shape[-2]
-        fits, why = cholesky_fits(n, 1, X.device, X.dtype)
+        fits, why = cholesky_fits(n, 1, X.device, X.dtype, POSTERIOR_MATRICES)
         if not fits:
             hint = ": use float64 (model.double())" if X.dtype != torch.float64 else ""
             raise PosteriorSolveError(f"{failure}, and BoTorch's exact path does not fit either ({why}){hint}") \
@@ -759,7 +760,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             return n <= limit
         key = (n, self._outputs(), X.device, X.dtype)
         if self._gpnys_posterior_path is None or self._gpnys_posterior_path[0] != key:
-            self._gpnys_posterior_path = (key, *cholesky_fits(n, max(self._outputs(), 1), X.device, X.dtype))
+            self._gpnys_posterior_path = (key, *cholesky_fits(n, max(self._outputs(), 1), X.device, X.dtype,
+                                                              POSTERIOR_MATRICES))
         _, exact, self.posterior_path_reason = self._gpnys_posterior_path
         return exact
 
@@ -780,10 +782,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         """``α = K̂⁻¹ (y − m(X))`` ``(n,)``, cached on the data, the mean module, the values of the parameters and
         buffers, and the known noise tensor (``post`` is made anew with the hook: new kernel modules or settings)."""
         y, known = self.train_targets, self._known_noise_tensor()
-        key = (X.data_ptr(), X._version, X.dtype, X.device, y.data_ptr(), y._version, y.dtype,
-               tuple(self.mean_module.modules()), tuple(self._values(X).tolist()),
-               # known noise by identity and version: n values would cost a host copy per posterior
-               None if known is None else (known.data_ptr(), known._version, tuple(known.shape)))
+        # the tensors by memory and version (held: a replacement cannot reuse their memory); known noise so too, as
+        # its n values would cost a host copy per posterior
+        key = (TensorKey(X), TensorKey(y), tuple(self.mean_module.modules()), tuple(self._values(X).tolist()),
+               None if known is None else TensorKey(known))
         with torch.no_grad():
             r = self.train_targets - self.mean_module(X)
             # the start: the hook's last training solve (same data; after a fit, at these hyperparameters; a new hook
@@ -943,7 +945,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         state, modules = self._state(), self._kernel_modules() + tuple(self.mean_module.modules())
         settings = self._settings()
         if (self._gpnys_outputs is not None and _same_state(self._gpnys_outputs[0][0], state)
-                and _same_modules(self._gpnys_outputs[0][1], modules) and self._gpnys_outputs[0][2] == settings):
+                and same_objects(self._gpnys_outputs[0][1], modules) and self._gpnys_outputs[0][2] == settings):
             return self._gpnys_outputs[1]
         X, Y, c = self._kernel_inputs(), self.train_targets.detach(), self._gpnys_config
         m, known = X.shape[0], self._known_noise()
@@ -1247,11 +1249,6 @@ def _same_state(before: tuple[torch.Tensor, ...], now: tuple[torch.Tensor, ...])
     """Whether two :meth:`PreconditionedSingleTaskGP._state` tuples are the same data and parameters."""
     return all(a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
                for a, b in zip(before, now))
-
-
-def _same_modules(before: tuple[Module, ...] | None, now: tuple[Module, ...]) -> bool:
-    """Whether two tuples of modules hold the same objects."""
-    return before is not None and len(before) == len(now) and all(a is b for a, b in zip(before, now))
 
 
 class _OutputMean(Mean):

@@ -845,7 +845,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
         surrogate = _surrogate(reps, a, mean, value, alpha_rows, probe_sums, t, cv_logdet, cv, tensors, d_index,
                                mean_correction)
         logp = -(value_est + surrogate - surrogate.detach())
-    return Evaluation(logp, estimate, a.detach(), counts["applications"], counts["samples"])
+    # a copy: a is a column of the whole solution block, which the kept warm start would otherwise hold
+    return Evaluation(logp, estimate, a.detach().clone(), counts["applications"], counts["samples"])
 
 
 def _surrogate(reps: list[Any], a: torch.Tensor, mean: torch.Tensor, value: torch.Tensor,

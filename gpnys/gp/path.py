@@ -38,7 +38,7 @@ from gpnys.budget import dense_limit_bytes
 from gpnys.cache import cache_dir, entry_key, read_entry, write_entry
 
 __all__ = ["PathCosts", "calibrate", "install_calibration", "install_measurer", "measure_exact", "path_costs",
-           "choose_path", "cholesky_fits", "uses_costs", "cache_file", "fit_costs", "costs_key", "PathChooser",
+           "choose_path", "cholesky_fits", "DENSE_MATRICES", "POSTERIOR_MATRICES", "uses_costs", "cache_file", "fit_costs", "costs_key", "PathChooser",
            "measured_scale", "near_switch"]
 
 #: the cost model's file in the cache folder (:mod:`gpnys.cache`)
@@ -47,8 +47,11 @@ COSTS_FILE = "costs.json"
 #: calibrated by an older version is not read (2: AFN's full control variate keeps its graph, 706b21d)
 COSTS_VERSION = 2
 
-#: Cholesky's working set, in ``n x n`` matrices: the kernel, its factor and autograd's saved inverse
-DENSE_MATRICES = 4
+#: Cholesky's working set for one value + gradient, in ``n x n`` matrices: GPyTorch's peak above what it held
+#: was 8.4 of them for RBF and 12.4 for Matérn, isotropic or ARD (docs/scaling.md, "The memory budget")
+DENSE_MATRICES = 13
+#: ... for one posterior (mean and variance at a few points, BoTorch's exact path): 6.3-6.8 of them
+POSTERIOR_MATRICES = 7
 #: a path is left for the other only when the other is predicted this much faster (no flip-flopping near the switch)
 HYSTERESIS = 1.25
 #: Cholesky is measured at the size in question where the two predictions lie within this factor of each other (a
@@ -240,18 +243,21 @@ def uses_costs(solver: str, method: object) -> bool:
     return solver == "auto" and method == "auto"
 
 
-def cholesky_fits(n: int, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether Cholesky's working set, :data:`DENSE_MATRICES` ``n x n`` matrices per marginal of ``batch``, fits
+def cholesky_fits(n: int, batch: int, device: torch.device, dtype: torch.dtype,
+                  matrices: int = DENSE_MATRICES) -> tuple[bool, str]:
+    """Whether Cholesky's working set, ``matrices`` ``n x n`` matrices per marginal of ``batch``
+    (:data:`DENSE_MATRICES` for a value + gradient, :data:`POSTERIOR_MATRICES` for a posterior), fits
     :func:`~gpnys.budget.dense_limit_bytes` on ``device``; returns ``(fits, reason)``.
 
     Example:
         >>> import torch, gpnys
         >>> from gpnys.gp.path import cholesky_fits
-        >>> with gpnys.memory_budget(dense_bytes=2**30):  # 1 GiB, where four 8 000 x 8 000 float64 matrices need 1.9
-        ...     cholesky_fits(8000, 1, torch.device("cpu"), torch.float64)[0]
-        False
+        >>> cpu = torch.device("cpu")
+        >>> with gpnys.memory_budget(dense_bytes=2**30):  # 1 GiB; 13 float64 matrices of 3 000^2 take 0.87 GiB
+        ...     [cholesky_fits(n, 1, cpu, torch.float64)[0] for n in (3000, 4000)]
+        [True, False]
     """
-    need = DENSE_MATRICES * batch * n * n * torch.empty((), dtype=dtype).element_size()
+    need = matrices * batch * n * n * torch.empty((), dtype=dtype).element_size()
     limit = dense_limit_bytes(device)
     if need > limit:
         return False, f"Cholesky needs {need / 2**30:.3g} GiB, above the memory budget ({limit / 2**30:.3g} GiB)"

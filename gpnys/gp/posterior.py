@@ -17,7 +17,7 @@ Used by :meth:`gpnys.gp.hook.PreconditionerHook.predict` and by
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from typing import Any, Callable
 
 import torch
 
@@ -69,7 +69,7 @@ class PCGPosterior:
 
     def __init__(self, A: Operator, M: Operator, maxiter: int) -> None:
         self.A, self.M, self.maxiter = A, M, maxiter
-        self._mean: tuple[Hashable, PCGResult] | None = None
+        self._mean: tuple[Any, PCGResult] | None = None
         self._warm: dict[torch.Size, tuple[torch.Tensor, torch.Tensor]] = {}  # shape -> (R, B), latest last
         self.iterations = 0
         self.mean_iterations = 0
@@ -85,10 +85,11 @@ class PCGPosterior:
         """The latest cached ``α`` (``(n,)``), or ``None``."""
         return None if self._mean is None else self._mean[1].x[:, 0]
 
-    def mean_weights(self, r: torch.Tensor, key: Hashable, tol: float, start: torch.Tensor | None = None,
+    def mean_weights(self, r: torch.Tensor, key: Any, tol: float, start: torch.Tensor | None = None,
                      **pcg_options) -> PCGResult:
-        """The PCG result of ``K̂ α = r`` (``r (n,)``; ``.x`` is ``(n, 1)``), cached under ``key``; ``start`` ``(n,)``
-        replaces the start ``P̂⁻¹ r``; ``pcg_options`` go to :func:`~gpnys.solvers.pcg.pcg` (e.g. ``lanczos=True``)."""
+        """The PCG result of ``K̂ α = r`` (``r (n,)``; ``.x`` is ``(n, 1)``), cached under ``key`` (compared with ``==``:
+        tensors in it as :class:`gpnys.keys.TensorKey`); ``start`` ``(n,)`` replaces the start ``P̂⁻¹ r``;
+        ``pcg_options`` go to :func:`~gpnys.solvers.pcg.pcg` (e.g. ``lanczos=True``)."""
         if self._mean is None or self._mean[0] != key:
             rhs = r[:, None]
             x0 = start[:, None].to(rhs) if start is not None and start.shape == r.shape else self.M(rhs)

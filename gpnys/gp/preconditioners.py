@@ -41,6 +41,7 @@ from gpnys.budget import default_dense_bytes
 from gpnys.checks import NumericalWarning
 from gpnys.collectives import CollectiveError, RowGroup, partitioned
 from gpnys.kernels.entries import split_outputscale
+from gpnys.keys import TensorKey
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
@@ -64,21 +65,6 @@ class StepRecord:
     kind: str
     setup_s: float
     fallback: bool = False
-
-
-class _Points:
-    """The points a preconditioner was built on, equal to another only for the same tensor at the same version (the
-    tensor is held, so its ``id`` cannot be reused)."""
-
-    __slots__ = ("X", "version")
-
-    def __init__(self, X: torch.Tensor) -> None:
-        self.X, self.version = X, X._version
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Points) and other.X is self.X and other.version == self.version
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 class PreconditionerCache:
@@ -251,11 +237,11 @@ class PreconditionerCache:
         base, _ = split_outputscale(kernel)
         ls = getattr(base, "lengthscale", None)
         ls_key = tuple(ls.detach().reshape(-1).tolist()) if ls is not None else ()
-        per_point = (noise.data_ptr(), noise._version) if noise.dim() == 1 else ()  # known noise replaced in place
+        per_point = TensorKey(noise) if noise.dim() == 1 else ()  # known noise replaced, or edited in place
         # every other hyperparameter of the kernel (a period, an RQ alpha, a sub-kernel's length-scale) by value
         others = [p.detach().reshape(-1) for name, p in base.named_parameters() if name != "raw_lengthscale"]
         family = (type(base), getattr(base, "nu", None), tuple(torch.cat(others).tolist()) if others else ())
-        return (ls_key, mu, s2, per_point, family, _Points(points.X))
+        return (ls_key, mu, s2, per_point, family, TensorKey(points.X))
 
     def _diag(self, noise: torch.Tensor, s2: float) -> torch.Tensor | None:
         """Per-point shifts ``D / s^2`` ``(n,)`` for a preconditioner that takes them (``diag=``), else ``None``:

@@ -20,7 +20,11 @@ import gpytorch
 import torch
 import torch.distributed as dist
 from gpytorch.lazy import LazyEvaluatedKernelTensor
-from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, LinearOperator
+from linear_operator.operators import (
+    AddedDiagLinearOperator,
+    DiagLinearOperator,
+    LinearOperator,
+)
 
 from gpnys.checks import (
     HyperparameterError,
@@ -32,7 +36,13 @@ from gpnys.checks import (
 from gpnys.collectives import RowGroup, partitioned, signature
 from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
 from gpnys.gp.discover import same_points, selected_kernel, training_kernel
-from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob, trainable_parameters
+from gpnys.gp.estimator import (
+    Estimate,
+    EstimatorState,
+    hyperparameter_summary,
+    log_prob,
+    trainable_parameters,
+)
 from gpnys.gp.operators import PreconditionedAddedDiag, PreconditionerOperator
 from gpnys.gp.path import PathChooser
 from gpnys.gp.preconditioners import PreconditionerCache, StepRecord
@@ -41,6 +51,7 @@ from gpnys.gp.settings import GP_DEFAULTS, EstimatorSettings
 from gpnys.gp.training_kernel import TrainingKernel
 from gpnys.kernels.entries import batch_element, computation_dtype, split_outputscale
 from gpnys.kernels.operator import StationaryKernelOperator
+from gpnys.keys import TensorKey, same_objects
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.cache import PointCache
 
@@ -101,6 +112,7 @@ class TrainingProblem(HookPrediction):
         self.warm_start: torch.Tensor | None = None  # the last K̂⁻¹ (y - m): the next solve's start
         #: one :class:`BatchElement` per batch element of a batch-mode model (its own preconditioner), else None
         self.elements: list[BatchElement] | None = None
+        self._modules: tuple[torch.nn.Module, ...] | None = None  # the model's modules at the last sync_data
         if train_x is None:
             return
         failure = None
@@ -134,10 +146,9 @@ class TrainingProblem(HookPrediction):
 
     # -- the training data ------------------------------------------------------------------------------
     def _data_key(self) -> tuple:
-        """Identity, storage, version, shape and device of the model's training tensors: any change (``set_train_data``
-        with the same or a new n, an in-place edit, ``model.to(device)``) changes the key."""
-        tensors = (*self.model.train_inputs, self.model.train_targets)
-        return tuple((id(t), t.data_ptr(), t._version, tuple(t.shape), str(t.device), t.dtype) for t in tensors)
+        """The model's training tensors by memory and version (:class:`~gpnys.keys.TensorKey`): any change
+        (``set_train_data`` with the same or a new n, an in-place edit, ``model.to(device)``) changes the key."""
+        return tuple(TensorKey(t) for t in (*self.model.train_inputs, self.model.train_targets))
 
     def _set_data(self, X: torch.Tensor) -> None:
         """Validate the training data (inputs ``X`` ``(n, d)``, or ``(b, n, d)`` for a batch-mode model, as the kernel
@@ -176,14 +187,22 @@ class TrainingProblem(HookPrediction):
         grows = (isinstance(self.method, str) and self.method in ("afn", "auto")
                  and not {"k", "afn_k"} & set(self._user_options))
         self.preconditioners = PreconditionerCache(self.method, self.options, self.seed, group, self.history,
-                                                   self.settings.reuse_tolerance, self.settings.refresh_growth,
+                                                   self.settings.reuse_tolerance if self.settings.error_bars
+                                                   else None, self.settings.refresh_growth,
                                                    self.settings.grow_landmarks if grows else None)
         self.seen = None
         self.warm_start = None
 
     def sync_data(self) -> bool:
         """Follow the model's training data: when it changed since the caches were built (``set_train_data``, an
-        in-place edit, a device move), start them afresh on the new data. Returns whether they were reset."""
+        in-place edit, a device move), start them afresh on the new data. Returns whether they were reset. A
+        replaced module (a new kernel) is read again at the next evaluation or prediction."""
+        modules = tuple(self.model.modules())
+        if self._modules is not None and not same_objects(self._modules, modules):
+            # a module was replaced (say model.covar_module = ...): the kernel is read again from the model's forward
+            for problem in [self, *(self.elements or [])]:
+                problem.seen = None
+        self._modules = modules
         if self._data_key() == self._data:
             return False
         self._set_data(self.model.train_inputs[0])

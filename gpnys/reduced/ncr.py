@@ -67,7 +67,12 @@ class NCRPosterior(LLAPosterior):
         root = (V * evals.clamp_min(0.0).sqrt()) @ V.mT
         S = torch.cat([Knm, self.noise ** 0.5 * root])
         rhs = torch.cat([self.residual.to(work), Knm.new_zeros(m)])
-        pinv = torch.linalg.pinv(S, rtol=m * torch.finfo(work).eps if rtol is None else rtol)
+        # eigh's eigenvalues carry absolute errors of about eps lambda_max, so K_mm^1/2 is known only to
+        # sqrt(eps lambda_max) in its near-null directions: S's singular values below sigma times that are rounding
+        # (kept, their inverses made beta depend on the BLAS's thread count, RKHS errors 3e-4 or 3e-3 on one problem)
+        eps = torch.finfo(work).eps
+        floor = float((self.noise * eps * evals.max().clamp_min(0.0)) ** 0.5)
+        pinv = torch.linalg.pinv(S, atol=floor, rtol=m * eps if rtol is None else rtol)
         self.beta = (pinv @ rhs).to(X.dtype)
 
     def mean(self, Z: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from helpers import load_script
 
 import gpnys
 from gpnys.bo import PreconditionedSingleTaskGP
-from gpnys.gp.path import DENSE_MATRICES, cholesky_fits
+from gpnys.gp.path import DENSE_MATRICES, POSTERIOR_MATRICES, cholesky_fits
 
 USES_BOTORCH = True  # conftest: run under BoTorch's global GPyTorch settings
 PRECOND = {"k": 40, "w": 10, "posterior_cholesky_size": 0}  # k < n: an inexact preconditioner, so PCG iterates
@@ -385,7 +385,7 @@ def test_posterior_path_follows_the_memory_budget(dtype):
     stays with the model's size, device and dtype when the budget moves."""
     n, d = 250, 4
     X, Y = data(n, d, dtype=dtype, seed=8)
-    need = DENSE_MATRICES * n * n * torch.empty((), dtype=dtype).element_size()
+    need = POSTERIOR_MATRICES * n * n * torch.empty((), dtype=dtype).element_size()
     Xt = points_at(40, d, dtype=dtype)
     tol = (1e-6, 1e-6) if dtype == torch.float64 else (1e-3, 1e-2)
     for budget, exact in ((need, True), (need - 1, False)):
@@ -410,6 +410,42 @@ def test_cholesky_fits_against_the_budget():
         assert not cholesky_fits(100, 2, cpu, torch.float64)[0]
         fits, reason = cholesky_fits(100, 3, cpu, torch.float32)
         assert not fits and "above the memory budget" in reason
+        assert cholesky_fits(100, 3, cpu, torch.float32, POSTERIOR_MATRICES)[0]  # a posterior holds fewer
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "matern32"])
+def test_cholesky_working_set_holds_gpytorchs_peak(kernel):
+    """:data:`DENSE_MATRICES` covers what GPyTorch's Cholesky value + gradient holds at its peak (a fresh process's
+    resident high-water mark, reset before the evaluation, less what it held then), isotropic and ARD."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the resident high-water mark")
+    code = f"""
+import torch, gpytorch
+from gpnys.gp.training import ExactGPModel
+
+def resident(field):
+    line = next(l for l in open("/proc/self/status") if l.startswith(field))
+    return int(line.split()[1]) * 1024
+
+n = 3000
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+X, y = torch.rand(n, 5, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="{kernel}", ard=True).double()
+mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+open("/proc/self/clear_refs", "w").write("5")  # the high-water mark starts again from the current set
+before = resident("VmRSS:")
+with gpytorch.settings.max_cholesky_size(10**9):
+    (-mll(model(X), y)).backward()
+print((resident("VmHWM:") - before) / (n * n * 8))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    matrices = float(out.stdout.strip().splitlines()[-1])
+    assert 6 < matrices <= DENSE_MATRICES, out.stdout
 
 
 # -- 2. no n x n Cholesky on the preconditioned path -------------------------------------------------------

@@ -252,3 +252,106 @@ def test_cholesky_path_predictions_of_batched_multi_output_and_linear_models():
         torch.testing.assert_close(mean, ref_mean.reshape(mean.shape))
         torch.testing.assert_close(var, ref_var.reshape(var.shape))
         assert (hook.variance_bound is not None) == bounded and (hook.mean_bound is not None) == bounded
+
+
+def test_predict_after_the_kernel_module_is_replaced():
+    """``model.covar_module = ...`` inside the context (isotropic Matérn-3/2 to an ARD one with outputscale 2): the
+    next ``hook.predict`` reads the new kernel from the model, with no training step in between."""
+    from gpnys.gp.training import predict
+
+    X, y = _data(300, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").double()
+    T = _data(20, 9)[0]
+    settings = gpnys.EstimatorSettings(solver="iterative", variance_method="pcg")
+    with gpnys.use_preconditioner(model, "afn", settings=settings, k=60, w=20) as hook:
+        _loss(model, X, y)
+        new = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5, ard_num_dims=2)).double()
+        new.base_kernel.lengthscale = torch.tensor([[0.2, 0.5]], dtype=torch.float64)
+        new.outputscale = 2.0
+        model.covar_module = new
+        mean, var = hook.predict(T)
+    mean_ref, var_ref = predict(model, T)
+    assert float((mean - mean_ref).abs().max()) < 1e-6
+    assert bool(((var - var_ref).abs() <= hook.variance_bound + 1e-12).all())
+
+
+def test_replaced_known_noise_rebuilds_the_preconditioner():
+    """Known per-point noise replaced by a new tensor of the same size (the old one freed, so its memory may be
+    handed to the new one) or edited in place: each is a new preconditioner, and the loss matches Cholesky."""
+    import gc
+
+    X, y = _data(300, 0)
+    g = torch.Generator().manual_seed(3)
+
+    def noise():
+        return 0.01 + 0.05 * torch.rand(300, generator=g, dtype=torch.float64)
+
+    lik = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(noise=noise()).double()
+    model = ExactGPModel(X, y, lik).double()
+    settings = gpnys.EstimatorSettings(solver="iterative")
+    with gpnys.use_preconditioner(model, "afn", settings=settings, k=60, w=20) as hook:
+        _loss(model, X, y)
+        builds = hook.builds
+        for change in ("replace", "replace", "in place"):
+            if change == "replace":
+                lik.noise = None  # the old tensor is freed before the new one is made
+                gc.collect()
+                lik.noise = noise()
+            else:
+                with torch.no_grad():
+                    lik.noise.mul_(1.5)
+            loss = _loss(model, X, y)
+            assert hook.builds == builds + 1, change
+            builds = hook.builds
+            _check(hook.last_estimate, model, X, y, loss, 1e-8)
+
+
+def test_warm_start_holds_one_column():
+    """The solution kept for the next evaluation's start is a copy of one column (``(n,)``), not a view that keeps
+    the whole block of probe solutions alive."""
+    X, y = _data(300, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    with gpnys.use_preconditioner(model, "afn", settings=gpnys.EstimatorSettings(solver="iterative"), k=60) as hook:
+        _loss(model, X, y)
+        warm = hook.problem.warm_start
+    assert warm.shape == (300,) and warm.is_contiguous()
+    assert warm.untyped_storage().nbytes() == 300 * warm.element_size()
+
+
+@pytest.mark.parametrize("warm_start", [False, True])
+def test_probe_seed_estimate_and_the_evaluations_before(warm_start):
+    """With ``probe_seed`` the estimate at the same hyperparameters is the same after a visit elsewhere: to rounding
+    without a warm start; with one, within a small share of its error bars (settings.probe_seed)."""
+    X, y = _data(300, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").double()
+    kernel = model.covar_module.base_kernel
+    settings = gpnys.EstimatorSettings(solver="iterative", probe_seed=0, warm_start=warm_start)
+    with gpnys.use_preconditioner(model, "afn", settings=settings, k=60, w=20) as hook:
+        first = _loss(model, X, y), hook.last_estimate
+        raw = kernel.raw_lengthscale.detach().clone()
+        with torch.no_grad():
+            kernel.lengthscale = kernel.lengthscale * 1.5
+        _loss(model, X, y)
+        with torch.no_grad():
+            kernel.raw_lengthscale.copy_(raw)
+        again = _loss(model, X, y), hook.last_estimate
+    if not warm_start:
+        assert abs(again[0] - first[0]) <= 1e-13 * abs(first[0])
+    else:
+        assert abs(again[0] - first[0]) <= 0.1 * first[1].std_error / first[1].n
+
+
+def test_reuse_without_error_bars_warns_and_rebuilds():
+    """``reuse_tolerance`` needs the iteration counts of gpnys's own evaluations: with ``error_bars=False`` it is
+    ignored with one warning, and each changed hyperparameter gets a new preconditioner."""
+    with pytest.warns(gpnys.NumericalWarning, match="reuse_tolerance needs error_bars"):
+        settings = gpnys.EstimatorSettings(solver="iterative", error_bars=False, reuse_tolerance=1.0)
+    X, y = _data(300, 0)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    kernel = model.covar_module.base_kernel
+    with gpnys.use_preconditioner(model, "afn", settings=settings, k=60) as hook:
+        for _ in range(3):
+            _loss(model, X, y)
+            with torch.no_grad():
+                kernel.lengthscale = kernel.lengthscale * 1.2
+    assert hook.builds == 3

@@ -265,8 +265,11 @@ def test_on_the_fly_equals_cached(name, ard, dtype):
         assert fly._dense() is None and cached._dense() is not None
         assert_same_products(fly, cached, V, dtype)
     g_fly, g_cached = closed_form_grads(kern, fly, U, V), closed_form_grads(kern, cached, U, V)
-    for key in g_cached:  # (an isotropic float64 cache sums through D = A o R² / 2: another order of a cancelling sum)
-        torch.testing.assert_close(g_fly[key], g_cached[key], rtol=1000 * EPS[dtype], atol=0)
+    # an isotropic float64 cache sums through D = A o R² / 2: another order of a cancelling sum, whose rounding moves
+    # with the BLAS's blocking (2.7e-13 relative on one thread of an AMD EPYC)
+    rtol = (10_000 if dtype == torch.float64 and not ard else 1000) * EPS[dtype]
+    for key in g_cached:
+        torch.testing.assert_close(g_fly[key], g_cached[key], rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("rows", ["1", "7", "n", "n+1"])
