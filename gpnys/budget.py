@@ -31,8 +31,8 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["memory_budget", "block_elems", "block_rows", "fill_rows", "block_bytes", "dense_limit_bytes",
-           "default_dense_bytes",
+__all__ = ["memory_budget", "default_budget", "block_elems", "block_rows", "fill_rows", "block_bytes",
+           "dense_limit_bytes", "default_dense_bytes",
            "DEFAULT_BLOCK_BYTES", "DEFAULT_DENSE_BYTES", "CUDA_BLOCK_SHARE", "CUDA_MAX_BLOCK_BYTES", "CUDA_DENSE_SHARE",
            "CPU_FILL_BLOCK_BYTES"]
 
@@ -87,6 +87,26 @@ def memory_budget(block_bytes: int | None = None, dense_bytes: int | None = None
            "dense_bytes": _validate(dense_bytes, "dense_bytes", 0)}
     old = dict(_state)
     _state.update({k: v for k, v in new.items() if v is not None})
+    try:
+        yield
+    finally:
+        _state.update(old)
+
+
+@contextlib.contextmanager
+def default_budget() -> Iterator[None]:
+    """Within the block, the device's default budget, whatever :func:`memory_budget` the caller is in: for a
+    measurement cached for the whole machine (the path costs), which must not depend on one caller's budget.
+
+    Example:
+        >>> from gpnys import memory_budget
+        >>> from gpnys.budget import DEFAULT_BLOCK_BYTES, block_bytes, default_budget
+        >>> with memory_budget(block_bytes=8 << 10), default_budget():
+        ...     block_bytes() == DEFAULT_BLOCK_BYTES
+        True
+    """
+    old = dict(_state)
+    _state.update(block_bytes=None, dense_bytes=None)
     try:
         yield
     finally:

@@ -49,7 +49,7 @@ def entry_key(device: torch.device, dtype: torch.dtype) -> str:
 def _read(name: str) -> dict:
     try:
         stored = json.loads((cache_dir() / name).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # unreadable, corrupt, or nested past the parser's depth
         return {}
     return stored if isinstance(stored, dict) else {}
 

@@ -221,7 +221,9 @@ def _split_product(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out).mT.contiguous()
 
 
-_forms: dict[tuple[torch.dtype, str], str] = {}
+#: this process's forms, per dtype, device and thread count (the cache file's key); and those settled for a group
+_forms: dict[tuple[torch.dtype, str, int], str] = {}
+_settled: dict[tuple[torch.dtype, str], str] = {}
 
 
 def thin_form(dtype: torch.dtype, device: torch.device | str) -> str:
@@ -230,7 +232,10 @@ def thin_form(dtype: torch.dtype, device: torch.device | str) -> str:
     (:func:`settle_thin_forms`). Under an initialised ``torch.distributed`` group without a settled choice,
     ``"direct"``, untimed: ranks timing on their own, under different loads, could choose differently and round
     differently."""
-    key = (dtype, str(torch.device(device)))
+    device = str(torch.device(device))
+    if (dtype, device) in _settled:
+        return _settled[(dtype, device)]
+    key = (dtype, device, torch.get_num_threads())
     if key not in _forms:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return "direct"
@@ -292,7 +297,7 @@ def settle_thin_forms(device: torch.device | str, choices: dict[torch.dtype, str
     for dtype, form in choices.items():
         if form not in THIN_FORMS:
             raise ValueError(f"choices must map dtypes to one of {THIN_FORMS}, got {form!r} for {dtype}")
-        _forms[(dtype, str(torch.device(device)))] = form
+        _settled[(dtype, str(torch.device(device)))] = form
 
 
 def shift_at(shift: float | torch.Tensor, index: torch.Tensor) -> float | torch.Tensor:

@@ -38,7 +38,7 @@ def test_thin_matmul_vector_and_batch(form, dtype):
 def test_thin_matmul_takes_the_device_form_and_rejects_an_unknown_one(monkeypatch):
     """Without ``form``, the form this device timed (here pinned); a form outside ``THIN_FORMS`` is a ValueError."""
     A, B = torch.rand(40, 30, dtype=torch.float64), torch.rand(30, 5, dtype=torch.float64)
-    monkeypatch.setattr(linalg, "_forms", {(torch.float64, "cpu"): "transposed-padded"})
+    monkeypatch.setattr(linalg, "_forms", {(torch.float64, "cpu", torch.get_num_threads()): "transposed-padded"})
     applied = []
     original = linalg._apply_form
     monkeypatch.setattr(linalg, "_apply_form", lambda form, *a: applied.append(form) or original(form, *a))
@@ -56,6 +56,7 @@ def test_process_group_ranks_share_one_form_of_the_thin_products(tmp_path, monke
     import gpnys.distributed as gd
 
     monkeypatch.setattr(linalg, "_forms", {})
+    monkeypatch.setattr(linalg, "_settled", {})
     monkeypatch.setattr(linalg, "CALIBRATION_SIZE", {"cpu": 512})  # and its choice stays out of the suite's cache:
     monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path / "cache"))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -63,10 +64,10 @@ def test_process_group_ranks_share_one_form_of_the_thin_products(tmp_path, monke
         assert linalg.thin_form(torch.float64, torch.device("cpu")) == "direct" and linalg._forms == {}
         gd.init(seed=None)  # already initialised: settles the forms only
         cpu = str(torch.device("cpu"))
-        assert set(linalg._forms) == {(torch.float32, cpu), (torch.float64, cpu)}
+        assert set(linalg._settled) == {(torch.float32, cpu), (torch.float64, cpu)} and linalg._forms == {}
         timed = linalg.time_thin_forms(torch.float64, "cpu")  # (a fresh timing may differ; the settled one holds)
         assert timed in THIN_FORMS
-        settled = linalg._forms[(torch.float64, cpu)]
+        settled = linalg._settled[(torch.float64, cpu)]
         assert linalg.thin_form(torch.float64, torch.device("cpu")) == settled
         other = next(form for form in THIN_FORMS if form != settled)
         linalg.settle_thin_forms("cpu", {torch.float64: other})
@@ -99,6 +100,25 @@ def test_the_thin_products_form_is_timed_once_per_machine_and_read_back(tmp_path
         monkeypatch.setattr(linalg, "_forms", {})
         assert linalg.thin_form(torch.float64, torch.device("cpu")) == "direct"
     assert len(calls) == 3
+
+
+def test_the_thin_products_form_follows_the_thread_count(tmp_path, monkeypatch):
+    """The cache file keeps a form per thread count, and so does the process: a form chosen at one thread count
+    is not taken at another."""
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linalg, "_forms", {})
+    forms = iter(["transposed", "split+direct-padded"])
+    monkeypatch.setattr(linalg, "time_thin_forms", lambda dtype, device: next(forms))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert linalg.thin_form(torch.float64, torch.device("cpu")) == "transposed"
+        torch.set_num_threads(2)
+        assert linalg.thin_form(torch.float64, torch.device("cpu")) == "split+direct-padded"
+        torch.set_num_threads(1)
+        assert linalg.thin_form(torch.float64, torch.device("cpu")) == "transposed"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_timed_form_is_one_of_the_forms_and_direct_unless_clearly_faster(monkeypatch):

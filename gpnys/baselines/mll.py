@@ -143,7 +143,7 @@ def evaluate(
     if method not in ("exact", "gpytorch"):
         rec = hook.history[-1]
         extra = {"precond": rec.kind, "rank": rec.rank, "setup_s": rec.setup_s, "cg_iterations": hook.applications,
-                 "kernel_fraction": hook.kernel_fraction}
+                 "kernel_fraction": hook.kernel_fraction, "path": hook.path, "path_reason": hook.path_reason}
 
     def g(p: torch.Tensor) -> float | list[float]:
         v = p.grad.detach().reshape(-1)

@@ -67,10 +67,11 @@ def run(args: argparse.Namespace) -> int:
     settings, opts = estimator_from_args(args)  # checked for --precond none too, which uses none of them
     if args.precond == "none":
         for flag, value in (("--variance-method", None if args.variance_method in ("auto", "cholesky")
-                             else args.variance_method), ("--variance-rel-error", args.variance_rel_error)):
+                             else args.variance_method), ("--variance-rel-error", args.variance_rel_error),
+                            ("--solver", "iterative" if args.solver == "iterative" else None)):
             if value is not None:
-                raise ValueError(f"{flag} {value} needs a preconditioned fit; --precond none computes the variances "
-                                 "by Cholesky")
+                raise ValueError(f"{flag} {value} needs a preconditioned fit; --precond none trains and computes "
+                                 "the variances by Cholesky")
     ds = load_data(args)
     check_at_most(ds.n, args, "k", "w")
     if not args.json:

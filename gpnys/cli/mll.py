@@ -42,6 +42,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.solver == "cholesky":
+        raise ValueError("--solver cholesky: gpnys mll evaluates each gpnys --method on its preconditioned path; "
+                         "the Cholesky reference is --method exact")
     settings, opts = estimator_from_args(args)
     ds = load_data(args)
     check_at_most(ds.n, args, "k", "w")

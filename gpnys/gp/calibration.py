@@ -16,6 +16,7 @@ import warnings
 import gpytorch
 import torch
 
+from gpnys.budget import default_budget
 from gpnys.checks import validate_count
 from gpnys.gp.hook import use_preconditioner
 from gpnys.gp.path import PathCosts, costs_key, fit_costs, install_calibration, install_measurer
@@ -43,10 +44,10 @@ def _time_path(n: int, device: torch.device, dtype: torch.dtype, solver: str, re
                warm_up: bool = True) -> float:
     """Median seconds of a value + gradient on the synthetic problem over ``reps`` repetitions (after one untimed
     one, with ``warm_up``); each repetition moves the length-scale (a training step: the preconditioner is
-    rebuilt)."""
+    rebuilt). Under the device's default memory budget: the result is cached for the whole machine."""
     times = []
     # a gradient, also where the caller decides under no_grad or inference_mode (a BoTorch posterior's path)
-    with warnings.catch_warnings(), torch.inference_mode(False), torch.enable_grad():
+    with warnings.catch_warnings(), torch.inference_mode(False), torch.enable_grad(), default_budget():
         warnings.simplefilter("ignore")
         model, X, y = _problem(n, device, dtype)
         mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -38,8 +39,8 @@ from gpnys.budget import dense_limit_bytes
 from gpnys.cache import cache_dir, entry_key, read_entry, write_entry
 
 __all__ = ["PathCosts", "calibrate", "install_calibration", "install_measurer", "measure_exact", "path_costs",
-           "choose_path", "cholesky_fits", "DENSE_MATRICES", "POSTERIOR_MATRICES", "uses_costs", "cache_file", "fit_costs", "costs_key", "PathChooser",
-           "measured_scale", "near_switch"]
+           "choose_path", "cholesky_fits", "DENSE_MATRICES", "POSTERIOR_MATRICES", "CHOLESKY_BELOW", "uses_costs",
+           "cache_file", "fit_costs", "costs_key", "PathChooser", "measured_scale", "near_switch"]
 
 #: the cost model's file in the cache folder (:mod:`gpnys.cache`)
 COSTS_FILE = "costs.json"
@@ -54,6 +55,9 @@ DENSE_MATRICES = 13
 POSTERIOR_MATRICES = 7
 #: a path is left for the other only when the other is predicted this much faster (no flip-flopping near the switch)
 HYSTERESIS = 1.25
+#: below this many points ``auto`` takes Cholesky without consulting the cost model: its value + gradient takes
+#: milliseconds there, less than building any preconditioner, and the model's two-size fits say least about it
+CHOLESKY_BELOW = 300
 #: Cholesky is measured at the size in question where the two predictions lie within this factor of each other (a
 #: measurement is cached on disk for its size span, so it is paid once per machine, dtype and span)
 PROBE_FACTOR = 10.0
@@ -131,8 +135,10 @@ def costs_key(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def fit_costs(sizes: tuple[int, int], seconds: tuple[float, float], powers: tuple[int, int]) -> tuple[float, float]:
-    """``(p, q)`` with ``seconds = p n^powers[0] + q n^powers[1]`` through the two points, both non-negative (a
-    negative lower-order term, from timing noise, is dropped and the leading one refitted on the larger size)."""
+    """``(p, q)`` with ``seconds = p n^powers[0] + q n^powers[1]`` through the two points, both non-negative: where
+    either comes out negative (timing noise, or times that grow more slowly than the leading power between these
+    sizes, as a GPU's latency-bound small problems do), the leading term alone is fitted through the larger size.
+    Below the sizes that then under-predicts; :data:`CHOLESKY_BELOW` keeps tiny problems off the model."""
     (n1, n2), (t1, t2), (u, v) = sizes, seconds, powers
     det = n1**u * n2**v - n2**u * n1**v
     p = (t1 * n2**v - t2 * n1**v) / det
@@ -174,14 +180,26 @@ def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
         return _memo[key]
     entry = read_entry(COSTS_FILE, key)
     try:
-        costs = PathCosts(exact=tuple(entry["exact"]), iterative=tuple(entry["iterative"]),
-                          sizes=tuple(tuple(s) for s in entry["sizes"]), key=key,
+        costs = PathCosts(exact=_coefficients(entry["exact"]), iterative=_coefficients(entry["iterative"]),
+                          sizes=tuple(tuple(int(n) for n in s) for s in entry["sizes"]), key=key,
                           measured=_measurements(entry.get("measured")))
     except (TypeError, KeyError, ValueError, AttributeError):
+        if entry is not None:
+            warnings.warn(f"gpnys: the path costs stored in {cache_file()} under {key!r} are damaged; "
+                          "calibrating again", RuntimeWarning, stacklevel=2)
         costs = calibrate(device, dtype)
         write_entry(COSTS_FILE, key, asdict(costs), "the path costs", merge=_with_stored_measurements)
     _memo[key] = costs
     return costs
+
+
+def _coefficients(raw: object) -> tuple[float, float]:
+    """A cost model's two stored coefficients, as :func:`fit_costs` makes them: finite, non-negative, not both 0
+    (``ValueError`` otherwise: a damaged entry is calibrated again, not trusted)."""
+    a, b = (float(v) for v in raw)  # type: ignore[union-attr]
+    if not (math.isfinite(a) and math.isfinite(b) and a >= 0 and b >= 0 and a + b > 0):
+        raise ValueError(f"cost coefficients must be finite, non-negative and not both 0, got {raw!r}")
+    return a, b
 
 
 def _measurements(raw: object) -> dict[int, float]:
@@ -300,6 +318,8 @@ def choose_path(n: int, batch: int, device: torch.device, dtype: torch.dtype, so
     fits, why = cholesky_fits(n, batch, device, dtype)
     if not fits:
         return "iterative", why
+    if n < CHOLESKY_BELOW:
+        return "cholesky", f"{n} points, below {CHOLESKY_BELOW}: Cholesky costs less than any preconditioner"
     costs = path_costs(device, dtype)
 
     def predicted() -> tuple[float, float]:  # a measurement near n only for a caller that timed its own path
@@ -389,8 +409,8 @@ class PathChooser:
     def timed(self):
         """Time a preconditioned evaluation; its ratio to the cost model's prediction, averaged into
         :attr:`iterative_scale`, scales the model's later predictions for this caller."""
-        if not self._decides():
-            yield
+        if not self._decides() or not cholesky_fits(*self.problem())[0]:
+            yield  # nothing to weigh (Cholesky cannot be chosen): no calibration for a scale nobody reads
             return
         t0 = time.perf_counter()
         yield

@@ -65,6 +65,8 @@ def fails(argv: list[str], capsys) -> tuple[str, str]:
     (["fit", "--precond", "none", "--variance-rel-error", "-1"], "--variance-rel-error"),
     (["fit", "--precond", "none", "--variance-rel-error", "0.1"], "--variance-rel-error"),
     (["fit", "--precond", "none", "--variance-method", "pcg"], "--variance-method"),
+    (["fit", "--precond", "none", "--solver", "iterative"], "--solver"),
+    (["mll", "--method", "auto", "--solver", "cholesky"], "--solver"),
     (["fit", "--precond", "none", "--k", "5000"], "--k"),
     # no silent clipping
     (["pcg", "--precond", "nystrom", "--rank", "0"], "--rank"),
@@ -128,9 +130,9 @@ def test_training_that_diverges_names_the_learning_rate(capsys):
 
 @pytest.mark.filterwarnings("ignore::linear_operator.utils.warnings.NumericalWarning")
 def test_a_numerical_failure_names_the_scales(capsys):
-    """Scales inside their range can still leave K + noise I indefinite in floating point (float32; the exact
-    reference itself runs in float64, so the hook's Cholesky path is asked for)."""
-    _, err = fails(["mll", *DATA, "--method", "auto", "--solver", "cholesky", "--dtype", "float32", "--lengthscale",
+    """Scales inside their range can still leave K + noise I indefinite in floating point (float32, the
+    preconditioned path; the exact reference itself runs in float64)."""
+    _, err = fails(["mll", *DATA, "--method", "auto", "--dtype", "float32", "--lengthscale",
                     "80", "--outputscale", "80", "--noise", "2e-6"], capsys)
     assert "numerical failure" in err and "--outputscale 80" in err, err
 

@@ -64,6 +64,8 @@ def test_fit_recovers_the_cost_coefficients():
         assert fp == pytest.approx(p, rel=1e-9) and fq == pytest.approx(q, rel=1e-6)
     # timing noise that makes the lower-order term negative: the leading term alone, through the larger size
     assert gpath.fit_costs((300, 600), (1.0, 1.5), (2, 1)) == (1.5 / 600**2, 0.0)
+    # times that grow more slowly than n^2 (a negative leading term): the same
+    assert gpath.fit_costs((500, 1000), (0.50, 0.55), (2, 1)) == (0.55 / 1000**2, 0.0)
 
 
 def test_choose_path(costs):
@@ -75,7 +77,7 @@ def test_choose_path(costs):
     assert choose_path(500, 1, cpu, f64, "auto", "afn")[0] == "iterative"  # a named preconditioner
     path, reason = choose_path(500, 1, cpu, f64, "auto", "auto")
     assert "Cholesky" in reason and "test" in reason
-    with gpnys.memory_budget(dense_bytes=4 * 500 * 500 * 8 - 1):  # Cholesky's matrices no longer fit
+    with gpnys.memory_budget(dense_bytes=gpath.DENSE_MATRICES * 500 * 500 * 8 - 1):  # its matrices no longer fit
         path, reason = choose_path(500, 1, cpu, f64, "auto", "auto")
         assert path == "iterative" and "memory budget" in reason
     # hysteresis: near the switch the current path is kept; far from it, left
@@ -121,7 +123,7 @@ def test_solver_is_validated(monkeypatch):
 
 
 def test_auto_takes_cholesky_at_small_n_exactly(costs, dtype):
-    model, X, y = _model(dtype=dtype)
+    model, X, y = _model(400, dtype=dtype)
     exact, g_exact, _ = _value_and_grads(model, X, y)
     loss, grads, hook = _value_and_grads(model, X, y, "auto")
     est = hook.last_estimate
@@ -136,7 +138,7 @@ def test_auto_takes_cholesky_at_small_n_exactly(costs, dtype):
 def test_auto_takes_the_preconditioned_path_above_the_switch(costs, monkeypatch):
     monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: PathCosts((1e-3, 0.0), (1e-9, 0.0),
                                                                              ((1, 2), (1, 2)), "test"))
-    model, X, y = _model()
+    model, X, y = _model(400)
     exact, _, _ = _value_and_grads(model, X, y)
     loss, _, hook = _value_and_grads(model, X, y, "auto", settings=EstimatorSettings(probe_seed=0))
     est = hook.last_estimate
@@ -194,6 +196,66 @@ def test_batch_model_on_the_cholesky_path(costs):
     assert hook.last_estimate.n == B * N
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, g_exact[k])
+
+
+@pytest.mark.parametrize("n", [1, 2, 50, 299])
+def test_tiny_n_takes_cholesky_whatever_the_costs_say(costs, monkeypatch, n):
+    """Below :data:`~gpnys.gp.path.CHOLESKY_BELOW` points ``auto`` takes Cholesky without the cost model (whose
+    two-size fits can under-predict the preconditioned path there): no preconditioner, the exact loss."""
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: pytest.fail("the cost model was consulted"))
+    cpu, f64 = torch.device("cpu"), torch.float64
+    path, reason = choose_path(n, 1, cpu, f64, "auto", "auto")
+    assert path == "cholesky" and f"below {gpath.CHOLESKY_BELOW}" in reason
+    assert choose_path(n, 1, cpu, f64, "iterative", "auto")[0] == "iterative"  # a forced path is kept
+    if n >= 2:
+        model, X, y = _model(n)
+        exact, _, _ = _value_and_grads(model, X, y)
+        loss, _, hook = _value_and_grads(model, X, y, "auto")
+        assert hook.builds == 0 and hook.last_estimate.path == "cholesky"
+        assert loss == pytest.approx(exact, abs=1e-12)
+
+
+@pytest.mark.parametrize("damage", [[2e-9], "ab", [float("nan"), 0.0], [-1.0, 0.0], [0.0, 0.0]])
+def test_damaged_path_costs_are_calibrated_again(monkeypatch, tmp_path, damage):
+    """A stored cost model that is not two finite, non-negative coefficients is not trusted: one warning, and the
+    costs are calibrated again and rewritten."""
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gpath, "_memo", {})
+    monkeypatch.setattr(gpath, "calibrate", lambda device, dtype: COSTS)
+    key = gpath.costs_key(torch.device("cpu"), torch.float64)
+    entry = {"exact": damage, "iterative": [1e-6, 0.0], "sizes": [[300, 600], [500, 1000]]}
+    gpath.cache_file().write_text(json.dumps({key: entry}))
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        assert gpath.path_costs("cpu", torch.float64) is COSTS
+    assert json.loads(gpath.cache_file().read_text())[key]["exact"] == list(COSTS.exact)
+
+
+def test_no_timing_or_calibration_where_cholesky_cannot_be_chosen(costs, monkeypatch):
+    """Where Cholesky's working set exceeds the memory budget the preconditioned evaluations are not timed: the
+    scale they would give is never read, and timing it would calibrate the cost model for nothing."""
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: pytest.fail("the cost model was consulted"))
+    model, X, y = _model(400)
+    with gpnys.memory_budget(dense_bytes=0):
+        _, _, hook = _value_and_grads(model, X, y, "auto")
+    assert hook.last_estimate.path == "iterative" and "memory budget" in hook.path_reason
+    assert hook.paths.timings == 0 and hook.paths.iterative_scale == 1.0
+
+
+def test_calibration_runs_under_the_default_budget(monkeypatch):
+    """The path costs are cached for the whole machine, so they are timed under the device's default budget, not
+    under the caller's ``memory_budget``."""
+    from gpnys.budget import default_dense_bytes, dense_limit_bytes
+
+    seen = []
+
+    def fake_problem(n, device, dtype):
+        seen.append(dense_limit_bytes(device))
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(calibration, "_problem", fake_problem)
+    with gpnys.memory_budget(dense_bytes=0), pytest.raises(RuntimeError, match="stop"):
+        calibration._time_path(300, torch.device("cpu"), torch.float64, "cholesky")
+    assert seen == [default_dense_bytes(torch.device("cpu"))] and dense_limit_bytes() == default_dense_bytes()
 
 
 def test_path_costs_are_cached_on_disk(monkeypatch, tmp_path):
