@@ -81,10 +81,10 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         if problem is None:
             return self._gpytorch_log_prob(value, None)
         problem.last_probes = None
-        with problem.paths.timed():  # either form times the preconditioned path for the cost model
+        with problem.paths.timed() as stamp:  # either form times the preconditioned path for the cost model
             if problem.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
-                return problem.evaluate(self, value)  # per-probe terms: error bars, requested accuracy
-            return self._gpytorch_log_prob(value, problem)
+                return stamp(problem.evaluate(self, value))  # per-probe terms: error bars, requested accuracy
+            return stamp(self._gpytorch_log_prob(value, problem))
 
     def _gpytorch_log_prob(self, value: torch.Tensor, problem: "TrainingProblem | None") -> torch.Tensor:
         """GPyTorch's ``log_prob`` under the hook's settings, with the probe seed and the control variate."""
@@ -119,14 +119,15 @@ class BatchPreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         op, diag = cov._linear_op, cov._diag_tensor.diagonal()
         dense = None if problem.batch_closed_form(op) else op.evaluate_kernel()  # GPyTorch's own (b, n, n) then
         out = []
-        with problem.paths.timed(), problem.settings.context():
+        with problem.paths.timed() as stamp, problem.settings.context():
             for element in problem.elements:
                 i = element.index
                 marginal = gpytorch.distributions.MultivariateNormal(self.mean[i],
                                                                      element.covariance(op, dense, diag[i]))
                 out.append(element.evaluate(marginal, value[i]))
+            result = stamp(torch.stack(out))
         problem.record_batch([element.last_estimate for element in problem.elements])
-        return torch.stack(out)
+        return result
 
 
 class CholeskyMVN(gpytorch.distributions.MultivariateNormal):

@@ -31,12 +31,13 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from gpnys.budget import dense_limit_bytes
 from gpnys.cache import cache_dir, entry_key, read_entry, write_entry
+from gpnys.linalg import synchronize
 
 __all__ = ["PathCosts", "calibrate", "install_calibration", "install_measurer", "measure_exact", "path_costs",
            "choose_path", "cholesky_fits", "DENSE_MATRICES", "POSTERIOR_MATRICES", "CHOLESKY_BELOW", "uses_costs",
@@ -406,15 +407,49 @@ class PathChooser:
         return uses_costs(self.solver, self.method) and not self.partitioned
 
     @contextlib.contextmanager
-    def timed(self):
-        """Time a preconditioned evaluation; its ratio to the cost model's prediction, averaged into
-        :attr:`iterative_scale`, scales the model's later predictions for this caller."""
-        if not self._decides() or not cholesky_fits(*self.problem())[0]:
-            yield  # nothing to weigh (Cholesky cannot be chosen): no calibration for a scale nobody reads
+    def timed(self) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """Time a preconditioned evaluation, value and gradient as the cost model predicts them: the block yields
+        ``stamp``, which the caller applies to the evaluation's output; the time runs from the block's start to the
+        end of the backward pass through that output. Its ratio to the prediction, averaged into
+        :attr:`iterative_scale`, scales the model's later predictions for this caller. An evaluation without a
+        backward (under ``no_grad``) is not comparable and not counted."""
+        problem = self.problem()
+        if not self._decides() or not cholesky_fits(*problem)[0]:
+            yield lambda out: out  # nothing to weigh (Cholesky cannot be chosen): no calibration for an unread scale
             return
         t0 = time.perf_counter()
-        yield
-        ratio = measured_scale(time.perf_counter() - t0, *self.problem())
+
+        def stamp(out: torch.Tensor) -> torch.Tensor:
+            forward = time.perf_counter() - t0
+            if not (torch.is_grad_enabled() and out.requires_grad):
+                return out
+            return _BackwardEnd.apply(out, lambda backward: self._record(forward + backward, problem))
+
+        yield stamp
+
+    def _record(self, seconds: float, problem: Problem) -> None:
+        ratio = measured_scale(seconds, *problem)
         # the first timing holds one-off costs: the second replaces it, later ones average in
         self.iterative_scale = 0.5 * (self.iterative_scale + ratio) if self.timings >= 2 else ratio
         self.timings += 1
+
+
+class _BackwardEnd(torch.autograd.Function):
+    """The identity, whose backward calls ``done(seconds)`` once the whole backward pass has finished (autograd's
+    end-of-pass callback): the seconds from when the gradient reached this output."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, done: Callable[[float], None]) -> torch.Tensor:
+        ctx.done, ctx.device = done, out.device
+        return out.clone()  # (a 0-dim or (b,) log-likelihood; GPyTorch edits it in place)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        start, done, device = time.perf_counter(), ctx.done, ctx.device
+
+        def finished() -> None:
+            synchronize(device)
+            done(time.perf_counter() - start)
+
+        torch.autograd.Variable._execution_engine.queue_callback(finished)
+        return grad, None

@@ -560,3 +560,33 @@ def test_measured_cholesky_on_device(cuda_device, monkeypatch, tmp_path):
     paths, loss, _, _ = _evaluations(model, X, y)
     assert [p for p, _ in paths] == ["iterative", "iterative", "cholesky"] and 0 < costs.measured[400] < 0.3
     assert loss == pytest.approx(exact, abs=1e-10)
+
+
+def test_the_hooks_timing_covers_the_backward_pass(costs, monkeypatch):
+    """The cost model predicts a value and its gradient, so a timed evaluation runs from its start to the end of the
+    backward pass through its output; an evaluation without a backward (``no_grad``) is not counted."""
+    import time
+
+    seen = []
+    monkeypatch.setattr(gpath, "measured_scale", lambda seconds, *problem: seen.append(seconds) or 1.0)
+    chooser = gpath.PathChooser("auto", "auto", lambda: (400, 1, torch.device("cpu"), torch.float64))
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.2)
+            return 2 * g
+
+    x = torch.ones((), dtype=torch.float64, requires_grad=True)
+    with chooser.timed() as stamp:
+        out = stamp(SlowBackward.apply(x))
+    assert seen == []  # not before the backward
+    (3 * out).backward()
+    assert len(seen) == 1 and seen[0] >= 0.2 and chooser.timings == 1 and float(x.grad) == 6.0
+    with torch.no_grad(), chooser.timed() as stamp:
+        stamp(SlowBackward.apply(x))
+    assert len(seen) == 1 and chooser.timings == 1
