@@ -177,7 +177,7 @@ class StationaryKernelOperator(LinearOperator):
                     D = torch.empty_like(K)
             Z, bs = self._scaled(), fill_rows(n, self.X.device)
             sq = squared_norms(Z)
-            zmax = float(Z.abs().max()) if Z.numel() else 0.0
+            zmax = float(sq.max().sqrt()) if Z.numel() else 0.0
             scratch = Z.new_empty(min(bs, n) * n)
             padded = self.tiles.padded(Z, sq)
             for a in range(0, n, bs):

@@ -602,3 +602,37 @@ def test_float32_lengthscale_derivative_survives_large_scaled_inputs(name):
     err_op = abs(grad(torch.float32, True) - ref) / abs(ref)
     err_gp = abs(grad(torch.float32, False) - ref) / abs(ref)
     assert err_op < 1e-4 and err_op <= 2 * err_gp
+
+
+@pytest.mark.parametrize("dense_limit_bytes", [None, 0], ids=["cached", "on-the-fly"])
+def test_matern12_near_pairs_are_not_taken_for_coincident(dense_limit_bytes):
+    """float32 Matérn-1/2, pairs 5e-4 length-scales apart: their distances are summed in float64, so they keep
+    their kernel value (a float32-sized coincidence threshold had set them to k = 1, 5e-4 off each, and 12 % off the
+    length-scale gradient on two clusters)."""
+    X = torch.tensor([[0.0], [1e-4], [2.0], [2.0001], [5.0]], dtype=torch.float32)
+    kern = kernel_at("matern12", False, torch.float32, lengthscale=0.2)
+    op = operator(X, kern, dense_limit_bytes=dense_limit_bytes)
+    with torch.no_grad():
+        K = op @ torch.eye(5, dtype=torch.float32)
+    ref = exact_kernel(X.double(), kernel_at("matern12", False, torch.float64, lengthscale=0.2)).detach()
+    assert rel_max(K, ref) < 1e-6
+
+
+@pytest.mark.parametrize("d", [2, 5, 10])
+def test_matern12_duplicates_are_coincident_in_any_dimension(d):
+    """Exact duplicate points in d dimensions are at distance 0 (k = 1, no ``h = -exp(-r)/r`` blow-up in the
+    length-scale derivative), wherever they are: the coincidence threshold follows the points' norms and d, not their
+    largest coordinate."""
+    g = torch.Generator().manual_seed(0)
+    base = 3 + torch.rand(60, d, dtype=torch.float64, generator=g)
+    X = torch.cat([base, base])
+    kern = kernel_at("matern12", False, torch.float64, lengthscale=0.01)
+    op = operator(X, kern)
+    with torch.no_grad():
+        K = op @ torch.eye(120, dtype=torch.float64)
+    assert bool((K.diagonal(60) == kern.outputscale.detach()).all())  # every duplicate pair: k = 1
+    U, V = uv(torch.float64, n=120)
+    g_op = closed_form_grads(kern, op, U, V)
+    g_ref = autograd_grads(kern, lambda: exact_kernel(X, kern), U, V)
+    for key in g_ref:
+        torch.testing.assert_close(g_op[key], g_ref[key], rtol=1e-9, atol=1e-12)

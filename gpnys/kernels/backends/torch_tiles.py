@@ -102,7 +102,7 @@ class TorchTiles(KernelBackend):
              zmax: float, derivative: torch.Tensor | None = None,
              padded: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write ``(k, h)`` of the tile ``rows`` x ``cols`` with coordinates ``(Zr, Zc)`` (:meth:`coords`;
-        ``sq = |z|^2`` per point and ``zmax = max |z|``, used on full-width tiles) into ``out``, two
+        ``sq = |z|^2`` per point and ``zmax = max |z|`` (the largest norm), used on full-width tiles) into ``out``, two
         ``(|rows|, |cols|)`` blocks (``h`` is ``None`` for RBF); ``scratch`` (same shape) holds the distances.
         Reusing the caller's buffers keeps a pass free of ``(b, n)`` allocations (glibc keeps and re-faults freed
         blocks: slower, and the peak RSS grows by the retained blocks). ``derivative`` (a full-width tile's block
@@ -122,7 +122,7 @@ class TorchTiles(KernelBackend):
                     sr, sc = sq[rows], sq[cols]
                 else:
                     sr, sc = squared_norms(Zr), squared_norms(Zc)
-                    zmax = float(sc.max().sqrt()) if singular else 0.0
+                    zmax = float(torch.maximum(sr.max(), sc.max()).sqrt()) if singular else 0.0
                 P, Q = _padded(Zr, sr, c, True), _padded(Zc, sc, c, False)
             # the expanded form cancels to u |z|^2: in float32 that is the kernel's largest error (duplicate points
             # at a short length-scale), so its sums run in float64 and are rounded once
@@ -140,8 +140,9 @@ class TorchTiles(KernelBackend):
             if derivative is not None:
                 torch.mul(R, 0.5, out=derivative)
             R.sqrt_()
-            if singular:  # ... and on coincident points, where h = -exp(-r)/r would amplify it
-                R.masked_fill_(R < math.sqrt(torch.finfo(R.dtype).eps) * zmax, 0.0)
+            if singular:  # ... and on coincident points, where h = -exp(-r)/r would amplify it: r below the
+                # expanded form's rounding in the accumulation dtype, (d + 2) terms of up to 2 |z|^2 each, is 0
+                R.masked_fill_(R < math.sqrt(8 * (Zr.shape[1] + 2) * torch.finfo(acc).eps) * zmax, 0.0)
             k_and_h_inplace(R, self.formula, *out)
             if derivative is not None:
                 derivative.mul_(out[1])
@@ -245,7 +246,7 @@ class TorchTiles(KernelBackend):
         ascending index tensor), the tiles filled in ``size``-element workspaces; the tag passes through."""
         n = Z.shape[0]
         sq = squared_norms(Z)
-        zmax = float(Z.abs().max()) if Z.numel() else 0.0
+        zmax = float(sq.max().sqrt()) if Z.numel() else 0.0
         buffers = [Z.new_empty(size) for _ in range(2 if self.formula.rbf else 3)]
         padded = None
         for tag, rows, cols in shapes:
