@@ -67,8 +67,9 @@ def condition_blocks(mu_t: torch.Tensor, S_tt: torch.Tensor, mu_q: torch.Tensor,
         >>> round(float(post.mean), 6), round(float(post.variance), 6)
         (0.5, 0.875)
     """
-    if mu_q.shape[-1] == 0:
-        return latent_mvn(mu_t, S_tt)
+    if mu_q.shape[-1] == 0:  # no points to condition on: the prior blocks, in the fantasies' batch
+        batch = torch.broadcast_shapes(mu_t.shape[:-1], targets.shape[:-1])
+        return latent_mvn(mu_t.expand(*batch, -1), S_tt.expand(*batch, *S_tt.shape[-2:]))
     C = S_qq + torch.diag_embed(noise.to(S_qq))  # (broadcast to the targets' batch: one q x q factor each)
     A = torch.cholesky_solve(S_tq.mT, psd_safe_cholesky(C))  # C⁻¹ Σ_qt, (*b, q, t)
     mu = mu_t + ((targets - mu_q).unsqueeze(-2) @ A).squeeze(-2)

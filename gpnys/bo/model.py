@@ -625,6 +625,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         try:
             model = mll.model
             (-mll(model(*model.train_inputs), model.train_targets).sum()).backward()
+            if hook.last_estimate is None:  # gpnys's estimator did not run (another mll, a passed-through kernel):
+                return True  # no error bars to test against, and L-BFGS-B's own stop stands
             at_noise = gradient_at_noise(self, hook.last_estimate, bounds=bounds)
             if not at_noise:
                 self._constant_mean_step(hook.last_estimate)
@@ -714,6 +716,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.training or len(args) != 1 or kwargs or gpytorch.settings.prior_mode.on() or args[0].dim() < 2:
             return super().__call__(*args, **kwargs)
+        if vars(self).get("_gpnys_exact_fantasy"):  # conditioned with noise= on a learnt noise (its fantasy caches)
+            with gpytorch.settings.max_cholesky_size(self.train_inputs[0].shape[-2]):
+                return super().__call__(*args, **kwargs)
         if self._outputs() > 1 and self._handled():  # at every size (:meth:`_output_posterior`)
             return self._output_posterior(args[0])
         if not self.uses_preconditioner():
@@ -1030,6 +1035,13 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 self._prediction_caches()
                 new = super().condition_on_observations(X, Y, **kwargs)
             new._gpnys_warned = True  # a model of this documented path: no "not preconditioned" warning
+            if kwargs.get("noise") is not None and not self._known_noise():
+                # the given noise lives only in GPyTorch's fantasy caches (the likelihood's noise is learnt, one
+                # value): the new model predicts from them, by GPyTorch's exact path
+                new._gpnys_exact_fantasy = True
+                warnings.warn("PreconditionedSingleTaskGP.condition_on_observations: noise= on a model whose noise "
+                              "is learnt; the conditioned model predicts by GPyTorch's exact path, which holds the "
+                              "given noise", NumericalWarning, stacklevel=2)
             return new
         self.eval()
         X_tf = self.transform_inputs(X)
@@ -1187,6 +1199,8 @@ def _check_solve(res: PCGResult, tol: float, what: str) -> None:
     """Raise :class:`PosteriorSolveError` where ``res`` (a posterior solve) ended at a true relative residual above
     ``max(10 tol, SOLVE_FAILED)``, ``tol`` the posterior's tolerance (:meth:`PreconditionedSingleTaskGP._tolerance`):
     broken down or stalled (``K̂`` not numerically positive definite in the working precision)."""
+    if res.rel_residual.numel() == 0:  # no columns (a posterior at zero points): nothing was solved
+        return
     worst = float(res.rel_residual.max())
     if worst > max(10 * tol, SOLVE_FAILED):
         broke = int(res.breakdown.sum()) if res.breakdown is not None else 0

@@ -1318,3 +1318,57 @@ def test_fits_reach_single_task_gps_optimum_where_the_estimate_used_to_stall():
             values.append(mll(model(*model.train_inputs), model.train_targets))
     gaps = 200 * (values[1] - values[0])
     assert bool((gaps < 12.0).all()), f"{gaps.tolist()} nats short of SingleTaskGP"
+
+
+# -- edge cases a read-only review found ---------------------------------------------------------------------
+@pytest.mark.parametrize("outputs", [1, 2])
+def test_condition_on_observations_with_noise_on_a_learnt_noise_model(outputs):
+    """``noise=`` for the new points of a model whose noise is learnt: the conditioned model holds it in GPyTorch's
+    fantasy caches and predicts from them (one warning), as SingleTaskGP does; it had treated the new points as
+    having the learnt noise (variances 100x too large there)."""
+    X, Y = data(200, 3, seed=4)
+    Y = Y.repeat(1, outputs) if outputs > 1 else Y
+    ref, model = pair(X, Y, noise=1e-2, posterior_cholesky_size=0)
+    ref.eval(), model.eval()
+    Xn = points_at(3, 3, seed=6)
+    Yn, noise = torch.zeros(3, outputs, dtype=torch.float64), torch.full((3, outputs), 1e-5, dtype=torch.float64)
+    ref.posterior(Xn)  # its prediction caches, which BoTorch's conditioning extends
+    expected = ref.condition_on_observations(Xn, Yn, noise=noise)
+    with pytest.warns(gpnys.NumericalWarning, match="noise= on a model whose noise is learnt"):
+        got = model.condition_on_observations(Xn, Yn, noise=noise)
+    T = torch.cat([Xn, points_at(5, 3, seed=7)])
+    with torch.no_grad():
+        p, p_ref = got.posterior(T), expected.posterior(T)
+    assert_rel(p.mean, p_ref.mean, 1e-6, "mean")
+    assert_rel(p.variance, p_ref.variance, 1e-6, "variance")
+    assert float(p.variance[:3].max()) < 2e-5  # the given noise, not the learnt 1e-2
+
+
+def test_fit_with_another_mll_than_gpnys_estimates():
+    """``fit_gpytorch_mll`` on the preconditioned path with an mll that never runs gpnys's estimator (BoTorch's
+    leave-one-out pseudo-likelihood): L-BFGS-B's own stop stands (it had raised on the missing estimate)."""
+    from gpytorch.mlls import LeaveOneOutPseudoLikelihood
+
+    X, Y = data(150, 3, seed=5)
+    model = PreconditionedSingleTaskGP(X, Y, max_cholesky_size=0)
+    mll = LeaveOneOutPseudoLikelihood(model.likelihood, model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit_gpytorch_mll(mll)  # (no iteration cap: the run ends on its own, and the check after it runs)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_posterior_and_fantasies_at_zero_points():
+    """A PCG posterior at zero test points is empty, as SingleTaskGP's; fantasies of zero points keep the
+    fantasy batch."""
+    from botorch.sampling import SobolQMCNormalSampler
+
+    X, Y = data(200, 3, seed=8)
+    ref, model = pair(X, Y, noise=1e-2, posterior_cholesky_size=0)
+    E = torch.zeros(0, 3, dtype=torch.float64)
+    with torch.no_grad():
+        assert model.posterior(E).mean.shape == ref.posterior(E).mean.shape == (0, 1)
+    for m in (model, ref):
+        fantasy = m.fantasize(E, SobolQMCNormalSampler(torch.Size([2]), seed=0))
+        with torch.no_grad():
+            assert fantasy.posterior(X[:4]).mean.shape == (2, 4, 1)
