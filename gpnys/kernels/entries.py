@@ -113,10 +113,15 @@ class KernelEntries:
 
     Args:
         X: ``(n, d)`` points.
-        kernel: a GPyTorch kernel; a ``ScaleKernel`` is unwrapped (see :func:`split_outputscale`).
+        kernel: a GPyTorch kernel; a ``ScaleKernel`` is unwrapped (see :func:`split_outputscale`), its own
+            ``active_dims`` applied to ``X`` (:attr:`X` holds the columns the base kernel sees).
     """
 
     def __init__(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel) -> None:
+        dims = kernel.active_dims if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
+        if dims is not None and kernel.base_kernel.active_dims is None:
+            # GPyTorch's ScaleKernel selects its columns before its base kernel's forward, which the entries call
+            X = X.index_select(-1, dims.to(X.device))
         self.X = X
         self.kernel, self.outputscale = split_outputscale(kernel)
         self._op_cache: dict = {}  # the on-the-fly operator's cutoff plan, reused while the length-scale holds

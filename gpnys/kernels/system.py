@@ -61,8 +61,9 @@ class KernelSystem:
         self._op: StationaryKernelOperator | None = None
         if how in ("fused", "partitioned-fused"):
             one = torch.ones((), dtype=X.dtype, device=X.device)
-            self._op = StationaryKernelOperator(X, one, base.lengthscale.detach().to(X.dtype), base=base, cache={},
-                                                dense_limit_bytes=0, group=group if partitioned(group) else None)
+            self._op = StationaryKernelOperator(self.entries.X, one, base.lengthscale.detach().to(X.dtype), base=base,
+                                                cache={}, dense_limit_bytes=0,
+                                                group=group if partitioned(group) else None)
 
     def __call__(self, V: torch.Tensor) -> torch.Tensor:
         vec = V.dim() == 1

@@ -636,3 +636,23 @@ def test_matern12_duplicates_are_coincident_in_any_dimension(d):
     g_ref = autograd_grads(kern, lambda: exact_kernel(X, kern), U, V)
     for key in g_ref:
         torch.testing.assert_close(g_op[key], g_ref[key], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dense_bytes", [None, 0], ids=["cached", "on-the-fly"])
+def test_entries_and_system_apply_a_scale_kernels_own_active_dims(dense_bytes):
+    """``ScaleKernel(RBFKernel(), active_dims=[0, 2])``: GPyTorch selects the columns before the base kernel runs, and
+    so do the kernel entries and the kernel system (they had used every column)."""
+    from gpnys.kernels.entries import KernelEntries
+    from gpnys.kernels.system import KernelSystem
+
+    X = points(120, 3, dtype=torch.float64, seed=3)
+    kern = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(), active_dims=[0, 2]).double()
+    kern.outputscale, kern.base_kernel.lengthscale = 1.5, 0.4
+    ref = dense_reference(X, kern)
+    entries = KernelEntries(X, kern)
+    V = torch.randn(120, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), memory_budget(dense_bytes=dense_bytes):
+        assert rel_max(entries.outputscale * entries(slice(None), slice(None)), ref) < 1e-12
+        assert rel_max(entries.outputscale * entries.matmul(V), ref @ V) < 1e-12
+        system = KernelSystem(X, kern, mu=0.1)
+        assert rel_max(system(V), ref / kern.outputscale.detach() @ V + 0.1 * V) < 1e-12
