@@ -932,6 +932,9 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         128 raw samples at ``n = 5000`` (docs/bo.md, "Multiple outputs")."""
         x = x if x.dim() > 2 else x.unsqueeze(-3)
         models = self._output_models()
+        if x.shape[-3] not in (1, len(models)):  # (GPyTorch's batched model would not broadcast it either)
+            raise ValueError(f"x: expected (*batch, 1 or {len(models)}, q, d) for {len(models)} outputs, got "
+                             f"{tuple(x.shape)}")
         parts = [model(x[..., min(i, x.shape[-3] - 1), :, :]) for i, model in enumerate(models)]
         for name in ("posterior_variance_error", "posterior_gradient_error"):
             errors = [getattr(model, name) for model in models]

@@ -1372,3 +1372,16 @@ def test_posterior_and_fantasies_at_zero_points():
         fantasy = m.fantasize(E, SobolQMCNormalSampler(torch.Size([2]), seed=0))
         with torch.no_grad():
             assert fantasy.posterior(X[:4]).mean.shape == (2, 4, 1)
+
+
+def test_a_direct_call_of_a_two_output_model_checks_the_output_dimension():
+    """``model(x)`` of an ``m``-output model in eval mode takes ``x (*b, 1 | m, q, d)``; another size there raises
+    (output ``i`` had silently taken ``x[..., i, :, :]`` and dropped the rest)."""
+    X, Y = data(60, 3, seed=9)
+    model = PreconditionedSingleTaskGP(X, torch.cat([Y, -Y], -1))
+    model.eval()
+    with torch.no_grad():
+        assert model(points_at(5, 3, batch=(4, 1))).mean.shape == (4, 2, 5)
+        with pytest.raises(ValueError, match="1 or 2"):
+            model(points_at(5, 3, batch=(4,)))
+
