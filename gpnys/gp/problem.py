@@ -20,11 +20,7 @@ import gpytorch
 import torch
 import torch.distributed as dist
 from gpytorch.lazy import LazyEvaluatedKernelTensor
-from linear_operator.operators import (
-    AddedDiagLinearOperator,
-    DiagLinearOperator,
-    LinearOperator,
-)
+from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, LinearOperator
 
 from gpnys.checks import (
     HyperparameterError,
@@ -36,13 +32,7 @@ from gpnys.checks import (
 from gpnys.collectives import RowGroup, partitioned, signature
 from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
 from gpnys.gp.discover import same_points, selected_kernel, training_kernel
-from gpnys.gp.estimator import (
-    Estimate,
-    EstimatorState,
-    hyperparameter_summary,
-    log_prob,
-    trainable_parameters,
-)
+from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob, trainable_parameters
 from gpnys.gp.operators import PreconditionedAddedDiag, PreconditionerOperator
 from gpnys.gp.path import PathChooser
 from gpnys.gp.preconditioners import PreconditionerCache, StepRecord
