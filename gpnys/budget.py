@@ -85,12 +85,8 @@ def memory_budget(block_bytes: int | None = None, dense_bytes: int | None = None
     """
     new = {"block_bytes": _validate(block_bytes, "block_bytes", _ENTRY_BYTES),
            "dense_bytes": _validate(dense_bytes, "dense_bytes", 0)}
-    old = dict(_state)
-    _state.update({k: v for k, v in new.items() if v is not None})
-    try:
+    with _budget({k: v for k, v in new.items() if v is not None}):
         yield
-    finally:
-        _state.update(old)
 
 
 @contextlib.contextmanager
@@ -105,8 +101,15 @@ def default_budget() -> Iterator[None]:
         ...     block_bytes() == DEFAULT_BLOCK_BYTES
         True
     """
+    with _budget({"block_bytes": None, "dense_bytes": None}):
+        yield
+
+
+@contextlib.contextmanager
+def _budget(values: dict[str, int | None]) -> Iterator[None]:
+    """``_state`` updated with ``values`` within the block (``None``: the device default), restored on exit."""
     old = dict(_state)
-    _state.update(block_bytes=None, dense_bytes=None)
+    _state.update(values)
     try:
         yield
     finally:
