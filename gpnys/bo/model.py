@@ -81,7 +81,7 @@ from gpnys.bo.fantasy import condition_blocks, condition_joint, latent_mvn
 from gpnys.checks import HyperparameterError, NumericalWarning, validate_choice, validate_count, validate_positive
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import PreconditionerHook
-from gpnys.gp.path import POSTERIOR_MATRICES, cholesky_fits, choose_path, measured_scale, near_switch
+from gpnys.gp.path import POSTERIOR_MATRICES, cholesky_fits, choose_path, measured_scale, near_switch, uses_costs
 from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.settings import EstimatorSettings
 from gpnys.kernels.entries import batch_element
@@ -163,7 +163,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         max_cholesky_size: at most this many training points the model behaves exactly as ``SingleTaskGP``
             (Cholesky), above it it is preconditioned. ``None``: GPyTorch's ``max_cholesky_size`` setting at call
             time (4096 once BoTorch is imported), and above it the cost model of :mod:`gpnys.gp.path` (calibrated
-            once per device and dtype) keeps Cholesky where that is predicted faster and fits the memory budget.
+            once per device and dtype) keeps Cholesky where that is predicted faster and fits the memory budget;
+            a named ``precond`` asks for the preconditioned path there, as in the hook.
         settings: the MLL estimator's knobs (:class:`~gpnys.gp.settings.EstimatorSettings`); by default 16 probes
             with a fixed ``probe_seed`` (= ``seed``, also where the given settings leave it ``None``) so the
             training objective is deterministic for L-BFGS-B and the global RNG is not touched. Its
@@ -442,7 +443,8 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             n, solver = X.shape[-2], self._gpnys_config["solver"]
             key = (n, self._outputs(), X.device, X.dtype, solver)
             if self._gpnys_path is None or self._gpnys_path[0] != key:
-                self._gpnys_path = (key, *choose_path(n, max(self._outputs(), 1), X.device, X.dtype, solver, "auto"))
+                self._gpnys_path = (key, *choose_path(n, max(self._outputs(), 1), X.device, X.dtype, solver,
+                                                      self._gpnys_config["precond"]))
             _, path, self.path_reason = self._gpnys_path
             if path == "cholesky":
                 return False
@@ -662,7 +664,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         decides again with this model's time (the faster of two evaluations: the first holds one-off costs) and
         Cholesky measured at this size (:func:`gpnys.gp.path.choose_path`, ``measure``; docs/bo.md)."""
         c = self._gpnys_config
-        if c["max_cholesky_size"] is not None or c["solver"] != "auto" or self._gpnys_path is None:
+        if c["max_cholesky_size"] is not None or not uses_costs(c["solver"], c["precond"]) or self._gpnys_path is None:
             return False
         key, path, _ = self._gpnys_path
         if (path != "iterative" or getattr(self, "_gpnys_timed", None) == key

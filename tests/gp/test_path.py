@@ -333,8 +333,8 @@ def test_cholesky_path_on_device(cuda_device, costs):
 
 def test_bo_model_above_gpytorchs_threshold_asks_the_cost_model(costs):
     """``PreconditionedSingleTaskGP(max_cholesky_size=None)`` above GPyTorch's threshold: Cholesky where the cost
-    model predicts it faster (here below n = 1000), the preconditioned path above; an int threshold and a forced
-    solver are obeyed; the posterior on the Cholesky side is SingleTaskGP's to rounding."""
+    model predicts it faster (here below n = 1000), the preconditioned path above; an int threshold, a forced
+    solver and a named preconditioner are obeyed; the posterior on the Cholesky side is SingleTaskGP's to rounding."""
     botorch = pytest.importorskip("botorch")
     from gpnys.bo import PreconditionedSingleTaskGP
 
@@ -349,6 +349,8 @@ def test_bo_model_above_gpytorchs_threshold_asks_the_cost_model(costs):
             assert PreconditionedSingleTaskGP(X, Y, max_cholesky_size=100).uses_preconditioner()
             forced = PreconditionedSingleTaskGP(X, Y, settings=EstimatorSettings(solver="iterative"))
             assert forced.uses_preconditioner() and "solver" in forced.path_reason
+            named = PreconditionedSingleTaskGP(X, Y, precond="afn")  # as in the hook: the preconditioned path
+            assert named.uses_preconditioner() and "names a preconditioner" in named.path_reason
             if not expected:
                 ref = botorch.models.SingleTaskGP(X, Y)
                 ref.load_state_dict(model.state_dict())
@@ -512,6 +514,11 @@ def test_a_bo_fit_decides_again_after_one_timed_evaluation(monkeypatch, tmp_path
         fit_gpytorch_mll(gpytorch.mlls.ExactMarginalLogLikelihood(ref.likelihood, ref))
         torch.testing.assert_close(model.covar_module.lengthscale, ref.covar_module.lengthscale, rtol=1e-6, atol=0)
         torch.testing.assert_close(model.likelihood.noise, ref.likelihood.noise, rtol=1e-6, atol=0)
+        costs.measured = {}
+        named = PreconditionedSingleTaskGP(X, Y, precond="afn")  # a named preconditioner: nothing timed or measured
+        assert named.uses_preconditioner()
+        assert not named._cholesky_after_timing(gpytorch.mlls.ExactMarginalLogLikelihood(named.likelihood, named))
+        assert not costs.measured and "names a preconditioner" in named.path_reason, named.path_reason
         costs.exact, costs.measured = (1.0, 0.0), {}  # Cholesky 6.4e7 s: far from the switch
         far = PreconditionedSingleTaskGP(X, Y)
         assert far.uses_preconditioner()
