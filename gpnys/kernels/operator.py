@@ -50,7 +50,7 @@ from gpnys.kernels.backends.dense import DenseBackend, LastProduct
 from gpnys.kernels.backends.partitioned import PartitionedBackend
 from gpnys.kernels.backends.torch_tiles import Tile, TorchTiles, squared_norms
 from gpnys.kernels.cutoff import LeafPlan, cutoff_radius, leaf_plan, spatial_order
-from gpnys.kernels.formulas import formula
+from gpnys.kernels.formulas import formula, k_of_r
 from gpnys.kernels.product import choose_product
 
 __all__ = ["StationaryKernelOperator", "supported"]
@@ -266,6 +266,13 @@ class StationaryKernelOperator(LinearOperator):
     def _diagonal(self) -> torch.Tensor:
         return self.outputscale.detach() * torch.ones(self.X.shape[0], dtype=self.X.dtype, device=self.X.device)
 
+    def _get_indices(self, row_index: torch.Tensor, col_index: torch.Tensor, *batch_indices: Any) -> torch.Tensor:
+        """Entries ``s^2 k(x_i, x_j)`` of index pairs (``op[rows, cols]``), from the pairs' own differences and
+        differentiable in ``s^2`` and ``l``: LinearOperator's default reads this operator's 0-dim and ``(1, d)``
+        parameters as batch dimensions and raises."""
+        diff = (self.X[row_index] - self.X[col_index]) / self.lengthscale.reshape(-1)
+        return self.outputscale * k_of_r(torch.linalg.vector_norm(diff, dim=-1), self.nu)
+
     # -- derivative ---------------------------------------------------------------------------------------
     def _bilinear_derivative(self, left_vecs: torch.Tensor, right_vecs: torch.Tensor) -> tuple[Any, ...]:
         """``d/d(outputscale, lengthscale) sum_t u_t^T K v_t`` in closed form (module docstring); ``None`` for X."""
@@ -306,7 +313,8 @@ class StationaryKernelOperator(LinearOperator):
             weight = (lambda w: lambda rows, cols: w(perm[rows], perm[cols]))(weight)
         return self._finish(*TorchTiles.weighted_sums(Z, tiles, weight), Z.dtype)
 
-    def _finish(self, d_s2: torch.Tensor, per_dim: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _finish(self, d_s2: torch.Tensor, per_dim: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(d/d s^2, d/d l)`` from ``sum_ij W_ij K_ij`` and ``sum_ij A_ij (z_id - z_jd)^2`` (``(d,)``)."""
         s2 = self.outputscale.detach()
         ls = self.lengthscale.detach().reshape(-1)

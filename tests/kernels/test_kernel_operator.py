@@ -222,6 +222,32 @@ def test_bilinear_derivative_matches_autograd(name, ard, dtype):
         assert rel_max(ours[key], exact[key]) < GRAD_TOL[dtype], key
 
 
+@pytest.mark.parametrize("ard", [False, True], ids=["iso", "ard"])
+@pytest.mark.parametrize("name", NAMES)
+def test_indexed_entries_match_the_exact_kernel(name, ard, dtype):
+    """``op[rows, cols]`` (entries of index pairs, coincident ones included) and index-then-slice lookups give the
+    exact kernel's entries and their raw-parameter gradients."""
+    X = inputs(dtype)
+    kern = kernel_at(name, ard, dtype)
+    g = torch.Generator().manual_seed(3)
+    rows, cols = torch.randint(N, (40,), generator=g), torch.randint(N, (40,), generator=g)
+    cols[:5] = rows[:5]  # coincident pairs: Matérn-1/2's kink at r = 0
+    op, K = operator(X, kern), exact_kernel(X, kern)
+    ours = op[rows, cols]
+    assert ours.shape == (40,) and ours.dtype == dtype
+    assert rel_max(ours.detach(), K.detach()[rows, cols]) < MATMUL_TOL[dtype]
+    assert rel_max(op[rows][:, cols[:7]].to_dense().detach(), K.detach()[rows][:, cols[:7]]) < MATMUL_TOL[dtype]
+    weights = torch.randn(40, dtype=torch.float64, generator=g).to(dtype)
+    kern.zero_grad()
+    (weights * ours).sum().backward()
+    got = raw_grads(kern)
+    kern.zero_grad()
+    (weights * exact_kernel(X, kern)[rows, cols]).sum().backward()
+    ref = raw_grads(kern)
+    for key in ref:
+        assert torch.isfinite(got[key]).all() and rel_max(got[key], ref[key]) < GRAD_TOL[dtype], key
+
+
 @pytest.mark.parametrize("name", ["rbf", "matern12", "matern52"])
 def test_derivative_through_linear_operator_autograd(name):
     """GPyTorch reaches the derivative through ``LinearOperator.matmul``'s autograd function; also a single
