@@ -50,6 +50,7 @@ class HookPrediction:
     mean_bound: torch.Tensor | None = None
     variance_iterations: int = 0
     prediction_time: Mapping[str, float] = MappingProxyType({})
+    _warned_variance = False  # one warning for variance_method="cholesky" without the dense kernel
 
     def predict(self, test_x: torch.Tensor, variance: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Predictive mean and variance of ``y`` (noise included) at ``test_x (m, d)``: ``((m,), (m,))``.
@@ -106,36 +107,75 @@ class HookPrediction:
             True
         """
         self.sync_data()  # training data set since the last evaluation: the caches start afresh on it
-        with eval_mode(self.model):  # the caller's training loop goes on in the mode it had
-            return self._predict(test_x, variance)
-
-    def _predict(self, test_x: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`predict`, with the model and its likelihood in eval mode."""
-        model, lik = self.model, self.model.likelihood
-        self.variance_bound = self.mean_bound = None
+        T, shape = self._test_points(test_x)
+        self.variance_method_used, self.variance_bound, self.mean_bound, self.variance_iterations = None, None, None, 0
         t_start = time.perf_counter()
-        if self.paths.choose()[0] == "cholesky":  # small n: one dense Cholesky (gpnys.gp.path)
+        with eval_mode(self.model):  # the caller's training loop goes on in the mode it had
+            mean, var, t_var = self._predict(T, variance)
+        self.prediction_time = {"total_s": time.perf_counter() - t_start, "variance_s": t_var}
+        if shape is None:
+            return mean, var
+        if self.variance_bound is not None:
+            self.variance_bound = self.variance_bound.reshape(shape)
+        if self.mean_bound is not None:
+            self.mean_bound = self.mean_bound.reshape(shape)
+        return mean.reshape(shape), (None if var is None else var.reshape(shape))
+
+    def _test_points(self, test_x: torch.Tensor) -> tuple[torch.Tensor, torch.Size | None]:
+        """``test_x`` checked against the training inputs ``(n, d)`` (a ``ValueError`` naming it), as ``(m, d)``
+        points and the batch shape to give the results (``None``: ``(m,)`` as given). A 1-D ``test_x`` of a model
+        on one input dimension is ``m`` points, as in GPyTorch; ``(..., m, d)`` points are predicted as one set (each
+        marginal is its own point's). A batch-mode model's ``test_x`` goes on as given."""
+        X = self.model.train_inputs[0]
+        if not isinstance(test_x, torch.Tensor) or not test_x.is_floating_point():
+            raise ValueError(f"test_x must be a floating torch.Tensor (m, d), got "
+                             f"{getattr(test_x, 'dtype', type(test_x).__name__)}")
+        if test_x.dim() == 1 and X.shape[-1] == 1:
+            test_x = test_x[:, None]
+        if test_x.dim() < 2 or test_x.shape[-1] != X.shape[-1]:
+            raise ValueError(f"test_x must be (m, {X.shape[-1]}) like the training inputs, got shape "
+                             f"{tuple(test_x.shape)}")
+        if test_x.dtype != X.dtype or test_x.device != X.device:
+            raise ValueError(f"test_x must have the training inputs' dtype and device ({X.dtype}, {X.device}), got "
+                             f"{test_x.dtype}, {test_x.device}")
+        if not bool(torch.isfinite(test_x).all()):
+            raise ValueError("test_x contains NaN or inf")
+        if X.dim() != 2 or test_x.dim() == 2:
+            return test_x, None
+        return test_x.reshape(-1, X.shape[-1]), test_x.shape[:-1]
+
+    def _predict(self, test_x: torch.Tensor, variance: bool) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """:meth:`predict`, with the model and its likelihood in eval mode: the means, the variances (or ``None``)
+        and the seconds spent on the variances alone."""
+        model, lik = self.model, self.model.likelihood
+        X = model.train_inputs[0]
+        try:
+            kernel = self.kernel if X.dim() == 2 else None
+        except ValueError:  # a covariance that is not one kernel call: GPyTorch's path below
+            kernel = None
+        usable = kernel is None or self.hyperparameters_usable(kernel)  # a ValueError naming a bad one
+        if usable and self.paths.choose()[0] == "cholesky":  # small n: one dense Cholesky (gpnys.gp.path)
             self.variance_method_used = "cholesky"
             own = self._exact_moments(test_x, variance)
             if own is None:  # GPyTorch's exact prediction, without bounds
                 mean, var = exact_predict(model, test_x)
             else:
                 mean, self.mean_bound, var, self.variance_bound = own
-            total = time.perf_counter() - t_start
-            self.prediction_time = {"total_s": total, "variance_s": 0.0}
-            return mean, (var if variance else None)
-        with torch.no_grad(), self.settings.context():
-            X = model.train_inputs[0]
-            kx = self.kernels.inputs if self.kernels.inputs is not None else self._discovered_inputs()
-            op = self.stationary_operator(X) if kx is not None else None
-            if op is None or not same_points(kx, X):
-                # GPyTorch's own path: a forward that transforms x, or a kernel without gpnys's operator
+            return mean, (var if variance else None), 0.0
+        kx = None if X.dim() != 2 else (self.kernels.inputs if self.kernels.inputs is not None
+                                         else self._discovered_inputs())
+        op = self.stationary_operator(X) if kx is not None and usable else None
+        if op is None or not same_points(kx, X):
+            # GPyTorch's own path, under the caller's settings: a forward that transforms x, a kernel without
+            # gpnys's operator, a batch-mode model, an outputscale of 0 (K̂ = σ² I)
+            with torch.no_grad():
                 if not variance:
                     with gpytorch.settings.skip_posterior_variances(True):
-                        return lik(model(test_x)).mean, None
+                        return lik(model(test_x)).mean, None, 0.0
                 self.variance_method_used = "gpytorch"
                 pred = lik(model(test_x))
-                return pred.mean, pred.variance
+                return pred.mean, pred.variance, 0.0
+        with torch.no_grad(), self.settings.context():
             kernel = self.kernel
             noise = self.noise().detach()
             n, m = X.shape[0], test_x.shape[0]
@@ -146,9 +186,16 @@ class HookPrediction:
             if not variance:
                 parts = [_mean_block(model, kernel, X, T, alpha, correction)[1:] for T in test_x.split(block)]
                 self.mean_bound = torch.cat([err for _, err in parts])
-                return torch.cat([mean for mean, _ in parts]), None
+                return torch.cat([mean for mean, _ in parts]), None, 0.0
             method = self.settings.variance_method
             t0 = time.perf_counter()
+            if method == "cholesky" and op._dense() is None:
+                method = "pcg"  # Cholesky needs the cached dense kernel: the exact PCG variances instead
+                if not self._warned_variance:
+                    self._warned_variance = True
+                    warnings.warn("gpnys: variance_method='cholesky' needs the dense kernel cached, which the memory "
+                                  "budget does not hold at this n: the variances are solved by PCG",
+                                  RuntimeWarning, stacklevel=4)
             if method in ("auto", "cached"):
                 Z = self._variance_landmarks(op)
                 if method == "auto":
@@ -190,8 +237,7 @@ class HookPrediction:
                 bounds.append(bound)
                 t_var += time.perf_counter() - t0
         self.variance_bound, self.mean_bound = torch.cat(bounds), torch.cat(mean_bounds)
-        self.prediction_time = {"total_s": time.perf_counter() - t_start, "variance_s": t_var}
-        return torch.cat(means), _y_variance(torch.cat(out), noise)
+        return torch.cat(means), _y_variance(torch.cat(out), lik, noise), t_var
 
     def _exact_moments(self, test_x: torch.Tensor, variance: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
@@ -230,7 +276,7 @@ class HookPrediction:
         mean, mean_err = torch.cat(means), torch.cat(mean_bounds)
         if not variance:
             return mean, mean_err, None, None
-        return mean, mean_err, _y_variance(torch.cat(out), noise), torch.cat(bounds)
+        return mean, mean_err, _y_variance(torch.cat(out), model.likelihood, noise), torch.cat(bounds)
 
     def _discovered_inputs(self) -> torch.Tensor | None:
         """The inputs the kernel sees, read from the covariance ``forward`` builds
@@ -356,10 +402,17 @@ def _latent_variance(kxx: torch.Tensor, quad: torch.Tensor) -> torch.Tensor:
     return (kxx - quad).clamp_min(0.0).minimum(kxx)
 
 
-def _y_variance(latent: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The variance of ``y`` from the latent one: plus a homoskedastic noise. A per-point training noise says nothing
-    about new points, and GPyTorch's ``FixedNoiseGaussianLikelihood`` then returns the latent variance: so does this."""
-    return latent + (noise if noise.dim() == 0 else 0.0)
+def _y_variance(latent: torch.Tensor, likelihood: gpytorch.likelihoods.Likelihood, noise: torch.Tensor
+                ) -> torch.Tensor:
+    """The variance of ``y`` from the latent one, as GPyTorch's likelihood gives it at new points: plus a
+    homoskedastic ``noise``. A known per-point training noise (``FixedNoiseGaussianLikelihood``) says nothing about
+    new points, where GPyTorch adds only its learnt additional noise (``learn_additional_noise=True``): so does
+    this."""
+    if not isinstance(likelihood, gpytorch.likelihoods.FixedNoiseGaussianLikelihood):
+        return latent + noise
+    if likelihood.second_noise_covar is None:
+        return latent
+    return latent + likelihood.second_noise.detach().reshape(())
 
 
 def cross_covariance(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, T: torch.Tensor) -> torch.Tensor:

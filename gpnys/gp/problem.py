@@ -217,7 +217,7 @@ class TrainingProblem(HookPrediction):
             raise HyperparameterError(str(err)) from None
         if zero_scale and not self._warned_scale:
             self._warned_scale = True
-            warnings.warn("gpnys: outputscale is 0, so K̂ = σ² I: GPyTorch's own computation gives its exact loss",
+            warnings.warn("gpnys: outputscale is 0, so K̂ = σ² I: GPyTorch's own computation is exact there",
                           NumericalWarning, stacklevel=4)
         return not zero_scale
 

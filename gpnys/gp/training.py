@@ -114,7 +114,8 @@ class FitResult:
     stopped: str | None = None
 
 
-#: the first bytes of a fit checkpoint: format tag, then the payload's CRC-32 and length, then the ``torch.save`` payload
+#: the first bytes of a fit checkpoint: format tag, then the payload's CRC-32 and length, then the
+#: ``torch.save`` payload
 CHECKPOINT_MAGIC = b"gpnys.fit/2\n"
 
 
