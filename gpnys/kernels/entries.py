@@ -79,9 +79,10 @@ def k_of_points(A: torch.Tensor, B: torch.Tensor, nu: float | None) -> torch.Ten
 
 
 def difference_entries(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor | None:
-    """``s² k(A, B)`` (``(p, q)``) of an RBF / Matérn kernel, bare or under a ``ScaleKernel``, from differences of
-    centred, scaled points (:func:`k_of_points`), without autograd; ``None`` for other kernels, batched kernels or
-    batched points. A reference for the rounding of GPyTorch's own entries.
+    """``k(A, B)`` (``(p, q)``) of an RBF / Matérn kernel, or of sums, products and ``ScaleKernel`` s of them (each
+    with its ``active_dims``), from differences of centred, scaled points (:func:`k_of_points`), without autograd;
+    ``None`` for other kernels, batched kernels or batched points. A reference for the rounding of GPyTorch's own
+    entries, whose ``|a|² + |b|² − 2aᵀb`` loses near pairs in float32.
 
     Example:
         >>> import gpytorch, torch
@@ -97,15 +98,37 @@ def difference_entries(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torc
         >>> float((difference_entries(k, X, X) - ref).abs().max()) < 1e-6
         True
     """
-    base, s2 = split_outputscale(kernel)
-    if not supported(base) or kernel.active_dims is not None or len(kernel.batch_shape) or A.dim() != 2:
+    return _entries(kernel, A, B)
+
+
+def _entries(kernel: gpytorch.kernels.Kernel, A: torch.Tensor, B: torch.Tensor, called: bool = True
+             ) -> torch.Tensor | None:
+    """:func:`difference_entries`; ``called``: the kernel is called (GPyTorch's ``__call__`` selects its
+    ``active_dims``), not a ``ScaleKernel``'s base, whose ``forward`` it runs on the columns it selected."""
+    if A.dim() != 2 or B.dim() != 2 or len(kernel.batch_shape):
+        return None
+    if called and kernel.active_dims is not None:
+        dims = kernel.active_dims.to(A.device)
+        A, B = A.index_select(-1, dims), B.index_select(-1, dims)
+    if isinstance(kernel, (gpytorch.kernels.AdditiveKernel, gpytorch.kernels.ProductKernel)):
+        parts = [_entries(k, A, B) for k in kernel.kernels]
+        if not parts or any(part is None for part in parts):
+            return None
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part if isinstance(kernel, gpytorch.kernels.AdditiveKernel) else out * part
+        return out
+    if isinstance(kernel, gpytorch.kernels.ScaleKernel):
+        inner = _entries(kernel.base_kernel, A, B, called=False)
+        return None if inner is None else kernel.outputscale.detach().reshape(()).to(inner.dtype) * inner
+    if type(kernel) not in (gpytorch.kernels.RBFKernel, gpytorch.kernels.MaternKernel):
         return None
     with torch.no_grad():
         dtype = computation_dtype(kernel, A, B)  # GPyTorch's promotion: float32 inputs in a float64 model
         A, B = A.to(dtype), B.to(dtype)
-        ls = base.lengthscale.detach().reshape(-1).to(dtype)
+        ls = kernel.lengthscale.detach().reshape(-1).to(dtype)
         centre = A.mean(0)
-        return s2 * k_of_points((A - centre) / ls, (B - centre) / ls, _nu(base))
+        return k_of_points((A - centre) / ls, (B - centre) / ls, _nu(kernel))
 
 
 class KernelEntries:

@@ -682,3 +682,39 @@ def test_entries_and_system_apply_a_scale_kernels_own_active_dims(dense_bytes):
         assert rel_max(entries.outputscale * entries.matmul(V), ref @ V) < 1e-12
         system = KernelSystem(X, kern, mu=0.1)
         assert rel_max(system(V), ref / kern.outputscale.detach() @ V + 0.1 * V) < 1e-12
+
+
+def _composites(dtype):
+    M, R, S = gpytorch.kernels.MaternKernel, gpytorch.kernels.RBFKernel, gpytorch.kernels.ScaleKernel
+    kernels = {
+        "scale": S(M(nu=1.5, ard_num_dims=D)),
+        "sum": S(M(nu=0.5)) + S(R(ard_num_dims=D)),
+        "product": S(M(nu=2.5) * R()),
+        "active_dims": S(M(nu=0.5, active_dims=[0, 2])) + R(active_dims=[1]),
+        "nested": S(S(R(active_dims=[2])) * (M(nu=1.5) + R())),
+    }
+    g = torch.Generator().manual_seed(4)
+    for kern in kernels.values():
+        for module in kern.modules():
+            if getattr(module, "raw_lengthscale", None) is not None:
+                module.lengthscale = 0.5 + torch.rand(module.lengthscale.shape, generator=g)
+            if isinstance(module, gpytorch.kernels.ScaleKernel):
+                module.outputscale = 0.5 + float(torch.rand((), generator=g))
+    return {name: kern.to(dtype) for name, kern in kernels.items()}
+
+
+@pytest.mark.parametrize("name", ["scale", "sum", "product", "active_dims", "nested"])
+def test_difference_entries_of_composite_kernels(name, dtype):
+    """Sums, products and scalings of RBF / Matérn kernels, each with its own ``active_dims``: GPyTorch's entries
+    (in float64) to rounding; other kernels are ``None``."""
+    from gpnys.kernels.entries import difference_entries
+
+    kern = _composites(dtype)[name]
+    A, B = inputs(dtype), inputs(dtype, n=30, seed=1)
+    ref = _composites(torch.float64)[name]
+    with torch.no_grad():
+        want = ref(A.double(), B.double()).to_dense()
+    got = difference_entries(kern, A, B)
+    assert got.shape == (N, 30) and got.dtype == dtype
+    assert rel_max(got, want) < MATMUL_TOL[dtype]
+    assert difference_entries(kern + gpytorch.kernels.LinearKernel().to(dtype), A, B) is None
