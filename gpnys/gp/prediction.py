@@ -79,6 +79,9 @@ class HookPrediction:
         * ``"auto"``: ``"cached"`` when it costs under a tenth of the cheaper exact method (:func:`_choose`), else
           that exact method.
 
+        Where the hook's evaluations take the Cholesky path (:mod:`gpnys.gp.path`), ``"auto"`` and ``"cholesky"``
+        predict from one dense factor; an explicit ``"pcg"`` or ``"cached"`` is honoured.
+
         A model whose kernel does not see the training inputs as given (a ``forward`` that transforms x, a kernel
         with ``active_dims``), and on the Cholesky path a batched or multi-output model, gets GPyTorch's own
         prediction: ``variance_bound`` and ``mean_bound`` are then ``None`` (no bound). ``prediction_time``:
@@ -154,7 +157,8 @@ class HookPrediction:
         except ValueError:  # a covariance that is not one kernel call: GPyTorch's path below
             kernel = None
         usable = kernel is None or self.hyperparameters_usable(kernel)  # a ValueError naming a bad one
-        if usable and self.paths.choose()[0] == "cholesky":  # small n: one dense Cholesky (gpnys.gp.path)
+        exact = self.settings.variance_method in ("auto", "cholesky") or not variance  # "pcg" / "cached" asked for
+        if usable and exact and self.paths.choose()[0] == "cholesky":  # small n: one Cholesky (gpnys.gp.path)
             self.variance_method_used = "cholesky"
             own = self._exact_moments(test_x, variance)
             if own is None:  # GPyTorch's exact prediction, without bounds

@@ -129,6 +129,20 @@ def test_test_x_shapes_and_bad_values(solver):
             hook.predict(T)
 
 
+@pytest.mark.parametrize("method", ["pcg", "cached"])
+def test_an_explicit_variance_method_is_honoured_on_the_cholesky_path(method):
+    X, y = _data(torch.float64)
+    T, _ = _data(torch.float64, n=8, seed=5)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    mean_ref, var_ref = _reference(model, T)
+    settings = EstimatorSettings(solver="cholesky", variance_method=method, variance_tolerance=1e-8)
+    with use_preconditioner(model, "afn", settings=settings, k=20) as hook:
+        mean, var = hook.predict(T)
+        assert hook.paths.choose()[0] == "cholesky" and hook.variance_method_used == method
+        assert bool(((var - var_ref).abs() <= hook.variance_bound + 1e-12).all())
+        assert _rel(mean, mean_ref) < TOL[torch.float64]
+
+
 def test_attributes_describe_the_latest_call():
     X, y = _data(torch.float64)
     T, _ = _data(torch.float64, n=8, seed=5)
