@@ -45,14 +45,44 @@ def validate_points(X: torch.Tensor, name: str = "X") -> None:
         raise ValueError(f"{name} contains NaN or inf")
 
 
+def validate_test_points(test_x: torch.Tensor, train_x: torch.Tensor, name: str = "test_x") -> torch.Tensor:
+    """``test_x`` as ``(..., m, d)`` points for a model on ``train_x`` ``(..., n, d)``: a ``ValueError`` naming it
+    unless it is a finite floating tensor of ``train_x``'s ``d``, dtype and device; a 1-D ``test_x`` of a model on
+    one input dimension is ``m`` points (``(m, 1)``), as in GPyTorch.
+
+    Example:
+        >>> import torch
+        >>> from gpnys.checks import validate_test_points
+        >>> validate_test_points(torch.zeros(5), torch.zeros(10, 1)).shape
+        torch.Size([5, 1])
+    """
+    if not isinstance(test_x, torch.Tensor) or not test_x.is_floating_point():
+        raise ValueError(f"{name} must be a floating torch.Tensor (m, d), got "
+                         f"{getattr(test_x, 'dtype', type(test_x).__name__)}")
+    d = train_x.shape[-1]
+    if test_x.dim() == 1 and d == 1:
+        test_x = test_x[:, None]
+    if test_x.dim() < 2 or test_x.shape[-1] != d:
+        raise ValueError(f"{name} must be (m, {d}) like the training inputs, got shape {tuple(test_x.shape)}")
+    if test_x.dtype != train_x.dtype or test_x.device != train_x.device:
+        raise ValueError(f"{name} must have the training inputs' dtype and device ({train_x.dtype}, "
+                         f"{train_x.device}), got {test_x.dtype}, {test_x.device}")
+    if not bool(torch.isfinite(test_x).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+    return test_x
+
+
 def validate_training_data(X: torch.Tensor, y: torch.Tensor, names: tuple[str, str] = ("train_x", "train_y")) -> None:
     """Raise ``ValueError`` naming the argument unless ``X`` passes :func:`validate_points` and ``y`` is a finite
-    ``(n,)`` floating tensor with ``X``'s ``n`` (checked before any optimiser step touches a parameter)."""
+    ``(n,)`` tensor with ``X``'s ``n``, dtype and device (checked before any optimiser step touches a parameter)."""
     validate_points(X, names[0])
     if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.shape[0] != X.shape[0]:
         raise ValueError(f"{names[1]} must be a 1-D tensor of {X.shape[0]} targets, got {getattr(y, 'shape', type(y))}")
     if not y.is_floating_point():
         raise ValueError(f"{names[1]} must be a floating tensor, got {y.dtype}")
+    if y.dtype != X.dtype or y.device != X.device:
+        raise ValueError(f"{names[1]} must have {names[0]}'s dtype and device ({X.dtype}, {X.device}), got "
+                         f"{y.dtype}, {y.device}")
     if not torch.isfinite(y).all():
         raise ValueError(f"{names[1]} contains NaN or inf")
 
@@ -117,10 +147,10 @@ def validate_count(value: int, name: str, low: int = 1, high: int | None = None,
     return value
 
 
-def validate_seed(seed: Any) -> int:
-    """Return ``seed`` as an int (numpy's integers too); raise ``ValueError`` naming it otherwise."""
+def validate_seed(seed: Any, name: str = "seed") -> int:
+    """Return ``seed`` as an int (numpy's integers too); raise ``ValueError`` naming it (``name``) otherwise."""
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+        raise ValueError(f"{name} must be an integer, got {seed!r}")
     return int(seed)
 
 

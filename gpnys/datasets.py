@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpnys.checks import validate_count, validate_seed
+
 __all__ = ["Dataset", "Standardizer", "available", "load", "load_array", "synthetic3d", "NUM_SPLITS"]
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -187,8 +189,8 @@ def synthetic3d(n: int, seed: int = 0, noise: float = 0.1) -> np.ndarray:
 
 
 def _check_int(value: int | None, name: str, low: int) -> None:
-    if value is not None and (isinstance(value, bool) or int(value) != value or value < low):
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if value is not None:
+        validate_count(value, name, low)
 
 
 def load(
@@ -229,18 +231,24 @@ def load(
         >>> load("concrete", split=3, n=300).describe()  # a bundled set: its split 3, 300 training rows
         'concrete split 3: n_train=300 (seeded subsample), n_test=103, d=8'
     """
-    _check_int(split, "split", 0)
+    split = validate_count(split, "split", 0, NUM_SPLITS - 1, "the last split")
     _check_int(n, "n", 1)
     _check_int(n_test, "n_test", 1)
-    if split >= NUM_SPLITS:
-        raise ValueError(f"split must be in 0..{NUM_SPLITS - 1}, got {split}")
+    seed = validate_seed(seed)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     name = str(name_or_path)
     subsampled = False
     if name in SYNTHETIC:
         if n is None:
             raise ValueError("n is required for the synthetic3d data set")
         total = int(math.ceil(n / 0.9))
-        data = synthetic3d(total, seed=seed)
+        try:
+            data = synthetic3d(total, seed=seed)
+        except (ValueError, MemoryError) as err:  # numpy's "Maximum allowed dimension exceeded", or no memory
+            raise ValueError(f"n={n} is too large to generate: {err}") from None
         rng = np.random.default_rng(seed + 1000 * split)
         test = np.zeros(total, dtype=bool)
         test[rng.permutation(total)[: total - n]] = True

@@ -8,10 +8,11 @@ import torch
 
 import gpnys
 from gpnys import datasets
-from gpnys.checks import validate_choice
-from gpnys.gp.training import ExactGPModel, fit
+from gpnys.checks import validate_choice, validate_training_data
+from gpnys.gp.training import ExactGPModel, fit, predict
 from gpnys.kernels.operator import StationaryKernelOperator
 from gpnys.kernels.system import kernel_system
+from gpnys.landmarks import fill_distance, kmeans
 from gpnys.precond import (
     AFNPreconditioner,
     FSAIPreconditioner,
@@ -97,8 +98,36 @@ CASES = {
     "settings cg tolerance": (lambda: gpnys.EstimatorSettings(cg_tolerance=-1.0), "cg_tolerance"),
     "settings cg iterations": (lambda: gpnys.EstimatorSettings(max_cg_iterations=0), "max_cg_iterations"),
     "settings lanczos steps": (lambda: gpnys.EstimatorSettings(lanczos_steps=0), "lanczos_steps"),
+    "settings variance block": (lambda: gpnys.EstimatorSettings(variance_block=0), "variance_block"),
+    "settings variance tolerance": (lambda: gpnys.EstimatorSettings(variance_tolerance=2.0), "variance_tolerance"),
+    "settings one probe": (lambda: gpnys.EstimatorSettings(num_probes=1), "num_probes"),
+    "settings max probes": (lambda: gpnys.EstimatorSettings(num_probes=64, max_probes=8), "max_probes"),
+    "settings dense bytes": (lambda: gpnys.EstimatorSettings(dense_limit_bytes=-1), "dense_limit_bytes"),
+    "settings probes": (lambda: gpnys.EstimatorSettings(probes="bogus"), "probes"),
+    "settings probe seed": (lambda: gpnys.EstimatorSettings(probe_seed="a"), "probe_seed"),
+    "settings backend": (lambda: gpnys.EstimatorSettings(kernel_backend="gpu"), "kernel_backend"),
+    "targets dtype": (lambda: validate_training_data(X_good(), y_good().float()), "train_y"),
+    "hook seed": (lambda: gpnys.use_preconditioner(model(X_good(), y_good()), seed=float("nan")).__enter__(), "seed"),
+    "afn kernel": (lambda: AFNPreconditioner(X_good(), None, 0.1, k=5, w=3), "kernel"),
+    "pcg B rows": (lambda: gpnys.pcg(kernel_system(X_good(), rbf(), 0.1), torch.ones(N + 1, dtype=torch.float64)),
+                   "B"),
+    "pcg nan x0": (lambda: gpnys.pcg(kernel_system(X_good(), rbf(), 0.1), y_good(), x0=y_good() * float("nan")),
+                   "x0"),
+    "predict test_x d": (lambda: predict(model(X_good(), y_good()), torch.rand(3, D + 1, dtype=torch.float64)),
+                         "test_x"),
+    "predict nan test_x": (lambda: predict(model(X_good(), y_good()), nan_X()), "test_x"),
+    "fill distance empty": (lambda: fill_distance(X_good(), X_good()[:0]), "landmarks"),
+    "fill distance nan": (lambda: fill_distance(X_good(), nan_X()), "landmarks"),
+    "fill distance d": (lambda: fill_distance(X_good(), X_good()[:, :1]), "landmarks"),
+    "kmeans tol": (lambda: kmeans(X_good(), 3, tol=float("nan")), "tol"),
     # data and budget
     "datasets unknown": (lambda: datasets.load("no-such-data"), "data"),
+    "datasets split": (lambda: datasets.load("concrete", split=None), "split"),
+    "datasets split 10": (lambda: datasets.load("concrete", split=10), "split"),
+    "datasets n nan": (lambda: datasets.load("concrete", n=float("nan")), "n"),
+    "datasets seed": (lambda: datasets.load("concrete", seed=-1), "seed"),
+    "datasets dtype": (lambda: datasets.load("concrete", dtype=torch.int64), "dtype"),
+    "datasets huge n": (lambda: datasets.load("synthetic3d", n=10 ** 20), "n="),
     "budget negative": (lambda: gpnys.memory_budget(dense_bytes=-1).__enter__(), "dense_bytes"),
 }
 

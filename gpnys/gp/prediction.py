@@ -13,6 +13,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows
+from gpnys.checks import validate_test_points
 from gpnys.gp.discover import same_points, training_kernel
 from gpnys.gp.posterior import PCGPosterior
 from gpnys.gp.training import eval_mode
@@ -130,19 +131,7 @@ class HookPrediction:
         on one input dimension is ``m`` points, as in GPyTorch; ``(..., m, d)`` points are predicted as one set (each
         marginal is its own point's). A batch-mode model's ``test_x`` goes on as given."""
         X = self.model.train_inputs[0]
-        if not isinstance(test_x, torch.Tensor) or not test_x.is_floating_point():
-            raise ValueError(f"test_x must be a floating torch.Tensor (m, d), got "
-                             f"{getattr(test_x, 'dtype', type(test_x).__name__)}")
-        if test_x.dim() == 1 and X.shape[-1] == 1:
-            test_x = test_x[:, None]
-        if test_x.dim() < 2 or test_x.shape[-1] != X.shape[-1]:
-            raise ValueError(f"test_x must be (m, {X.shape[-1]}) like the training inputs, got shape "
-                             f"{tuple(test_x.shape)}")
-        if test_x.dtype != X.dtype or test_x.device != X.device:
-            raise ValueError(f"test_x must have the training inputs' dtype and device ({X.dtype}, {X.device}), got "
-                             f"{test_x.dtype}, {test_x.device}")
-        if not bool(torch.isfinite(test_x).all()):
-            raise ValueError("test_x contains NaN or inf")
+        test_x = validate_test_points(test_x, X)
         if X.dim() != 2 or test_x.dim() == 2:
             return test_x, None
         return test_x.reshape(-1, X.shape[-1]), test_x.shape[:-1]

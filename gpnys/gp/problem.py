@@ -27,6 +27,7 @@ from gpnys.checks import (
     NumericalWarning,
     validate_count,
     validate_positive_tensors,
+    validate_seed,
     validate_training_data,
 )
 from gpnys.collectives import RowGroup, partitioned, signature
@@ -83,7 +84,7 @@ class TrainingProblem(HookPrediction):
     def __init__(self, model: gpytorch.models.ExactGP, method: str | type[Preconditioner],
                  settings: EstimatorSettings, seed: int, options: dict[str, Any],
                  train_x: torch.Tensor | None) -> None:
-        self.model, self.method, self.settings, self.seed = model, method, settings, seed
+        self.model, self.method, self.settings, self.seed = model, method, settings, validate_seed(seed)
         self.kernels = TrainingKernel(settings)  # started afresh with the data (_set_data, _reset)
         self._user_options = dict(options)
         self.applications = self.samples = self.estimates = self.control_variates = 0

@@ -11,8 +11,9 @@ from typing import Any
 
 import gpytorch
 
-from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive
+from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive, validate_seed
 from gpnys.gp.variance import VARIANCE_NEIGHBOURS
+from gpnys.kernels.backends import BACKENDS
 from gpnys.precond.afn import CV_FAMILIES
 
 #: ``EstimatorSettings.solver`` values: ``"auto"`` (the cost model of :mod:`gpnys.gp.path`), ``"cholesky"``,
@@ -64,6 +65,14 @@ class KernelOptions:
     kernel_tf32: bool = False
     kernel_group: Any = None
 
+    def __post_init__(self) -> None:
+        if self.dense_limit_bytes is not None:
+            validate_count(self.dense_limit_bytes, "dense_limit_bytes", 0)
+        if self.kernel_prune_tol is not None and not float(self.kernel_prune_tol) >= 0:
+            raise ValueError(f"kernel_prune_tol must be >= 0 or None, got {self.kernel_prune_tol!r}")
+        if self.kernel_backend is not None:
+            validate_choice(self.kernel_backend, "kernel_backend", BACKENDS, also="or None")
+
     def operator_options(self, group: bool = True) -> dict[str, Any]:
         """These options as :class:`~gpnys.kernels.operator.StationaryKernelOperator`'s keyword arguments
         (``group=False``: without the process group)."""
@@ -94,6 +103,9 @@ class VarianceOptions:
 
     def __post_init__(self) -> None:
         validate_choice(self.variance_method, "variance_method", VARIANCE_METHODS)
+        validate_count(self.variance_block, "variance_block", 1)
+        if not 0 < float(self.variance_tolerance) < 1:
+            raise ValueError(f"variance_tolerance must be in (0, 1), got {self.variance_tolerance!r}")
         if self.variance_rel_error is not None and not float(self.variance_rel_error) > 0:
             raise ValueError(f"variance_rel_error must be positive or None, got {self.variance_rel_error!r}")
 
@@ -205,9 +217,14 @@ class EstimatorOptions:
             raise ValueError(f"max_probes must be an integer >= 2, got {self.max_probes!r}")
         if self.lanczos_share is not None and not (0 < float(self.lanczos_share) < 1):
             raise ValueError(f"lanczos_share must be in (0, 1) or None, got {self.lanczos_share!r}")
-        if isinstance(self.num_probes, bool) or int(self.num_probes) != self.num_probes or self.num_probes < 1:
-            raise ValueError(f"num_probes must be a positive integer, got {self.num_probes!r}")
+        # one probe has no sample variance: the error bars need two
+        validate_count(self.num_probes, "num_probes", 2 if self.error_bars else 1)
+        if self.num_probes > self.max_probes:
+            raise ValueError(f"max_probes ({self.max_probes}) must be >= num_probes ({self.num_probes})")
         validate_choice(self.control_variate, "control_variate", CV_FAMILIES)
+        validate_choice(self.probes, "probes", ("rademacher", "gaussian"))
+        if self.probe_seed is not None:
+            validate_seed(self.probe_seed, "probe_seed")
 
 
 @dataclass(kw_only=True)
@@ -245,6 +262,7 @@ class EstimatorSettings(EstimatorOptions, KernelOptions, VarianceOptions):
 
     def __post_init__(self) -> None:
         EstimatorOptions.__post_init__(self)
+        KernelOptions.__post_init__(self)
         VarianceOptions.__post_init__(self)
 
     def context(self) -> contextlib.ExitStack:

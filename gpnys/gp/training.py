@@ -22,7 +22,7 @@ import gpytorch
 import torch
 from tqdm.auto import tqdm
 
-from gpnys.checks import validate_choice, validate_training_data
+from gpnys.checks import validate_choice, validate_test_points, validate_training_data
 from gpnys.kernels import make_kernel
 
 __all__ = ["ExactGPModel", "FitResult", "fit", "predict", "gaussian_nll", "hyperparameters", "read_checkpoint",
@@ -448,6 +448,7 @@ def predict(
         >>> bool((mean - torch.sin(6 * X_test[:, 0])).abs().max() < 0.2)  # close to the noise-free function
         True
     """
+    test_x = validate_test_points(test_x, model.train_inputs[0])
     model.eval()  # left in eval mode, as GPyTorch predicts: its prediction cache is kept for the next call
     model.likelihood.eval()
     n = model.train_inputs[0].shape[-2]

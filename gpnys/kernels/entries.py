@@ -141,6 +141,8 @@ class KernelEntries:
     """
 
     def __init__(self, X: torch.Tensor, kernel: gpytorch.kernels.Kernel) -> None:
+        if not isinstance(kernel, gpytorch.kernels.Kernel):
+            raise ValueError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
         dims = kernel.active_dims if isinstance(kernel, gpytorch.kernels.ScaleKernel) else None
         if dims is not None and kernel.base_kernel.active_dims is None:
             # GPyTorch's ScaleKernel selects its columns before its base kernel's forward, which the entries call

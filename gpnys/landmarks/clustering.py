@@ -1,6 +1,7 @@
 """k-means landmarks (clustered Nyström; Zhang & Kwok 2008): k-means++ seeding, then Lloyd iterations.
 
-The centres are not data points. Lloyd's assignment step runs in row blocks (:func:`~gpnys.landmarks.distances.nearest`).
+The centres are not data points. Lloyd's assignment step runs in row blocks
+(:func:`~gpnys.landmarks.distances.nearest`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def kmeans(X: torch.Tensor, k: int, iters: int = 20, seed: int = 0, tol: float =
     validate_points_k(X, k)
     if isinstance(iters, bool) or int(iters) != iters or iters < 0:
         raise ValueError(f"iters must be a non-negative integer, got {iters!r}")
+    if not float(tol) >= 0:
+        raise ValueError(f"tol must be >= 0, got {tol!r}")
     n = X.shape[0]
     gen = generator(seed, X.device)
     block = row_block(n, X.shape[1], X.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from gpnys.budget import block_rows
+from gpnys.checks import validate_points
 
 __all__ = ["fill_distance", "nearest", "row_block", "sqdist_to_point"]
 
@@ -50,5 +51,10 @@ def fill_distance(X: torch.Tensor, landmarks: torch.Tensor) -> torch.Tensor:
         >>> fill_distance(X, X[:2])  # the point at 3 is 2 away from its nearest landmark
         tensor(2.)
     """
+    validate_points(X, "X")
+    validate_points(landmarks, "landmarks")
+    if landmarks.shape[1] != X.shape[1] or landmarks.dtype != X.dtype or landmarks.device != X.device:
+        raise ValueError(f"landmarks must be (k, {X.shape[1]}) points of X's dtype and device, got "
+                         f"{tuple(landmarks.shape)} {landmarks.dtype} on {landmarks.device}")
     _, d2 = nearest(X, landmarks)
     return d2.max().clamp_min(0).sqrt()

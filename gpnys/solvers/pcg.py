@@ -102,6 +102,16 @@ def _as_precond(precond: PrecondLike) -> Matmul | None:
     raise TypeError(f"precond must be a Preconditioner, a callable or None, got {type(precond)}")
 
 
+def _size(matmul: Matmul) -> int | None:
+    """The order of the operator ``matmul`` where it says (a tensor's or LinearOperator's ``shape``, a kernel
+    system's ``n``), else ``None``."""
+    shape = getattr(matmul, "shape", None)
+    if isinstance(shape, tuple) and len(shape) == 2:
+        return int(shape[-1])
+    n = getattr(matmul, "n", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 def pcg(
     matmul: Matmul,
     B: torch.Tensor,
@@ -173,6 +183,9 @@ def pcg(
     """
     if not isinstance(B, torch.Tensor) or B.dim() not in (1, 2) or not B.is_floating_point():
         raise ValueError(f"B must be a floating (n,) or (n, t) tensor, got {getattr(B, 'shape', type(B))}")
+    size = _size(matmul)
+    if size is not None and B.shape[0] != size:
+        raise ValueError(f"B must have the operator's {size} rows, got shape {tuple(B.shape)}")
     tols = torch.as_tensor(tol, dtype=torch.float64).reshape(-1)
     if tols.numel() == 0 or not bool(((tols > 0) & torch.isfinite(tols)).all()):
         raise ValueError(f"tol must be positive and finite, got {tol!r}")
@@ -196,6 +209,8 @@ def pcg(
     else:
         if x0.shape != B.shape:
             raise ValueError(f"x0 must have the shape of B {tuple(B.shape)}, got {tuple(x0.shape)}")
+        if not torch.isfinite(x0).all():
+            raise ValueError("x0 contains NaN or inf")
         X = (x0[:, None] if vec else x0).to(Bm).clone()
         R = Bm.clone()
         started = torch.nonzero(X.abs().amax(0) > 0).reshape(-1)  # columns with a nonzero guess: one product
