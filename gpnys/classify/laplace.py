@@ -95,6 +95,15 @@ def _floored_tolerance(tol: float, dtype: torch.dtype) -> float:
     return max(tol, TOLERANCE_EPS * torch.finfo(dtype).eps)
 
 
+def _validate_tolerance(value: float, name: str) -> float:
+    """A relative residual tolerance as a float in ``(0, 1)``; a ``ValueError`` naming ``name`` otherwise (at 1 and
+    above CG stops before its first step: ``x = 0``)."""
+    tol = validate_positive(value, name)
+    if tol >= 1:
+        raise ValueError(f"{name} must be in (0, 1) (a relative residual), got {value!r}")
+    return tol
+
+
 def halve_step(objective: Callable[[float], float], value: float, slack: float) -> tuple[float, float] | None:
     """Step halving, R&W Algorithm 3.1's safeguard: the first step ``t = 1, ½, ¼, …`` (30 at most) whose
     ``objective(t)`` is at least ``value - slack``, and that objective; ``None`` when none is (no ascent left at this
@@ -238,14 +247,15 @@ class LaplaceGP(LaplacePredictions):
         precond_options: extra options for :func:`~gpnys.precond.strategy.make_preconditioner` (``k``, ``w``,
             ``rank``); AFN's sizes default to GP training's (:data:`gpnys.gp.settings.GP_DEFAULTS`, k = 500, w = 30),
             at most n.
-        cg_tolerance: relative residual of every CG solve with ``B`` (Newton steps and predictive variances),
-            at least :data:`TOLERANCE_EPS` (100) machine epsilons of the working dtype (1.2e-5 in float32).
+        cg_tolerance: relative residual, in ``(0, 1)``, of every CG solve with ``B`` (Newton steps and predictive
+            variances), at least :data:`TOLERANCE_EPS` (100) machine epsilons of the working dtype (1.2e-5 in
+            float32).
         max_newton: Newton steps at most. newton_tol: stop once a step changes no ``f_i`` by more than
             ``newton_tol * max(1, max|f|)``; floored like ``cg_tolerance`` (100 eps: the default 1e-8 is below
             what a float32 mode resolves). Newton also stops once a step moves ``f`` no less than the previous one
             while ``Ψ`` rises by no more than its rounding (the mode at this precision).
-        num_probes: SLQ probes for ``log det B``. slq_tolerance: CG tolerance of the probe solves (their
-            Lanczos tridiagonals). max_cg: CG iterations at most per solve.
+        num_probes: SLQ probes for ``log det B``. slq_tolerance: CG tolerance, in ``(0, 1)``, of the probe
+            solves (their Lanczos tridiagonals). max_cg: CG iterations at most per solve.
         seed: seeds the probes and the preconditioner's randomness (same seed, same results).
         optimizer_steps: Adam steps on the kernel's hyperparameters in :meth:`fit` (0: keep them), from those of
             ``kernel`` at every fit. lr: Adam's learning rate.
@@ -301,8 +311,8 @@ class LaplaceGP(LaplacePredictions):
         if self.precond_options is not None and not isinstance(self.precond_options, dict):
             raise ValueError(f"precond_options must be a dict or None, got {type(self.precond_options).__name__}")
         self._precond_options = dict(self.precond_options or {})
-        self._cg_tolerance = validate_positive(self.cg_tolerance, "cg_tolerance")
-        self._slq_tolerance = validate_positive(self.slq_tolerance, "slq_tolerance")
+        self._cg_tolerance = _validate_tolerance(self.cg_tolerance, "cg_tolerance")
+        self._slq_tolerance = _validate_tolerance(self.slq_tolerance, "slq_tolerance")
         self._num_probes = validate_count(self.num_probes, "num_probes", 2)
         self._max_cg = validate_count(self.max_cg, "max_cg", 1)
         self._newton_and_training_settings()
@@ -389,10 +399,6 @@ class LaplaceGP(LaplacePredictions):
         self._s2 = s2
         self._system = kernel_system(self._Xk, self._kernel, mu=1.0, group=self._group)  # K̃ V = system(V) - V
         self._points = PointCache(self._Xk)  # FPS order and kNN patterns, shared by every Newton step's build
-        n = X.shape[0]
-        # a warm start a0 (the previous hyperparameters' K⁻¹ f̂) gives f = K a0 and Ψ = log p(y|f) - ½ a0ᵀ f
-        a = self._X.new_zeros(n) if a0 is None else a0.to(self._X.dtype)
-        f = self._X.new_zeros(n) if a0 is None else self._K(a)
         # Ψ in at least float64 from the iterates, and the iterates' own rounding as the slack of its comparisons,
         # 64 eps (½|a ∘ f| + |∇log p ∘ f|) (2-norms: the roundings' signs are independent): 64 eps (|Ψ| + n) exceeded
         # all the gain left where separable labels leave Ψ near 0 (float32 at outputscale 1e6: f 9 % from the mode)
@@ -403,7 +409,7 @@ class LaplaceGP(LaplacePredictions):
             f_t = f_t.to(wide)
             return float(self.likelihood_.log_prob(f_t, y_wide) - 0.5 * (a_t.to(wide) * f_t).sum())
 
-        psi = psi_at(a, f)
+        a, f, psi = self._start(a0, psi_at)
         eps = torch.finfo(dtype).eps
         slack = 0.0
         cg_tol, newton_tol = (_floored_tolerance(t, dtype) for t in (self._cg_tolerance, self._newton_tol))
@@ -483,6 +489,25 @@ class LaplaceGP(LaplacePredictions):
         consistency = 0.5 * float((aw * (fw - self._K(a).to(wide))).sum())
         rounding = eps * (abs(quadratic) + abs(log_p))
         self.mll_std_error_ = math.sqrt((0.5 * se) ** 2 + consistency**2 + rounding**2)
+
+    def _start(self, a0: torch.Tensor | None,
+               psi_at: Callable[[torch.Tensor, torch.Tensor], float]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Newton's start ``(a, f = K a, Ψ)``: the warm start ``a0`` (the previous hyperparameters' ``K⁻¹ f̂``; ``f =
+        K a0``, ``Ψ = log p(y|f) − ½ a0ᵀ f``, R&W eq. (3.12)) where its ``Ψ`` is finite and at least the cold start's,
+        ``Ψ(0) = log p(y|0)``, and its ``W`` finite; else the cold start, zero. Under a large hyperparameter move
+        ``K a0`` can lie far from the mode (Poisson counts: ``f`` in [−91, 106] for a mode in [2, 6], ``W = e^f`` up to
+        1e46; Newton from there stopped at ``max_newton`` with ``log q`` −5e25 for −723)."""
+        zero = self._X.new_zeros(self._X.shape[0])
+        cold = psi_at(zero, zero)
+        if a0 is None:
+            return zero, zero, cold
+        a = a0.to(self._X.dtype)
+        f = self._K(a)
+        warm = psi_at(a, f)
+        if not (math.isfinite(warm) and warm >= cold):
+            return zero, zero, cold
+        W = self.likelihood_.derivatives(f, self._y)[1]
+        return (a, f, warm) if bool(torch.isfinite(W).all()) else (zero, zero, cold)
 
     def _mode_residual(self, f: torch.Tensor) -> float:
         """``max|f − K∇log p(y|f)|``, 0 at the mode (one kernel product)."""

@@ -264,7 +264,8 @@ class ReducedLaplaceGP(LaplacePredictions):
         return torch.linalg.cholesky(H)
 
     def _mode(self, Phi: torch.Tensor, y: torch.Tensor, w0: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """Newton's method on ``ψ(w) = log p(y|Φw) − ½|w|²`` from ``w0`` (zero, or the previous step's mode)."""
+        """Newton's method on ``ψ(w) = log p(y|Φw) − ½|w|²`` from ``w0`` (the previous step's mode) where ``ψ(w0)`` is
+        finite and at least ``ψ(0) = log p(y|0)`` and ``W`` is finite there, else from zero (the cold start)."""
         lik = self.likelihood_
         s = Phi.shape[1]
         eps = torch.finfo(Phi.dtype).eps
@@ -282,9 +283,16 @@ class ReducedLaplaceGP(LaplacePredictions):
             return float(lik.log_prob(f_t.to(wide), y_wide) - 0.5 * (w_t @ w_t))
 
         with torch.no_grad():
-            w = Phi.new_zeros(s) if w0 is None else w0
-            f = Phi @ w
-            psi = psi_at(w, f)
+            w, f = Phi.new_zeros(s), Phi.new_zeros(Phi.shape[0])
+            psi = psi_at(w, f)  # ψ(0) = log p(y|0): the cold start
+            if w0 is not None:
+                # the warm start where its ψ is finite and at least the cold start's, and its W finite: under a
+                # large hyperparameter move Φ w0 can lie far from the mode (Poisson counts: f in [−91, 106] for a
+                # mode in [2, 6], W = e^f up to 1e46, and H's Cholesky failed)
+                f0 = Phi @ w0
+                psi0 = psi_at(w0, f0)
+                if math.isfinite(psi0) and psi0 >= psi and bool(torch.isfinite(lik.derivatives(f0, y)[1]).all()):
+                    w, f, psi = w0, f0, psi0
             iterations, last = 0, math.inf
             for _ in range(self._max_newton):
                 g, W, _ = lik.derivatives(f, y)

@@ -44,11 +44,11 @@ class ExactPosterior:
     """The full GP posterior of ``y = f(x) + eps`` at fixed hyperparameters.
 
     Args:
-        kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2``.
+        kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)`` in X's dtype; noise: ``sigma^2``.
         prior_mean: constant prior mean.
         method: ``"cholesky"``, ``"pcg"`` (gpnys ``auto`` preconditioner) or ``"auto"`` (Cholesky up to
             :data:`DENSE_MAX`).
-        tol: PCG relative residual tolerance.
+        tol: PCG relative residual tolerance, in ``(0, 1)``.
 
     The Cholesky path (kernel matrix, factor, solves, predictions) runs in at least float64, on the caller's
     (e.g. float32-rounded) data and hyperparameters: a float32 factor of an ill-conditioned ``K + sigma^2 I`` is
@@ -80,11 +80,17 @@ class ExactPosterior:
     def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
                  prior_mean: float = 0.0, method: str = "auto", tol: float = 1e-8, seed: int = 0) -> None:
         validate_regression(X, y, noise, prior_mean=prior_mean)
+        try:
+            tol_value = float(tol)
+        except (TypeError, ValueError):
+            tol_value = math.nan
+        if not 0 < tol_value < 1:  # at 1 and above PCG stops before its first step: alpha = 0
+            raise ValueError(f"tol must be in (0, 1) (PCG's relative residual), got {tol!r}")
         if method not in ("auto", "cholesky", "pcg"):
             raise ValueError(f"method must be 'auto', 'cholesky' or 'pcg', got {method!r}")
         self.kernel, self.X, self.noise, self.prior_mean = kernel, X, float(noise), float(prior_mean)
         self.method = ("cholesky" if X.shape[0] <= DENSE_MAX else "pcg") if method == "auto" else method
-        self.tol, self.iterations = tol, 0
+        self.tol, self.iterations = tol_value, 0
         # the dense reference in at least float64: a float32 Cholesky of K + sigma^2 I loses percents of |f*|_H^2
         dense = self.method == "cholesky"
         self._work = torch.promote_types(X.dtype, torch.float64) if dense else X.dtype

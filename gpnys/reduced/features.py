@@ -86,7 +86,8 @@ class FeatureGP:
         return self.noise * (Phi_z.mT * self.solve(Phi_z.mT)).sum(0)
 
 
-def feature_nll(Phi: torch.Tensor, y: torch.Tensor, noise: torch.Tensor, trace_gap: torch.Tensor | None = None) -> torch.Tensor:
+def feature_nll(Phi: torch.Tensor, y: torch.Tensor, noise: torch.Tensor,
+                trace_gap: torch.Tensor | None = None) -> torch.Tensor:
     """``-log N(y | 0, Phi Phi^T + sigma^2 I) / n`` (the DTC evidence), differentiable in ``Phi`` and ``noise``.
 
     By Woodbury with ``M = Phi^T Phi + sigma^2 I``: ``log det = (n - s) log sigma^2 + log det M`` and

@@ -51,6 +51,14 @@ def _finite_2d(T: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains NaN or inf")
 
 
+def _same_dtype(T: torch.Tensor, X: torch.Tensor, name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``T`` has ``X``'s dtype (mixed dtypes met in a matrix product as a
+    ``RuntimeError``)."""
+    if T.dtype != X.dtype:
+        have, want = (str(t).removeprefix("torch.") for t in (T.dtype, X.dtype))
+        raise ValueError(f"{name} must have X's dtype {want}, got {have} (cast it with .to(X.dtype))")
+
+
 def validate_test_points(Z: torch.Tensor, d: int) -> None:
     """``ValueError`` naming ``Z`` unless it is a finite, non-empty ``(nz, d)`` tensor."""
     _finite_2d(Z, "Z")
@@ -61,7 +69,8 @@ def validate_test_points(Z: torch.Tensor, d: int) -> None:
 def validate_regression(X: torch.Tensor, y: torch.Tensor, noise: float, landmarks: torch.Tensor | None = None,
                         prior_mean: float = 0.0, rtol: float | None = None) -> None:
     """``ValueError`` naming the argument: X ``(n, d)``, y ``(n,)`` finite, noise > 0, landmarks ``(m, d)``,
-    ``1 <= m <= n``, a finite ``prior_mean``, ``rtol`` in ``(0, 1)`` or ``None``."""
+    ``1 <= m <= n``, a finite ``prior_mean``, ``rtol`` in ``(0, 1)`` or ``None``; y and landmarks in X's dtype
+    (:func:`~gpnys.reduced.models.reduced_posterior` promotes mixed dtypes first, as GPyTorch does)."""
     if not math.isfinite(float(prior_mean)):
         raise ValueError(f"prior_mean must be finite, got {prior_mean!r}")
     if rtol is not None and not 0 < float(rtol) < 1:
@@ -69,12 +78,14 @@ def validate_regression(X: torch.Tensor, y: torch.Tensor, noise: float, landmark
     _finite_2d(X, "X")
     if not isinstance(y, torch.Tensor) or y.shape != (X.shape[0],):
         raise ValueError(f"y must have shape ({X.shape[0]},) to match X, got {getattr(y, 'shape', type(y))}")
+    _same_dtype(y, X, "y")
     if not bool(torch.isfinite(y).all()):
         raise ValueError("y contains NaN or inf")
     if not (float(noise) > 0 and float(noise) < float("inf")):
         raise ValueError(f"noise must be positive and finite, got {noise}")
     if landmarks is not None:
         _finite_2d(landmarks, "landmarks")
+        _same_dtype(landmarks, X, "landmarks")
         if landmarks.shape[1] != X.shape[1]:
             raise ValueError(f"landmarks must have d={X.shape[1]} columns like X, got {landmarks.shape[1]}")
         if landmarks.shape[0] > X.shape[0]:
@@ -186,7 +197,8 @@ class LLAPosterior:
 
     Args:
         kernel: GPyTorch kernel (outputscale included) at the chosen hyperparameters.
-        X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2 > 0``; landmarks: ``(m, d)`` with ``1 <= m <= n``.
+        X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2 > 0``; landmarks: ``(m, d)`` with ``1 <= m <= n``; y and
+            landmarks in X's dtype.
         prior_mean: constant prior mean (subtracted from y, added to predictions).
         variance: ``"dtc"`` (default) or ``"sor"``.
         rank: see :class:`NystromFeatureMap`.

@@ -53,7 +53,9 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
 
     Args:
         method: ``"lla"``, ``"ncr"``, ``"gsa"`` or ``"rff"``.
-        kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2``.
+        kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2``. Mixed
+            dtypes of X, y, landmark points and the kernel are promoted, as GPyTorch does (the posteriors'
+            constructors take y and landmarks in X's dtype).
         m: landmarks (RFF: frequencies, i.e. ``2m`` features), or ``"auto"``.
         landmarks: a rule of :data:`gpnys.landmarks.RULES` or the points ``(m, d)`` themselves; ``None``:
             ``"fps"`` (RFF takes none: a rule or points with ``"rff"`` is a ``ValueError``).
@@ -89,9 +91,12 @@ def reduced_posterior(method: str, kernel: gpytorch.kernels.Kernel, X: torch.Ten
     """
     validate_choice(method, "method", METHODS)
     if isinstance(X, torch.Tensor) and isinstance(y, torch.Tensor) and X.is_floating_point():
-        # mixed dtypes as GPyTorch takes them: data promoted with each other and the kernel's parameters
-        dtype = computation_dtype(kernel, X, y)
+        # mixed dtypes as GPyTorch takes them: data (landmark points included) promoted with each other and the
+        # kernel's parameters; the posteriors' constructors themselves take one dtype
+        points = [landmarks] if isinstance(landmarks, torch.Tensor) and landmarks.is_floating_point() else []
+        dtype = computation_dtype(kernel, X, y, *points)
         X, y = X.to(dtype), y.to(dtype)
+        landmarks = landmarks.to(dtype) if points else landmarks
     if method == "rff" and landmarks is not None:
         raise ValueError(f"landmarks: method 'rff' draws random features and takes no landmarks, got {landmarks!r}"
                          if not isinstance(landmarks, torch.Tensor) else
@@ -158,8 +163,9 @@ class ReducedGP(gpytorch.models.GP):
         True
     """
 
-    def __init__(self, train_x: torch.Tensor, train_y: torch.Tensor, likelihood: gpytorch.likelihoods.GaussianLikelihood,
-                 covar_module: gpytorch.kernels.Kernel, mean_module: gpytorch.means.Mean | None = None,
+    def __init__(self, train_x: torch.Tensor, train_y: torch.Tensor,
+                 likelihood: gpytorch.likelihoods.GaussianLikelihood, covar_module: gpytorch.kernels.Kernel,
+                 mean_module: gpytorch.means.Mean | None = None,
                  method: str = "lla", m: int | str = 500, landmarks: str | torch.Tensor | None = None, seed: int = 0,
                  **options: Any) -> None:
         super().__init__()

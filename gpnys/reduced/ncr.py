@@ -5,8 +5,9 @@ The hypothesis space is ``span{k(c_j, .)}``: ``f(z) = k(z, C) beta`` with
     beta = (K_mn K_nm + sigma^2 K_mm)^+ K_mn (y - m)          ([SPA] eq. (11), lambda_0 = sigma^2)
 
 computed here in that landmark form (as the least-squares problem it solves, by the thresholded pseudo-inverse of
-``[K_nm; sigma K_mm^1/2]``), not through the LLA features — so that [SPA] Prop 2 / Cor 1 (NCR = LLA when every landmark direction is kept) is a check
-between two independent computations. The predictive variance is LLA's (the same GP on ``span(C)``).
+``[K_nm; sigma K_mm^1/2]``), not through the LLA features — so that [SPA] Prop 2 / Cor 1 (NCR = LLA when every
+landmark direction is kept) is a check between two independent computations. The predictive variance is LLA's (the
+same GP on ``span(C)``).
 """
 
 from __future__ import annotations

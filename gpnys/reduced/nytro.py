@@ -121,7 +121,8 @@ def nytro(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, lan
 
     Args:
         kernel: GPyTorch kernel (outputscale included).
-        X: ``(n, d)``; y: ``(n,)`` targets (centre them: the model has no bias); landmarks: ``(m, d)``, ``m <= n``.
+        X: ``(n, d)``; y: ``(n,)`` targets (centre them: the model has no bias); landmarks: ``(m, d)``, ``m <= n``;
+            y and landmarks in X's dtype.
         t_max: maximum number of steps.
         gamma: the step is ``gamma / n``; default ``1 / max_i k(x_i, x_i)`` (``1 / outputscale`` for a
             ``ScaleKernel`` over a stationary kernel), which guarantees convergence.
@@ -243,7 +244,8 @@ def nystrom_krr(kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tenso
     ``alpha = R W diag(1 / (s + lambda n)) W^T A^T y``. Cost ``O(n m^2 + m^3 + |lambda| m^2)``.
 
     Args:
-        kernel: GPyTorch kernel; X: ``(n, d)``; y: ``(n,)``; landmarks: ``(m, d)`` with ``m <= n``.
+        kernel: GPyTorch kernel; X: ``(n, d)``; y: ``(n,)``; landmarks: ``(m, d)`` with ``m <= n``; y and
+            landmarks in X's dtype.
         lam: ``lambda > 0``, a number or a 1-D tensor/sequence of them.
         rtol: eigenvalue cut-off of :func:`landmark_factor`.
 

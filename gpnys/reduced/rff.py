@@ -157,7 +157,7 @@ class RFFPosterior:
 
     Args:
         kernel: as :class:`RandomFourierFeatures`, at the chosen hyperparameters.
-        X: ``(n, d)``; y: ``(n,)``; noise: ``sigma^2 > 0``; num_frequencies: ``D`` (``2D`` features).
+        X: ``(n, d)``; y: ``(n,)`` in X's dtype; noise: ``sigma^2 > 0``; num_frequencies: ``D`` (``2D`` features).
         seed: frequency seed; prior_mean: constant prior mean (subtracted from y, added to predictions).
         solver: optional ``solver(M, B)`` for the ``2D x 2D`` system (default Cholesky).
 

@@ -150,6 +150,18 @@ def test_bad_options_and_points():
         clf.predict_proba(torch.full((5, 2), float("nan"), dtype=F64))
 
 
+@pytest.mark.parametrize("name", ["cg_tolerance", "slq_tolerance"])
+@pytest.mark.parametrize("value", [1.0, 2.0, float("inf"), float("nan"), -0.5])
+@pytest.mark.parametrize("cls", [LaplaceGPClassifier, LaplaceGP])
+def test_tolerances_outside_the_unit_interval_name_the_argument(cls, value, name):
+    """A relative CG tolerance of 1 or more stops CG before its first step (``x = 0``): ``cg_tolerance = 1`` divided
+    by ``log10(tol) = 0``, ``cg_tolerance = 2`` gave a ``log q`` of −318.7 for −91.4 and ``slq_tolerance >= 1`` an
+    ``IndexError`` in the quadrature."""
+    X, y = data(40)
+    with pytest.raises(ValueError, match=rf"{name} must be"):
+        cls(make_kernel(), precond_options={"k": 10}, num_probes=4, **{name: value}).fit(X, y)
+
+
 def test_separable_data_with_clamped_w():
     """A large outputscale on separable labels drives |f̂| past 30, where π(1 - π) underflows below the floor W is
     clamped to (1e-10): the mode and log q(y|X) still match; the clamp moves the variances by about K_ii² 1e-10."""

@@ -198,3 +198,52 @@ def test_latent_variances_solve_to_their_own_accuracy():
     _, v0 = exact.predict_latent(Xs)
     _, v = gp.predict_latent(Xs)
     assert float(((v - v0) / v0).abs().max()) < 1e-4
+
+
+def peaked_counts(n, dtype):
+    """Counts of log-rate ``4 + 2 sin(6x)`` on ``[0, 1]``: a mode in about [2, 6]."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(n, 1, dtype=F64, generator=g)
+    y = torch.poisson(torch.exp(4 + 2 * torch.sin(6 * X[:, 0])), generator=g)
+    return X.to(dtype), y.to(dtype)
+
+
+def matern_kernel(dtype, lengthscale=1.0, outputscale=0.5):
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).to(dtype)
+    k.base_kernel.lengthscale, k.outputscale = lengthscale, outputscale
+    return k
+
+
+F32_OPTIONS = {"cg_tolerance": 1e-5, "newton_tol": 1e-5, "slq_tolerance": 1e-4}
+
+
+def test_a_far_warm_start_gives_way_to_the_cold_start(dtype):
+    """One Adam step of lr 2 moves the length-scale from 1 to 0.21 and the outputscale from 0.5 to 1.76: the previous
+    mode under the new kernel, ``K a0``, spans about [−91, 106] for a mode in [2, 6] (``W = e^f`` up to 1e46; Newton
+    from there ran ``max_newton`` steps to ``log q`` −5e25). Its ``Ψ`` is below ``Ψ(0)``, so Newton starts at zero
+    and the fit is a fresh one at the trained hyperparameters."""
+    X, y = peaked_counts(200, dtype)
+    options = {"num_probes": 8, **({} if dtype == F64 else F32_OPTIONS)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumericalWarning)  # no Newton iteration stopped short of the mode
+        gp = LaplaceGP(matern_kernel(dtype), likelihood="poisson", optimizer_steps=1, lr=2.0, **options).fit(X, y)
+    with torch.no_grad():
+        assert 0.15 < float(gp.kernel_.base_kernel.lengthscale) < 0.3 and 1.5 < float(gp.kernel_.outputscale) < 2
+    fresh = LaplaceGP(copy.deepcopy(gp.kernel_), likelihood="poisson", **options).fit(X, y)
+    log_q = fresh.log_marginal_likelihood_
+    assert abs(gp.log_marginal_likelihood_ - log_q) <= 1e-9 * abs(log_q)
+    assert (gp.f_hat_ - fresh.f_hat_).abs().max() <= 1e-6 * float(fresh.f_hat_.abs().max())
+    assert float(gp.f_hat_.max()) < 7
+
+
+def test_a_near_warm_start_saves_newton_steps(dtype):
+    """A small hyperparameter move (one Adam step of lr 0.01): the warm start ``K a0`` is kept, and Newton reaches the
+    fresh fit's mode and ``log q`` in fewer steps than from zero."""
+    X, y = peaked_counts(200, dtype)
+    options = {"num_probes": 8, **({} if dtype == F64 else F32_OPTIONS)}
+    gp = LaplaceGP(matern_kernel(dtype), likelihood="poisson", optimizer_steps=1, lr=0.01, **options).fit(X, y)
+    fresh = LaplaceGP(copy.deepcopy(gp.kernel_), likelihood="poisson", **options).fit(X, y)
+    assert gp.newton_iterations_ < fresh.newton_iterations_ - 2
+    rtol = 1e-9 if dtype == F64 else 1e-5
+    assert abs(gp.log_marginal_likelihood_ - fresh.log_marginal_likelihood_) <= (
+        4 * fresh.mll_std_error_ + rtol * abs(fresh.log_marginal_likelihood_))

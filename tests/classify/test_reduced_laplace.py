@@ -312,3 +312,41 @@ def test_float32_student_t_of_small_df_reaches_the_mode():
     gp64 = ReducedLaplaceGP(kernel, likelihood=StudentT(df=1.5, scale=0.3), m=40, landmarks=gp32.landmarks_.double(),
                             rtol=1e-3).fit(X, y)
     assert float((gp32.f_hat_.double() - gp64.f_hat_).abs().max()) < 2e-3 * float(gp64.f_hat_.abs().max())
+
+
+def peaked_counts(n, dtype):
+    """Counts of log-rate ``4 + 2 sin(6x)`` on ``[0, 1]``: a mode in about [2, 6]."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(n, 1, dtype=F64, generator=g)
+    y = torch.poisson(torch.exp(4 + 2 * torch.sin(6 * X[:, 0])), generator=g)
+    return X.to(dtype), y.to(dtype)
+
+
+def test_a_far_warm_start_gives_way_to_the_cold_start(dtype):
+    """One Adam step of lr 2 (length-scale 1 → 0.21, outputscale 0.5 → 1.76) puts the previous mode's landmark
+    coefficients, under the new kernel, at ``f0 = K_nm β0`` in about [−91, 106] for a mode in [2, 6]: ``W = e^f`` up
+    to 1e46, where ``H``'s Cholesky failed. Its ``ψ`` is below ``ψ(0)``, so Newton starts at zero and the fit is a
+    fresh one at the trained hyperparameters."""
+    X, y = peaked_counts(200, dtype)
+    kernel = make_kernel(dtype, lengthscale=1.0)
+    kernel.outputscale = 0.5
+    gp = ReducedLaplaceGP(kernel, likelihood="poisson", m=60, landmarks="fps", optimizer_steps=1, lr=2.0).fit(X, y)
+    fresh = ReducedLaplaceGP(copy.deepcopy(gp.kernel_), likelihood="poisson", landmarks=gp.landmarks_).fit(X, y)
+    log_q = fresh.log_marginal_likelihood_
+    assert abs(gp.log_marginal_likelihood_ - log_q) <= 1e-9 * abs(log_q)
+    assert (gp.f_hat_ - fresh.f_hat_).abs().max() <= 1e-6 * float(fresh.f_hat_.abs().max())
+    assert gp.newton_iterations_ == fresh.newton_iterations_
+
+
+def test_a_near_warm_start_saves_newton_steps(dtype):
+    """A small hyperparameter move (one Adam step of lr 0.01): the warm start is kept, and Newton reaches the fresh
+    fit's mode and ``log q`` in fewer steps than from zero."""
+    X, y = peaked_counts(200, dtype)
+    kernel = make_kernel(dtype, lengthscale=1.0)
+    kernel.outputscale = 0.5
+    gp = ReducedLaplaceGP(kernel, likelihood="poisson", m=60, landmarks="fps", optimizer_steps=1, lr=0.01).fit(X, y)
+    fresh = ReducedLaplaceGP(copy.deepcopy(gp.kernel_), likelihood="poisson", landmarks=gp.landmarks_).fit(X, y)
+    assert gp.newton_iterations_ < fresh.newton_iterations_ - 2
+    log_q = fresh.log_marginal_likelihood_
+    assert abs(gp.log_marginal_likelihood_ - log_q) <= (1e-10 if dtype == F64 else 1e-5) * abs(log_q)
+    assert (gp.f_hat_ - fresh.f_hat_).abs().max() <= (1e-8 if dtype == F64 else 1e-4) * float(fresh.f_hat_.abs().max())

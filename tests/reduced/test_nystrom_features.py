@@ -48,7 +48,8 @@ def test_clone_and_params_round_trip():
     X, _ = circles(100)
     ell = float(kern.lengthscale.detach())
     est.fit(X)
-    assert float(kern.lengthscale.detach()) == ell and kern.lengthscale.dtype == torch.float32  # the user's kernel untouched
+    # the user's kernel untouched
+    assert float(kern.lengthscale.detach()) == ell and kern.lengthscale.dtype == torch.float32
     assert est.A_.dtype == torch.float32 and est.A_.shape == (20, 20) and est.rank_ == 10
     assert est.get_feature_names_out().shape == (20,)
 

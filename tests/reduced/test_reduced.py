@@ -18,7 +18,10 @@ from gpnys.reduced import (
     LLAPosterior,
     NCRPosterior,
     ReducedGP,
+    RFFPosterior,
     landmark_rkhs_error,
+    nystrom_krr,
+    nytro,
     reduced_posterior,
     rkhs_error,
 )
@@ -107,7 +110,6 @@ def test_lla_equals_ncr_and_gpytorch_sgpr():
     assert float((lla.mean(Z) - ncr.mean(Z)).abs().max() / lla.mean(Z).abs().max()) < 1e-6
 
     sgpr = sgpr_model(k, C)
-    lik = sgpr.likelihood
     sgpr.eval()
     for correction in (False, True):
         with gpytorch.settings.sgpr_diagonal_correction(correction), torch.no_grad():
@@ -277,6 +279,51 @@ def test_bad_inputs():
     moved[0, 0] += 0.5
     with pytest.raises(ValueError, match="same training inputs"):
         rkhs_error(LLAPosterior(k, moved, Y, NOISE, X[:10]), exact)
+
+
+@pytest.mark.parametrize("tol", [1.0, 2.0, 0.0, -1e-8, float("nan"), "small"])
+@pytest.mark.parametrize("method", ["pcg", "cholesky"])
+def test_exact_posterior_tol_outside_the_unit_interval_names_tol(method, tol):
+    """A PCG tolerance of 1 or more stops PCG before its first step: ``tol = 2`` returned ``alpha = 0`` silently.
+    Checked on every path (``"auto"`` takes PCG above ``DENSE_MAX``)."""
+    with pytest.raises(ValueError, match=r"\btol must be in \(0, 1\)"):
+        ExactPosterior(kernel(), X, Y, NOISE, method=method, tol=tol)
+
+
+#: the constructors of :mod:`gpnys.reduced` that take ``(X, y)``, as ``build(X, y, landmarks)``
+BUILDERS = {
+    "lla": lambda X_, y_, C: LLAPosterior(kernel(), X_, y_, NOISE, C),
+    "ncr": lambda X_, y_, C: NCRPosterior(kernel(), X_, y_, NOISE, C),
+    "gsa": lambda X_, y_, C: GSAPosterior(kernel(), X_, y_, NOISE, C),
+    "exact": lambda X_, y_, C: ExactPosterior(kernel(), X_, y_, NOISE),
+    "rff": lambda X_, y_, C: RFFPosterior(kernel(), X_, y_, NOISE, 10),
+    "nystrom_krr": lambda X_, y_, C: nystrom_krr(kernel(), X_, y_, C, 0.1),
+    "nytro": lambda X_, y_, C: nytro(kernel(), X_, y_, C, t_max=2, stop="none"),
+}
+TAKE_LANDMARKS = ("lla", "ncr", "gsa", "nystrom_krr", "nytro")
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_y_or_landmarks_of_another_dtype_name_the_argument(name):
+    """float64 X with float32 y met in a matrix product as a ``RuntimeError`` (LLA, NCR, GSA, RFF) or was taken
+    (the exact posterior): each constructor takes y (and landmark points) in X's dtype; ``reduced_posterior``
+    promotes mixed dtypes before it calls them."""
+    build = BUILDERS[name]
+    for X_, y_ in ((X, Y.float()), (X.float(), Y)):
+        with pytest.raises(ValueError, match=r"^y must have X's dtype"):
+            build(X_, y_, X_[:10])
+    if name in TAKE_LANDMARKS:
+        with pytest.raises(ValueError, match=r"^landmarks must have X's dtype float64, got float32"):
+            build(X, Y, X[:10].float())
+
+
+def test_reduced_posterior_promotes_landmark_points():
+    """float32 landmark points with float64 data and kernel: promoted to float64, as X and y are."""
+    C = X[:40].float()
+    post = reduced_posterior("lla", kernel(), X, Y, NOISE, landmarks=C)
+    ref = reduced_posterior("lla", kernel(), X, Y, NOISE, landmarks=C.double())
+    assert post.features.landmarks.dtype == torch.float64
+    assert torch.equal(post.mean(Z), ref.mean(Z))
 
 
 def test_reduced_gp_model_interface(ref):
