@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         X, Xt = tf.transform_x(X), tf.transform_x(Xt)
     threshold = ds.train_y.median()
     y, yt = _labels(ds.train_y, args.labels, threshold), _labels(ds.test_y, args.labels, threshold)
-    check_at_most(X.shape[0], args, "k", "reduced", "subsample")
+    check_at_most(X.shape[0], args, "k", "w", "reduced", "subsample")
     exact = args.reduced is None
     landmarks = None if exact else args.landmarks or "kmeans"
     if exact:
@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag} sets the exact kernel's preconditioner or probes; --reduced has none")
         if rank_and_size()[1] > 1:
             raise ValueError("--reduced runs in one process: its products are O(n M) and split no kernel")
+        if args.subsample is not None and args.steps == 0:
+            raise ValueError("--subsample sets the rows of the Adam steps; --steps 0 takes none")
     kernel = make_kernel(args.kernel).to(X)
     lengthscale = args.lengthscale
     if lengthscale is None:

@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,15 +16,18 @@ from gpnys import datasets
 from gpnys.distributed import rank_and_size
 from gpnys.gp.settings import SOLVERS, EstimatorSettings
 from gpnys.kernels import KERNEL_NAMES
+from gpnys.kernels.backends import select_backend
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def comma_choices(allowed: tuple[str, ...] | list[str], what: str) -> Callable[[str], list[str]]:
-    """argparse type: a comma-separated list whose items must be in ``allowed``."""
+    """argparse type: a non-empty comma-separated list whose items must be in ``allowed``."""
 
     def parse(text: str) -> list[str]:
         names = [v.strip() for v in text.split(",") if v.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {what}s from {sorted(allowed)}, got nothing")
         bad = [v for v in names if v not in allowed]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {what}(s) {bad}; choose from {sorted(allowed)}")
@@ -89,8 +92,12 @@ def parse_device(text: str | None) -> torch.device | None:
 def add_estimator_args(p: argparse.ArgumentParser) -> None:
     """Flags of the gpnys MLL estimator (preconditioner size, CG tolerance, probes)."""
     p.add_argument("--k", type=int, default=None,
-                   help="AFN landmarks / Nyström-AFN switch (default 500 for afn/auto, see gpnys.gp.settings.GP_DEFAULTS)")
-    p.add_argument("--w", type=int, default=None, help="FSAI nonzeros per row")
+                   help="afn: landmarks; auto: landmarks and Nyström-AFN switch (default 500 for both, see "
+                        "gpnys.gp.settings.GP_DEFAULTS); nystrom: its rank estimate's switch; pivchol, ran, sketch: "
+                        "the rank; fsai, none: exits 2")
+    p.add_argument("--w", type=int, default=None,
+                   help="FSAI nonzeros per row (afn, auto, fsai; default 30 for afn/auto); other preconditioners: "
+                        "exits 2")
     p.add_argument("--cg-tol", type=float, default=EstimatorSettings.cg_tolerance, help="CG tolerance")
     p.add_argument("--probes", type=int, default=EstimatorSettings.num_probes, help="SLQ probe vectors")
     p.add_argument("--lanczos-steps", type=int, default=EstimatorSettings.lanczos_steps,
@@ -100,7 +107,8 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
                         "the probes' standard error and the solve with y has converged (0: always --lanczos-steps)")
     p.add_argument("--probe-dist", choices=("rademacher", "gaussian"), default=EstimatorSettings.probes,
                    help="probe distribution (covariance P either way)")
-    p.add_argument("--control-variate", choices=("auto", "diag", "frozen", "full", "none"), default=EstimatorSettings.control_variate,
+    p.add_argument("--control-variate", choices=("auto", "diag", "frozen", "full", "none"),
+                   default=EstimatorSettings.control_variate,
                    help="log-det gradient control variate for AFN ('none' also disables it for Nyström)")
     p.add_argument("--kernel-backend", choices=("auto", "torch", "triton", "keops"), default="auto",
                    help="on-the-fly kernel products: auto = fused Triton kernels on CUDA, torch tiles on CPU; keops "
@@ -130,10 +138,20 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
 
 
 def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, dict[str, int]]:
-    """``(settings, preconditioner options)`` from the flags of :func:`add_estimator_args` (their ranges are
-    :data:`SHARED_FLAGS`', checked by :func:`check_flags`)."""
+    """``(settings, --k / --w as given)`` from the flags of :func:`add_estimator_args` (their ranges are
+    :data:`SHARED_FLAGS`', checked by :func:`check_flags`; :func:`precond_options` maps --k / --w to each
+    preconditioner's options). A ``ValueError`` for flags that cannot take effect together, or a ``--kernel-backend``
+    that cannot run on ``--device``."""
     if args.accuracy is not None and args.no_error_bars:
         raise ValueError("--accuracy needs the error bars; drop --no-error-bars")
+    if args.reuse_tolerance is not None and args.no_error_bars:
+        raise ValueError("--reuse-tolerance needs the error bars (GPyTorch's estimator rebuilds the preconditioner "
+                         "at every step); drop --no-error-bars")
+    if args.kernel_backend != "auto":
+        try:
+            select_backend(torch.device("cpu" if args.device is None else args.device), args.kernel_backend)
+        except ValueError as err:
+            raise ValueError(f"--kernel-backend {args.kernel_backend}: {err}") from None
     cv = args.control_variate
     settings = EstimatorSettings(error_bars=not args.no_error_bars, target_rel_error=args.accuracy,
                                  max_probes=args.max_probes, cg_tolerance=args.cg_tol, num_probes=args.probes,
@@ -146,6 +164,27 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
                                  grow_landmarks=args.grow_landmarks or None,
                                  kernel_group=True if rank_and_size()[1] > 1 else None)  # under torchrun
     return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
+
+
+#: the preconditioner option that the estimator's ``--k`` / ``--w`` set, by preconditioner (one without a flag does
+#: not read it): AFN's landmarks (with ``auto`` also its Nyström / AFN switch, with ``nystrom`` the switch of its rank
+#: estimate) and FSAI's nonzeros per row; for ``pivchol``, ``ran`` and ``sketch`` ``--k`` is the rank
+SIZE_OPTIONS: dict[str, dict[str, str]] = {
+    "auto": {"k": "k", "w": "w"}, "afn": {"k": "k", "w": "w"}, "nystrom": {"k": "k"}, "fsai": {"w": "w"},
+    "pivchol": {"k": "rank"}, "ran": {"k": "rank"}, "sketch": {"k": "rank"},
+}
+
+
+def precond_options(args: argparse.Namespace, names: Sequence[str], what: str) -> dict[str, dict[str, int]]:
+    """The options of each preconditioner in ``names`` from ``--k`` / ``--w`` (:data:`SIZE_OPTIONS`); a
+    ``ValueError`` naming a given flag that none of them reads (``what``: the flag that chose them)."""
+    given = {key: getattr(args, key) for key in ("k", "w") if getattr(args, key, None) is not None}
+    for key, value in given.items():
+        if not any(key in SIZE_OPTIONS.get(name, {}) for name in names):
+            readers = ", ".join(name for name, keys in SIZE_OPTIONS.items() if key in keys)
+            raise ValueError(f"--{key} {value} has no effect with {what}: only {readers} read it")
+    return {name: {SIZE_OPTIONS[name][key]: value for key, value in given.items() if key in SIZE_OPTIONS.get(name, {})}
+            for name in names}
 
 
 def _finite(obj: Any) -> Any:
@@ -288,10 +327,14 @@ def load_data(args: argparse.Namespace, standardize: bool | None = None,
     else:
         try:
             ds = datasets.load(args.data, n=cap if n is None else n, **kw)
-        except ValueError as err:  # the data set's message names its argument n: the user typed --n
-            if n is None or not str(err).startswith("n="):
+        except (ValueError, OverflowError) as err:  # the data set's message names its argument n: the user typed --n
+            if n is None:
                 raise
-            raise ValueError(f"--n {n} {str(err).removeprefix(f'n={n} ')}") from None
+            if isinstance(err, ValueError) and str(err).startswith("n="):
+                raise ValueError(f"--n {n} {str(err).removeprefix(f'n={n} ')}") from None
+            if args.data in datasets.SYNTHETIC:  # numpy's ("Maximum allowed dimension exceeded"): too large an n
+                raise ValueError(f"--n {n} is too large for --data {args.data} ({err})") from None
+            raise
     if ds.n < 2:
         raise ValueError(f"--data {args.data}: split {ds.split} has {ds.n} training row(s); at least 2 are needed")
     if n_test is not None and n_test > ds.test_x.shape[0]:

@@ -21,6 +21,7 @@ from gpnys.cli.common import (
     emit_json,
     estimator_from_args,
     load_data,
+    precond_options,
 )
 from gpnys.gp.estimator import gradient_at_noise
 from gpnys.gp.hook import use_preconditioner
@@ -64,14 +65,21 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings, opts = estimator_from_args(args)  # checked for --precond none too, which uses none of them
-    if args.precond == "none":
+    settings, _ = estimator_from_args(args)  # checked for --precond none too, which uses none of them
+    opts = precond_options(args, [args.precond], f"--precond {args.precond}")[args.precond]
+    # Cholesky training computes the variances by Cholesky too (a $GPNYS_SOLVER of cholesky as well as the flag)
+    exact = ("--precond none" if args.precond == "none" else
+             f"--solver cholesky{'' if args.solver else ' ($GPNYS_SOLVER)'}" if settings.solver == "cholesky" else None)
+    if exact is not None:
         for flag, value in (("--variance-method", None if args.variance_method in ("auto", "cholesky")
                              else args.variance_method), ("--variance-rel-error", args.variance_rel_error),
                             ("--solver", "iterative" if args.solver == "iterative" else None)):
             if value is not None:
-                raise ValueError(f"{flag} {value} needs a preconditioned fit; --precond none trains and computes "
-                                 "the variances by Cholesky")
+                raise ValueError(f"{flag} {value} needs a preconditioned fit; {exact} trains and computes the "
+                                 "variances by Cholesky")
+    if args.variance_rel_error is not None and args.variance_method not in ("auto", "cached"):
+        raise ValueError(f"--variance-rel-error applies to the cached variances (--variance-method cached or auto); "
+                         f"--variance-method {args.variance_method} computes them exactly")
     ds = load_data(args)
     check_at_most(ds.n, args, "k", "w")
     if not args.json:

@@ -20,6 +20,7 @@ from gpnys.cli.common import (
     emit_json,
     estimator_from_args,
     load_data,
+    precond_options,
 )
 from gpnys.kernels.backends import select_backend
 from gpnys.kernels.product import caches_dense
@@ -45,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if args.solver == "cholesky":
         raise ValueError("--solver cholesky: gpnys mll evaluates each gpnys --method on its preconditioned path; "
                          "the Cholesky reference is --method exact")
-    settings, opts = estimator_from_args(args)
+    settings, _ = estimator_from_args(args)
+    gpnys_methods = [m for m in args.method if m not in ("exact", "gpytorch", "higp")]
+    opts = precond_options(args, gpnys_methods, f"--method {','.join(args.method)}")
     ds = load_data(args)
     check_at_most(ds.n, args, "k", "w")
     common = {"kernel": args.kernel, "lengthscale": args.lengthscale, "outputscale": args.outputscale,
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         reps = 1 if method == "exact" else args.repeats
         for r in range(reps):
-            kw = {} if method in ("exact", "gpytorch") else {"settings": settings, **opts}
+            kw = {} if method in ("exact", "gpytorch") else {"settings": settings, **opts[method]}
             rec = evaluate(ds.train_x, ds.train_y, method, seed=args.seed + r, **common, **kw)
             rec["seed"] = args.seed + r
             rec["n"] = n
@@ -87,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"data: {ds.describe()}; kernel {args.kernel}, lengthscale {args.lengthscale}, "
           f"outputscale {args.outputscale}, noise {args.noise}")
-    print(f"gpnys kernel operator: {storage['kernel_storage']} (dense cache limit {storage['dense_bytes'] / 2**30:g} GiB, "
+    print(f"gpnys kernel operator: {storage['kernel_storage']} "
+          f"(dense cache limit {storage['dense_bytes'] / 2**30:g} GiB, "
           f"blocks of {storage['block_bytes'] / 2**20:g} MiB, {storage['kernel_backend']} backend)")
     for rec in records:
         if "skipped" in rec:
@@ -104,5 +108,6 @@ def run(args: argparse.Namespace) -> int:
         if rec.get("grad_std_error") and rec["method"] != "exact":
             worst = max(max(v) if isinstance(v, list) else v for v in rec["grad_std_error"].values())
             se += f" (grad SE <= {worst:.1e}, {rec['extra'].get('probes', 0)} probes)"
-        print(f"{rec['method']:9s} seed {rec['seed']}: loss {rec['loss']:.6f}{se}  time {rec['time_s']:.2f}s{errs}{cut}")
+        print(f"{rec['method']:9s} seed {rec['seed']}: loss {rec['loss']:.6f}{se}  "
+              f"time {rec['time_s']:.2f}s{errs}{cut}")
     return 0

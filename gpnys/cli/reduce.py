@@ -41,6 +41,9 @@ HELP = "reduced GPs (gsa, lla, ncr, nytro), random Fourier features and the exac
 FLAGS: dict[str, Range] = {"lengthscale": SCALE, "outputscale": SCALE, "noise": SCALE, "mean": Range(magnitude=True),
                            "fit_iters": count(0), "lr": LEARNING_RATE}
 
+#: the hyperparameter fit's defaults (``--fit-iters``, ``--lr``)
+FIT_ITERS, FIT_LR = 30, 0.1
+
 #: methods that do not iterate over landmark rules
 _NO_RULE = ("exact", "rff")
 
@@ -92,19 +95,23 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     hyp.add_argument("--mean", type=float, default=None, help="constant prior mean with given hyperparameters "
                                                                 "(default 0)")
     hyp.add_argument("--ard", action="store_true", help="fit one length-scale per input dimension")
-    hyp.add_argument("--fit-iters", type=int, default=30, help="Adam iterations of the hyperparameter fit")
-    hyp.add_argument("--lr", type=float, default=0.1, help="Adam learning rate of the hyperparameter fit")
+    hyp.add_argument("--fit-iters", type=int, default=None,
+                     help=f"Adam iterations of the hyperparameter fit (default {FIT_ITERS})")
+    hyp.add_argument("--lr", type=float, default=None,
+                     help=f"Adam learning rate of the hyperparameter fit (default {FIT_LR})")
 
 
 def _given_hyperparameters(args: argparse.Namespace) -> dict[str, float] | None:
     """The hyperparameters from the flags (their ranges checked by ``FLAGS``); ``None`` when they are to be
-    fitted."""
+    fitted (``--fit-iters`` and ``--lr`` then default to :data:`FIT_ITERS` and :data:`FIT_LR`)."""
     names = ("lengthscale", "outputscale", "noise")
     given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if not given:
         if args.mean is not None:
             raise ValueError("--mean applies only with given --lengthscale, --outputscale and --noise "
                              "(a fit learns the mean)")
+        args.fit_iters = FIT_ITERS if args.fit_iters is None else args.fit_iters
+        args.lr = FIT_LR if args.lr is None else args.lr
         return None
     missing = [f"--{k}" for k in names if k not in given]
     if missing:
@@ -112,6 +119,9 @@ def _given_hyperparameters(args: argparse.Namespace) -> dict[str, float] | None:
                          f"missing {', '.join(missing)}")
     if args.ard:
         raise ValueError("--ard applies only when the hyperparameters are fitted (given ones are isotropic)")
+    for flag, value in (("--fit-iters", args.fit_iters), ("--lr", args.lr)):
+        if value is not None:
+            raise ValueError(f"{flag} {value:g} applies only when the hyperparameters are fitted (they are given)")
     return {**given, "mean": 0.0 if args.mean is None else float(args.mean)}
 
 
@@ -194,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(out)
         return 0
-    src = "given" if given is not None else f"fitted ({args.fit_iters} Adam iterations, {fit_info['train_time_s']:.1f} s)"
+    src = ("given" if given is not None
+           else f"fitted ({args.fit_iters} Adam iterations, {fit_info['train_time_s']:.1f} s)")
     print(f"hyperparameters ({src}, standardised units):")
     for key, val in hyp.items():
         shown = ", ".join(f"{v:.4g}" for v in val) if isinstance(val, list) else f"{val:.4g}"

@@ -93,10 +93,95 @@ def fails(argv: list[str], capsys) -> tuple[str, str]:
     # one row cannot be standardised (nor fitted): at least 2
     (["mll", "--method", "exact", "--n", "1"], "--n"),
     (["classify", "--n", "1"], "--n"),
+    (["classify", "--steps", "0", "--w", "500"], "--w"),
+    # an empty comma list would run nothing
+    (["pcg", "--precond", ","], "--precond"),
+    (["mll", "--method", ","], "--method"),
+    (["reduce", "--method", ",", "--lengthscale", "1", "--outputscale", "1", "--noise", "0.1", "--m", "10"],
+     "--method"),
+    (["reduce", "--landmarks", ",", "--method", "lla", "--lengthscale", "1", "--outputscale", "1", "--noise", "0.1",
+      "--m", "10"], "--landmarks"),
 ])
 def test_bad_flag_exits_2_with_one_line_naming_it(argv, flag, capsys):
     out, err = fails(argv[:1] + DATA + argv[1:], capsys)
     assert flag in err and out == "", err
+
+
+HYP = ["--lengthscale", "1", "--outputscale", "1", "--noise", "0.1", "--m", "10", "--method", "lla"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    # with --no-error-bars GPyTorch's estimator rebuilds the preconditioner at every step
+    (["fit", "--iters", "1", "--reuse-tolerance", "0.1", "--no-error-bars"], "--reuse-tolerance"),
+    # Cholesky training computes the variances by Cholesky
+    (["fit", "--iters", "1", "--solver", "cholesky", "--variance-method", "cached"], "--variance-method"),
+    (["fit", "--iters", "1", "--solver", "cholesky", "--variance-method", "pcg"], "--variance-method"),
+    (["fit", "--iters", "1", "--solver", "cholesky", "--variance-rel-error", "0.1"], "--variance-rel-error"),
+    # only the cached variances have an error bound to recompute by
+    (["fit", "--iters", "1", "--variance-method", "pcg", "--variance-rel-error", "0.1"], "--variance-rel-error"),
+    (["fit", "--iters", "1", "--variance-method", "cholesky", "--variance-rel-error", "0.1"], "--variance-rel-error"),
+    # given hyperparameters are not fitted
+    (["reduce", *HYP, "--fit-iters", "50"], "--fit-iters"),
+    (["reduce", *HYP, "--lr", "5"], "--lr"),
+    # sizes that the chosen preconditioners do not read
+    (["fit", "--iters", "1", "--precond", "pivchol", "--w", "5"], "--w"),
+    (["fit", "--iters", "1", "--precond", "fsai", "--k", "10"], "--k"),
+    (["fit", "--iters", "1", "--precond", "nystrom", "--w", "5"], "--w"),
+    (["fit", "--iters", "1", "--precond", "none", "--k", "10"], "--k"),
+    (["mll", "--method", "exact,gpytorch", "--k", "10"], "--k"),
+    (["mll", "--method", "exact,fsai", "--k", "10"], "--k"),
+    (["pcg", "--precond", "fsai", "--k", "10"], "--k"),
+    (["pcg", "--precond", "nystrom", "--rank", "5", "--k", "10"], "--k"),
+    (["pcg", "--precond", "afn", "--rank", "5"], "--rank"),
+    (["pcg", "--precond", "pivchol", "--w", "5"], "--w"),
+    # the Adam steps are the only use of the subsample
+    (["classify", "--steps", "0", "--reduced", "10", "--subsample", "50"], "--subsample"),
+])
+def test_a_flag_without_effect_exits_2_naming_it(argv, flag, capsys):
+    out, err = fails(argv[:1] + DATA + argv[1:], capsys)
+    assert flag in err and out == "", err
+
+
+@pytest.mark.parametrize("argv", [["fit", "--iters", "1"], ["mll", "--method", "afn"], ["mll", "--method", "exact"]])
+def test_a_kernel_backend_this_device_lacks_exits_2(argv, monkeypatch, capsys):
+    """``--kernel-backend triton`` on CPU tensors (outside Triton's interpreter) exits before any work, also where
+    the run would take Cholesky or the backend would never be built."""
+    if torch.cuda.is_available():
+        pytest.skip("triton runs on this machine's CUDA tensors")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the test suite runs Triton's interpreter on CPU tensors
+    out, err = fails(argv[:1] + DATA + argv[1:] + ["--kernel-backend", "triton"], capsys)
+    assert "--kernel-backend triton" in err and out == "", err
+
+
+def test_kernel_backend_keops_without_pykeops_exits_2(capsys):
+    from gpnys.kernels.backends import keops
+
+    if keops.available():
+        pytest.skip("pykeops is installed")
+    _, err = fails(["fit", *DATA, "--iters", "1", "--kernel-backend", "keops"], capsys)
+    assert "--kernel-backend keops" in err and "pykeops" in err, err
+
+
+def test_k_is_the_rank_of_pivchol(capsys):
+    """``--k`` sets the rank of ``pivchol`` (default 15); a ``--method`` list hands each method the sizes it reads."""
+    assert main(["fit", *DATA, "--iters", "1", "--precond", "pivchol", "--k", "40", "--solver", "iterative",
+                 "--json"]) == 0
+    assert strict_json(capsys.readouterr().out)["steps"][0]["rank"] == 40
+    assert main(["mll", *DATA, "--method", "pivchol,afn,fsai", "--k", "30", "--w", "7", "--json"]) == 0
+    ranks = {rec["method"]: rec["extra"]["rank"] for rec in strict_json(capsys.readouterr().out)}
+    assert ranks == {"pivchol": 30, "afn": 30, "fsai": 0}
+
+
+def test_too_large_a_synthetic_n_names_the_flag(monkeypatch, capsys):
+    _, err = fails(["pcg", "--data", "synthetic3d", "--n", "99999999999999999999", "--precond", "none"], capsys)
+    assert "--n 99999999999999999999" in err, err
+
+    def load(*args, **kwargs):
+        raise ValueError("Maximum allowed dimension exceeded")  # numpy's own words, without the n
+
+    monkeypatch.setattr(datasets, "load", load)
+    _, err = fails(["fit", "--data", "synthetic3d", "--n", "300", "--iters", "1"], capsys)
+    assert "--n 300" in err and "Maximum allowed dimension exceeded" in err, err
 
 
 def test_the_whole_lengthscale_list_is_checked_before_any_solve(capsys):
@@ -138,10 +223,10 @@ def test_a_numerical_failure_names_the_scales(capsys):
 
 
 def test_out_of_memory_is_one_line_naming_n(monkeypatch, capsys):
-    def allocate(n: int, seed: int = 0, noise: float = 0.1):
-        raise MemoryError(f"Unable to allocate 24.8 GiB for an array with shape ({n}, 3)")
+    def allocate(*args, **kwargs):
+        raise MemoryError("Unable to allocate 24.8 GiB for an array with shape (300, 300)")
 
-    monkeypatch.setattr(datasets, "synthetic3d", allocate)
+    monkeypatch.setattr("gpnys.cli.mll.evaluate", allocate)
     _, err = fails(["mll", "--data", "synthetic3d", "--n", "300", "--method", "exact"], capsys)
     assert "out of memory" in err and "MemoryError" in err and "--n" in err, err
 

@@ -81,6 +81,16 @@ def test_reduce_fits_hyperparameters(capsys):
     assert lla["error_vs_exact"] > 0 and lla["m"] == 40
 
 
+def test_reduce_fit_defaults_apply_only_to_a_fit(capsys):
+    """``--fit-iters`` and ``--lr`` default to 30 and 0.1 for a fit, and exit 2 with given hyperparameters."""
+    out = run_json(["--fit-iters", "1", "--method", "lla", "--m", "20", "--no-error"], capsys)
+    assert out["fit"]["iters"] == 1 and out["fit"]["lr"] == 0.1
+    with pytest.raises(SystemExit) as exc:
+        main(DATA + HYP + ["--method", "lla", "--m", "20", "--lr", "0.1", "--json"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--lr" in err[0], err
+
+
 def test_reduce_table(capsys):
     assert main(DATA + HYP + ["--method", "exact,lla,rff", "--m", "40"]) == 0
     text = capsys.readouterr().out
