@@ -2,7 +2,8 @@
 metrics.
 
 By default :func:`fit` and :func:`predict` force GPyTorch's Cholesky path (``max_cholesky_size`` above n), so loss and
-gradients are exact; under :func:`gpnys.gp.hook.use_preconditioner` pass ``settings`` to let the hook compute them.
+gradients are exact; under :func:`gpnys.gp.hook.use_preconditioner` the hook computes every evaluation on the path it
+chooses (``EstimatorSettings.solver``), whatever ``settings`` says.
 ``fit(..., loss=gpnys.baselines.exact.cholesky_loss)`` trains on the same exact loss with a closed-form gradient.
 """
 
@@ -119,11 +120,17 @@ class FitResult:
 CHECKPOINT_MAGIC = b"gpnys.fit/2\n"
 
 
+#: the seed of :func:`_sums`' weights
+SUMS_SEED = 20261201
+
+
 def _sums(t: torch.Tensor) -> list[float]:
-    """Float64 sum, position-weighted sum and sum of squares of ``t``'s values, rounded to 10 digits (a move between
-    devices still matches)."""
+    """Float64 sum, weighted sum and sum of squares of ``t``'s values, rounded to 10 digits (a move between devices
+    still matches). The weights are fixed draws from ``[1, 2)``, one per position, so that a permutation of the
+    values changes the weighted sum (position weights that repeat would miss swaps a period apart)."""
     v = t.detach().reshape(-1).to(torch.float64)
-    w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device).remainder(97.0) + 1.0
+    gen = torch.Generator().manual_seed(SUMS_SEED)
+    w = (1.0 + torch.rand(v.numel(), generator=gen, dtype=torch.float64)).to(v.device)
     return [float(f"{x:.10g}") for x in torch.stack([v.sum(), (v * w).sum(), v.square().sum()]).tolist()]
 
 
@@ -152,12 +159,16 @@ def _configuration(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+#: the fingerprint's format: a checkpoint of another records no ``format`` or another value
+FINGERPRINT_FORMAT = 2
+
+
 def _fingerprint(model: torch.nn.Module, optimizer: str) -> dict[str, Any]:
-    """What a checkpoint must match to resume: the training data (n, d, dtype and :func:`_sums` of its values), the
-    model's modules, parameter shapes and :func:`_configuration`, and the optimiser."""
+    """What a checkpoint must match to resume: the training data (n, d, dtype and :func:`_sums` of every training
+    input and the targets), the model's modules, parameter shapes and :func:`_configuration`, and the optimiser."""
     X, y = model.train_inputs[0], model.train_targets
-    return {"n": int(X.shape[-2]), "d": int(X.shape[-1]), "dtype": str(X.dtype), "inputs": _sums(X),
-            "outputs": _sums(y), "optimizer": optimizer,
+    return {"format": FINGERPRINT_FORMAT, "n": int(X.shape[-2]), "d": int(X.shape[-1]), "dtype": str(X.dtype),
+            "inputs": [_sums(t) for t in model.train_inputs], "outputs": _sums(y), "optimizer": optimizer,
             "modules": {name: type(m).__name__ for name, m in model.named_modules()},
             "parameters": {name: list(p.shape) for name, p in model.named_parameters()},
             "configuration": _configuration(model)}
@@ -301,7 +312,8 @@ def fit(
         progress: show a tqdm progress bar with the current loss.
         seed: seeds torch's global generator so stochastic estimators are reproducible.
         settings: context-manager factory ``settings(n)`` wrapping every loss evaluation; default is the
-            exact (Cholesky) path.
+            exact (Cholesky) path. Under :func:`~gpnys.gp.hook.use_preconditioner` the hook's path choice
+            (``EstimatorSettings.solver``) decides instead.
         on_step: called as ``on_step(t, loss)`` after every step; a returned dict is shown in the progress bar
             and appended to ``FitResult.steps``.
         loss: ``loss(model)`` returning ``-MLL / n`` to minimise instead of GPyTorch's

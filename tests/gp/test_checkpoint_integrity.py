@@ -11,6 +11,7 @@ import torch
 
 from gpnys.baselines.exact import cholesky_loss
 from gpnys.gp import ExactGPModel, fit, predict
+from gpnys.gp.training import FitResult, _save_checkpoint, read_checkpoint
 
 
 def _model(n=40, seed=0, dtype=torch.float64, d=2, kernel="matern32"):
@@ -183,3 +184,56 @@ def test_checkpoint_in_a_missing_directory_is_refused_before_any_step(tmp_path):
     assert steps == [] and not missing.exists()
     with pytest.raises(ValueError, match="checkpoint must be a file path"):
         fit(_model(), iters=3, progress=False, checkpoint="")
+
+
+def test_checkpoint_of_permuted_targets_is_refused(tmp_path):
+    """The same values in another order (two swaps 97 positions apart, which position weights repeating every 97
+    entries had missed) are another data set."""
+    path = tmp_path / "fit.pt"
+    model = _model(n=200)
+    fit(model, iters=2, progress=False, checkpoint=path)
+    swapped = _model(n=200)
+    y = swapped.train_targets.clone()
+    y[[0, 97, 5, 102]] = y[[97, 0, 102, 5]]
+    swapped.set_train_data(targets=y, strict=False)
+    with pytest.raises(ValueError, match=f"{path.name}.*outputs"):
+        fit(swapped, iters=3, progress=False, checkpoint=path)
+
+
+class _TaskModel(gpytorch.models.ExactGP):
+    """A Hadamard multitask model: inputs ``(X, task index)``."""
+
+    def __init__(self, X, task, y):
+        super().__init__((X, task), y, gpytorch.likelihoods.GaussianLikelihood())
+        self.mean_module = gpytorch.means.ConstantMean()
+        self.covar_module = gpytorch.kernels.RBFKernel()
+        self.task_covar_module = gpytorch.kernels.IndexKernel(num_tasks=2, rank=1)
+
+    def forward(self, x, i):
+        return gpytorch.distributions.MultivariateNormal(
+            self.mean_module(x), self.covar_module(x).mul(self.task_covar_module(i)))
+
+
+def test_checkpoint_of_other_task_indices_is_refused(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(40, 1, generator=g, dtype=torch.float64)
+    task = (torch.arange(40) % 2)[:, None]
+    y = torch.sin(5 * X[:, 0]) + task[:, 0]
+    path = tmp_path / "fit.pt"
+    fit(_TaskModel(X, task, y).double(), iters=2, progress=False, checkpoint=path)
+    with pytest.raises(ValueError, match=f"{path.name}.*inputs"):
+        fit(_TaskModel(X, 1 - task, y).double(), iters=3, progress=False, checkpoint=path)
+
+
+def test_checkpoint_of_an_older_format_is_refused(checkpoint):
+    """A checkpoint whose fingerprint predates the current format (no ``format`` entry) names what it lacks."""
+    state = read_checkpoint(checkpoint)
+    old = {k: v for k, v in state["fingerprint"].items() if k != "format"}
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    result = FitResult(loss_trace=list(state["loss_trace"]), steps=list(state["steps"]))
+    _save_checkpoint(checkpoint, old, model, opt, result, state["elapsed_s"], None)
+    with pytest.raises(ValueError, match=f"{checkpoint.name}.*records no format"):
+        fit(_model(), iters=3, progress=False, checkpoint=checkpoint)
