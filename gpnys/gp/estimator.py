@@ -14,9 +14,9 @@ For ``L = ½ (rᵀK̂⁻¹r + log det K̂ + n log 2π)``, ``r = y - m``, with pr
   2022, eq. 9, when the preconditioner is differentiable).
 
 The ``ℓ_j`` and the ``g_j`` are i.i.d. over ``j``, so the standard errors are their sample deviations over ``√t``
-(the ``ℓ_j``'s floored by the largest Ritz value, :func:`slq_variance`, and the ``g_j``'s lifted with them,
-:func:`gradient_spread`; the loss adds the CG bound, the Lanczos estimate and the rounding in quadrature, the
-gradient the solves' shares and the products' rounding).
+(the ``ℓ_j``'s floored by the Ritz value furthest in log from their mean, :func:`slq_variance`, and the ``g_j``'s
+lifted with them, :func:`gradient_spread`; the loss adds the CG bound, the Lanczos estimate and the rounding in
+quadrature, the gradient the solves' shares and the products' rounding).
 The per-probe ``g_j`` come from one pass of
 :meth:`~gpnys.kernels.operator.StationaryKernelOperator.column_derivatives` (any other kernel: one derivative per
 probe) mapped to the raw parameters by a batched vector-Jacobian product. ``aᵀ∂K̂a`` is one more column of the
@@ -178,12 +178,18 @@ def _tridiagonal_eigh(tridiagonal: tuple[torch.Tensor, torch.Tensor],
 def slq_quadrature(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor,
                    n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`slq_terms`, and the full quadrature's Ritz values ``(t, m)`` (clamped above 0) for
-    :func:`ritz_log_square`."""
+    :func:`ritz_log_square`. Those the probe does not see, a quadrature weight ``(e₁ᵀv)²`` at most the dtype's
+    ``eps``, read 0 there: the padding's, and those of the steps a column takes past its solve's rounding floor
+    (the Lanczos coefficients of a rounding-level residual; in float32 at a full-rank preconditioner they read up
+    to 200 times ``M``'s largest eigenvalue, with weights below 1e-38)."""
     out = []
     for drop in (0, 1):  # the full quadrature, and the one a step shorter
         evals, evecs = _tridiagonal_eigh(tridiagonal, steps - drop)
-        out.append((n * (evecs[:, 0, :].square() * evals.log()).sum(-1), evals))
-    return out[0][0], (out[0][0] - out[1][0]).abs(), out[0][1]
+        weights = evecs[:, 0, :].square()
+        out.append((n * (weights * evals.log()).sum(-1), evals))
+        if drop == 0:
+            ritz = torch.where(weights > torch.finfo(weights.dtype).eps, evals, torch.zeros_like(evals))
+    return out[0][0], (out[0][0] - out[1][0]).abs(), ritz
 
 
 def slq_terms(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tensor,
@@ -193,20 +199,25 @@ def slq_terms(tridiagonal: tuple[torch.Tensor, torch.Tensor], steps: torch.Tenso
     return slq_quadrature(tridiagonal, steps, n)[:2]
 
 
-def ritz_log_square(ritz: torch.Tensor) -> float:
-    """The largest ``log² θ`` over the Ritz values ``θ`` of the probes' tridiagonals (:func:`slq_quadrature`), at most
-    ``log² λ`` of an extreme eigenvalue ``λ`` of the preconditioned matrix ``M`` (Ritz values interlace its
-    spectrum). Each ``ℓ_j = ξ_jᵀ log(M) ξ_j`` has variance ``2 ‖log M‖_F² ≥ 2 log² λ`` for Gaussian probes, and
-    about ``2 log² λ`` or more for random signs where that eigenvector of ``log M`` spreads over many coordinates: a
+def ritz_log_square(ritz: torch.Tensor, centre: float = 0.0) -> float:
+    """The largest ``(log θ - c)²`` over the Ritz values ``θ`` of the probes' tridiagonals (:func:`slq_quadrature`)
+    with ``c = centre``, at most ``(log λ - c)²`` of an extreme eigenvalue ``λ`` of the preconditioned matrix ``M``
+    (Ritz values interlace its spectrum). With ``c`` the mean ``tr(log M) / n`` of ``log M``'s eigenvalues (the
+    ``ℓ_j``'s mean over ``n``), each ``ℓ_j = n ξ̂_jᵀ log(M) ξ̂_j`` (``ξ̂_j`` the whitened probe scaled to norm
+    ``√n``) has variance about ``2 ‖log M - c I‖_F² ≥ 2 (log λ - c)²`` for Gaussian probes, and about
+    ``2 (log λ - c)²`` or more for random signs where that eigenvector of ``log M`` spreads over many coordinates: a
     floor under the ``ℓ_j``'s sample variance, which collapses when one large eigenvalue makes them skewed (a scaled
-    chi-square of one degree)."""
+    chi-square of one degree). The ``ℓ_j`` do not move when ``P̂`` is scaled (``log M`` shifted by a multiple of
+    ``I``), and neither does this floor with the centre: uncentred (``c = 0``) it read ``2 log² s`` for
+    ``M = s I``, whose ``ℓ_j`` are all ``n log s`` (the RAN scaling of Frangella, Tropp & Udell 2023 at full rank,
+    ``P̂ = K̂ / (λ_k + μ)``), and :func:`gradient_spread` divided that by the ``ℓ_j``'s rounding-level spread."""
     kept = ritz[ritz > torch.finfo(ritz.dtype).tiny]  # not the clamped ones (a rounding-broken tridiagonal)
-    return float(kept.log().square().max()) if kept.numel() else 0.0
+    return float((kept.log() - centre).square().max()) if kept.numel() else 0.0
 
 
 def slq_variance(ell: torch.Tensor, ritz_log_sq: float) -> float:
     """The variance of one SLQ term ``ℓ_j`` (``ell``, ``(t,)``) that a log-determinant's standard error uses: their
-    sample variance, or where larger ``2 log² θ_max`` (``ritz_log_sq``, :func:`ritz_log_square`). With one large
+    sample variance, or where larger ``2 (log θ - c)²_max`` (``ritz_log_sq``, :func:`ritz_log_square`). With one large
     eigenvalue of ``log M`` the ``ℓ_j`` are skewed, and 16 of them understated their spread by 2-3x at 3 of 20 probe
     seeds (2-D RBF, Nyström of rank 13; a Laplace classifier at outputscale 1e5: 2 of 20 seeds outside 3 standard
     errors; docs/accuracy.md).
@@ -216,7 +227,7 @@ def slq_variance(ell: torch.Tensor, ritz_log_sq: float) -> float:
         >>> from gpnys.gp.estimator import slq_variance
         >>> slq_variance(torch.tensor([1.0, 1.1, 0.9, 1.0]), 0.0) == float(torch.tensor([1.0, 1.1, 0.9, 1.0]).var())
         True
-        >>> slq_variance(torch.tensor([1.0, 1.1, 0.9, 1.0]), 2.0)  # the floor 2 log² θ_max
+        >>> slq_variance(torch.tensor([1.0, 1.1, 0.9, 1.0]), 2.0)  # the floor 2 (log θ - c)²_max
         4.0
     """
     return max(float(ell.var()) if ell.numel() > 1 else math.inf, 2 * ritz_log_sq)
@@ -597,7 +608,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     if settings.probe_seed is not None:
         generator = torch.Generator(device=r.device).manual_seed(int(settings.probe_seed))
     ell, lerr, jac, cv = [], [], [], []
-    ritz_max = 0.0  # the largest log² of a Ritz value of the probes' tridiagonals
+    ritz_max = 0.0  # the largest (log θ - c)² of a Ritz value θ of the probes' tridiagonals (ritz_log_square)
     alpha_rows: list[torch.Tensor | None] = []
     probe_sums: list[torch.Tensor | None] = []
     cv_logdet = None
@@ -667,7 +678,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             cols = slice(1, 1 + batch) if first else slice(None)
             diag, off = sol.tridiagonal
             l_j, e_j, ritz = slq_quadrature((diag[:, cols], off[:, cols]), sol.iterations_per_column[cols], n)
-            ritz_max = max(ritz_max, ritz_log_square(ritz))
+            # centred on the mean log eigenvalue tr(log M) / n: the floor must not move with P̂'s scale
+            ritz_max = max(ritz_max, ritz_log_square(ritz, float(l_j.mean()) / n))
             U = sol.x[:, cols]
             B = M(Z)
             J = None

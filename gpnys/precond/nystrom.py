@@ -38,6 +38,11 @@ The preconditioner is ``P = U diag(d) U^T + c (I - U U^T)`` with
 * ``scaling="ran"`` (the RAN baseline of Sec. 5): ``d = (lam + mu)/(lam_k + mu)``,
   ``c = 1``, i.e. ``P^{-1} = (lam_k + mu) U (Lam + mu I)^{-1} U^T + (I - U U^T)`` with ``lam_k = min(lam)``.
 
+At full rank (``k = n``, the default of ``make_preconditioner``'s ``ran`` and ``sketch`` for ``n <= 3000``) the
+RAN form is ``P = (K + mu I) / (lam_n + mu)`` to rounding, with ``lam_n`` at the rounding level: a multiple of
+``K + mu I``, so nothing is capped or truncated. PCG does not see the scale; the estimator's error bars
+(:func:`gpnys.gp.estimator.ritz_log_square`) do not either (docs/accuracy.md, "The floor's centre").
+
 The naive Sherman-Morrison-Woodbury inverse of eq. (4) is deliberately not offered: it inverts the
 ill-conditioned ``K11`` and cancels catastrophically, which is why the AFN paper (§2, after eq. (8)) calls it
 unstable. Nothing of size ``n x n`` is ever formed: memory is ``O(n k)``.
@@ -207,7 +212,8 @@ class NystromPreconditioner(Preconditioner):
     def differentiable_terms(
         self, kernel: gpytorch.kernels.Kernel, mu: torch.Tensor, Z: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``log det P(theta)`` and the per-probe ``z_j^T P(theta)^{-1} z_j`` (``(t,)``) with autograd (column sampling, stable scaling).
+        """``log det P(theta)`` and the per-probe ``z_j^T P(theta)^{-1} z_j`` (``(t,)``) with autograd (column
+        sampling, stable scaling).
 
         Same landmarks and shift ``nu`` as this preconditioner, rebuilt from the differentiable ``kernel`` and
         ``mu``: ``B = Y_nu C^{-T}`` with ``C = chol(K11 + nu I)`` and its thin QR ``B = Q R``, then

@@ -1,6 +1,7 @@
 """The MLL estimator with error bars (gpnys.gp.estimator): PCG's Lanczos tridiagonals, per-probe derivatives,
 standard errors against Cholesky, a requested accuracy, and the optimiser's stopping rules."""
 
+import copy
 import json
 import math
 
@@ -539,3 +540,56 @@ def test_error_bars_on_the_device(cuda_device):
     out = evaluate(X.to(cuda_device), y.to(cuda_device), "afn", seed=0, k=100, **KW)
     assert abs(out["loss"] - ref["loss"]) <= 4 * out["loss_std_error"] + 1e-4
     assert all(torch.as_tensor(v).gt(0).all() for v in out["grad_std_error"].values())
+
+
+def test_ritz_floor_is_centred_and_skips_the_ritz_values_no_probe_sees():
+    """``M = 0.1 I`` (a preconditioner at ``1 / 0.1`` times ``K̂``'s scale): every ``ℓ_j = n log 0.1``. Column 0 ran
+    two steps past its rounding floor, a block decoupled from ``e₁`` (Ritz values 5 and 14, weight 0); column 1 one
+    step. The floor centred on ``mean(ℓ) / n`` is 0, where uncentred it read ``log² 0.1`` and, over the ``ℓ_j``'s
+    rounding-level spread, lifted the gradient rows' variance by a factor of about 1e24."""
+    n = 200
+    diag = torch.tensor([[0.1, 0.1], [6.4, float("nan")], [12.6, float("nan")]], dtype=F64)
+    off = torch.tensor([[0.0, float("nan")], [6.2, float("nan")]], dtype=F64)
+    ell, _, ritz = estimator.slq_quadrature((diag, off), torch.tensor([3, 1]), n)
+    torch.testing.assert_close(ell, torch.full((2,), n * math.log(0.1), dtype=F64))
+    assert sorted(ritz[0].tolist())[:2] == [0.0, 0.0] and float(ritz.max()) == pytest.approx(0.1)  # unseen: 0
+    assert estimator.ritz_log_square(ritz) == pytest.approx(math.log(0.1) ** 2)  # uncentred
+    floor = estimator.ritz_log_square(ritz, float(ell.mean()) / n)
+    assert floor < 1e-20
+    g = torch.Generator().manual_seed(0)
+    ell = n * math.log(0.1) + 1e-12 * torch.randn(16, generator=g, dtype=F64)  # rounding-level spread
+    J = torch.randn(16, 3, generator=g, dtype=F64) + 1e-3 * (ell - ell.mean())[:, None]
+    assert estimator.slq_variance(ell, floor) == float(ell.var())
+    torch.testing.assert_close(estimator.gradient_spread(J, ell, floor), J.var(0))
+
+
+@pytest.mark.parametrize("method", ["sketch", "ran"])
+def test_full_rank_ran_scaling_keeps_error_bars_small_and_cholesky_consistent(method, dtype):
+    """``sketch`` and ``ran`` at their default rank ``min(3000, n) = n``: the RAN scaling (Frangella, Tropp & Udell
+    2023) makes ``P̂ = K̂ / (λ_n + μ)``, a multiple of ``K̂``, so the values are exact; their error bars must be too.
+    The uncentred Ritz floor gave 2e-3 per point on the loss and 1e9-1e10 on the gradient."""
+    n = 200
+    X, y = data(n, 2, dtype=dtype)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).to(dtype)
+    model.covar_module.base_kernel.lengthscale, model.likelihood.noise = 1.0, 0.1
+    exact = copy.deepcopy(model).double()
+    exact_mll = gpytorch.mlls.ExactMarginalLogLikelihood(exact.likelihood, exact)
+    with gpytorch.settings.max_cholesky_size(10**6):
+        exact_loss = -exact_mll(exact(X.double()), y.double())
+        exact_loss.backward()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with use_preconditioner(model, method, settings=EstimatorSettings(solver="iterative", probe_seed=0)) as hook:
+        loss = -mll(model(X), y)
+        loss.backward()
+    est = hook.last_estimate
+    assert hook.history[-1].rank == n
+    rounding = 1e-5 if dtype == torch.float32 else 1e-12
+    # the loss: the probes' part (the float32 rounding term, 6e-4 per point here, aside) at the rounding level
+    assert math.sqrt(max(est.std_error**2 - est.rounding_error**2, 0.0)) / n <= 1e-4
+    assert abs(float(loss) - float(exact_loss)) <= 5 * est.std_error / n + rounding
+    ref = dict(exact.named_parameters())
+    for name, p in model.named_parameters():
+        se = est.grad_std_error[name].double() / n
+        assert float(se.max()) <= 0.05, (name, se)  # the sample spread of 16 probes without a control variate
+        err = (p.grad.double() - ref[name].grad).abs()
+        assert bool((err <= 5 * se + rounding).all()), (name, err, se)
