@@ -562,7 +562,9 @@ class LaplaceGP(LaplacePredictions):
         # the terms' spread floored by the largest Ritz value (slq_variance), the quadrature's truncation and the
         # working precision's rounding of the parts (float32: a Poisson fit's log q 4-5 standard errors off, 7e-8
         # of it, without the last)
-        self._slq_terms = (ell, ritz_log_square(ritz))  # the gradient's rows share the floor (gradient_spread)
+        # the floor centred on the terms' mean log eigenvalue, so that it does not move with P̂'s scale; the
+        # gradient's rows share it (gradient_spread)
+        self._slq_terms = (ell, ritz_log_square(ritz, float(ell.mean()) / n))
         rounding = torch.finfo(self._X.dtype).eps * sum(abs(v) for v in parts)
         se = math.sqrt(slq_variance(*self._slq_terms) / t + float(truncation.mean()) ** 2 + rounding**2)
         return sum(parts), se

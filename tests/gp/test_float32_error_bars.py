@@ -319,8 +319,8 @@ def test_loss_error_bar_holds_a_skewed_log_determinant():
     """2-D ARD RBF, n = 300, noise 0.05, float64, default settings: ``auto`` builds a Nyström preconditioner of rank
     13 that leaves one eigenvalue of ``log M`` at 0.21 and the rest below 0.05, so each probe's term is nearly a
     scaled chi-square of one degree. Their sample spread understated the true one (0.31) by 2-3x at these probe
-    seeds, which put the loss 4.6 and 6.0 standard errors from Cholesky's; the spread is floored by the largest
-    Ritz value's ``2 log² θ``."""
+    seeds, which put the loss 4.6 and 6.0 standard errors from Cholesky's; the spread is floored by the Ritz value
+    furthest in log from the terms' mean, ``2 (log θ - c)²``."""
     g = torch.Generator().manual_seed(0)
     X = torch.rand(300, 3, generator=g, dtype=torch.float64)
     y = torch.sin(6 * X[:, 0]) + X[:, 1] + 0.1 * torch.randn(300, generator=g, dtype=torch.float64)
