@@ -74,15 +74,15 @@ def validate_test_points(test_x: torch.Tensor, train_x: torch.Tensor, name: str 
 
 def validate_training_data(X: torch.Tensor, y: torch.Tensor, names: tuple[str, str] = ("train_x", "train_y")) -> None:
     """Raise ``ValueError`` naming the argument unless ``X`` passes :func:`validate_points` and ``y`` is a finite
-    ``(n,)`` tensor with ``X``'s ``n``, dtype and device (checked before any optimiser step touches a parameter)."""
+    ``(n,)`` tensor with ``X``'s ``n`` and device (checked before any optimiser step touches a parameter; the dtypes
+    may differ, as GPyTorch promotes float32 inputs to a float64 model's)."""
     validate_points(X, names[0])
     if not isinstance(y, torch.Tensor) or y.dim() != 1 or y.shape[0] != X.shape[0]:
         raise ValueError(f"{names[1]} must be a 1-D tensor of {X.shape[0]} targets, got {getattr(y, 'shape', type(y))}")
     if not y.is_floating_point():
         raise ValueError(f"{names[1]} must be a floating tensor, got {y.dtype}")
-    if y.dtype != X.dtype or y.device != X.device:
-        raise ValueError(f"{names[1]} must have {names[0]}'s dtype and device ({X.dtype}, {X.device}), got "
-                         f"{y.dtype}, {y.device}")
+    if y.device != X.device:
+        raise ValueError(f"{names[1]} must be on {names[0]}'s device {X.device}, got {y.device}")
     if not torch.isfinite(y).all():
         raise ValueError(f"{names[1]} contains NaN or inf")
 

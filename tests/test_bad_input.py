@@ -106,7 +106,7 @@ CASES = {
     "settings probes": (lambda: gpnys.EstimatorSettings(probes="bogus"), "probes"),
     "settings probe seed": (lambda: gpnys.EstimatorSettings(probe_seed="a"), "probe_seed"),
     "settings backend": (lambda: gpnys.EstimatorSettings(kernel_backend="gpu"), "kernel_backend"),
-    "targets dtype": (lambda: validate_training_data(X_good(), y_good().float()), "train_y"),
+    "targets device": (lambda: validate_training_data(X_good(), y_good().to("meta")), "train_y"),
     "hook seed": (lambda: gpnys.use_preconditioner(model(X_good(), y_good()), seed=float("nan")).__enter__(), "seed"),
     "afn kernel": (lambda: AFNPreconditioner(X_good(), None, 0.1, k=5, w=3), "kernel"),
     "pcg B rows": (lambda: gpnys.pcg(kernel_system(X_good(), rbf(), 0.1), torch.ones(N + 1, dtype=torch.float64)),
