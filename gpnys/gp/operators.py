@@ -5,12 +5,14 @@ sampling, the marginal whose ``log_prob`` adds the control variate, and the cova
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import gpytorch
 import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
 
+from gpnys.checks import NumericalWarning
 from gpnys.linalg import small_dense
 from gpnys.precond.base import Preconditioner
 
@@ -197,3 +199,12 @@ class PreconditionedAddedDiag(AddedDiagLinearOperator):
     def root_inv_decomposition(self, *args: Any, **kwargs: Any) -> LinearOperator:
         with self._scoped():
             return super().root_inv_decomposition(*args, **kwargs)
+
+    def cholesky(self, *args: Any, **kwargs: Any) -> LinearOperator:
+        """linear_operator's dense Cholesky of ``K̂``, as GPyTorch's own computation takes it, with one warning: a
+        caller that factors the covariance itself (``LeaveOneOutPseudoLikelihood``, a user's ``cholesky()``) gets
+        nothing from the preconditioner (Python's default filter shows the warning once)."""
+        warnings.warn("gpnys: the hooked training covariance is factored by a dense Cholesky (a computation other than "
+                      "a marginal log likelihood's log_prob, such as LeaveOneOutPseudoLikelihood): it runs as "
+                      "GPyTorch's own, without the preconditioner", NumericalWarning, stacklevel=2)
+        return super().cholesky(*args, **kwargs)

@@ -15,7 +15,10 @@ import pytest
 import torch
 
 import gpnys
+from gpnys import use_preconditioner
 from gpnys.checks import NumericalWarning
+from gpnys.gp import ExactGPModel
+from gpnys.gp.settings import EstimatorSettings
 
 N = 60
 
@@ -235,3 +238,24 @@ def test_other_models_inside_the_context_compute_as_their_caller_set_up():
     exact = loss_grads_pred(hooked)  # outside the hook: Cholesky at n = 60
     assert abs(ours[0] - exact[0]) <= 4 * se
     torch.testing.assert_close(ours[2], exact[2], rtol=1e-4, atol=1e-5)
+
+
+def test_leave_one_out_runs_as_gpytorchs_own_with_a_warning():
+    """``LeaveOneOutPseudoLikelihood`` factors the covariance itself: under the hook it gets GPyTorch's dense value and
+    gradient, and says that the preconditioner does nothing for it."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(300, 2, generator=g, dtype=torch.float64)
+    y = torch.sin(5 * X[:, 0])
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood()).double()
+    model.train()
+    loo = gpytorch.mlls.LeaveOneOutPseudoLikelihood(model.likelihood, model)
+    with gpytorch.settings.max_cholesky_size(10**6):
+        ref = loo(model(X), y)
+        ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    with use_preconditioner(model, settings=EstimatorSettings(solver="iterative")):
+        with pytest.warns(NumericalWarning, match="LeaveOneOutPseudoLikelihood"):
+            value = loo(model(X), y)
+        grads = torch.autograd.grad(value, list(model.parameters()))
+    assert float(value) == pytest.approx(float(ref), rel=1e-12)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
