@@ -2,33 +2,30 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import gpytorch
 import torch
 
-from gpnys.checks import validate_positive, validate_seed
+from gpnys.checks import validate_points, validate_positive, validate_seed
 
 __all__ = ["validate_points_k", "generator", "validate_seed", "validate_noise", "validate_kernel"]
 
 
 def validate_points_k(X: torch.Tensor, k: int) -> None:
-    """``ValueError`` unless ``X`` is a finite, non-empty ``(n, d)`` tensor and ``k`` an integer in ``[1, n]``."""
-    if not isinstance(X, torch.Tensor) or X.dim() != 2:
-        raise ValueError(f"X must be a 2-D tensor (n, d), got {getattr(X, 'shape', type(X))}")
-    if X.shape[0] == 0 or X.shape[1] == 0:
-        raise ValueError(f"X is empty: shape {tuple(X.shape)}")
-    if not torch.isfinite(X).all():
-        raise ValueError("X contains NaN or inf")
-    if isinstance(k, bool) or int(k) != k or k < 1:
+    """``ValueError`` unless ``X`` is a finite, non-empty floating ``(n, d)`` tensor and ``k`` an integer in
+    ``[1, n]``."""
+    validate_points(X)
+    if isinstance(k, bool) or not isinstance(k, numbers.Real) or int(k) != k or k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")
     if k > X.shape[0]:
         raise ValueError(f"k={k} landmarks requested but X has only n={X.shape[0]} points")
 
 
 def generator(seed: int, device: torch.device) -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` seeded with ``seed``."""
-    return torch.Generator(device=device).manual_seed(int(seed))
+    """A ``torch.Generator`` on ``device`` seeded with ``seed`` (an integer, or a ``ValueError`` naming it)."""
+    return torch.Generator(device=device).manual_seed(validate_seed(seed))
 
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpnys.checks import validate_count
 from gpnys.landmarks.common import validate_points_k
 from gpnys.landmarks.distances import row_block, sqdist_to_point
 from gpnys.launch import guarded_launch, triton_available
@@ -73,8 +74,8 @@ def fps(X: torch.Tensor, k: int, start: int | None = None) -> FPSResult:
     block = row_block(n, X.shape[1], X.device)
     if start is None:
         start = int(torch.argmin(sqdist_to_point(X, X.mean(dim=0), block)))
-    elif not 0 <= start < n:
-        raise ValueError(f"start must be in [0, {n}), got {start}")
+    else:
+        start = validate_count(start, "start", 0, n - 1, "n - 1")
     if X.is_cuda and n <= FPS_TRITON_MAX_N and X.shape[1] <= FPS_TRITON_MAX_D:
         out = _fps_triton(X, k, start)
         if out is not None:

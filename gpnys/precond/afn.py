@@ -27,7 +27,7 @@ import gpytorch
 import torch
 
 from gpnys.budget import block_rows, dense_limit_bytes
-from gpnys.checks import validate_choice, validate_count
+from gpnys.checks import validate_choice, validate_count, validate_seed
 from gpnys.collectives import RowGroup, gather_rows
 from gpnys.kernels.entries import evaluate
 from gpnys.kernels.operator import supported
@@ -193,14 +193,14 @@ class AFNPreconditioner(Preconditioner):
         self.rank = self.k
         self.landmarks_requested = landmarks
         self.landmarks = ("fps" if d <= 10 else "uniform") if landmarks == "auto" else landmarks
-        self.seed = int(seed)
+        self.seed = validate_seed(seed)
         ke, cache, scale = resolve_pattern_inputs(X, kernel, cache)
         hits0 = cache.hits
 
         # Algorithm 2, steps 1-2: landmarks first, the rest in data order.
         if self.landmarks == "fps":
-            lm = cache.fps(self.k)
-            order_key: tuple = ("afn-rest", "fps", self.k)
+            lm = cache.fps(self.k, scale)  # in the kernel's metric: with ARD length-scales the order names them
+            order_key: tuple = ("afn-rest", "fps", self.k) + (() if scale is None else (tuple(lm.tolist()),))
         else:
             lm = cache.uniform(self.k, self.seed)
             order_key = ("afn-rest", "uniform", self.k, self.seed)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gpnys.checks import validate_mu, validate_points
+from gpnys.checks import validate_count, validate_mu, validate_points
 from gpnys.linalg import draw, shift_at
 
 __all__ = ["Preconditioner"]
@@ -48,12 +48,14 @@ class Preconditioner(abc.ABC):
         self.mu = validate_mu(mu)
         self.n, self.dtype, self.device = X.shape[0], X.dtype, X.device
         if diag is not None:
-            if not isinstance(diag, torch.Tensor) or diag.shape != (self.n,):
-                raise ValueError(f"diag must be a tensor of {self.n} per-point shifts, got "
-                                 f"{tuple(getattr(diag, 'shape', ())) or type(diag).__name__}")
-            if not bool((torch.isfinite(diag) & (diag > 0)).all()):
-                raise ValueError("diag must be positive and finite")
-            self.diag = diag.detach().to(dtype=X.dtype, device=X.device)
+            if not isinstance(diag, torch.Tensor) or diag.shape != (self.n,) or not diag.is_floating_point():
+                raise ValueError(f"diag must be a floating tensor of {self.n} per-point shifts, got "
+                                 f"{tuple(getattr(diag, 'shape', ())) or type(diag).__name__} "
+                                 f"{getattr(diag, 'dtype', '')}")
+            shifts = diag.detach().to(dtype=X.dtype, device=X.device)  # checked as X's dtype holds them
+            if not bool((torch.isfinite(shifts) & (shifts > 0)).all()):
+                raise ValueError(f"diag must be positive and finite in {X.dtype}")
+            self.diag = shifts
         return t0
 
     def _shift(self, index: torch.Tensor) -> float | torch.Tensor:
@@ -77,8 +79,11 @@ class Preconditioner(abc.ABC):
         """``log det P`` (0-dim tensor)."""
 
     def _apply(self, fn: Any, R: torch.Tensor) -> torch.Tensor:
-        if R.shape[0] != self.n:
-            raise ValueError(f"R must have {self.n} rows, got shape {tuple(R.shape)}")
+        if not isinstance(R, torch.Tensor) or R.dim() not in (1, 2) or R.shape[0] != self.n:
+            raise ValueError(f"R must have {self.n} rows, (n,) or (n, t), got {getattr(R, 'shape', type(R))}")
+        if R.dtype != self.dtype or R.device != self.device:
+            raise ValueError(f"R must have the preconditioner's dtype and device ({self.dtype}, {self.device}), got "
+                             f"{R.dtype}, {R.device}")
         vec = R.dim() == 1
         out = fn(R[:, None] if vec else R)
         return out[:, 0] if vec else out
@@ -100,7 +105,8 @@ class Preconditioner(abc.ABC):
         random signs: covariance ``P`` too, and in the whitened space the Hutchinson trace estimator loses the
         diagonal's share of its variance, ``2 sum_{i != j} A_ij^2`` instead of ``2 ||A||_F^2``).
         """
-        return self._sample(draw((self.n, int(num)), self.dtype, self.device, generator, distribution))
+        return self._sample(draw((self.n, validate_count(num, "num", 0)), self.dtype, self.device, generator,
+                                 distribution))
 
     @property
     def chosen(self) -> "Preconditioner":

@@ -63,6 +63,7 @@ from gpnys.collectives import RowGroup
 from gpnys.kernels.entries import KernelEntries, evaluate
 from gpnys.linalg import safe_cholesky, small_dense, synchronize, thin_matmul
 from gpnys.precond.base import Preconditioner
+from gpnys.precond.cache import landmark_scale
 
 __all__ = ["NystromPreconditioner", "SAMPLINGS", "SCALINGS", "LANDMARKS"]
 
@@ -182,8 +183,9 @@ class NystromPreconditioner(Preconditioner):
                 self.landmarks = "given"
             else:
                 self.landmarks = landmarks
-                if landmarks == "fps":
-                    idx = _landmarks.fps(X, self.k).indices
+                if landmarks == "fps":  # in the kernel's metric (ARD length-scales)
+                    scale = landmark_scale(entries.kernel, X)
+                    idx = _landmarks.fps(X if scale is None else X / scale, self.k).indices
                 else:
                     idx = _landmarks.uniform(n, self.k, seed=seed, device=X.device)
             self.landmark_indices: torch.Tensor | None = idx

@@ -167,7 +167,8 @@ class PivotedCholeskyPreconditioner(Preconditioner):
         Q, R = torch.linalg.qr(torch.cat([self.L, self.mu**0.5 * eye], dim=0))
         self._Q1 = Q[:n]
         diagR = R.diagonal().abs()
-        self._logdet = 2 * diagR.log().sum() + (n - k) * torch.log(torch.tensor(self.mu, dtype=X.dtype, device=X.device))
+        mu = torch.tensor(self.mu, dtype=X.dtype, device=X.device)
+        self._logdet = 2 * diagR.log().sum() + (n - k) * torch.log(mu)
         # Square factor F (F F^T = P) for _sample(Z): L = Qc Rc (thin QR), C C^T = Rc Rc^T + mu I,
         # F = Qc C Qc^T + sqrt(mu) (I - Qc Qc^T).
         Qc, Rc = torch.linalg.qr(self.L)

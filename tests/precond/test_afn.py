@@ -161,13 +161,14 @@ def test_afn_cache_reuse_isotropic_and_ard():
     fresh = AFNPreconditioner(X, make_kernel("matern32", 0.6), 1e-3, k=20, w=15)
     I = torch.eye(200, dtype=F64)
     assert torch.equal(a3.matmul(I), fresh.matmul(I)) and torch.equal(a2.landmark_idx, fresh.landmark_idx)
-    # ARD: landmarks reused, the kNN pattern of X_r / lengthscale recomputed.
+    # ARD: landmarks and the kNN pattern in the kernel's metric, X / lengthscale (both recomputed), then reused
     ard = gpytorch.kernels.MaternKernel(nu=1.5, ard_num_dims=3)
     ard.lengthscale = torch.tensor([0.1, 0.5, 2.0])
     b1 = AFNPreconditioner(X, ard, 1e-2, k=20, w=15, cache=cache)
-    assert cache.misses == misses + 2 and b1.summary()["cache_hits"] == 1
+    assert cache.misses == misses + 3 and b1.summary()["cache_hits"] == 0
+    assert torch.equal(b1.landmark_idx, fps(X / ard.lengthscale.detach().reshape(-1).to(F64), 20).indices)
     b2 = AFNPreconditioner(X, ard, 1e-1, k=20, w=15, cache=cache)
-    assert cache.misses == misses + 2 and b2.summary()["cache_hits"] == 2
+    assert cache.misses == misses + 3 and b2.summary()["cache_hits"] == 2
     v = torch.randn(200, 2, dtype=F64)
     torch.testing.assert_close(b1.solve(b1.matmul(v)), v, rtol=1e-8, atol=1e-8)
 
