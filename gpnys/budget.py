@@ -27,6 +27,7 @@ Sizes are counted in float64 entries (8 bytes) whatever the dtype, so float32 bl
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Iterator
 
 import torch
@@ -50,8 +51,10 @@ CUDA_DENSE_SHARE = 0.5
 CPU_FILL_BLOCK_BYTES = 2 << 20
 _ENTRY_BYTES = 8
 
-#: ``None``: the device's default (module docstring)
-_state: dict[str, int | None] = {"block_bytes": None, "dense_bytes": None}
+#: the budget of the running thread or task (``None``: the device's default; module docstring): a context
+#: variable, so that a :func:`memory_budget` in one thread neither reaches nor, on exit, overwrites another's
+_STATE: contextvars.ContextVar[dict[str, int | None]] = contextvars.ContextVar(
+    "gpnys_memory_budget", default={"block_bytes": None, "dense_bytes": None})
 
 
 def _validate(value: int | None, name: str, minimum: int) -> int | None:
@@ -107,13 +110,12 @@ def default_budget() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _budget(values: dict[str, int | None]) -> Iterator[None]:
-    """``_state`` updated with ``values`` within the block (``None``: the device default), restored on exit."""
-    old = dict(_state)
-    _state.update(values)
+    """The budget updated with ``values`` within the block (``None``: the device default), restored on exit."""
+    token = _STATE.set({**_STATE.get(), **values})
     try:
         yield
     finally:
-        _state.update(old)
+        _STATE.reset(token)
 
 
 def _cuda_free(device: torch.device | str | None) -> int | None:
@@ -131,8 +133,9 @@ def _cuda_free(device: torch.device | str | None) -> int | None:
 
 def block_bytes(device: torch.device | str | None = None) -> int:
     """Size of one temporary block in bytes, for data on ``device`` (``None``: the CPU default)."""
-    if _state["block_bytes"] is not None:
-        return _state["block_bytes"]
+    own = _STATE.get()["block_bytes"]
+    if own is not None:
+        return own
     free = _cuda_free(device)
     if free is None:
         return DEFAULT_BLOCK_BYTES
@@ -141,8 +144,9 @@ def block_bytes(device: torch.device | str | None = None) -> int:
 
 def dense_limit_bytes(device: torch.device | str | None = None) -> int:
     """Largest dense kernel cache in bytes, for data on ``device`` (``None``: the CPU default)."""
-    if _state["dense_bytes"] is not None:
-        return _state["dense_bytes"]
+    own = _STATE.get()["dense_bytes"]
+    if own is not None:
+        return own
     return default_dense_bytes(device)
 
 

@@ -151,6 +151,9 @@ class RowGroup:
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        if self.rank < 0:  # torch's collectives return at once on a non-member, leaving this rank's answer unset
+            raise ValueError(f"kernel_group: this process (global rank {dist.get_rank()}) is not a member of the "
+                             "process group it was given; pass a group every calling rank belongs to")
 
     @classmethod
     def of(cls, group: Any) -> "RowGroup | None":
@@ -237,7 +240,9 @@ class RowGroup:
         STATS["bytes_received"] += (self.size - 1) * flat.numel() * flat.element_size()
         sums = [p[-check.numel():] for p in parts]
         # one host read for every rank's failure flag and every input comparison (each read waits for the GPU)
-        status = torch.stack([p[-1] != 0 for p in parts] + [(s != sums[0]).any() for s in sums[1:]]).tolist()
+        # the same NaN on every rank is the same input: compared as equal values or both NaN
+        status = torch.stack([p[-1] != 0 for p in parts] + [
+            ((s != sums[0]) & ~(s.isnan() & sums[0].isnan())).any() for s in sums[1:]]).tolist()
         failed = [r for r in range(self.size) if status[r]]
         if failure is not None:
             raise failure
@@ -246,8 +251,8 @@ class RowGroup:
                                "(its own error names the cause)")
         if any(status[self.size:]):
             raise ValueError(f"gpnys row partition: the ranks passed different inputs to the {what}; every "
-                             "rank must hold the same inputs (seed each rank's generator identically, e.g. "
-                             "torch.manual_seed(seed) on all)")
+                             "rank must hold the same inputs and hyperparameters and run the same thread count "
+                             "(seed each rank's generator identically, e.g. torch.manual_seed(seed) on all)")
         return [p[: local.numel()].view_as(local) for p in parts]
 
     def gather_rows(self, what: str, n: int, compute: Callable[[int, int], torch.Tensor],

@@ -316,7 +316,9 @@ def disagree(rank, group, how):
     import gpytorch
 
     X, y, _ = data()
-    settings = gd.settings(group, solver="iterative")
+    # hyperparameters that differ meet no collective on the Cholesky path: the entry check alone sees them
+    settings = gd.settings(group, solver="cholesky" if how == "lengthscale" else "iterative")
+    kernel = "rbf" if rank == 1 and how == "kernel" else "matern32"
     if rank == 1 and how == "dtype":
         X, y = X.float(), y.float()
     elif rank == 1 and how == "probes":
@@ -324,7 +326,11 @@ def disagree(rank, group, how):
     elif rank == 1 and how == "row":
         X = X.clone()
         X[5, 1] += 0.01
-    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel="matern32").to(X.dtype)
+    elif rank == 1 and how == "threads":
+        torch.set_num_threads(2)
+    model = ExactGPModel(X, y, gpytorch.likelihoods.GaussianLikelihood(), kernel=kernel).to(X.dtype)
+    if rank == 1 and how == "lengthscale":
+        model.covar_module.base_kernel.lengthscale = 0.7
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
     try:
         with use_preconditioner(model, "afn", settings=settings, k=30):
@@ -414,8 +420,24 @@ def main():
     elif mode.startswith("disagree-"):
         res = disagree(rank, group, mode.removeprefix("disagree-"))
         torch.save(to_cpu(res), f"{out_path}.{rank}")
-    elif mode in ("mismatch", "die"):
+    elif mode == "notmember":  # a group of rank 0 alone, passed by both ranks
         X, _, V = data()
+        kern = make_kernel("rbf").double()
+        sub = torch.distributed.new_group([0])
+        try:
+            op = StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel,
+                                          cache={}, dense_limit_bytes=0, prune_tol=0.0, backend="torch", group=sub)
+            with torch.no_grad():
+                op.matmul(V)
+            res = {"error": None}
+        except ValueError as err:
+            res = {"error": f"{type(err).__name__}: {err}"}
+        torch.save(to_cpu(res), f"{out_path}.{rank}")
+    elif mode in ("mismatch", "die", "samenan"):
+        X, _, V = data()
+        if mode == "samenan":  # the same NaN on every rank: the one-process answer (NaN), not a mismatch
+            V = V.clone()
+            V[0, 0] = float("nan")
         kern = make_kernel("rbf").double()
         op = StationaryKernelOperator(X, kern.outputscale, kern.base_kernel.lengthscale, base=kern.base_kernel,
                                       cache={}, dense_limit_bytes=0, prune_tol=0.0, backend="torch", group=group)

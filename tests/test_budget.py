@@ -140,3 +140,38 @@ def test_on_the_fly_peak_memory_stays_within_budget():
     dense_kib = n * n * 8 // 1024
     assert rec["peak_increase_kib"] < 120 * 1024, rec
     assert rec["peak_increase_kib"] < dense_kib / 3, (rec, dense_kib)
+
+
+def test_budgets_of_two_threads_stay_their_own():
+    """Two threads whose budget blocks interleave: each reads its own, neither leaks into the other or outlives its
+    block (a process-wide budget had left the first thread's 1 KiB blocks in place for the whole process)."""
+    import threading
+
+    from gpnys.budget import DEFAULT_BLOCK_BYTES, DEFAULT_DENSE_BYTES, block_bytes, dense_limit_bytes
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with memory_budget(block_bytes=1 << 10, dense_bytes=0):
+            a_in.set()
+            b_in.wait()
+            seen["main while first inside"] = dense_limit_bytes()
+        a_out.set()
+
+    def second():
+        a_in.wait()
+        with memory_budget(block_bytes=1 << 20):
+            seen["second, first inside"] = block_bytes()
+            b_in.set()
+            a_out.wait()
+            seen["second, first gone"] = block_bytes()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["second, first inside"] == seen["second, first gone"] == 1 << 20
+    assert seen["main while first inside"] == 0  # the first thread's own view
+    assert block_bytes() == DEFAULT_BLOCK_BYTES and dense_limit_bytes() == DEFAULT_DENSE_BYTES

@@ -282,11 +282,18 @@ def test_a_rank_that_rejects_its_input_tells_the_others_at_once(tmp_path):
 @pytest.mark.parametrize("how, says", [("dtype", "inputs is torch.float64 of shape (300, 3) on rank 0 and "
                                                "torch.float32"),
                                       ("probes", "settings.num_probes is '16' on rank 0 and '8' on rank 1"),
-                                      ("row", "inputs (torch.float64, shape (300, 3)) holds other values on rank 1")])
+                                      ("row", "inputs (torch.float64, shape (300, 3)) holds other values on rank 1"),
+                                      ("lengthscale", "model.covar_module.base_kernel.raw_lengthscale (torch.float64, "
+                                                      "shape (1, 1)) holds other values on rank 1"),
+                                      ("kernel", "module covar_module.base_kernel is 'MaternKernel' on rank 0 and "
+                                                 "'RBFKernel' on rank 1"),
+                                      ("threads", "threads is 1 on rank 0 and 2 on rank 1")])
 def test_ranks_that_disagree_raise_naming_what(tmp_path, how, says):
-    """Data or settings that differ between the ranks: a ValueError on every rank naming what differs, on entering
-    the hook. Before, other dtypes or settings sized the gathers differently and gloo aborted a rank (SIGABRT), and
-    an input entry outside the gathers' sample rows gave each rank its own gradient."""
+    """Data, settings, hyperparameters (on the Cholesky path, where no collective meets them), the kernel or the
+    thread count that differ between the ranks: a ValueError on every rank naming what differs, on entering the
+    hook. Before, other dtypes or settings sized the gathers differently and gloo aborted a rank (SIGABRT), an input
+    entry outside the gathers' sample rows gave each rank its own gradient, and other hyperparameters on the Cholesky
+    path gave each rank its own loss."""
     assert run_ranks(f"disagree-{how}", tmp_path / "dist.pt", extra_env={"GPNYS_TEST_TIMEOUT": "60"},
                      timeout=120) == [0, 0]
     for r in (0, 1):
@@ -300,6 +307,22 @@ def test_a_nan_in_one_ranks_rows_raises_on_every_rank(tmp_path):
         got = torch.load(f"{tmp_path / 'dist.pt'}.{r}", weights_only=False)
         assert got["error"] is not None and got["error"].startswith("NonFiniteError"), (r, got)
         assert "lengthscale=" in got["error"] and "noise=" in got["error"]
+
+
+def test_the_same_nan_on_every_rank_is_not_a_mismatch(tmp_path):
+    """A NaN in the same entry of every rank's input is the same input: the product comes back with NaNs, as in one
+    process, where the check had compared NaN != NaN and reported different inputs."""
+    assert run_ranks("samenan", tmp_path / "dist.pt") == [0, 0]
+    got = torch.load(tmp_path / "dist.pt", weights_only=False)
+    assert got["error"] is None, got
+
+
+def test_a_rank_outside_the_kernel_group_is_told(tmp_path):
+    """Both ranks pass a group of rank 0 alone: rank 1 gets a ValueError saying it is not a member (torch's
+    collectives had returned at once there, and an IndexError followed)."""
+    assert run_ranks("notmember", tmp_path / "dist.pt", timeout=120) == [0, 0]
+    got = torch.load(f"{tmp_path / 'dist.pt'}.1", weights_only=False)
+    assert got["error"] is not None and "not a member" in got["error"], got
 
 
 def test_ranks_with_different_vectors_raise(tmp_path):

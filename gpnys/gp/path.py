@@ -197,7 +197,10 @@ def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
 def _coefficients(raw: object) -> tuple[float, float]:
     """A cost model's two stored coefficients, as :func:`fit_costs` makes them: finite, non-negative, not both 0
     (``ValueError`` otherwise: a damaged entry is calibrated again, not trusted)."""
-    a, b = (float(v) for v in raw)  # type: ignore[union-attr]
+    if (not isinstance(raw, (list, tuple)) or len(raw) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw)):
+        raise ValueError(f"cost coefficients must be two numbers, got {raw!r}")  # not a string's or bools' digits
+    a, b = (float(v) for v in raw)
     if not (math.isfinite(a) and math.isfinite(b) and a >= 0 and b >= 0 and a + b > 0):
         raise ValueError(f"cost coefficients must be finite, non-negative and not both 0, got {raw!r}")
     return a, b

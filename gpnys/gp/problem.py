@@ -123,17 +123,23 @@ class TrainingProblem(HookPrediction):
 
     def _signature(self, train_x: torch.Tensor) -> dict[str, Any]:
         """What every rank of a row partition must hold alike (:meth:`RowGroup.agree`): the training inputs as the
-        kernel sees them and as the model holds them, the targets, known per-point noise, the estimator's settings
-        (but the group), the preconditioner's method, options and seed."""
+        kernel sees them and as the model holds them, the targets, known per-point noise, the model's modules and
+        state (its hyperparameters: on the Cholesky path no collective would see them differ), the estimator's
+        settings (but the group), the preconditioner's method, options and seed, and on a CPU the thread count (the
+        replicated products round by it)."""
         model = self.model
         noise = getattr(model.likelihood, "noise", None) if isinstance(
             model.likelihood, gpytorch.likelihoods.FixedNoiseGaussianLikelihood) else None
         settings = {f"settings.{f.name}": repr(getattr(self.settings, f.name))
                     for f in dataclasses.fields(self.settings) if f.name != "kernel_group"}
         method = self.method if isinstance(self.method, str) else f"{self.method.__module__}.{self.method.__name__}"
+        state = {f"model.{name}": t for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+        modules = {f"module {name or '(model)'}": type(module).__name__ for name, module in model.named_modules()}
+        threads = torch.get_num_threads() if train_x.device.type == "cpu" else None
         return {**signature(inputs=train_x, train_inputs=model.train_inputs[0], train_targets=model.train_targets,
-                            noise=noise),
-                **settings, "method": method, "options": repr(sorted(self._user_options.items())), "seed": self.seed}
+                            noise=noise, **state),
+                **settings, "method": method, "options": repr(sorted(self._user_options.items())), "seed": self.seed,
+                **modules, "threads": threads}
 
     # -- the training data ------------------------------------------------------------------------------
     def _data_key(self) -> tuple:

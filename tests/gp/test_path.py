@@ -215,7 +215,7 @@ def test_tiny_n_takes_cholesky_whatever_the_costs_say(costs, monkeypatch, n):
         assert loss == pytest.approx(exact, abs=1e-12)
 
 
-@pytest.mark.parametrize("damage", [[2e-9], "ab", [float("nan"), 0.0], [-1.0, 0.0], [0.0, 0.0]])
+@pytest.mark.parametrize("damage", [[2e-9], "ab", "12", [True, False], [float("nan"), 0.0], [-1.0, 0.0], [0.0, 0.0]])
 def test_damaged_path_costs_are_calibrated_again(monkeypatch, tmp_path, damage):
     """A stored cost model that is not two finite, non-negative coefficients is not trusted: one warning, and the
     costs are calibrated again and rewritten."""
