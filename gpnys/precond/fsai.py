@@ -23,7 +23,7 @@ from gpnys.collectives import RowGroup, gather_rows
 from gpnys.kernels.entries import KernelEntries
 from gpnys.linalg import add_diag, safe_cholesky
 from gpnys.precond.base import Preconditioner
-from gpnys.precond.cache import PointCache, landmark_scale
+from gpnys.precond.cache import PointCache, pattern_scale
 
 __all__ = ["fsai_factor", "SparseTriangular", "FSAIPreconditioner"]
 
@@ -222,7 +222,7 @@ def resolve_pattern_inputs(
         cache = PointCache(X)
     else:
         cache.check(X)
-    return ke, cache, landmark_scale(ke.kernel, X)
+    return ke, cache, pattern_scale(ke.kernel, X)
 
 
 class FSAIPreconditioner(Preconditioner):

@@ -1,7 +1,7 @@
-"""Preconditioners of an ARD kernel choose their landmarks and neighbours in the kernel's own metric, ``X / ℓ``: the
-same kernel matrix written as ``(X, ARD ℓ)`` or as ``(X / ℓ, ℓ = 1)`` gets the same landmarks and the same
-preconditioner; and the base class's argument checks (per-point shifts in the working dtype, right-hand sides,
-draws, seeds)."""
+"""Preconditioners of a markedly anisotropic ARD kernel choose their landmarks in the kernel's own metric, ``X / ℓ``
+(length-scales rounded to powers of 2): the same kernel matrix written as ``(X, ARD ℓ)`` or as ``(X / ℓ, ℓ = 1)``
+gets the same landmarks and the same preconditioner; and the base class's argument checks (per-point shifts in the
+working dtype, right-hand sides, draws, seeds)."""
 
 import gpytorch
 import pytest
@@ -14,7 +14,7 @@ from gpnys.precond.cache import PointCache
 from gpnys.precond.strategy import AutoPreconditioner, make_preconditioner
 from gpnys.solvers import pcg
 
-LS = (0.05, 20.0)
+LS = (1 / 16, 16.0)  # powers of 2: the rounded metric is X / l itself
 
 
 def _kernels(dtype):
@@ -50,6 +50,7 @@ def test_ard_landmarks_cut_pcg_iterations():
     times the PCG iterations of those chosen in the kernel's metric (415 against 161 at l = (0.05, 20))."""
     X = points(1500, 2)
     ard, _ = _kernels(torch.float64)
+    ard.lengthscale = torch.tensor([0.05, 20.0], dtype=torch.float64)
     K = ard(X).to_dense().detach() + 1e-3 * torch.eye(1500, dtype=torch.float64)
     b = torch.randn(1500, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     raw = NystromPreconditioner(X, ard, 1e-3, 100, landmarks="fps", landmark_indices=fps(X, 100).indices)
