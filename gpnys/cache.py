@@ -13,8 +13,10 @@ entries.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import platform
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,7 +28,7 @@ try:  # POSIX; elsewhere writers do not take turns
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-__all__ = ["cache_dir", "entry_key", "read_entry", "write_entry"]
+__all__ = ["cache_dir", "device_name", "entry_key", "read_entry", "write_entry"]
 
 
 def cache_dir() -> Path:
@@ -40,10 +42,38 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GPNYS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "gpnys"))
 
 
+def device_name(device: torch.device | str = "cpu") -> str:
+    """The GPU's name for a CUDA ``device``, else the CPU's model name (``/proc/cpuinfo``, or what ``platform``
+    knows).
+
+    Example:
+        >>> from gpnys.cache import device_name
+        >>> isinstance(device_name("cpu"), str)
+        True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return _cpu_name()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def entry_key(device: torch.device, dtype: torch.dtype) -> str:
-    """The key of a measurement: device type (and GPU name), dtype and the current thread count."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return f"{device.type}:{name}:{dtype}:threads={torch.get_num_threads()}"
+    """The key of a measurement: device type and name (the GPU's, or the CPU's model: a cache folder shared between
+    machines keeps each one's), dtype, the current thread count and torch's version (another build times
+    differently)."""
+    return (f"{device.type}:{device_name(device)}:{dtype}:threads={torch.get_num_threads()}:"
+            f"torch={torch.__version__}")
 
 
 def _read(name: str) -> dict:

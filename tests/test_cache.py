@@ -30,3 +30,17 @@ def test_merge_combines_the_stored_entry_with_the_new_one(monkeypatch, tmp_path)
     write_entry("m.json", "k", {"b": 2}, "a test entry", merge=lambda old, new: {**old, **new})
     write_entry("m.json", "other", 3, "a test entry", merge=lambda old, new: 1 / 0)  # nothing stored: no merge
     assert read_entry("m.json", "k") == {"a": 1, "b": 2} and read_entry("m.json", "other") == 3
+
+
+def test_entry_key_names_the_machine_and_the_torch_build(monkeypatch):
+    """A cache folder shared between machines or kept across a torch upgrade keeps each one's measurements apart:
+    the key holds the CPU's model (or the GPU's name), the dtype, the thread count and torch's version."""
+    import torch
+
+    from gpnys import cache
+
+    cpu = torch.device("cpu")
+    key = cache.entry_key(cpu, torch.float64)
+    assert cache.device_name(cpu) in key and f"torch={torch.__version__}" in key and "torch.float64" in key
+    monkeypatch.setattr(cache, "_cpu_name", lambda: "another CPU")
+    assert cache.entry_key(cpu, torch.float64) != key

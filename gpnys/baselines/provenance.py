@@ -18,32 +18,13 @@ from typing import Any, Sequence
 
 import torch
 
+from gpnys.cache import device_name
+
 __all__ = ["provenance", "device_name", "versions", "git_commit"]
 
 #: the packages whose versions a record names (``None`` where one is not installed)
 PACKAGES = ("torch", "triton", "gpytorch", "linear_operator", "botorch", "numpy", "scipy", "higp", "pykeops",
             "gpnys")
-
-
-def device_name(device: torch.device | str = "cpu") -> str:
-    """The GPU's name for a CUDA ``device``, else the CPU's model name (``/proc/cpuinfo``, or what ``platform``
-    knows).
-
-    Example:
-        >>> from gpnys.baselines.provenance import device_name
-        >>> isinstance(device_name("cpu"), str)
-        True
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def versions() -> dict[str, str | None]:
