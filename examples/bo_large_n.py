@@ -63,7 +63,7 @@ def run_loop(method: str, seed: int, args, start: str = "warm") -> dict:
 
     With ``--checkpoint DIR`` the state after every iteration is saved there, and a later run with the same
     options resumes from it (same data, hyperparameters and RNG state, so the same iterations follow): a
-    campaign longer than one session can be finished in several. Each record keeps the time of its own iteration.
+    campaign longer than one run or job can be finished in several. Each record keeps the time of its own iteration.
     A checkpoint with more iterations than ``--iters`` gives its first ``--iters`` (campaigns compared alike).
     """
     device = torch.device(args.device)

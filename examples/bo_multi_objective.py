@@ -9,7 +9,7 @@ both outputs' posteriors.
    from the last one (``warm_start_from``); the dominated hypervolume after each.
 
 Run: python examples/bo_multi_objective.py [--n 2000] [--iters 2] [--max-cholesky-size 500]
-     (about 1.5 minutes on 2 idle CPU cores, over 3 when they are busy; --n 1000: about a minute)
+     (minutes on 2 idle CPU cores, and far longer when other jobs share them)
 """
 
 from __future__ import annotations

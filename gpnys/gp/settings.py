@@ -29,7 +29,7 @@ __all__ = ["EstimatorSettings", "EstimatorOptions", "KernelOptions", "VarianceOp
 #: of the cost (docs/training.md).
 GP_DEFAULTS: dict[str, dict[str, int]] = {"afn": {"k": 500, "w": 30}, "auto": {"k": 500, "w": 30}}
 
-#: predictive variance methods of :meth:`gpnys.gp.hook.PreconditionerHook.predict`
+#: predictive variance methods of ``hook.predict``
 VARIANCE_METHODS = ("auto", "pcg", "cholesky", "cached")
 
 
@@ -85,7 +85,7 @@ class KernelOptions:
 
 @dataclass(kw_only=True)
 class VarianceOptions:
-    """How :meth:`~gpnys.gp.hook.PreconditionerHook.predict` computes predictive variances.
+    """How ``hook.predict`` (:meth:`gpnys.gp.prediction.HookPrediction.predict`) computes predictive variances.
 
     Attributes:
         variance_method: ``"auto"``, ``"pcg"``, ``"cholesky"`` or ``"cached"``.
