@@ -568,6 +568,13 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
         counts["applications"] += 1
         return P.solve(R) / s2
 
+    def K_inv(R: torch.Tensor) -> torch.Tensor:
+        """The stand-in for ``K̂⁻¹R`` in the solves' error estimates (:meth:`Preconditioner.inverse_estimate`):
+        ``M(R)`` but for a preconditioner scaled away from ``K̂`` (the RAN-scaled Nyström)."""
+        counts["applications"] += 1
+        inner = getattr(P, "chosen", P)
+        return (inner.inverse_estimate(R) if hasattr(inner, "inverse_estimate") else P.solve(R)) / s2
+
     def A(V: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return cov._matmul(V)
@@ -697,7 +704,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                          and torch.finfo(r.dtype).eps / 2 * float(sol.abs_products[:, 0].norm())
                          > ROUNDING_SHARE * float(rho.norm()) else 0)
                 if first:
-                    solve_dirs = M(rho[:, None])
+                    solve_dirs = K_inv(rho[:, None])
                     lefts.append(solve_dirs)
                     rights.append(a[:, None])
                 if signs:
@@ -708,7 +715,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                     e = (torch.finfo(r.dtype).eps / 2) * sol.abs_products[:, :1] * draw(
                         (n, signs), r.dtype, r.device, generator=_sign_generator(settings.probe_seed, r.device),
                         distribution="rademacher")
-                    rounding_dirs = M(e)
+                    rounding_dirs = K_inv(e)
                     lefts.append(rounding_dirs)
                     rights.append(a[:, None].expand(-1, signs))
                 shared = min(batch, PROBE_SOLVE_PROBES) if first else 0
@@ -716,7 +723,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                     # the probes' own solves: u_j's error K̂⁻¹ρ_j ≈ P̂⁻¹ρ_j biases ½ u_jᵀ∂K̂b_j at first order; with a
                     # preconditioner near K̂ the probes barely vary and that bias can exceed their spread. Its mean
                     # over the first few probes sizes it (a bias, the same in every probe)
-                    lefts.append(M(sol.residual[:, 1 : 1 + shared]))
+                    lefts.append(K_inv(sol.residual[:, 1 : 1 + shared]))
                     rights.append(B[:, :shared])
                 kernel_rows = _column_rep_grads(cov, torch.cat(lefts, 1), torch.cat(rights, 1))
                 if shared:

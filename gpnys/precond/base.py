@@ -96,6 +96,12 @@ class Preconditioner(abc.ABC):
         """``P R`` for ``R: (n,)`` or ``(n, t)``."""
         return self._apply(self._matmul, R)
 
+    def inverse_estimate(self, R: torch.Tensor) -> torch.Tensor:
+        """A stand-in for ``(K + mu I)^{-1} R`` (``R: (n,)`` or ``(n, t)``) where an error estimate needs one (a
+        solve's error ``K̂⁻¹ρ`` from its residual ``ρ``): ``P^{-1} R`` for a preconditioner built to approximate
+        ``K + mu I``; one scaled otherwise overrides it."""
+        return self.solve(R)
+
     def sample(
         self, num: int = 1, generator: torch.Generator | None = None, distribution: str = "gaussian"
     ) -> torch.Tensor:
