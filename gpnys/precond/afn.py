@@ -33,7 +33,7 @@ from gpnys.kernels.entries import evaluate
 from gpnys.kernels.operator import supported
 from gpnys.linalg import add_diag, safe_cholesky, shift_at, thin_matmul
 from gpnys.precond.base import Preconditioner
-from gpnys.precond.cache import PointCache, landmark_scale
+from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import SparseTriangular, fsai_factor, resolve_pattern_inputs
 
 __all__ = ["AFNPreconditioner", "LANDMARK_RULES"]
@@ -199,9 +199,8 @@ class AFNPreconditioner(Preconditioner):
 
         # Algorithm 2, steps 1-2: landmarks first, the rest in data order.
         if self.landmarks == "fps":
-            metric = landmark_scale(kernel, X)  # the kernel's metric where anisotropic: the order names them
-            lm = cache.fps(self.k, metric)
-            order_key: tuple = ("afn-rest", "fps", self.k) + (() if metric is None else (tuple(lm.tolist()),))
+            lm = cache.fps(self.k)
+            order_key: tuple = ("afn-rest", "fps", self.k)
         else:
             lm = cache.uniform(self.k, self.seed)
             order_key = ("afn-rest", "uniform", self.k, self.seed)

@@ -23,7 +23,7 @@ from gpnys import landmarks
 from gpnys.kernels.entries import split_outputscale
 from gpnys.precond.knn import causal_knn
 
-__all__ = ["landmark_scale", "pattern_scale", "LANDMARK_ANISOTROPY", "PointCache", "metric_scale"]
+__all__ = ["pattern_scale", "PointCache", "metric_scale"]
 
 _ARD_PATTERNS_KEPT = 4  # ARD patterns kept per (ordering, w): an optimiser's path rarely comes back further
 
@@ -39,10 +39,6 @@ def metric_scale(kernel: gpytorch.kernels.Kernel) -> torch.Tensor | None:
     return ls.detach().reshape(-1)
 
 
-#: FPS landmarks are chosen on ``X / ℓ`` only where the ARD length-scales span at least this factor
-LANDMARK_ANISOTROPY = 4.0
-
-
 def pattern_scale(kernel: gpytorch.kernels.Kernel, X: torch.Tensor) -> torch.Tensor | None:
     """The metric in which the kNN patterns of ``X (n, d)`` are chosen: the ARD length-scales ``(d,)`` of ``kernel``
     (a ``ScaleKernel`` unwrapped; :func:`metric_scale`) in ``X``'s dtype and device, or ``None`` when it is isotropic
@@ -51,19 +47,6 @@ def pattern_scale(kernel: gpytorch.kernels.Kernel, X: torch.Tensor) -> torch.Ten
     if scale is None or scale.numel() != X.shape[-1]:
         return None
     return scale.to(device=X.device, dtype=X.dtype)
-
-
-def landmark_scale(kernel: gpytorch.kernels.Kernel, X: torch.Tensor) -> torch.Tensor | None:
-    """The metric in which FPS landmarks of ``X (n, d)`` are chosen: ``None`` (the raw coordinates) unless the ARD
-    length-scales (:func:`pattern_scale`) span at least :data:`LANDMARK_ANISOTROPY`, then those length-scales
-    rounded to powers of 2. On raw coordinates, length-scales 400 times apart cost Nyström 2.6 times the PCG
-    iterations; but landmarks that moved with every length-scale made an optimiser's estimated loss jump between
-    nearby points (an L-BFGS-B fit of a 6-D ARD model then stopped 0.04 nats per point short), so they move only
-    when a length-scale crosses a power of 2."""
-    scale = pattern_scale(kernel, X)
-    if scale is None or float(scale.max() / scale.min()) < LANDMARK_ANISOTROPY:
-        return None
-    return torch.exp2(torch.round(torch.log2(scale)))
 
 
 class PointCache:
@@ -120,25 +103,14 @@ class PointCache:
             self._store[key] = make()
         return self._store[key]
 
-    def fps(self, k: int, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """The first ``k`` FPS landmarks of ``X`` in selection order, ``(k,)`` long; with ARD length-scales ``scale``
-        ``(d,)`` (:func:`metric_scale`) those of ``X / scale``, the kernel's own metric (on raw coordinates a
-        length-scale 400 times another's had cost Nyström 2.6 times the PCG iterations), reused for length-scales
-        within ``1 + scale_rtol`` as :meth:`knn`'s patterns are."""
-        if scale is None:
-            if self._fps is not None and self._fps.numel() >= k:
-                self.hits += 1
-            else:
-                self.misses += 1
-                self._fps = landmarks.fps(self.X, k).indices
-            return self._fps[:k]
-        entry = self._near(("fps-ard",), scale)
-        if entry[1] is not None and entry[1].numel() >= k:
+    def fps(self, k: int) -> torch.Tensor:
+        """The first ``k`` FPS landmarks of ``X`` in selection order. ``(k,)`` long."""
+        if self._fps is not None and self._fps.numel() >= k:
             self.hits += 1
         else:
             self.misses += 1
-            entry[1] = landmarks.fps(self.X / scale.to(self.X.dtype), k).indices
-        return entry[1][:k]
+            self._fps = landmarks.fps(self.X, k).indices
+        return self._fps[:k]
 
     def _near(self, key: Hashable, scale: torch.Tensor) -> list:
         """The stored ``[log length-scales, value]`` of ``key`` whose length-scales are closest to ``scale`` (the

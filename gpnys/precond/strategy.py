@@ -22,7 +22,7 @@ from gpnys.checks import validate_choice, validate_count
 from gpnys.landmarks.rank import RankEstimate, estimate_rank
 from gpnys.precond.afn import AFNPreconditioner
 from gpnys.precond.base import Preconditioner
-from gpnys.precond.cache import PointCache, landmark_scale
+from gpnys.precond.cache import PointCache
 from gpnys.precond.fsai import FSAIPreconditioner
 from gpnys.precond.nystrom import NystromPreconditioner
 from gpnys.precond.pivchol import PivotedCholeskyPreconditioner
@@ -133,8 +133,7 @@ class AutoPreconditioner(Preconditioner):
             k = max(1, min(k, self.n))
             self.choice = "nystrom"
             self.inner: Preconditioner = NystromPreconditioner(
-                X, kernel, self.mu, k, landmarks="fps", landmark_indices=cache.fps(k, landmark_scale(kernel, X)),
-                group=group
+                X, kernel, self.mu, k, landmarks="fps", landmark_indices=cache.fps(k), group=group
             )
         else:
             self.choice = "afn"
@@ -251,7 +250,7 @@ def make_preconditioner(
         if rank is None:
             rank = held_rank(estimate_rank(X, kernel, mu, max_k=k, seed=seed).k, previous_rank)
         r = max(1, min(int(rank), n))
-        lm = cache.fps(r, landmark_scale(kernel, X)) if cache is not None else None
+        lm = cache.fps(r) if cache is not None else None
         return NystromPreconditioner(X, kernel, mu, r, landmarks="fps", landmark_indices=lm, diag=diag, group=group)
     if name in ("ran", "sketch"):
         r = min(_default(rank, 3000), n)
