@@ -96,10 +96,12 @@ class Preconditioner(abc.ABC):
         """``P R`` for ``R: (n,)`` or ``(n, t)``."""
         return self._apply(self._matmul, R)
 
-    def inverse_estimate(self, R: torch.Tensor) -> torch.Tensor:
-        """A stand-in for ``(K + mu I)^{-1} R`` (``R: (n,)`` or ``(n, t)``) where an error estimate needs one (a
-        solve's error ``K̂⁻¹ρ`` from its residual ``ρ``): ``P^{-1} R`` for a preconditioner built to approximate
-        ``K + mu I``; one scaled otherwise overrides it."""
+    def inverse_estimate(self, R: torch.Tensor, floor: float | None = None) -> torch.Tensor:
+        """A stand-in for ``(K + D)^{-1} R`` (``R: (n,)`` or ``(n, t)``) where an error estimate needs one (a solve's
+        error ``K̂⁻¹ρ`` from its residual ``ρ``), for the shifts ``D`` this preconditioner was built for (``mu I``,
+        or ``diag``); ``floor``: the smallest true shift, where the true ``D`` is per point but ``P`` was built for
+        their mean. ``P^{-1} R`` here; a preconditioner scaled away from ``K + D``, or built for the mean, overrides
+        it."""
         return self.solve(R)
 
     def sample(
