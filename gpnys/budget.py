@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from typing import Iterator
 
 import torch
@@ -51,10 +52,23 @@ CUDA_DENSE_SHARE = 0.5
 CPU_FILL_BLOCK_BYTES = 2 << 20
 _ENTRY_BYTES = 8
 
-#: the budget of the running thread or task (``None``: the device's default; module docstring): a context
-#: variable, so that a :func:`memory_budget` in one thread neither reaches nor, on exit, overwrites another's
-_STATE: contextvars.ContextVar[dict[str, int | None]] = contextvars.ContextVar(
-    "gpnys_memory_budget", default={"block_bytes": None, "dense_bytes": None})
+_DEFAULT: dict[str, int | None] = {"block_bytes": None, "dense_bytes": None}  # None: the device's default
+#: the budget of the thread or task that set one (module docstring): a context variable, so that a
+#: :func:`memory_budget` in one thread neither reaches another that set its own nor, on exit, overwrites it
+_STATE: contextvars.ContextVar[dict[str, int | None] | None] = contextvars.ContextVar("gpnys_memory_budget",
+                                                                                       default=None)
+#: the open budget blocks of the process, in entry order: a thread that set none (autograd's device threads, which
+#: run a backward outside its caller's context) reads the latest, as a process-wide budget would
+_OPEN: list[tuple[object, dict[str, int | None]]] = []
+_OPEN_LOCK = threading.Lock()
+
+
+def _current() -> dict[str, int | None]:
+    own = _STATE.get()
+    if own is not None:
+        return own
+    with _OPEN_LOCK:
+        return _OPEN[-1][1] if _OPEN else _DEFAULT
 
 
 def _validate(value: int | None, name: str, minimum: int) -> int | None:
@@ -111,11 +125,16 @@ def default_budget() -> Iterator[None]:
 @contextlib.contextmanager
 def _budget(values: dict[str, int | None]) -> Iterator[None]:
     """The budget updated with ``values`` within the block (``None``: the device default), restored on exit."""
-    token = _STATE.set({**_STATE.get(), **values})
+    merged = {**_current(), **values}
+    token, entry = _STATE.set(merged), (object(), merged)
+    with _OPEN_LOCK:
+        _OPEN.append(entry)
     try:
         yield
     finally:
         _STATE.reset(token)
+        with _OPEN_LOCK:
+            _OPEN.remove(entry)
 
 
 def _cuda_free(device: torch.device | str | None) -> int | None:
@@ -133,7 +152,7 @@ def _cuda_free(device: torch.device | str | None) -> int | None:
 
 def block_bytes(device: torch.device | str | None = None) -> int:
     """Size of one temporary block in bytes, for data on ``device`` (``None``: the CPU default)."""
-    own = _STATE.get()["block_bytes"]
+    own = _current()["block_bytes"]
     if own is not None:
         return own
     free = _cuda_free(device)
@@ -144,7 +163,7 @@ def block_bytes(device: torch.device | str | None = None) -> int:
 
 def dense_limit_bytes(device: torch.device | str | None = None) -> int:
     """Largest dense kernel cache in bytes, for data on ``device`` (``None``: the CPU default)."""
-    own = _STATE.get()["dense_bytes"]
+    own = _current()["dense_bytes"]
     if own is not None:
         return own
     return default_dense_bytes(device)

@@ -47,8 +47,9 @@ def validate_points(X: torch.Tensor, name: str = "X") -> None:
 
 def validate_test_points(test_x: torch.Tensor, train_x: torch.Tensor, name: str = "test_x") -> torch.Tensor:
     """``test_x`` as ``(..., m, d)`` points for a model on ``train_x`` ``(..., n, d)``: a ``ValueError`` naming it
-    unless it is a finite floating tensor of ``train_x``'s ``d``, dtype and device; a 1-D ``test_x`` of a model on
-    one input dimension is ``m`` points (``(m, 1)``), as in GPyTorch.
+    unless it is a finite floating tensor of ``train_x``'s ``d`` and device; in ``train_x``'s dtype (float32 points
+    for a float64 model are promoted, as GPyTorch does); a 1-D ``test_x`` of a model on one input dimension is ``m``
+    points (``(m, 1)``), as in GPyTorch.
 
     Example:
         >>> import torch
@@ -64,12 +65,11 @@ def validate_test_points(test_x: torch.Tensor, train_x: torch.Tensor, name: str 
         test_x = test_x[:, None]
     if test_x.dim() < 2 or test_x.shape[-1] != d:
         raise ValueError(f"{name} must be (m, {d}) like the training inputs, got shape {tuple(test_x.shape)}")
-    if test_x.dtype != train_x.dtype or test_x.device != train_x.device:
-        raise ValueError(f"{name} must have the training inputs' dtype and device ({train_x.dtype}, "
-                         f"{train_x.device}), got {test_x.dtype}, {test_x.device}")
+    if test_x.device != train_x.device:
+        raise ValueError(f"{name} must be on the training inputs' device {train_x.device}, got {test_x.device}")
     if not bool(torch.isfinite(test_x).all()):
         raise ValueError(f"{name} contains NaN or inf")
-    return test_x
+    return test_x.to(train_x.dtype)
 
 
 def validate_training_data(X: torch.Tensor, y: torch.Tensor, names: tuple[str, str] = ("train_x", "train_y")) -> None:

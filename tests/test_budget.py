@@ -175,3 +175,25 @@ def test_budgets_of_two_threads_stay_their_own():
     assert seen["second, first inside"] == seen["second, first gone"] == 1 << 20
     assert seen["main while first inside"] == 0  # the first thread's own view
     assert block_bytes() == DEFAULT_BLOCK_BYTES and dense_limit_bytes() == DEFAULT_DENSE_BYTES
+
+
+def test_a_thread_without_a_budget_of_its_own_reads_the_open_one():
+    """Autograd runs a CUDA backward on a device thread outside its caller's context: a thread that set no budget of
+    its own reads the latest open block, as a process-wide budget would, and the default once it closes."""
+    import threading
+
+    from gpnys.budget import DEFAULT_BLOCK_BYTES, block_bytes
+
+    seen = []
+
+    def reader():
+        seen.append(block_bytes())
+
+    with memory_budget(block_bytes=1 << 12):
+        t = threading.Thread(target=reader)
+        t.start()
+        t.join()
+    t = threading.Thread(target=reader)
+    t.start()
+    t.join()
+    assert seen == [1 << 12, DEFAULT_BLOCK_BYTES]

@@ -67,9 +67,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings, _ = estimator_from_args(args)  # checked for --precond none too, which uses none of them
     opts = precond_options(args, [args.precond], f"--precond {args.precond}")[args.precond]
-    # Cholesky training computes the variances by Cholesky too (a $GPNYS_SOLVER of cholesky as well as the flag)
-    exact = ("--precond none" if args.precond == "none" else
-             f"--solver cholesky{'' if args.solver else ' ($GPNYS_SOLVER)'}" if settings.solver == "cholesky" else None)
+    # GPyTorch's own Cholesky fit computes the variances by Cholesky too (with --solver cholesky the hook still
+    # predicts, and honours --variance-method)
+    exact = "--precond none" if args.precond == "none" else None
     if exact is not None:
         for flag, value in (("--variance-method", None if args.variance_method in ("auto", "cholesky")
                              else args.variance_method), ("--variance-rel-error", args.variance_rel_error),

@@ -568,8 +568,6 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
         counts["applications"] += 1
         return P.solve(R) / s2
 
-    # the smallest per-point shift, for a preconditioner built for their mean (Preconditioner.inverse_estimate)
-    min_shift = float(state.noise.detach().min()) / float(s2) if state.noise.dim() == 1 else None
 
     def K_inv(R: torch.Tensor) -> torch.Tensor:
         """The stand-in for ``K̂⁻¹R`` in the solves' error estimates (:meth:`Preconditioner.inverse_estimate`):
@@ -589,6 +587,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
         raise NonFiniteError(f"the prior mean m(X) holds NaN or inf (the mean module's parameters), at "
                              f"{state.describe()}")
     lam_min = float(state.noise.detach().min())
+    # the smallest per-point shift, for a preconditioner built for their mean (Preconditioner.inverse_estimate)
+    min_shift = lam_min / float(s2) if state.noise.dim() == 1 else None
     maxiter = settings.max_cg_iterations
     target = settings.target_rel_error
     # the gradient's terms only where autograd will ask for them

@@ -186,9 +186,9 @@ class HookPrediction:
                 method = "pcg"  # Cholesky needs the cached dense kernel: the exact PCG variances instead
                 if not self._warned_variance:
                     self._warned_variance = True
-                    warnings.warn("gpnys: variance_method='cholesky' needs the dense kernel cached, which the memory "
-                                  "budget does not hold at this n: the variances are solved by PCG",
-                                  RuntimeWarning, stacklevel=4)
+                    warnings.warn("gpnys: variance_method='cholesky' needs the dense kernel cached, which this model "
+                                  "does not hold (the memory budget at this n, a process group, or the GPU's fused "
+                                  "kernels): the variances are solved by PCG", RuntimeWarning, stacklevel=4)
             if method in ("auto", "cached"):
                 Z = self._variance_landmarks(op)
                 if method == "auto":

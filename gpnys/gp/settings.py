@@ -11,7 +11,7 @@ from typing import Any
 
 import gpytorch
 
-from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive, validate_seed
+from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_positive
 from gpnys.gp.variance import VARIANCE_NEIGHBOURS
 from gpnys.kernels.backends import BACKENDS
 from gpnys.precond.afn import CV_FAMILIES
@@ -219,12 +219,17 @@ class EstimatorOptions:
             raise ValueError(f"lanczos_share must be in (0, 1) or None, got {self.lanczos_share!r}")
         # one probe has no sample variance: the error bars need two
         validate_count(self.num_probes, "num_probes", 2 if self.error_bars else 1)
-        if self.num_probes > self.max_probes:
+        if self.target_rel_error is not None and self.num_probes > self.max_probes:  # read only with a target
             raise ValueError(f"max_probes ({self.max_probes}) must be >= num_probes ({self.num_probes})")
         validate_choice(self.control_variate, "control_variate", CV_FAMILIES)
         validate_choice(self.probes, "probes", ("rademacher", "gaussian"))
         if self.probe_seed is not None:
-            validate_seed(self.probe_seed, "probe_seed")
+            try:  # an integer, a float or a 0-dim tensor of one
+                whole = not isinstance(self.probe_seed, bool) and bool(int(self.probe_seed) == self.probe_seed)
+            except (TypeError, ValueError, RuntimeError):
+                whole = False
+            if not whole:
+                raise ValueError(f"probe_seed must be an integer or None, got {self.probe_seed!r}")
 
 
 @dataclass(kw_only=True)

@@ -44,7 +44,8 @@ class ExactPosterior:
     """The full GP posterior of ``y = f(x) + eps`` at fixed hyperparameters.
 
     Args:
-        kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)`` in X's dtype; noise: ``sigma^2``.
+        kernel: GPyTorch kernel (outputscale included); X: ``(n, d)``; y: ``(n,)`` (cast to X's dtype);
+            noise: ``sigma^2``.
         prior_mean: constant prior mean.
         method: ``"cholesky"``, ``"pcg"`` (gpnys ``auto`` preconditioner) or ``"auto"`` (Cholesky up to
             :data:`DENSE_MAX`).
@@ -79,6 +80,8 @@ class ExactPosterior:
 
     def __init__(self, kernel: gpytorch.kernels.Kernel, X: torch.Tensor, y: torch.Tensor, noise: float,
                  prior_mean: float = 0.0, method: str = "auto", tol: float = 1e-8, seed: int = 0) -> None:
+        if isinstance(X, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point():
+            y = y.to(X.dtype)  # the reference takes y in X's precision (it works in the promoted dtype)
         validate_regression(X, y, noise, prior_mean=prior_mean)
         try:
             tol_value = float(tol)

@@ -113,10 +113,9 @@ HYP = ["--lengthscale", "1", "--outputscale", "1", "--noise", "0.1", "--m", "10"
 @pytest.mark.parametrize("argv, flag", [
     # with --no-error-bars GPyTorch's estimator rebuilds the preconditioner at every step
     (["fit", "--iters", "1", "--reuse-tolerance", "0.1", "--no-error-bars"], "--reuse-tolerance"),
-    # Cholesky training computes the variances by Cholesky
-    (["fit", "--iters", "1", "--solver", "cholesky", "--variance-method", "cached"], "--variance-method"),
-    (["fit", "--iters", "1", "--solver", "cholesky", "--variance-method", "pcg"], "--variance-method"),
-    (["fit", "--iters", "1", "--solver", "cholesky", "--variance-rel-error", "0.1"], "--variance-rel-error"),
+    # GPyTorch's own Cholesky fit computes the variances by Cholesky
+    (["fit", "--iters", "1", "--precond", "none", "--variance-method", "cached"], "--variance-method"),
+    (["fit", "--iters", "1", "--precond", "none", "--variance-rel-error", "0.1"], "--variance-rel-error"),
     # only the cached variances have an error bound to recompute by
     (["fit", "--iters", "1", "--variance-method", "pcg", "--variance-rel-error", "0.1"], "--variance-rel-error"),
     (["fit", "--iters", "1", "--variance-method", "cholesky", "--variance-rel-error", "0.1"], "--variance-rel-error"),
@@ -275,3 +274,11 @@ def test_default_n_caps_at_the_subcommand_default():
     ds = common.load_data(args)
     ref = datasets.load("concrete", split=1, n=100, seed=3)
     assert ds.n == 100 and torch.equal(ds.train_x, ref.train_x) and torch.equal(ds.test_y, ref.test_y)
+
+
+def test_cholesky_training_with_pcg_variances_runs(capsys):
+    """``--solver cholesky --variance-method pcg``: the hook trains by Cholesky and predicts with the variances asked
+    for (exit 0)."""
+    assert main(["fit", *DATA, "--iters", "1", "--solver", "cholesky", "--variance-method", "pcg", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["variance_method"] == "pcg", out

@@ -119,7 +119,9 @@ def test_test_x_shapes_and_bad_values(solver):
             torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
         assert empty[0].shape == empty[1].shape == (0,)
         bad = {"NaN or inf": T.clone().fill_(float("nan")), r"\(m, 1\)": torch.rand(5, 3, dtype=torch.float64),
-               "dtype": T.float(), "floating": T.long()}
+               "floating": T.long(), "device": T.to("meta")}
+        single = hook.predict(T.float())  # float32 points for a float64 model: promoted, as GPyTorch does
+        torch.testing.assert_close(single[0], hook.predict(T.float().double())[0], rtol=0, atol=0)
         for match, value in bad.items():
             with pytest.raises(ValueError, match=match) as caught:
                 hook.predict(value)

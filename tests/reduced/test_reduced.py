@@ -305,11 +305,14 @@ TAKE_LANDMARKS = ("lla", "ncr", "gsa", "nystrom_krr", "nytro")
 
 @pytest.mark.parametrize("name", BUILDERS)
 def test_y_or_landmarks_of_another_dtype_name_the_argument(name):
-    """float64 X with float32 y met in a matrix product as a ``RuntimeError`` (LLA, NCR, GSA, RFF) or was taken
-    (the exact posterior): each constructor takes y (and landmark points) in X's dtype; ``reduced_posterior``
-    promotes mixed dtypes before it calls them."""
+    """float64 X with float32 y met in a matrix product as a ``RuntimeError`` (LLA, NCR, GSA, RFF): each
+    constructor takes y (and landmark points) in X's dtype, and the exact reference casts y to it;
+    ``reduced_posterior`` promotes mixed dtypes before it calls them."""
     build = BUILDERS[name]
     for X_, y_ in ((X, Y.float()), (X.float(), Y)):
+        if name == "exact":  # the reference casts y to X's dtype, as it always has
+            assert build(X_, y_, X_[:10]).alpha.dtype == X_.dtype
+            continue
         with pytest.raises(ValueError, match=r"^y must have X's dtype"):
             build(X_, y_, X_[:10])
     if name in TAKE_LANDMARKS:
