@@ -568,14 +568,12 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
         counts["applications"] += 1
         return P.solve(R) / s2
 
-
     def K_inv(R: torch.Tensor) -> torch.Tensor:
         """The stand-in for ``K̂⁻¹R`` in the solves' error estimates (:meth:`Preconditioner.inverse_estimate`):
         ``M(R)`` but for a preconditioner scaled away from ``K̂`` (the RAN-scaled Nyström) or built for the mean of
         per-point noise."""
         counts["applications"] += 1
-        inner = getattr(P, "chosen", P)
-        return (inner.inverse_estimate(R, min_shift) if hasattr(inner, "inverse_estimate") else P.solve(R)) / s2
+        return P.inverse_estimate(R, min_shift) / s2
 
     def A(V: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

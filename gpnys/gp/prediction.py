@@ -169,7 +169,6 @@ class HookPrediction:
                 pred = lik(model(test_x))
                 return pred.mean, pred.variance, 0.0
         with torch.no_grad(), self.settings.context():
-            kernel = self.kernel
             noise = self.noise().detach()
             n, m = X.shape[0], test_x.shape[0]
             alpha, lam, iters, correction = self._mean_weights(X)

@@ -146,6 +146,9 @@ class AutoPreconditioner(Preconditioner):
     def _solve(self, R: torch.Tensor) -> torch.Tensor:
         return self.inner._solve(R)
 
+    def inverse_estimate(self, R: torch.Tensor, floor: float | None = None) -> torch.Tensor:
+        return self.inner.inverse_estimate(R, floor)
+
     @property
     def chosen(self) -> Preconditioner:
         """The Nyström or AFN preconditioner this one chose (``inner``)."""
