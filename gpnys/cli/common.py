@@ -137,8 +137,8 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
                         "is recomputed on the fly (default: machine epsilon; 0: compute every entry)")
 
 
-def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, dict[str, int]]:
-    """``(settings, --k / --w as given)`` from the flags of :func:`add_estimator_args` (their ranges are
+def estimator_from_args(args: argparse.Namespace) -> EstimatorSettings:
+    """The estimator's settings from the flags of :func:`add_estimator_args` (their ranges are
     :data:`SHARED_FLAGS`', checked by :func:`check_flags`; :func:`precond_options` maps --k / --w to each
     preconditioner's options). A ``ValueError`` for flags that cannot take effect together, or a ``--kernel-backend``
     that cannot run on ``--device``."""
@@ -163,7 +163,7 @@ def estimator_from_args(args: argparse.Namespace) -> tuple[EstimatorSettings, di
                                  kernel_tf32=args.tf32, solver=args.solver, reuse_tolerance=args.reuse_tolerance,
                                  grow_landmarks=args.grow_landmarks or None,
                                  kernel_group=True if rank_and_size()[1] > 1 else None)  # under torchrun
-    return settings, {key: v for key, v in (("k", args.k), ("w", args.w)) if v is not None}
+    return settings
 
 
 #: the preconditioner option that the estimator's ``--k`` / ``--w`` set, by preconditioner (one without a flag does

@@ -65,7 +65,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings, _ = estimator_from_args(args)  # checked for --precond none too, which uses none of them
+    settings = estimator_from_args(args)  # checked for --precond none too, which uses none of them
     opts = precond_options(args, [args.precond], f"--precond {args.precond}")[args.precond]
     # GPyTorch's own Cholesky fit computes the variances by Cholesky too (with --solver cholesky the hook still
     # predicts, and honours --variance-method)

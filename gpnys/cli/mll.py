@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.solver == "cholesky":
         raise ValueError("--solver cholesky: gpnys mll evaluates each gpnys --method on its preconditioned path; "
                          "the Cholesky reference is --method exact")
-    settings, _ = estimator_from_args(args)
+    settings = estimator_from_args(args)
     gpnys_methods = [m for m in args.method if m not in ("exact", "gpytorch", "higp")]
     opts = precond_options(args, gpnys_methods, f"--method {','.join(args.method)}")
     ds = load_data(args)

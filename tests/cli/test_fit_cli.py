@@ -243,5 +243,5 @@ def test_grow_landmarks_flag_reaches_the_settings():
 
     p = argparse.ArgumentParser()
     add_estimator_args(p)
-    assert [estimator_from_args(p.parse_args(argv))[0].grow_landmarks
+    assert [estimator_from_args(p.parse_args(argv)).grow_landmarks
             for argv in ([], ["--grow-landmarks", "0"], ["--grow-landmarks", "7"])] == [15, None, 7]
