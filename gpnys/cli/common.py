@@ -135,6 +135,25 @@ def add_estimator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prune-tol", type=float, default=None,
                    help="skip kernel blocks whose entries are all below this (times the outputscale) when the kernel "
                         "is recomputed on the fly (default: machine epsilon; 0: compute every entry)")
+    p.set_defaults(_estimator_defaults={dest: p.get_default(dest) for dest in ESTIMATOR_FLAGS})
+
+
+#: the destinations of :func:`add_estimator_args`' flags that only the preconditioned path reads (``--k``, ``--w``
+#: and ``--solver`` are checked where they are read: :func:`precond_options` and each subcommand)
+ESTIMATOR_FLAGS = ("cg_tol", "probes", "lanczos_steps", "lanczos_share", "probe_dist", "control_variate",
+                   "kernel_backend", "tf32", "accuracy", "max_probes", "no_error_bars", "reuse_tolerance",
+                   "grow_landmarks", "prune_tol")
+
+
+def check_estimator_unused(args: argparse.Namespace, what: str) -> None:
+    """A ``ValueError`` naming the first estimator flag (:data:`ESTIMATOR_FLAGS`) set away from its default, for a
+    run that evaluates no preconditioned path (``what``: the flag that chose that)."""
+    for dest, default in args._estimator_defaults.items():
+        value = getattr(args, dest)
+        if value != default:
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise ValueError(f"{_flag(dest)}{shown} has no effect with {what}: it sets the preconditioned "
+                             "(CG + SLQ) estimator, which this run does not use")
 
 
 def estimator_from_args(args: argparse.Namespace) -> EstimatorSettings:
@@ -152,6 +171,13 @@ def estimator_from_args(args: argparse.Namespace) -> EstimatorSettings:
             select_backend(torch.device("cpu" if args.device is None else args.device), args.kernel_backend)
         except ValueError as err:
             raise ValueError(f"--kernel-backend {args.kernel_backend}: {err}") from None
+    if args.tf32:
+        device = torch.device("cpu" if args.device is None else args.device)
+        backend = select_backend(device, None if args.kernel_backend == "auto" else args.kernel_backend)
+        if args.dtype != "float32" or backend != "triton":
+            raise ValueError(f"--tf32 has no effect here: it applies to float32 Triton tile products (--dtype "
+                             f"float32 on CUDA), not --dtype {args.dtype} with the {backend} kernel backend on "
+                             f"{device.type}")
     cv = args.control_variate
     settings = EstimatorSettings(error_bars=not args.no_error_bars, target_rel_error=args.accuracy,
                                  max_probes=args.max_probes, cg_tolerance=args.cg_tol, num_probes=args.probes,

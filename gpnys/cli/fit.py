@@ -17,6 +17,7 @@ from gpnys.cli.common import (
     add_data_args,
     add_estimator_args,
     check_at_most,
+    check_estimator_unused,
     count,
     emit_json,
     estimator_from_args,
@@ -65,7 +66,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = estimator_from_args(args)  # checked for --precond none too, which uses none of them
+    settings = estimator_from_args(args)  # checked for --precond none too, which refuses any of them set
     opts = precond_options(args, [args.precond], f"--precond {args.precond}")[args.precond]
     # GPyTorch's own Cholesky fit computes the variances by Cholesky too (with --solver cholesky the hook still
     # predicts, and honours --variance-method)
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             if value is not None:
                 raise ValueError(f"{flag} {value} needs a preconditioned fit; {exact} trains and computes the "
                                  "variances by Cholesky")
+        check_estimator_unused(args, exact)
     if args.variance_rel_error is not None and args.variance_method not in ("auto", "cached"):
         raise ValueError(f"--variance-rel-error applies to the cached variances (--variance-method cached or auto); "
                          f"--variance-method {args.variance_method} computes them exactly")

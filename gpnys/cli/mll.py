@@ -15,6 +15,7 @@ from gpnys.cli.common import (
     add_data_args,
     add_estimator_args,
     check_at_most,
+    check_estimator_unused,
     comma_choices,
     count,
     emit_json,
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
                          "the Cholesky reference is --method exact")
     settings = estimator_from_args(args)
     gpnys_methods = [m for m in args.method if m not in ("exact", "gpytorch", "higp")]
+    if not gpnys_methods:
+        check_estimator_unused(args, f"--method {','.join(args.method)}")
     opts = precond_options(args, gpnys_methods, f"--method {','.join(args.method)}")
     ds = load_data(args)
     check_at_most(ds.n, args, "k", "w")

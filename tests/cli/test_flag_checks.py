@@ -133,6 +133,16 @@ HYP = ["--lengthscale", "1", "--outputscale", "1", "--noise", "0.1", "--m", "10"
     (["pcg", "--precond", "nystrom", "--rank", "5", "--k", "10"], "--k"),
     (["pcg", "--precond", "afn", "--rank", "5"], "--rank"),
     (["pcg", "--precond", "pivchol", "--w", "5"], "--w"),
+    # the estimator's flags set the preconditioned path, which a Cholesky run or a comparison without a gpnys method
+    # never evaluates
+    (["fit", "--iters", "1", "--precond", "none", "--probes", "30"], "--probes"),
+    (["fit", "--iters", "1", "--precond", "none", "--no-error-bars"], "--no-error-bars"),
+    (["fit", "--iters", "1", "--precond", "none", "--solver", "cholesky", "--cg-tol", "0.1"], "--cg-tol"),
+    (["mll", "--method", "exact,gpytorch", "--accuracy", "0.01"], "--accuracy"),
+    (["mll", "--method", "exact", "--kernel-backend", "torch"], "--kernel-backend"),
+    # TF32 is a mode of float32 Triton tiles on CUDA
+    (["fit", "--iters", "1", "--tf32"], "--tf32"),
+    (["mll", "--method", "afn", "--dtype", "float32", "--tf32", "--kernel-backend", "torch"], "--tf32"),
     # the Adam steps are the only use of the subsample
     (["classify", "--steps", "0", "--reduced", "10", "--subsample", "50"], "--subsample"),
 ])
