@@ -117,6 +117,18 @@ def halve_step(objective: Callable[[float], float], value: float, slack: float) 
     return None
 
 
+def warm_start_holds(psi_warm: float, psi_cold: float, likelihood: LaplaceLikelihood, f: torch.Tensor,
+                     y: torch.Tensor) -> bool:
+    """Whether Newton may start from a warm start whose latent is ``f`` (``(n,)``) and whose ``Ψ`` (R&W eq. (3.12))
+    is ``psi_warm``: that ``Ψ`` is finite and at least the cold start's ``psi_cold = Ψ(0) = log p(y|0)``, and ``W``
+    at ``f`` is finite. Under a large hyperparameter move the previous mode can put ``f`` far from the new one
+    (Poisson counts: ``f`` in [−91, 106] for a mode in [2, 6], ``W = e^f`` up to 1e46; Newton from there stopped at
+    ``max_newton`` with ``log q`` −5e25 for −723, or the Cholesky of ``B`` failed)."""
+    if not (math.isfinite(psi_warm) and psi_warm >= psi_cold):
+        return False
+    return bool(torch.isfinite(likelihood.derivatives(f, y)[1]).all())
+
+
 def at_mode(change: float, last: float, gain: float, slack: float, tol: float, size: float) -> bool:
     """Newton's stopping rule for the Laplace mode: the distance left, estimated from the step's change of ``f`` and
     the steps' ratio ``q = change / last`` as ``change · max(1, q / (1 − q))``, is at most ``tol max(1, size)``
@@ -493,10 +505,8 @@ class LaplaceGP(LaplacePredictions):
     def _start(self, a0: torch.Tensor | None,
                psi_at: Callable[[torch.Tensor, torch.Tensor], float]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Newton's start ``(a, f = K a, Ψ)``: the warm start ``a0`` (the previous hyperparameters' ``K⁻¹ f̂``; ``f =
-        K a0``, ``Ψ = log p(y|f) − ½ a0ᵀ f``, R&W eq. (3.12)) where its ``Ψ`` is finite and at least the cold start's,
-        ``Ψ(0) = log p(y|0)``, and its ``W`` finite; else the cold start, zero. Under a large hyperparameter move
-        ``K a0`` can lie far from the mode (Poisson counts: ``f`` in [−91, 106] for a mode in [2, 6], ``W = e^f`` up to
-        1e46; Newton from there stopped at ``max_newton`` with ``log q`` −5e25 for −723)."""
+        K a0``, ``Ψ = log p(y|f) − ½ a0ᵀ f``, R&W eq. (3.12)) where :func:`warm_start_holds`; else the cold start,
+        zero."""
         zero = self._X.new_zeros(self._X.shape[0])
         cold = psi_at(zero, zero)
         if a0 is None:
@@ -504,10 +514,7 @@ class LaplaceGP(LaplacePredictions):
         a = a0.to(self._X.dtype)
         f = self._K(a)
         warm = psi_at(a, f)
-        if not (math.isfinite(warm) and warm >= cold):
-            return zero, zero, cold
-        W = self.likelihood_.derivatives(f, self._y)[1]
-        return (a, f, warm) if bool(torch.isfinite(W).all()) else (zero, zero, cold)
+        return (a, f, warm) if warm_start_holds(warm, cold, self.likelihood_, f, self._y) else (zero, zero, cold)
 
     def _mode_residual(self, f: torch.Tensor) -> float:
         """``max|f − K∇log p(y|f)|``, 0 at the mode (one kernel product)."""

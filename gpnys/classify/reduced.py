@@ -39,7 +39,13 @@ import gpytorch
 import torch
 
 from gpnys.checks import NumericalWarning, validate_choice, validate_count, validate_points
-from gpnys.classify.laplace import BernoulliClassifier, LaplacePredictions, at_mode, halve_step
+from gpnys.classify.laplace import (
+    BernoulliClassifier,
+    LaplacePredictions,
+    at_mode,
+    halve_step,
+    warm_start_holds,
+)
 from gpnys.classify.likelihoods import LaplaceLikelihood
 from gpnys.kernels.blocks import kernel_diag
 from gpnys.landmarks.rules import METHODS, select
@@ -285,13 +291,10 @@ class ReducedLaplaceGP(LaplacePredictions):
         with torch.no_grad():
             w, f = Phi.new_zeros(s), Phi.new_zeros(Phi.shape[0])
             psi = psi_at(w, f)  # ψ(0) = log p(y|0): the cold start
-            if w0 is not None:
-                # the warm start where its ψ is finite and at least the cold start's, and its W finite: under a
-                # large hyperparameter move Φ w0 can lie far from the mode (Poisson counts: f in [−91, 106] for a
-                # mode in [2, 6], W = e^f up to 1e46, and H's Cholesky failed)
+            if w0 is not None:  # the warm start where it holds (else H's Cholesky can fail)
                 f0 = Phi @ w0
                 psi0 = psi_at(w0, f0)
-                if math.isfinite(psi0) and psi0 >= psi and bool(torch.isfinite(lik.derivatives(f0, y)[1]).all()):
+                if warm_start_holds(psi0, psi, lik, f0, y):
                     w, f, psi = w0, f0, psi0
             iterations, last = 0, math.inf
             for _ in range(self._max_newton):
