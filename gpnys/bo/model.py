@@ -343,6 +343,7 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
             for name in _CACHES:
                 if not (getattr(self, "_gpnys_in_use", 0) and name.startswith("_gpnys_hook")):
                     setattr(self, name, None)
+            self._gpnys_exact_fantasy = False  # GPyTorch drops the fantasy caches that held a given noise
         return super().train(mode)
 
     def warm_start_from(self, previous: SingleTaskGP | Mapping[str, torch.Tensor]) -> "PreconditionedSingleTaskGP":
@@ -989,7 +990,12 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         """BoTorch's ``subset_output`` (a copy with the outputs ``idcs``), made without this model's caches (the hook,
         solves and output models are rebuilt for the subset on first use; sparse factors cannot be deep-copied)."""
         with self._without_caches():
-            return super().subset_output(idcs)
+            new = super().subset_output(idcs)
+        seed = self._gpnys_seed  # the warm start of each kept output, in the subset's order
+        if seed is not None and seed.dim() == 2 and self._outputs() > 1:
+            seed = seed[idcs]
+            new._gpnys_seed = seed[0] if len(idcs) == 1 else seed
+        return new
 
     @property
     def output_models(self) -> list["PreconditionedSingleTaskGP"]:
@@ -1015,11 +1021,14 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         """BoTorch's ``condition_on_observations`` (module docstring).
 
         Above ``max_cholesky_size``, one batch ``(X (q, d), Y (q, 1))`` gives a new model of this class with the data
-        appended. At any size, batched ``X (*b, q, d)`` / ``Y (*f, *b, q, 1)`` (``fantasize``), or any conditioning
-        of a fantasy model, give a :class:`PreconditionedFantasyGP` of ``batch_shape`` ``(*f, *b)``: the same
+        appended. At any size, batched ``X (*b, q, d)`` / ``Y (*f, *b, q, 1)`` (``fantasize``), one batch with
+        ``noise=`` on a learnt noise (one output), or any conditioning of a fantasy model, give a
+        :class:`PreconditionedFantasyGP` of ``batch_shape`` ``(*f, *b)``: the same
         modules, its posteriors conditioned on the points without an ``(n + q) x (n + q)`` factorisation
         (:func:`gpnys.bo.fantasy.condition_joint`). Their noise variances are ``noise (*b, q, 1)`` in the
-        outcome-transformed scale, as BoTorch takes them (required with known noise), else the learnt noise.
+        outcome-transformed scale, as BoTorch takes them (required with known noise), else the learnt noise. (With
+        ``noise=`` on a learnt noise, ``SingleTaskGP``'s conditioned means take the learnt noise at the new points,
+        GPyTorch's fantasy update, and its variances the given one; these posteriors hold the given noise in both.)
 
         Example:
             >>> import torch
@@ -1041,12 +1050,14 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
                 new = super().condition_on_observations(X, Y, **kwargs)
             new._gpnys_warned = True  # a model of this documented path: no "not preconditioned" warning
             if kwargs.get("noise") is not None and not self._known_noise():
-                # the given noise lives only in GPyTorch's fantasy caches (the likelihood's noise is learnt, one
-                # value): the new model predicts from them, by GPyTorch's exact path
+                # m outputs: the given noise lives only in GPyTorch's fantasy caches (the likelihood's noise is
+                # learnt, one value): the new model predicts from them until train(), by GPyTorch's exact path
                 new._gpnys_exact_fantasy = True
-                warnings.warn("PreconditionedSingleTaskGP.condition_on_observations: noise= on a model whose noise "
-                              "is learnt; the conditioned model predicts by GPyTorch's exact path, which holds the "
-                              "given noise", NumericalWarning, stacklevel=2)
+                warnings.warn("PreconditionedSingleTaskGP.condition_on_observations: noise= on a model of "
+                              f"{self._outputs()} outputs whose noise is learnt takes GPyTorch's fantasy update, as "
+                              "SingleTaskGP does: its means give the new points the learnt noise (its variances the "
+                              "given one). Condition each output alone (subset_output) for posteriors that hold the "
+                              "given noise throughout", NumericalWarning, stacklevel=2)
             return new
         self.eval()
         X_tf = self.transform_inputs(X)
@@ -1094,8 +1105,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
     def _fantasy_applies(self, X: torch.Tensor, Y: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Whether :meth:`condition_on_observations` returns a fantasy model (its docstring): batched points or a
         fantasy model, a model gpnys handles at any size, no keywords but ``noise`` (required with known noise)."""
-        if self._gpnys_fantasy is None and (X.dim() == 2 and Y.dim() == 2 or not self._handled()
-                                            or self._outputs() > 1):
+        # one set of points is appended to a new model of this class, unless it comes with noise= on a learnt noise
+        # (the likelihood holds one noise for all points: a fantasy model holds the given one)
+        plain = X.dim() == 2 and Y.dim() == 2 and (kwargs.get("noise") is None or self._known_noise())
+        if self._gpnys_fantasy is None and (plain or not self._handled() or self._outputs() > 1):
             return False
         if set(kwargs) - {"noise"}:
             if self._gpnys_fantasy is not None:
@@ -1322,6 +1335,10 @@ class PreconditionedFantasyGP(PreconditionedSingleTaskGP):
             self.training = True
             return self
         return super().train(False)
+
+    def set_train_data(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("a PreconditionedFantasyGP only predicts: its data are the base model's with the "
+                                  "conditioned points appended; set the data of the model it was conditioned from")
 
     def __call__(self, *args: Any, **kwargs: Any) -> MultivariateNormal:
         if self.training or len(args) != 1 or kwargs:

@@ -1321,27 +1321,61 @@ def test_fits_reach_single_task_gps_optimum_where_the_estimate_used_to_stall():
 
 
 # -- edge cases a read-only review found ---------------------------------------------------------------------
-@pytest.mark.parametrize("outputs", [1, 2])
-def test_condition_on_observations_with_noise_on_a_learnt_noise_model(outputs):
-    """``noise=`` for the new points of a model whose noise is learnt: the conditioned model holds it in GPyTorch's
-    fantasy caches and predicts from them (one warning), as SingleTaskGP does; it had treated the new points as
-    having the learnt noise (variances 100x too large there)."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_condition_on_observations_with_noise_on_a_learnt_noise_model(dtype):
+    """``noise=`` for one set of new points of a one-output model whose noise is learnt: a fantasy model that holds
+    the given noise in the mean and the covariance alike, as the batched call does (the reference: SingleTaskGP
+    with known noise, the learnt one on the old points and the given one on the new). It had followed GPyTorch's
+    fantasy update, whose means give the new points the learnt noise (2.2 against 3.0 at noise 1e-5 there)."""
+    X, Y = data(200, 3, seed=4, dtype=dtype)
+    plain = dict(outcome_transform=None)  # noise= and train_Yvar in one scale
+    ref, model = pair(X, Y, noise=1e-2, posterior_cholesky_size=0, transforms=lambda: plain)
+    model.eval()
+    Xn = points_at(3, 3, seed=6, dtype=dtype)
+    Yn, noise = torch.full((3, 1), 3.0, dtype=dtype), torch.full((3, 1), 1e-5, dtype=dtype)
+    exact = SingleTaskGP(torch.cat([X, Xn]).double(), torch.cat([Y, Yn]).double(), train_Yvar=torch.cat([
+        ref.likelihood.noise.detach().expand(200, 1), noise]).double(), **plain)  # in float64 for either dtype
+    exact.load_state_dict({k: v.double() for k, v in ref.state_dict().items() if not k.startswith("likelihood")},
+                          strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gpnys.NumericalWarning)
+        got = model.condition_on_observations(Xn, Yn, noise=noise)
+        batched = model.condition_on_observations(Xn[None], Yn[None], noise=noise[None])
+    T = torch.cat([Xn, points_at(5, 3, seed=7, dtype=dtype)])
+    with torch.no_grad():
+        p, p_exact, p_batched = got.posterior(T), exact.eval().posterior(T.double()), batched.posterior(T)
+    tol = 1e-9 if dtype == torch.float64 else 2e-3  # float32: 3e-4 (mean) and 7e-7 (variance) off
+    torch.testing.assert_close(p.mean.double(), p_exact.mean, rtol=0, atol=tol)
+    torch.testing.assert_close(p.variance.double(), p_exact.variance, rtol=0, atol=tol / 100)
+    torch.testing.assert_close(p.mean, p_batched.mean[0], rtol=0, atol=tol)
+    assert float((p.mean[:3] - 3.0).abs().max()) < 0.05  # the given noise pins the new points (learnt: 2.2)
+
+
+def test_condition_on_observations_with_noise_on_two_learnt_noises():
+    """``m = 2`` outputs: GPyTorch's fantasy update, as SingleTaskGP's (one warning that says what it holds), until
+    ``train()`` drops its caches; the model then predicts by its own path again."""
     X, Y = data(200, 3, seed=4)
-    Y = Y.repeat(1, outputs) if outputs > 1 else Y
-    ref, model = pair(X, Y, noise=1e-2, posterior_cholesky_size=0)
+    ref, model = pair(X, Y.repeat(1, 2), noise=1e-2, posterior_cholesky_size=0)
     ref.eval(), model.eval()
     Xn = points_at(3, 3, seed=6)
-    Yn, noise = torch.zeros(3, outputs, dtype=torch.float64), torch.full((3, outputs), 1e-5, dtype=torch.float64)
+    Yn, noise = torch.zeros(3, 2, dtype=torch.float64), torch.full((3, 2), 1e-5, dtype=torch.float64)
     ref.posterior(Xn)  # its prediction caches, which BoTorch's conditioning extends
     expected = ref.condition_on_observations(Xn, Yn, noise=noise)
-    with pytest.warns(gpnys.NumericalWarning, match="noise= on a model whose noise is learnt"):
+    with pytest.warns(gpnys.NumericalWarning, match="2 outputs whose noise is learnt.*means give the new points"):
         got = model.condition_on_observations(Xn, Yn, noise=noise)
     T = torch.cat([Xn, points_at(5, 3, seed=7)])
     with torch.no_grad():
         p, p_ref = got.posterior(T), expected.posterior(T)
     assert_rel(p.mean, p_ref.mean, 1e-6, "mean")
     assert_rel(p.variance, p_ref.variance, 1e-6, "variance")
-    assert float(p.variance[:3].max()) < 2e-5  # the given noise, not the learnt 1e-2
+    got.train()
+    got.eval()  # GPyTorch dropped the fantasy caches: the model's own path, at the learnt noise on every point
+    plain = SingleTaskGP(got.train_inputs[0][0], got.train_targets.mT)
+    plain.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        p, p_plain = got.posterior(T), plain.eval().posterior(T)
+    assert not got._gpnys_exact_fantasy and got.output_models
+    assert_rel(p.variance, p_plain.variance, 1e-6, "variance after train()")
 
 
 def test_fit_with_another_mll_than_gpnys_estimates():

@@ -386,6 +386,24 @@ def test_multi_output_warm_start():
         torch.testing.assert_close(model._gpnys_seed, new._gpnys_seed[i])
 
 
+@pytest.mark.parametrize("idcs", [[1, 0], [1]])
+def test_subset_output_keeps_each_outputs_warm_start(idcs):
+    """subset_output of a warm-started model seeds each kept output from its own previous solution (output 1 had
+    started from output 0's), and its posterior is SingleTaskGP's subset posterior."""
+    X, Y = two_outputs()
+    Y = Y * torch.tensor([1.0, 10.0], dtype=Y.dtype)
+    ref, old = pair(X[:200], Y[:200])
+    with torch.no_grad():
+        old.posterior(points_at(5, D))
+    new = PreconditionedSingleTaskGP(X, Y, **PRECOND).warm_start_from(old)
+    sub = new.subset_output(idcs)
+    expected = new._gpnys_seed[idcs]
+    torch.testing.assert_close(sub._gpnys_seed, expected[0] if len(idcs) == 1 else expected, rtol=0, atol=0)
+    sub_ref = set_outputs(SingleTaskGP(X, Y)).subset_output(idcs)
+    with torch.no_grad():
+        assert_rel(sub.posterior(points_at(5, D)).mean, sub_ref.posterior(points_at(5, D)).mean, 1e-8, "subset mean")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_multi_output_dtypes(dtype):
     """float32: the posterior to float32's accuracy (noise 1e-2, as the single-output float32 tests use)."""
