@@ -36,6 +36,7 @@ from typing import Any, Callable
 import gpytorch
 import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
+from linear_operator.utils.errors import NotPSDError
 
 from gpnys.checks import NumericalWarning
 from gpnys.gp.settings import EstimatorSettings
@@ -625,6 +626,7 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
     batch = settings.num_probes
     batches = 0
     unreachable = None  # the part of the loss's error bar more probes cannot shrink, where it exceeds the target
+    stalled = (0, 0, 0.0)  # columns cut at max_cg_iterations unconverged, columns, their worst relative residual
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", category=NumericalWarning)  # CG's own warnings: the error bars say it
         while True:
@@ -662,7 +664,19 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                           project=project)
             except NonFiniteError as err:
                 raise NonFiniteError(f"{err}, at {state.describe()}") from err
+            flat = sol.breakdown & (sol.iterations_per_column == 0) if sol.breakdown is not None else None
+            if flat is not None and bool(flat.any()):
+                # pᵀK̂p <= 0 (or rᵀP̂⁻¹r <= 0) at a first step: no quadrature, no solve; in float32 at a noise below
+                # the rounding of K̂ the probes' log-determinant terms read inf and the loss NaN. linear_operator's
+                # error, which BoTorch's fit_gpytorch_mll answers with a restart
+                raise NotPSDError(f"gpnys: K̂ = K + noise is not numerically positive definite in "
+                                  f"{str(r.dtype).removeprefix('torch.')}: CG found pᵀK̂p <= 0 at its first step on "
+                                  f"{int(flat.sum())} of {rhs.shape[1]} columns, at {state.describe()} (a noise "
+                                  "below the working precision's rounding of K̂); use float64 or a larger noise")
             iterations = max(iterations, sol.iterations)
+            cut = (sol.iterations_per_column >= maxiter) & ~sol.converged
+            stalled = (stalled[0] + int(cut.sum()), stalled[1] + rhs.shape[1],
+                       max([stalled[2]] + sol.rel_residual[cut].tolist()))
             if first:
                 a, rho = sol.x[:, 0], sol.residual[:, 0]
                 # a residual that drifted or a recursion that broke down (float32, P̂ near K̂); a solve that ran
@@ -812,6 +826,14 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             if 0.5 * lanczos > target * abs(value_est):  # the quadrature dominates: longer Lanczos runs
                 probe_tol, floor = probe_tol / 10, 2 * floor
             batch = int(min(max(need - t, settings.num_probes), settings.max_probes - t))
+    if stalled[0]:
+        # the error bars size the solves' bias from P̂⁻¹ρ, a first-order stand-in for K̂⁻¹ρ that holds for a residual
+        # near cg_tolerance; far above it (a weak preconditioner cut at the cap) it can be off by orders of magnitude
+        # in either direction (a noise gradient 400 standard errors off after 2 iterations)
+        warnings.warn(f"gpnys: CG stopped at max_cg_iterations={maxiter} before cg_tolerance on {stalled[0]} of "
+                      f"{stalled[1]} columns (worst relative residual {stalled[2]:.2g}): the error bars do not bound "
+                      "the solves' bias there; raise max_cg_iterations or use a stronger preconditioner",
+                      NumericalWarning, stacklevel=3)
     if unreachable is not None:
         warnings.warn(f"gpnys: target_rel_error={target:g} is out of reach: the working precision's rounding and the "
                       f"solve's bound alone give {unreachable / n:.3g} per point, {unreachable / abs(value_est):.2g} "

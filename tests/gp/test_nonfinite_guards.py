@@ -90,3 +90,45 @@ def test_a_non_finite_mean_raises_naming_the_mean(mean):
     settings = gpnys.EstimatorSettings(solver="iterative")
     with pytest.raises(NonFiniteError, match="prior mean"), gpnys.use_preconditioner(model, settings=settings):
         mll(model(X), y)
+
+
+def _noise_model(n, noise, dtype):
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(n, 2, generator=g, dtype=torch.float64)
+    y = torch.sin(5 * X[:, 0]) + X[:, 1] + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    likelihood = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-10))
+    model = ExactGPModel(X.to(dtype), y.to(dtype), likelihood, kernel="rbf").to(dtype)
+    model.likelihood.noise = noise
+    model.covar_module.base_kernel.lengthscale = 0.3
+    return model, X.to(dtype), y.to(dtype)
+
+
+def test_a_kernel_matrix_that_is_not_numerically_positive_definite_raises_not_psd():
+    """float32 at a noise of 1e-8 (the true loss is 2.0e5 per point): CG's first step finds pᵀK̂p <= 0 on some probes,
+    and the evaluation raises linear_operator's NotPSDError naming the dtype and the hyperparameters (BoTorch's fit
+    restarts on it), not a NonFiniteError from the probes' inf log-determinant terms."""
+    from linear_operator.utils.errors import NotPSDError
+
+    model, X, y = _noise_model(100, 1e-8, torch.float32)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    settings = gpnys.EstimatorSettings(solver="iterative", probe_seed=0)
+    with pytest.raises(NotPSDError, match=r"not numerically positive definite in float32.*noise="):
+        with gpnys.use_preconditioner(model, settings=settings):
+            (-mll(model(X), y)).backward()
+
+
+@pytest.mark.parametrize("cap, warned", [(2, True), (1000, False)])
+def test_cg_cut_at_its_iteration_cap_warns(dtype, cap, warned):
+    """A solve cut at max_cg_iterations far above cg_tolerance: its bias is not bounded by the error bars (a noise
+    gradient came out 400 standard errors off after 2 iterations), and one warning says so."""
+    import warnings
+
+    model, X, y = _noise_model(600, 1e-3, dtype)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    settings = gpnys.EstimatorSettings(solver="iterative", probe_seed=0, max_cg_iterations=cap)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with gpnys.use_preconditioner(model, "nystrom", settings=settings, rank=20):
+            (-mll(model(X), y)).backward()
+    cut = [w for w in seen if "CG stopped at max_cg_iterations" in str(w.message)]
+    assert len(cut) == (1 if warned else 0), [str(w.message) for w in seen]
