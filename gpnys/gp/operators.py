@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import gpytorch
 import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
+from linear_operator.utils.warnings import NumericalWarning as LinearOperatorWarning
 
 from gpnys.checks import NumericalWarning
 from gpnys.linalg import small_dense
@@ -134,17 +135,33 @@ class BatchPreconditionedMVN(gpytorch.distributions.MultivariateNormal):
 
 class CholeskyMVN(gpytorch.distributions.MultivariateNormal):
     """The training marginal on the Cholesky path (:mod:`gpnys.gp.path`): GPyTorch's own ``log_prob`` with its dense
-    Cholesky forced; ``hook.last_estimate`` records the exact value (standard errors 0, ``path="cholesky"``)."""
+    Cholesky forced; ``hook.last_estimate`` records the exact value (standard errors 0, ``path="cholesky"``), or NaN
+    standard errors where GPyTorch had to add jitter (one warning)."""
 
     _gpnys_problem: "TrainingProblem | None" = None
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         n = value.shape[-1]
-        with gpytorch.settings.max_cholesky_size(n + 1), small_dense(n, value.device):
-            res = super().log_prob(value)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with gpytorch.settings.max_cholesky_size(n + 1), small_dense(n, value.device):
+                res = super().log_prob(value)
+        jitter = None
+        for w in seen:  # passed on as they came (GPyTorch's own warnings included)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+            if issubclass(w.category, LinearOperatorWarning) and "added jitter" in str(w.message):
+                jitter = str(w.message).split("added jitter of ")[-1].split(" ")[0]
+        if jitter is not None:
+            # the value and gradient are those of K̂ + jitter·I, off from K̂'s by an amount nothing here measures
+            # (float32 at a noise of 1e-8: a loss of 401 per point for 3.0e5): not exact, so no standard error of 0
+            dtype = str(value.dtype).removeprefix("torch.")
+            warnings.warn(f"gpnys: the Cholesky path needed GPyTorch's jitter ({jitter}): K̂ is not numerically "
+                          f"positive definite in {dtype}; this loss and gradient are those of the jittered matrix, "
+                          "their standard errors unknown (NaN); use float64 or a larger noise",
+                          NumericalWarning, stacklevel=2)
         problem = self._gpnys_problem
         if problem is not None:
-            problem.record_exact(res.detach(), res.requires_grad)
+            problem.record_exact(res.detach(), res.requires_grad, jittered=jitter is not None)
         return res
 
 

@@ -13,6 +13,7 @@ reads the same state. A batch-mode model has one :class:`BatchElement` per eleme
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, Callable
 
@@ -20,7 +21,11 @@ import gpytorch
 import torch
 import torch.distributed as dist
 from gpytorch.lazy import LazyEvaluatedKernelTensor
-from linear_operator.operators import AddedDiagLinearOperator, DiagLinearOperator, LinearOperator
+from linear_operator.operators import (
+    AddedDiagLinearOperator,
+    DiagLinearOperator,
+    LinearOperator,
+)
 
 from gpnys.checks import (
     HyperparameterError,
@@ -33,7 +38,13 @@ from gpnys.checks import (
 from gpnys.collectives import RowGroup, partitioned, signature
 from gpnys.gp.control_variate import control_variate_terms, frozen_jacobian_terms
 from gpnys.gp.discover import same_points, selected_kernel, training_kernel
-from gpnys.gp.estimator import Estimate, EstimatorState, hyperparameter_summary, log_prob, trainable_parameters
+from gpnys.gp.estimator import (
+    Estimate,
+    EstimatorState,
+    hyperparameter_summary,
+    log_prob,
+    trainable_parameters,
+)
 from gpnys.gp.operators import PreconditionedAddedDiag, PreconditionerOperator
 from gpnys.gp.path import PathChooser
 from gpnys.gp.preconditioners import PreconditionerCache, StepRecord
@@ -390,13 +401,15 @@ class TrainingProblem(HookPrediction):
         self.last_estimate = Estimate.total(estimates)
         self.estimates += 1
 
-    def record_exact(self, log_prob: torch.Tensor, gradients: bool = False) -> None:
+    def record_exact(self, log_prob: torch.Tensor, gradients: bool = False, jittered: bool = False) -> None:
         """The Cholesky path's :class:`Estimate`: ``-log_prob`` (``()`` or ``(b,)``), standard errors 0 (with
-        ``gradients``, each trainable parameter's too, named as the preconditioned path names them)."""
+        ``gradients``, each trainable parameter's too, named as the preconditioned path names them); NaN where the
+        factorisation was ``jittered`` (the value is then the jittered matrix's, its error unknown)."""
         n = self.model.train_inputs[0].shape[-2]
-        zeros = ({name: torch.zeros_like(p).detach() for name, p in trainable_parameters(self.model)}
+        se = math.nan if jittered else 0.0
+        zeros = ({name: torch.full_like(p, se).detach() for name, p in trainable_parameters(self.model)}
                  if gradients else {})
-        parts = [Estimate(value=-float(v), std_error=0.0, n=n, path="cholesky", path_reason=self.path_reason,
+        parts = [Estimate(value=-float(v), std_error=se, n=n, path="cholesky", path_reason=self.path_reason,
                           grad_std_error=zeros) for v in log_prob.reshape(-1).tolist()]
         self.batch_estimates = parts if log_prob.dim() else []
         self.last_estimate = Estimate.total(parts)

@@ -132,3 +132,26 @@ def test_cg_cut_at_its_iteration_cap_warns(dtype, cap, warned):
             (-mll(model(X), y)).backward()
     cut = [w for w in seen if "CG stopped at max_cg_iterations" in str(w.message)]
     assert len(cut) == (1 if warned else 0), [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("dtype, noise, jittered", [(torch.float32, 1e-8, True), (torch.float64, 1e-2, False)])
+def test_a_jittered_cholesky_is_not_reported_exact(dtype, noise, jittered):
+    """float32 at a noise of 1e-8 on the Cholesky path: GPyTorch adds jitter and returns the jittered matrix's loss
+    (401 per point against 3.0e5). The estimate had reported it exact (standard error 0); its standard errors are
+    now NaN (unknown, so the stop test never takes the gradient for noise), with one gpnys warning. An unjittered
+    factorisation stays exact."""
+    import math
+    import warnings
+
+    model, X, y = _noise_model(200, noise, dtype)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with gpnys.use_preconditioner(model, settings=gpnys.EstimatorSettings(solver="cholesky")) as hook:
+            (-mll(model(X), y)).backward()
+    est = hook.last_estimate
+    ours = [w for w in seen if "Cholesky path needed GPyTorch's jitter" in str(w.message)]
+    assert est.path == "cholesky" and len(ours) == (1 if jittered else 0)
+    assert math.isnan(est.std_error) == jittered and (est.std_error == 0.0) != jittered
+    assert all(bool(se.isnan().all()) == jittered for se in est.grad_std_error.values())
+    assert not gpnys.gp.estimator.gradient_at_noise(model, est)
