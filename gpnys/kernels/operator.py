@@ -264,7 +264,8 @@ class StationaryKernelOperator(LinearOperator):
         return self
 
     def _diagonal(self) -> torch.Tensor:
-        return self.outputscale.detach() * torch.ones(self.X.shape[0], dtype=self.X.dtype, device=self.X.device)
+        """``s^2`` at every point (``k(0) = 1``), differentiable in ``s^2`` as the dense kernel's diagonal is."""
+        return self.outputscale * torch.ones(self.X.shape[0], dtype=self.X.dtype, device=self.X.device)
 
     def _get_indices(self, row_index: torch.Tensor, col_index: torch.Tensor, *batch_indices: Any) -> torch.Tensor:
         """Entries ``s^2 k(x_i, x_j)`` of index pairs (``op[rows, cols]``), from the pairs' own differences and

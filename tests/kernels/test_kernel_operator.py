@@ -163,6 +163,41 @@ def test_nearly_coincident_points(name, dtype):
     torch.testing.assert_close(K.diagonal(), exact.diagonal(), rtol=0, atol=2 * eps)
 
 
+@pytest.mark.parametrize("fly", [False, True])
+def test_matern12_close_pairs_in_a_set_many_lengthscales_wide(fly, dtype):
+    """Matérn-1/2 on 1-D points spanning 1e4 length-scales, with pairs 2e-4 apart: the expanded form's rounding
+    threshold reaches ~5e-4 length-scales there, and its pairs had read k = 1 (an entry 2e-4 off; GPyTorch 2e-6).
+    Their r now comes from explicit differences: entries within the dtype's rounding of the exact kernel, stored
+    or recomputed."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.cat([torch.rand(200, 1, generator=g, dtype=torch.float64) * 1e4, torch.tensor([[0.0], [1e4]],
+                                                                                           dtype=torch.float64)])
+    X = torch.cat([X, X[:20] + 2e-4]).to(dtype)
+    kern = make_scale_kernel("matern12").to(dtype)
+    kern.base_kernel.lengthscale = 1.0
+    with torch.no_grad(), memory_budget(dense_bytes=0 if fly else None):
+        K = operator(X, kern).to_dense().double()
+    exact = exact_kernel(X.double(), kern.double())
+    close = float(exact[torch.arange(20), torch.arange(202, 222)].min())
+    assert close < 1 - 1e-4  # the pairs really are apart
+    # the other pairs keep the expanded form's eps |z|^2 / (2r) (float64: 3e-7, GPyTorch's 5e-7 on 4000 such points)
+    tol = 1e-5 if dtype == torch.float64 else 4e-3
+    err = float((K - exact).abs().max())
+    assert err < tol, err
+
+
+def test_diagonal_is_differentiable_in_the_outputscale(dtype):
+    """``op.diagonal()`` is ``s^2`` with its gradient, as the dense kernel's diagonal (it had been detached)."""
+    X = inputs(dtype)
+    kern = kernel_at("matern32", False, dtype)
+    kern.zero_grad()
+    operator(X, kern).diagonal().sum().backward()
+    ours = kern.raw_outputscale.grad.clone()
+    kern.zero_grad()
+    kern(X).to_dense().diagonal().sum().backward()
+    torch.testing.assert_close(ours, kern.raw_outputscale.grad)
+
+
 @pytest.mark.parametrize("name", ["rbf", "matern32", "matern52"])
 def test_float32_distances_of_far_out_duplicates(name):
     """Duplicate points far from the centre at a short length-scale (|z|^2 ~ 5000, the concrete data at l = 0.1):

@@ -140,10 +140,22 @@ class TorchTiles(KernelBackend):
             if derivative is not None:
                 torch.mul(R, 0.5, out=derivative)
             R.sqrt_()
-            if singular:  # ... and on coincident points, where h = -exp(-r)/r would amplify it: r below the
-                # expanded form's rounding in the accumulation dtype, (d + 2) terms of up to 2 |z|^2 each, is 0
-                R.masked_fill_(R < math.sqrt(8 * (Zr.shape[1] + 2) * torch.finfo(acc).eps) * zmax, 0.0)
+            near = None
+            if singular:  # ... and on near-coincident points, where h = -exp(-r)/r would amplify it: r below the
+                # expanded form's rounding in the accumulation dtype, (d + 2) terms of up to 2 |z|^2 each
+                near = R < math.sqrt(8 * (Zr.shape[1] + 2) * torch.finfo(acc).eps) * zmax
+                if bool(near.any()):
+                    # their r from explicit differences (0 on coincident points): with the set many length-scales
+                    # wide the threshold reaches 5e-4, and k = 1 there was that far off (GPyTorch: 5e-7)
+                    i, j = near.nonzero(as_tuple=True)
+                    R[i, j] = (Zr[i] - Zc[j]).to(acc).norm(dim=1).to(R.dtype)
+                else:
+                    near = None
             k_and_h_inplace(R, self.formula, *out)
+            if near is not None:
+                # their share of the length-scale derivative, k'(r) r with r below the threshold, is left out: the
+                # sums read (z_i - z_j)² in the expanded form, whose rounding h ~ 1/r would amplify
+                out[1].masked_fill_(near, 0.0)
             if derivative is not None:
                 derivative.mul_(out[1])
             return out
