@@ -50,6 +50,7 @@ from gpnys.gp.operators import (
 )
 from gpnys.gp.problem import TrainingProblem
 from gpnys.gp.settings import EstimatorSettings, current_gpytorch_settings
+from gpnys.kernels.entries import split_outputscale
 from gpnys.precond.base import Preconditioner
 from gpnys.precond.strategy import PRECONDITIONERS
 
@@ -119,6 +120,7 @@ class PreconditionerHook:
         self.passthrough: str | None = unsupported_model(model, train_x)
         self._warned_passthrough = False
         self._warned_inputs = False  # one warning per hook for inputs that carry gradients (kernel_operator)
+        self._warned_kernel = False  # ... and one for a kernel without the closed-form operator
         X = None if self.passthrough is not None else model.train_inputs[0] if train_x is None else train_x
         #: the data, kernel, noise, preconditioners and evaluations (:class:`~gpnys.gp.problem.TrainingProblem`)
         self.problem = TrainingProblem(model, method, settings or EstimatorSettings(), seed, options, X)
@@ -163,6 +165,15 @@ class PreconditionerHook:
         so = problem.stationary_operator(op.x1)
         if so is not None:
             problem.kernels.inputs = op.x1
+        elif problem.kernels.options.kernel_operator and not self._warned_kernel:
+            # a kernel outside the closed-form table (periodic, spectral mixture, linear, sums, products): GPyTorch's
+            # kernel tensor, dense n x n with autograd, on the same estimator (docs/compatibility.md)
+            self._warned_kernel = True
+            name = type(split_outputscale(problem.seen[0])[0]).__name__
+            warnings.warn(f"gpnys: {name} has no closed form in gpnys's kernel operator (RBF, Matérn 1/2, 3/2, 5/2): "
+                          "its products and derivatives run through GPyTorch's dense n x n kernel with autograd, "
+                          "slower and larger in memory at large n; the estimate is the same", NumericalWarning,
+                          stacklevel=4)
         return op if so is None else so
 
     def marginal(self, out: gpytorch.distributions.MultivariateNormal,
