@@ -654,14 +654,17 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
             # the solves with r and the mean's directions (no quadrature of their own) take a Galerkin step over the
             # probes' search directions once the probes have stopped: it shortens the tighter solve's tail
             # (docs/accuracy.md)
-            project = None
+            project = estimate = None
             if first:
                 project = torch.ones(rhs.shape[1], dtype=torch.bool, device=rhs.device)
                 project[1 : 1 + batch] = False
+                # the first probes' solve errors K̂⁻¹ρ_j, for the size of their bias (below), from the same projection
+                estimate = torch.zeros_like(project)
+                estimate[1 : 1 + min(batch, PROBE_SOLVE_PROBES)] = True
             try:
                 sol = pcg(A, rhs, M, tol=tols, maxiter=maxiter, x0=x0, lanczos=True, miniter=floor, quadrature=quad,
                           abs_columns=1 + min(batch, ROUNDING_PROBES) if first else 0,  # for the rounding term
-                          project=project)
+                          project=project, estimate=estimate)
             except NonFiniteError as err:
                 raise NonFiniteError(f"{err}, at {state.describe()}") from err
             flat = sol.breakdown & (sol.iterations_per_column == 0) if sol.breakdown is not None else None
@@ -736,10 +739,16 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                     rights.append(a[:, None].expand(-1, signs))
                 shared = min(batch, PROBE_SOLVE_PROBES) if first else 0
                 if shared:
-                    # the probes' own solves: u_j's error K̂⁻¹ρ_j ≈ P̂⁻¹ρ_j biases ½ u_jᵀ∂K̂b_j at first order; with a
+                    # the probes' own solves: u_j's error K̂⁻¹ρ_j biases ½ u_jᵀ∂K̂b_j at first order; with a
                     # preconditioner near K̂ the probes barely vary and that bias can exceed their spread. Its mean
-                    # over the first few probes sizes it (a bias, the same in every probe)
-                    lefts.append(K_inv(sol.residual[:, 1 : 1 + shared]))
+                    # over the first few probes sizes it (a bias, the same in every probe). K̂⁻¹ρ_j is CG's Galerkin
+                    # estimate over every probe's search directions (within 3 % of the truth at cg_tolerance), else
+                    # (directions over the memory budget) P̂⁻¹ρ_j, which a low-rank Nyström P̂ puts orders of
+                    # magnitude off either way (a noise gradient's bias 1e4 read as -500; docs/accuracy.md)
+                    probe_errors = sol.error_estimate
+                    if probe_errors is None:
+                        probe_errors = K_inv(sol.residual[:, 1 : 1 + shared])
+                    lefts.append(probe_errors)
                     rights.append(B[:, :shared])
                 kernel_rows = _column_rep_grads(cov, torch.cat(lefts, 1), torch.cat(rights, 1))
                 if shared:

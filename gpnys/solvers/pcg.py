@@ -78,6 +78,9 @@ class PCGResult:
             ``(iterations - 1, t)``: column ``j``'s first ``iterations_per_column[j]`` (resp. one fewer) entries are
             the Lanczos tridiagonal of ``M^{-1/2} A M^{-1/2}`` started at ``M^{-1/2} b_j`` (Saad 2003, Sec. 6.7.3);
             the rest is padding. Only meaningful for columns started at 0 (``x0`` ``None`` or 0 there).
+        abs_products: ``A |x_j|`` of the first ``abs_columns`` columns, ``(n, abs_columns)``.
+        error_estimate: with ``estimate``, ``(n, s)`` Galerkin estimates of ``A⁻¹ r_j`` for its ``s`` columns, in
+            column order (``None`` where the directions exceeded ``store_bytes``).
     """
 
     x: torch.Tensor
@@ -90,6 +93,7 @@ class PCGResult:
     residual: torch.Tensor | None = None
     tridiagonal: tuple[torch.Tensor, torch.Tensor] | None = None
     abs_products: torch.Tensor | None = None
+    error_estimate: torch.Tensor | None = None
 
 
 def _as_precond(precond: PrecondLike) -> Matmul | None:
@@ -126,6 +130,7 @@ def pcg(
     abs_columns: int = 0,
     project: torch.Tensor | None = None,
     store_bytes: int | None = None,
+    estimate: torch.Tensor | None = None,
 ) -> PCGResult:
     """Solve ``A X = B`` (``A`` SPD, given by ``matmul``) by preconditioned CG, column by column.
 
@@ -160,6 +165,11 @@ def pcg(
         store_bytes: largest size of the directions and their products kept for ``project``, counted twice (the
             step joins them into one block each; default: eight memory blocks, :func:`gpnys.budget.block_bytes`);
             past it they are dropped and no step is taken.
+        estimate: ``(t,)`` bool, columns outside ``project`` whose errors ``A⁻¹ r_j`` are estimated, not applied,
+            by the same Galerkin projection once every column outside ``project`` has stopped (or at
+            ``maxiter``): ``PCGResult.error_estimate``. The other columns' Krylov spaces hold most of a column's
+            error, where the preconditioned residual ``M⁻¹ r_j`` can be off by orders of magnitude (a low-rank
+            Nyström ``M``). ``None``: none.
 
     Returns:
         :class:`PCGResult`.
@@ -244,11 +254,19 @@ def pcg(
     active = ~converged
     # the search directions and their products, for the Galerkin step of the columns in ``project``
     store: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    if project is not None:
-        project = torch.as_tensor(project, dtype=torch.bool, device=B.device).reshape(-1)
-        if project.numel() != t:
-            raise ValueError(f"project must hold one flag per column ({t}), got {project.numel()}")
-        store = [] if bool(project.any()) else None
+    errors: torch.Tensor | None = None  # the estimated errors of the columns in ``estimate``
+    if project is not None or estimate is not None:
+        flags_of = {}
+        for name, mask in (("project", project), ("estimate", estimate)):
+            mask = torch.zeros(t, dtype=torch.bool) if mask is None else torch.as_tensor(mask, dtype=torch.bool)
+            if mask.numel() != t:
+                raise ValueError(f"{name} must hold one flag per column ({t}), got {mask.numel()}")
+            flags_of[name] = mask.reshape(-1).to(B.device)
+        project, estimate = flags_of["project"], flags_of["estimate"]
+        if bool((project & estimate).any()):
+            raise ValueError("estimate: a column of project takes its Galerkin step; its error is not estimated")
+        estimated = torch.nonzero(estimate).flatten()
+        store = [] if bool(project.any()) or estimated.numel() else None
         cap = block_bytes(B.device) * STORE_BLOCKS if store_bytes is None else int(store_bytes)
         stored = 0  # bytes of the directions and products kept, and of their joined copies at the step
     for step in range(int(maxiter)):
@@ -295,17 +313,23 @@ def pcg(
             column = int(idx[nonfinite][0])
             raise NonFiniteError(f"PCG: a product or preconditioner apply returned NaN or inf at iteration {step + 1} "
                                  f"(column {column}): the operator or preconditioner is not finite")
-        if not go_on:
-            break
         keep = idx[still]
         restart = False
-        if store is not None and not going[0]:
+        if store is not None and not going[0] and not estimated.numel():
             store = None  # the columns that would take the step have all stopped
         if store is not None and not going[1]:
-            # the columns left may take their Galerkin step over every direction so far, then restart
+            # the columns left may take their Galerkin step over every direction so far, then restart; the errors
+            # of the estimated columns (all stopped now) come from the same projection
             W, AW = (torch.cat(part, 1) for part in zip(*store))
             store = None
-            dx, dr = galerkin_step(W, AW, R[:, keep])
+            movers = keep if going[0] else keep[:0]
+            dx, dr = galerkin_step(W, AW, torch.cat([R[:, movers], R[:, estimated]], 1))
+            errors = dx[:, movers.numel():] if estimated.numel() else None
+            dx, dr = dx[:, : movers.numel()], dr[:, : movers.numel()]
+            restart = movers.numel() > 0
+        if not go_on:
+            break
+        if restart:
             X[:, keep] += dx
             R[:, keep] -= dr
             rel[keep] = torch.linalg.vector_norm(R[:, keep], dim=0) / denom[keep]
@@ -317,7 +341,6 @@ def pcg(
             keep = keep[~done]
             if keep.numel() == 0:
                 break
-            restart = True
         # Update search directions only for the columns that go on (restarted ones: the preconditioned residual).
         Rk = R[:, keep]
         Zk = apply_m(Rk) if apply_m is not None else Rk
@@ -331,6 +354,9 @@ def pcg(
             P[:, keep] = Zk + beta * P[:, keep]
         rz[keep] = rz_new
 
+    if store is not None and errors is None and estimated.numel():  # the estimated columns ran to maxiter
+        W, AW = (torch.cat(part, 1) for part in zip(*store)) if store else (R[:, :0], R[:, :0])
+        errors = galerkin_step(W, AW, R[:, estimated])[0] if W.shape[1] else torch.zeros_like(R[:, estimated])
     if abs_columns:
         both = matmul(torch.cat([X, X[:, :abs_columns].abs()], 1))
         residual, abs_products = Bm - both[:, :t], both[:, t:]
@@ -366,6 +392,7 @@ def pcg(
         residual=residual[:, 0] if vec else residual,
         tridiagonal=_tridiagonal(alphas, betas, Bm) if lanczos else None,
         abs_products=abs_products,
+        error_estimate=errors,
     )
 
 

@@ -242,6 +242,35 @@ def test_project_over_its_budget_and_bad_input():
         pcg(lambda V: A @ V, B, tol=tol, project=project[:3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_project", [False, True])
+def test_estimate_holds_the_stopped_columns_errors(dtype, with_project):
+    """``estimate``: the errors ``A⁻¹ r_j`` of columns stopped at a loose tolerance, by the Galerkin projection over
+    every column's directions, within 40 % of the dense ``A⁻¹ r_j`` (25 %; a low-rank Nyström-like ``M``, ``I`` past
+    its rank, puts ``M⁻¹ r_j`` 4 times off); the answer itself is the run's without it (to the projection's
+    rounding), and the estimate the same twice."""
+    A, B, tol, _ = _tight_and_loose(dtype)
+    ev, V = torch.linalg.eigh(A.double())
+    top = V[:, -10:]
+    M = lambda R: (top @ ((top.mT @ R.double()) / ev[-10:, None]) + (R.double() - top @ (top.mT @ R.double()))).to(R)  # noqa: E731
+    project = torch.zeros(9, dtype=torch.bool)
+    project[0] = with_project
+    estimate = torch.zeros(9, dtype=torch.bool)
+    estimate[1:5] = True
+    run = lambda **kw: pcg(lambda V: A @ V, B, M, tol=tol, maxiter=400, project=project, **kw)  # noqa: E731
+    res, plain = run(estimate=estimate), run()
+    assert res.error_estimate.shape == (300, 4) and plain.error_estimate is None
+    true = torch.linalg.solve(A.double(), res.residual[:, 1:5].double())
+    rel = lambda E: float((E.double() - true).norm() / true.norm())  # noqa: E731
+    assert rel(res.error_estimate) < 0.4 and rel(M(res.residual[:, 1:5])) > 2.0, (rel(res.error_estimate),)
+    torch.testing.assert_close(res.x, plain.x)  # (the projection's solve takes more columns: its rounding moves)
+    assert torch.equal(run(estimate=estimate).error_estimate, res.error_estimate)
+    with pytest.raises(ValueError, match="estimate"):
+        pcg(lambda V: A @ V, B, tol=tol, project=project | estimate, estimate=estimate | True)
+    with pytest.raises(ValueError, match="estimate"):
+        pcg(lambda V: A @ V, B, tol=tol, estimate=estimate[:3])
+
+
 @pytest.mark.cuda
 def test_project_on_device(cuda_device):
     A, B, tol, tight = _tight_and_loose(torch.float64, cuda_device)
