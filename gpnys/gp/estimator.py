@@ -677,7 +677,8 @@ def log_prob(state: EstimatorState, mvn: gpytorch.distributions.MultivariateNorm
                                   f"{int(flat.sum())} of {rhs.shape[1]} columns, at {state.describe()} (a noise "
                                   "below the working precision's rounding of K̂); use float64 or a larger noise")
             iterations = max(iterations, sol.iterations)
-            cut = (sol.iterations_per_column >= maxiter) & ~sol.converged
+            # (not ~converged: a column that met its tolerance but not the Lanczos floor reads unconverged)
+            cut = (sol.iterations_per_column >= maxiter) & (sol.rel_residual > tols.to(sol.rel_residual))
             stalled = (stalled[0] + int(cut.sum()), stalled[1] + rhs.shape[1],
                        max([stalled[2]] + sol.rel_residual[cut].tolist()))
             if first:

@@ -5,13 +5,14 @@ sampling, the marginal whose ``log_prob`` adds the control variate, and the cova
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import gpytorch
 import torch
 from linear_operator.operators import AddedDiagLinearOperator, LinearOperator
-from linear_operator.utils.warnings import NumericalWarning as LinearOperatorWarning
+from linear_operator.utils.cholesky import psd_safe_cholesky
 
 from gpnys.checks import NumericalWarning
 from gpnys.linalg import small_dense
@@ -142,26 +143,33 @@ class CholeskyMVN(gpytorch.distributions.MultivariateNormal):
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         n = value.shape[-1]
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
+        covar = self.lazy_covariance_matrix
+        jittered = False
+        if gpytorch.settings.fast_computations.log_prob.off() or value.shape[:-1] != covar.batch_shape:
             with gpytorch.settings.max_cholesky_size(n + 1), small_dense(n, value.device):
-                res = super().log_prob(value)
-        jitter = None
-        for w in seen:  # passed on as they came (GPyTorch's own warnings included)
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-            if issubclass(w.category, LinearOperatorWarning) and "added jitter" in str(w.message):
-                jitter = str(w.message).split("added jitter of ")[-1].split(" ")[0]
-        if jitter is not None:
+                res = super().log_prob(value)  # GPyTorch's own (its exact log_prob, or a broadcast batch)
+        else:
+            # GPyTorch's dense Cholesky computation, written out so that a factorisation that needs its jitter is
+            # seen (psd_safe_cholesky only warns; capturing that warning would re-show every other one)
+            with small_dense(n, value.device):
+                K = covar.evaluate_kernel().to_dense()
+                L, info = torch.linalg.cholesky_ex(K)
+                if bool(info.any()):
+                    jittered = True
+                    L = psd_safe_cholesky(K)  # GPyTorch's jitter, with its own warning
+            w = torch.linalg.solve_triangular(L, (value - self.loc).unsqueeze(-1), upper=False)
+            logdet = 2.0 * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+            res = -0.5 * (w.square().sum((-2, -1)) + logdet + n * math.log(2 * math.pi))
+        if jittered:
             # the value and gradient are those of K̂ + jitter·I, off from K̂'s by an amount nothing here measures
             # (float32 at a noise of 1e-8: a loss of 401 per point for 3.0e5): not exact, so no standard error of 0
             dtype = str(value.dtype).removeprefix("torch.")
-            warnings.warn(f"gpnys: the Cholesky path needed GPyTorch's jitter ({jitter}): K̂ is not numerically "
-                          f"positive definite in {dtype}; this loss and gradient are those of the jittered matrix, "
-                          "their standard errors unknown (NaN); use float64 or a larger noise",
-                          NumericalWarning, stacklevel=2)
+            warnings.warn(f"gpnys: the Cholesky path needed GPyTorch's jitter: K̂ is not numerically positive definite "
+                          f"in {dtype}; this loss and gradient are those of the jittered matrix, their standard errors "
+                          "unknown (NaN); use float64 or a larger noise", NumericalWarning, stacklevel=2)
         problem = self._gpnys_problem
         if problem is not None:
-            problem.record_exact(res.detach(), res.requires_grad, jittered=jitter is not None)
+            problem.record_exact(res.detach(), res.requires_grad, jittered=jittered)
         return res
 
 

@@ -80,7 +80,7 @@ class PCGResult:
             the rest is padding. Only meaningful for columns started at 0 (``x0`` ``None`` or 0 there).
         abs_products: ``A |x_j|`` of the first ``abs_columns`` columns, ``(n, abs_columns)``.
         error_estimate: with ``estimate``, ``(n, s)`` Galerkin estimates of ``A⁻¹ r_j`` for its ``s`` columns, in
-            column order (``None`` where the directions exceeded ``store_bytes``).
+            column order (``None`` where the directions exceeded ``store_bytes``, or there were none).
     """
 
     x: torch.Tensor
@@ -275,15 +275,16 @@ def pcg(
             break
         Pa = P[:, idx]
         APa = matmul(Pa)
-        if store is not None:
-            store.append((Pa, APa))
-            stored += 4 * Pa.numel() * Pa.element_size()
-            if stored > cap:
-                store = None  # over its budget: no step
         pap = (Pa * APa).sum(0)
         rza = rz[idx]
         nonfinite = ~torch.isfinite(pap) | ~torch.isfinite(rza)  # a NaN / inf in a product or preconditioner apply
         bad = ~(pap > 0) | ~(rza > 0) | nonfinite
+        if store is not None:
+            # a broken-down column's direction (pᵀAp <= 0) would make the projection's Gram matrix indefinite
+            store.append((Pa, APa) if not bool(bad.any()) else (Pa[:, ~bad], APa[:, ~bad]))
+            stored += 4 * Pa.numel() * Pa.element_size()
+            if stored > cap:
+                store = None  # over its budget: no step
         alpha = torch.where(bad, torch.zeros_like(rza), rza / torch.where(bad, torch.ones_like(pap), pap))
         X[:, idx] += alpha * Pa
         Ra = R[:, idx] - alpha * APa
@@ -322,10 +323,11 @@ def pcg(
             # of the estimated columns (all stopped now) come from the same projection
             W, AW = (torch.cat(part, 1) for part in zip(*store))
             store = None
-            movers = keep if going[0] else keep[:0]
-            dx, dr = galerkin_step(W, AW, torch.cat([R[:, movers], R[:, estimated]], 1))
-            errors = dx[:, movers.numel():] if estimated.numel() else None
-            dx, dr = dx[:, : movers.numel()], dr[:, : movers.numel()]
+            movers = keep if going[0] and W.shape[1] else keep[:0]  # (no direction: the columns broke down)
+            if W.shape[1]:
+                dx, dr = galerkin_step(W, AW, torch.cat([R[:, movers], R[:, estimated]], 1))
+                errors = dx[:, movers.numel():] if estimated.numel() else None
+                dx, dr = dx[:, : movers.numel()], dr[:, : movers.numel()]
             restart = movers.numel() > 0
         if not go_on:
             break
@@ -354,9 +356,9 @@ def pcg(
             P[:, keep] = Zk + beta * P[:, keep]
         rz[keep] = rz_new
 
-    if store is not None and errors is None and estimated.numel():  # the estimated columns ran to maxiter
-        W, AW = (torch.cat(part, 1) for part in zip(*store)) if store else (R[:, :0], R[:, :0])
-        errors = galerkin_step(W, AW, R[:, estimated])[0] if W.shape[1] else torch.zeros_like(R[:, estimated])
+    if store and errors is None and estimated.numel():  # the estimated columns ran to maxiter
+        W, AW = (torch.cat(part, 1) for part in zip(*store))
+        errors = galerkin_step(W, AW, R[:, estimated])[0] if W.shape[1] else None  # (no direction: no estimate)
     if abs_columns:
         both = matmul(torch.cat([X, X[:, :abs_columns].abs()], 1))
         residual, abs_products = Bm - both[:, :t], both[:, t:]

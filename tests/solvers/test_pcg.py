@@ -271,6 +271,22 @@ def test_estimate_holds_the_stopped_columns_errors(dtype, with_project):
         pcg(lambda V: A @ V, B, tol=tol, estimate=estimate[:3])
 
 
+def test_estimate_at_a_breakdown_and_without_directions():
+    """A column that breaks down (pᵀAp <= 0) leaves its direction out of the projection (its Gram matrix had turned
+    indefinite and ``eigh`` failed); with no direction at all (``maxiter=0``) there is no estimate (``None``, not 0)."""
+    g = torch.Generator().manual_seed(1)
+    X = torch.rand(100, 2, generator=g, dtype=torch.float64)
+    K = torch.exp(-torch.cdist(X, X).square() / 0.18) + 1e-2 * torch.eye(100, dtype=torch.float64)
+    K[0, 0] = -5.0  # indefinite
+    B = torch.randn(100, 4, generator=g, dtype=torch.float64)
+    estimate = torch.tensor([False, True, True, False])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        res = pcg(lambda V: K @ V, B, tol=1e-3, project=torch.tensor([True, False, False, False]), estimate=estimate)
+        assert bool(res.breakdown.all()) and bool(torch.isfinite(res.error_estimate).all())
+        assert pcg(lambda V: K @ V, B, tol=1e-3, maxiter=0, estimate=estimate).error_estimate is None
+
+
 @pytest.mark.cuda
 def test_project_on_device(cuda_device):
     A, B, tol, tight = _tight_and_loose(torch.float64, cuda_device)
