@@ -145,15 +145,21 @@ ESTIMATOR_FLAGS = ("cg_tol", "probes", "lanczos_steps", "lanczos_share", "probe_
                    "grow_landmarks", "prune_tol")
 
 
-def check_estimator_unused(args: argparse.Namespace, what: str) -> None:
-    """A ``ValueError`` naming the first estimator flag (:data:`ESTIMATOR_FLAGS`) set away from its default, for a
-    run that evaluates no preconditioned path (``what``: the flag that chose that)."""
+#: the estimator flags that only the training loss's estimate reads (the predictions never do)
+TRAINING_FLAGS = ("probes", "lanczos_steps", "lanczos_share", "probe_dist", "control_variate", "accuracy",
+                  "max_probes", "no_error_bars", "reuse_tolerance", "grow_landmarks")
+
+
+def check_estimator_unused(args: argparse.Namespace, what: str, dests: Sequence[str] = ESTIMATOR_FLAGS) -> None:
+    """A ``ValueError`` naming the first estimator flag of ``dests`` (default: all, :data:`ESTIMATOR_FLAGS`) set away
+    from its default, for a run that evaluates no preconditioned path (``what``: the flag that chose that;
+    :data:`TRAINING_FLAGS` for one that still predicts through it)."""
     for dest, default in args._estimator_defaults.items():
         value = getattr(args, dest)
-        if value != default:
+        if dest in dests and value != default:
             shown = "" if isinstance(value, bool) else f" {value}"
             raise ValueError(f"{_flag(dest)}{shown} has no effect with {what}: it sets the preconditioned "
-                             "(CG + SLQ) estimator, which this run does not use")
+                             "(CG + SLQ) estimate of the loss, which this run does not use")
 
 
 def estimator_from_args(args: argparse.Namespace) -> EstimatorSettings:

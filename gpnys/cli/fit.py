@@ -12,6 +12,7 @@ import torch
 from gpnys.cli.common import (
     LEARNING_RATE,
     POSITIVE,
+    TRAINING_FLAGS,
     Range,
     add_common_args,
     add_data_args,
@@ -79,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag} {value} needs a preconditioned fit; {exact} trains and computes the "
                                  "variances by Cholesky")
         check_estimator_unused(args, exact)
+    elif args.solver == "cholesky":  # every step by Cholesky; the predictions may still run through the hook
+        check_estimator_unused(args, "--solver cholesky", TRAINING_FLAGS)
     if args.variance_rel_error is not None and args.variance_method not in ("auto", "cached"):
         raise ValueError(f"--variance-rel-error applies to the cached variances (--variance-method cached or auto); "
                          f"--variance-method {args.variance_method} computes them exactly")

@@ -139,6 +139,7 @@ HYP = ["--lengthscale", "1", "--outputscale", "1", "--noise", "0.1", "--m", "10"
     (["fit", "--iters", "1", "--precond", "none", "--no-error-bars"], "--no-error-bars"),
     (["fit", "--iters", "1", "--precond", "none", "--solver", "cholesky", "--cg-tol", "0.1"], "--cg-tol"),
     (["mll", "--method", "exact,gpytorch", "--accuracy", "0.01"], "--accuracy"),
+    (["fit", "--iters", "1", "--solver", "cholesky", "--probes", "8"], "--probes"),
     (["mll", "--method", "exact", "--kernel-backend", "torch"], "--kernel-backend"),
     # TF32 is a mode of float32 Triton tiles on CUDA
     (["fit", "--iters", "1", "--tf32"], "--tf32"),
