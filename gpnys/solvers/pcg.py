@@ -279,9 +279,8 @@ def pcg(
         rza = rz[idx]
         nonfinite = ~torch.isfinite(pap) | ~torch.isfinite(rza)  # a NaN / inf in a product or preconditioner apply
         bad = ~(pap > 0) | ~(rza > 0) | nonfinite
-        if store is not None:
-            # a broken-down column's direction (pᵀAp <= 0) would make the projection's Gram matrix indefinite
-            store.append((Pa, APa) if not bool(bad.any()) else (Pa[:, ~bad], APa[:, ~bad]))
+        if store is not None:  # (a broken-down column's direction is left out at the step: galerkin_step)
+            store.append((Pa, APa))
             stored += 4 * Pa.numel() * Pa.element_size()
             if stored > cap:
                 store = None  # over its budget: no step
@@ -403,7 +402,8 @@ def galerkin_step(W: torch.Tensor, AW: torch.Tensor, R: torch.Tensor) -> tuple[t
     ``(Wᵀ A W) c = Wᵀ R``, which minimises each column's ``A``-norm error over ``x + span(W)`` (the projection that
     starts augmented CG, Erhel & Guyomarc'h 2000, SIAM J. Matrix Anal. Appl. 21(4), §2). The directions are scaled
     to a unit ``A``-norm and those of ``Wᵀ A W``'s eigenvectors below ``m eps`` of its largest eigenvalue are left
-    out, so dependent directions (overlapping Krylov spaces) cannot blow it up.
+    out, so dependent directions (overlapping Krylov spaces) cannot blow it up; so are directions with ``wᵀAw <= 0``
+    (a column that broke down).
 
     Args:
         W: ``(n, m)`` directions; AW: ``(n, m)`` their products with ``A``; R: ``(n, s)`` residuals.
@@ -423,7 +423,13 @@ def galerkin_step(W: torch.Tensor, AW: torch.Tensor, R: torch.Tensor) -> tuple[t
         >>> torch.allclose(dx, torch.linalg.solve(A, b)), torch.allclose(dr, b)
         (True, True)
     """
+    diag = (W * AW).sum(0)
+    good = torch.isfinite(diag) & (diag > 0)
+    if not bool(good.all()):  # a broken-down column's direction (pᵀAp <= 0): its unit scaling would overflow
+        W, AW = W[:, good], AW[:, good]
     m = W.shape[1]
+    if m == 0:
+        return torch.zeros_like(R), torch.zeros_like(R)
     gram = W.mT @ AW
     scale = gram.diagonal().clamp_min(torch.finfo(W.dtype).tiny).rsqrt()
     gram = scale[:, None] * (0.5 * (gram + gram.mT)) * scale[None, :]
