@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from gpnys.cache import entry_key, read_entry, write_entry
+from gpnys.cache import entry_key, read_or_make
 from gpnys.checks import NumericalWarning, validate_choice
 
 __all__ = ["synchronize", "thin_matmul", "THIN_FORMS", "TORCH_FORMS", "thin_form", "machine_thin_form",
@@ -248,11 +248,14 @@ def machine_thin_form(dtype: torch.dtype, device: torch.device | str) -> str:
     ``thin_products.json`` in the cache folder (:mod:`gpnys.cache`), else timed (:func:`time_thin_forms`) and
     written there, so that every process on the machine rounds alike."""
     name = f"{entry_key(torch.device(device), dtype)}:{'/'.join(THIN_FORMS)}"  # a new form is timed again
-    stored = read_entry(THIN_PRODUCTS_FILE, name)
-    if stored not in THIN_FORMS:  # absent, corrupt, or written by an older gpnys
-        stored = time_thin_forms(dtype, device)
-        write_entry(THIN_PRODUCTS_FILE, name, stored, "the thin products' form")
-    return stored
+
+    def parse(stored: object) -> str:
+        if stored not in THIN_FORMS:  # absent, corrupt, or written by an older gpnys
+            raise ValueError(stored)
+        return stored
+
+    return read_or_make(THIN_PRODUCTS_FILE, name, parse, lambda: time_thin_forms(dtype, device),
+                        "the thin products' form")
 
 
 #: the side of :func:`time_thin_forms`'s product per device type (else 2048): on a CPU past the last-level cache,

@@ -6,7 +6,17 @@ import json
 import subprocess
 import sys
 
-from gpnys.cache import cache_dir, read_entry, write_entry
+from gpnys.cache import cache_dir, read_entry, read_or_make, write_entry
+
+MAKER = """
+import sys, time
+from gpnys.cache import read_or_make
+def make():
+    print("made", flush=True)
+    time.sleep(1.0)  # a calibration: a second process arriving meanwhile waits and reads this one's entry
+    return sys.argv[1]
+print(read_or_make("made.json", "k", lambda v: v if isinstance(v, str) else int(None), make, "a test entry"))
+"""
 
 WRITER = """
 import sys
@@ -22,6 +32,19 @@ def test_processes_writing_at_once_keep_every_entry(monkeypatch, tmp_path):
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     stored = json.loads((cache_dir() / "race.json").read_text())
     assert stored == {f"{name}-{i}": i for name in "abc" for i in range(150)}
+
+
+def test_one_process_makes_an_entry_and_the_others_read_it(monkeypatch, tmp_path):
+    """Two processes missing the same entry at once: one makes it, the other waits and reads it (two calibrations
+    at once had timed each other, and the inflated costs stayed in the cache). A damaged entry is made again."""
+    monkeypatch.setenv("GPNYS_CACHE_DIR", str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", MAKER, name], stdout=subprocess.PIPE, text=True)
+             for name in ("a", "b")]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert sum(out.count("made") for out in outs) == 1 and outs[0][-1] == outs[1][-1] == read_entry("made.json", "k")
+    write_entry("made.json", "k", 7, "a test entry")  # damaged: not a string
+    assert read_or_make("made.json", "k", lambda v: v if isinstance(v, str) else int(None), lambda: "c", "x") == "c"
+    assert read_entry("made.json", "k") == "c"
 
 
 def test_merge_combines_the_stored_entry_with_the_new_one(monkeypatch, tmp_path):

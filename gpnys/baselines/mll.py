@@ -159,7 +159,7 @@ def evaluate(
     if method == "exact":  # the reference: no estimation error
         out["loss_std_error"] = 0.0
         out["grad_std_error"] = {key: (0.0 if not isinstance(v, list) else [0.0] * len(v)) for key, v in grad.items()}
-    elif method != "gpytorch" and hook.last_estimate is not None:
+    elif method != "gpytorch" and hook.last_estimate is not None and hook.last_estimate.grad_std_error:
         est = hook.last_estimate.per_point()
         names = {id(p): name for name, p in model.named_parameters()}
         out["loss_std_error"] = est["loss_std_error"]

@@ -628,8 +628,10 @@ class PreconditionedSingleTaskGP(SingleTaskGP):
         try:
             model = mll.model
             (-mll(model(*model.train_inputs), model.train_targets).sum()).backward()
-            if hook.last_estimate is None:  # gpnys's estimator did not run (another mll, a passed-through kernel):
-                return True  # no error bars to test against, and L-BFGS-B's own stop stands
+            # gpnys's estimator did not run (another mll, a passed-through kernel), or gave no error bars (GPyTorch's
+            # estimator, a jittered Cholesky): nothing to test against, and L-BFGS-B's own stop stands
+            if hook.last_estimate is None or math.isnan(hook.last_estimate.std_error):
+                return True
             at_noise = gradient_at_noise(self, hook.last_estimate, bounds=bounds)
             if not at_noise:
                 self._constant_mean_step(hook.last_estimate)

@@ -88,7 +88,9 @@ class PreconditionedMVN(gpytorch.distributions.MultivariateNormal):
         with problem.paths.timed() as stamp:  # either form times the preconditioned path for the cost model
             if problem.settings.error_bars and value.shape == self.mean.shape and self.mean.dim() == 1:
                 return stamp(problem.evaluate(self, value))  # per-probe terms: error bars, requested accuracy
-            return stamp(self._gpytorch_log_prob(value, problem))
+            res = stamp(self._gpytorch_log_prob(value, problem))
+        problem.record_unbarred(res.detach())
+        return res
 
     def _gpytorch_log_prob(self, value: torch.Tensor, problem: "TrainingProblem | None") -> torch.Tensor:
         """GPyTorch's ``log_prob`` under the hook's settings, with the probe seed and the control variate."""
@@ -142,6 +144,18 @@ class CholeskyMVN(gpytorch.distributions.MultivariateNormal):
     _gpnys_problem: "TrainingProblem | None" = None
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        problem = self._gpnys_problem
+        if problem is None:
+            res, jittered = self._log_prob(value)
+        else:
+            with problem.paths.timed_exact() as stamp:  # its seconds, against the preconditioned prediction
+                res, jittered = self._log_prob(value)
+                res = stamp(res)
+            problem.record_exact(res.detach(), res.requires_grad, jittered=jittered)
+        return res
+
+    def _log_prob(self, value: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The log-likelihood, and whether its factorisation needed GPyTorch's jitter (one warning then)."""
         n = value.shape[-1]
         covar = self.lazy_covariance_matrix
         jittered = False
@@ -166,11 +180,8 @@ class CholeskyMVN(gpytorch.distributions.MultivariateNormal):
             dtype = str(value.dtype).removeprefix("torch.")
             warnings.warn(f"gpnys: the Cholesky path needed GPyTorch's jitter: K̂ is not numerically positive definite "
                           f"in {dtype}; this loss and gradient are those of the jittered matrix, their standard errors "
-                          "unknown (NaN); use float64 or a larger noise", NumericalWarning, stacklevel=2)
-        problem = self._gpnys_problem
-        if problem is not None:
-            problem.record_exact(res.detach(), res.requires_grad, jittered=jittered)
-        return res
+                          "unknown (NaN); use float64 or a larger noise", NumericalWarning, stacklevel=3)
+        return res, jittered
 
 
 class CallerSettingsMVN(gpytorch.distributions.MultivariateNormal):

@@ -20,7 +20,10 @@ has timed its own preconditioned evaluations (a hook, :class:`PathChooser`) asks
 lie within :data:`PROBE_FACTOR` of each other, for Cholesky to be measured once at that size (the calibration's
 problem, one value + gradient); the measurement scales the cubic within a factor :data:`MEASURED_SPAN` of it
 (:attr:`PathCosts.measured`, cached with the costs). Conversely, where Cholesky is predicted faster by less than
-:data:`ITERATIVE_PROBE_FACTOR`, a training caller times the preconditioned path once on its own problem first.
+:data:`ITERATIVE_PROBE_FACTOR`, a training caller times the preconditioned path once on its own problem first, and
+so does one whose own warm Cholesky evaluations come within :data:`MEASURED_PROBE_FACTOR` of the preconditioned
+prediction (the cubic from two small sizes can be several times off: a noisy calibration kept a caller at n = 3 000
+on a Cholesky twice as slow as the preconditioned path).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gpnys.budget import dense_limit_bytes
-from gpnys.cache import cache_dir, entry_key, read_entry, write_entry
+from gpnys.cache import cache_dir, entry_key, read_entry, read_or_make, write_entry
 from gpnys.linalg import synchronize
 
 __all__ = ["PathCosts", "calibrate", "install_calibration", "install_measurer", "measure_exact", "path_costs",
@@ -67,6 +70,10 @@ MEASURED_SPAN = 2.0
 #: a training caller that has not timed its preconditioned path takes it once where Cholesky is predicted faster by
 #: less than this factor (the preconditioned path's cost depends on the problem; the calibration's may be far harder)
 ITERATIVE_PROBE_FACTOR = 2.0
+#: ... and where its own warm Cholesky evaluations took more than 1/this of the preconditioned prediction (the
+#: calibration's preconditioned problem is often harder than the caller's: 4.7 s predicted for 1.2 s at n = 3 000;
+#: at n = 600 a Cholesky takes a tenth of it, and no probe spends the preconditioned path's seconds there)
+MEASURED_PROBE_FACTOR = 3.0
 _memo: dict[str, "PathCosts"] = {}
 _calibrator: Callable[[torch.device, torch.dtype], "PathCosts"] | None = None
 #: times one Cholesky value + gradient at ``n`` (:mod:`gpnys.gp.calibration` installs it; ``None``: never measure)
@@ -179,17 +186,20 @@ def path_costs(device: torch.device | str, dtype: torch.dtype) -> PathCosts:
     key = costs_key(device, dtype)
     if key in _memo:
         return _memo[key]
-    entry = read_entry(COSTS_FILE, key)
-    try:
-        costs = PathCosts(exact=_coefficients(entry["exact"]), iterative=_coefficients(entry["iterative"]),
-                          sizes=tuple(tuple(int(n) for n in s) for s in entry["sizes"]), key=key,
-                          measured=_measurements(entry.get("measured")))
-    except (TypeError, KeyError, ValueError, AttributeError):
-        if entry is not None:
+
+    def parse(entry: Any) -> PathCosts:
+        return PathCosts(exact=_coefficients(entry["exact"]), iterative=_coefficients(entry["iterative"]),
+                         sizes=tuple(tuple(int(n) for n in s) for s in entry["sizes"]), key=key,
+                         measured=_measurements(entry.get("measured")))
+
+    def make() -> PathCosts:
+        if read_entry(COSTS_FILE, key) is not None:
             warnings.warn(f"gpnys: the path costs stored in {cache_file()} under {key!r} are damaged; "
-                          "calibrating again", RuntimeWarning, stacklevel=2)
-        costs = calibrate(device, dtype)
-        write_entry(COSTS_FILE, key, asdict(costs), "the path costs", merge=_with_stored_measurements)
+                          "calibrating again", RuntimeWarning, stacklevel=4)
+        return calibrate(device, dtype)
+
+    costs = read_or_make(COSTS_FILE, key, parse, make, "the path costs", stored=asdict,
+                         merge=_with_stored_measurements)
     _memo[key] = costs
     return costs
 
@@ -381,6 +391,8 @@ class PathChooser:
         self.iterative_scale = 1.0
         self.timings = 0  # preconditioned evaluations timed; the first holds one-off costs (imports, first uses)
         self.probes = 0  # evaluations that took the preconditioned path to be timed
+        self.exact_timings = 0  # Cholesky evaluations timed, and the latest warm one's seconds and size
+        self.exact_seconds: tuple[float, Problem] | None = None
 
     @property
     def timed_iterative(self) -> bool:
@@ -397,9 +409,17 @@ class PathChooser:
                                    measure=measure)
         if (training and path == "cholesky" and not measure and self.probes < 2 and self._decides()
                 and reason.startswith("predicted")):
-            n, batch, device, dtype = self.problem()
+            problem = self.problem()
+            n, batch, device, dtype = problem
             costs = path_costs(device, dtype)
-            if costs.iterative_s(n) <= ITERATIVE_PROBE_FACTOR * costs.exact_s(n, measured=False):
+            seen = self.exact_seconds[0] if self.exact_seconds and self.exact_seconds[1] == problem else None
+            predicted = batch * costs.iterative_s(n) * self.iterative_scale
+            if seen is not None and predicted <= MEASURED_PROBE_FACTOR * seen:
+                self.probes += 1
+                path, reason = "iterative", ("timing the preconditioned path on this problem: Cholesky took "
+                                             f"{seen:.3g} s here, within {MEASURED_PROBE_FACTOR:g}x of the "
+                                             f"preconditioned prediction; {reason}")
+            elif costs.iterative_s(n) <= ITERATIVE_PROBE_FACTOR * costs.exact_s(n, measured=False):
                 self.probes += 1
                 path, reason = "iterative", f"timing the preconditioned path on this problem: {reason}"
         self.path, self.reason = path, reason
@@ -408,6 +428,29 @@ class PathChooser:
     def _decides(self) -> bool:
         """Whether the cost model and this caller's timings decide (``auto`` on one process)."""
         return uses_costs(self.solver, self.method) and not self.partitioned
+
+    @contextlib.contextmanager
+    def timed_exact(self) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """:meth:`timed` for a Cholesky evaluation: its seconds, from the second one on (warm), are kept in
+        :attr:`exact_seconds` with the problem's size, which :meth:`choose` weighs against the preconditioned
+        prediction."""
+        if not self._decides():
+            yield lambda out: out
+            return
+        problem, t0 = self.problem(), time.perf_counter()
+
+        def done(seconds: float) -> None:
+            self.exact_timings += 1
+            if self.exact_timings >= 2:
+                self.exact_seconds = (seconds, problem)
+
+        def stamp(out: torch.Tensor) -> torch.Tensor:
+            forward = time.perf_counter() - t0
+            if not (torch.is_grad_enabled() and out.requires_grad):
+                return out
+            return _BackwardEnd.apply(out, lambda backward: done(forward + backward))
+
+        yield stamp
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:

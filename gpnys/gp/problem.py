@@ -401,6 +401,15 @@ class TrainingProblem(HookPrediction):
         self.last_estimate = Estimate.total(estimates)
         self.estimates += 1
 
+    def record_unbarred(self, log_prob: torch.Tensor) -> None:
+        """GPyTorch's own estimator on the preconditioned path (no error bars): an :class:`Estimate` of ``-log_prob``
+        (summed over a batch) with NaN standard errors, so that the record never shows an earlier evaluation's."""
+        n = self.model.train_inputs[0].shape[-2]
+        self.last_estimate = Estimate(value=-float(log_prob.sum()), std_error=math.nan, n=n, path="iterative",
+                                      path_reason=self.path_reason)
+        self.batch_estimates = []
+        self.estimates += 1
+
     def record_exact(self, log_prob: torch.Tensor, gradients: bool = False, jittered: bool = False) -> None:
         """The Cholesky path's :class:`Estimate`: ``-log_prob`` (``()`` or ``(b,)``), standard errors 0 (with
         ``gradients``, each trainable parameter's too, named as the preconditioned path names them); NaN where the

@@ -597,3 +597,48 @@ def test_the_hooks_timing_covers_the_backward_pass(costs, monkeypatch):
     with torch.no_grad(), chooser.timed() as stamp:
         stamp(SlowBackward.apply(x))
     assert len(seen) == 1 and chooser.timings == 1
+
+
+@pytest.mark.parametrize("error_bars", [True, False])
+def test_the_record_follows_a_switch_to_the_preconditioned_path(costs, error_bars):
+    """Cholesky at first, then the preconditioned path once Cholesky no longer fits the memory budget: the last
+    estimate describes the second evaluation, also without error bars (GPyTorch's own estimator: NaN standard
+    errors). It had kept the Cholesky evaluation's value, path and reason, with a standard error of 0."""
+    import math
+
+    model, X, y = _model(n=400)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    with gpnys.use_preconditioner(model, settings=EstimatorSettings(error_bars=error_bars, probe_seed=0)) as hook:
+        (-mll(model(X), y)).backward()
+        assert hook.last_estimate.path == "cholesky"
+        with gpnys.memory_budget(dense_bytes=1 << 20):  # Cholesky's matrices no longer fit
+            loss = float(-mll(model(X), y))
+        est = hook.last_estimate
+    assert hook.path == est.path == "iterative" and est.path_reason == hook.path_reason
+    assert "memory budget" in est.path_reason and abs(est.value / 400 - loss) < 1e-12
+    assert math.isnan(est.std_error) != error_bars
+
+
+def test_a_slow_cholesky_of_its_own_has_the_preconditioned_path_timed(monkeypatch):
+    """The cost model predicts Cholesky 50x faster than the preconditioned path, so auto takes it; the hook times its
+    own warm Cholesky evaluations, and where they come within MEASURED_PROBE_FACTOR of the preconditioned
+    prediction it times that path (a noisy calibration had kept a caller at n = 3 000 on a Cholesky twice as slow
+    for good). A Cholesky well below it keeps the path."""
+    monkeypatch.delenv("GPNYS_SOLVER", raising=False)
+    costs = PathCosts(exact=(0.01 / 400**3, 0.0), iterative=(0.5 / 400**2, 0.0), sizes=((1, 2), (1, 2)), key="seen")
+    monkeypatch.setattr(gpath, "path_costs", lambda device, dtype: costs)
+    monkeypatch.setattr(gpath, "_measurer", None)
+    model, X, y = _model(n=400)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(model.likelihood, model)
+    model.train()
+    with gpnys.use_preconditioner(model, "auto", settings=EstimatorSettings(probe_seed=0)) as hook:
+        for _ in range(2):
+            (-mll(model(X), y)).backward()
+            assert hook.path == "cholesky"
+        paths = hook.paths
+        assert paths.exact_timings == 2 and 0 < paths.exact_seconds[0] < 0.5 / gpath.MEASURED_PROBE_FACTOR
+        for seen, expected in ((0.1, "cholesky"), (0.2, "iterative")):
+            paths.exact_seconds = (seen, paths.exact_seconds[1])
+            (-mll(model(X), y)).backward()
+            assert hook.path == expected, hook.path_reason
+    assert "Cholesky took 0.2 s here" in hook.path_reason
