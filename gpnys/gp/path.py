@@ -434,23 +434,8 @@ class PathChooser:
         """:meth:`timed` for a Cholesky evaluation: its seconds, from the second one on (warm), are kept in
         :attr:`exact_seconds` with the problem's size, which :meth:`choose` weighs against the preconditioned
         prediction."""
-        if not self._decides():
-            yield lambda out: out
-            return
-        problem, t0 = self.problem(), time.perf_counter()
-
-        def done(seconds: float) -> None:
-            self.exact_timings += 1
-            if self.exact_timings >= 2:
-                self.exact_seconds = (seconds, problem)
-
-        def stamp(out: torch.Tensor) -> torch.Tensor:
-            forward = time.perf_counter() - t0
-            if not (torch.is_grad_enabled() and out.requires_grad):
-                return out
-            return _BackwardEnd.apply(out, lambda backward: done(forward + backward))
-
-        yield stamp
+        problem = self.problem()
+        yield _stamp(self._record_exact, problem) if self._decides() else (lambda out: out)
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
@@ -460,24 +445,34 @@ class PathChooser:
         :attr:`iterative_scale`, scales the model's later predictions for this caller. An evaluation without a
         backward (under ``no_grad``) is not comparable and not counted."""
         problem = self.problem()
-        if not self._decides() or not cholesky_fits(*problem)[0]:
-            yield lambda out: out  # nothing to weigh (Cholesky cannot be chosen): no calibration for an unread scale
-            return
-        t0 = time.perf_counter()
-
-        def stamp(out: torch.Tensor) -> torch.Tensor:
-            forward = time.perf_counter() - t0
-            if not (torch.is_grad_enabled() and out.requires_grad):
-                return out
-            return _BackwardEnd.apply(out, lambda backward: self._record(forward + backward, problem))
-
-        yield stamp
+        # nothing to weigh where Cholesky cannot be chosen: no calibration for an unread scale
+        yield (_stamp(self._record, problem) if self._decides() and cholesky_fits(*problem)[0]
+               else (lambda out: out))
 
     def _record(self, seconds: float, problem: Problem) -> None:
         ratio = measured_scale(seconds, *problem)
         # the first timing holds one-off costs: the second replaces it, later ones average in
         self.iterative_scale = 0.5 * (self.iterative_scale + ratio) if self.timings >= 2 else ratio
         self.timings += 1
+
+    def _record_exact(self, seconds: float, problem: Problem) -> None:
+        self.exact_timings += 1
+        if self.exact_timings >= 2:  # the first holds one-off costs
+            self.exact_seconds = (seconds, problem)
+
+
+def _stamp(record: Callable[[float, Problem], None], problem: Problem) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The stamp of :meth:`PathChooser.timed`: applied to an evaluation's output, it calls ``record(seconds,
+    problem)`` with the seconds from now to the end of the backward pass through it (none without a backward)."""
+    t0 = time.perf_counter()
+
+    def stamp(out: torch.Tensor) -> torch.Tensor:
+        forward = time.perf_counter() - t0
+        if not (torch.is_grad_enabled() and out.requires_grad):
+            return out
+        return _BackwardEnd.apply(out, lambda backward: record(forward + backward, problem))
+
+    return stamp
 
 
 class _BackwardEnd(torch.autograd.Function):

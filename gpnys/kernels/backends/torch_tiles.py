@@ -144,17 +144,16 @@ class TorchTiles(KernelBackend):
             if singular:  # ... and on near-coincident points, where h = -exp(-r)/r would amplify it: r below the
                 # expanded form's rounding in the accumulation dtype, (d + 2) terms of up to 2 |z|^2 each
                 # (a point's pair with itself is exactly 0 already)
-                near = (R < math.sqrt(8 * (Zr.shape[1] + 2) * torch.finfo(acc).eps) * zmax) & (R > 0)
-                hit = near.any(1).nonzero().flatten()
+                below = (R < math.sqrt(8 * (Zr.shape[1] + 2) * torch.finfo(acc).eps) * zmax) & (R > 0)
+                hit = below.any(1).nonzero().flatten()
                 if hit.numel():
                     # their r from explicit differences (0 on coincident points), row chunks of a quarter tile at
                     # most: with the set many length-scales wide the threshold reaches 5e-4, and k = 1 there was
                     # that far off (GPyTorch: 5e-7)
+                    near = below
                     for part in hit.split(max(1, R.shape[0] // 4)):
                         D = torch.cdist(Zr[part].to(acc), Zc.to(acc), compute_mode="donot_use_mm_for_euclid_dist")
                         R[part] = torch.where(near[part], D.to(R.dtype), R[part])
-                else:
-                    near = None
             k_and_h_inplace(R, self.formula, *out)
             if near is not None:
                 # their share of the length-scale derivative, k'(r) r with r below the threshold, is left out: the
